@@ -1,0 +1,1 @@
+"""jaxstation: a batched, batch-invariant LLM serving station in JAX."""
