@@ -1,0 +1,43 @@
+"""The KV arena: k and v for every layer, lane and position, allocated once and donated through every step."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from jaxstation.config import ModelConfig
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class KVArena:
+    k: jax.Array  # [layers, lanes, max_seq, kv_heads, head_dim]
+    v: jax.Array  # [layers, lanes, max_seq, kv_heads, head_dim]
+
+    @property
+    def lanes(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_seq(self) -> int:
+        return self.k.shape[2]
+
+
+def arena_shape(cfg: ModelConfig, lanes: int, max_seq: int) -> tuple[int, ...]:
+    return (cfg.num_layers, lanes, max_seq, cfg.num_kv_heads, cfg.head_dim)
+
+
+def arena_bytes(cfg: ModelConfig, lanes: int, max_seq: int, dtype: jnp.dtype) -> int:
+    """Bytes the arena (k and v) takes."""
+    n = 1
+    for s in arena_shape(cfg, lanes, max_seq):
+        n *= s
+    return 2 * n * jnp.dtype(dtype).itemsize
+
+
+def allocate_arena(cfg: ModelConfig, lanes: int, max_seq: int, dtype: jnp.dtype) -> KVArena:
+    shape = arena_shape(cfg, lanes, max_seq)
+    return KVArena(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))

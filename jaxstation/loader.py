@@ -1,0 +1,229 @@
+"""Checkpoint loaders: HF safetensors directories and GGUF files into our `Params` pytree.
+
+Each format has an explicit name map. A tensor we do not know, a tensor that is missing, a tensor of the wrong shape
+or a file that cannot be read raises `CheckpointError` naming it; nothing is guessed or silently dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxstation.config import ModelConfig
+from jaxstation.default_model import default_model_path
+from jaxstation.model import LayerParams, Params
+from jaxstation.tokenizer import Tokenizer
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+_LAYER_SLOTS = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as it is; the message names the tensor or file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    cfg: ModelConfig
+    params: Params
+    tokenizer: Tokenizer
+    source: Path
+
+
+# Checkpoint name -> (layer index or None, our slot). HF tensors are [out, in]; GGUF arrays read as [out, in] too.
+_HF_GLOBAL = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "q", "self_attn.k_proj.weight": "k",
+    "self_attn.v_proj.weight": "v", "self_attn.o_proj.weight": "o", "post_attention_layernorm.weight": "mlp_norm",
+    "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
+}
+_HF_SKIPPED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_GGUF_GLOBAL = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
+_GGUF_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "attn_norm", "attn_q.weight": "q", "attn_k.weight": "k", "attn_v.weight": "v",
+    "attn_output.weight": "o", "ffn_norm.weight": "mlp_norm", "ffn_gate.weight": "gate", "ffn_up.weight": "up",
+    "ffn_down.weight": "down",
+}
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    return {
+        "embed": (cfg.vocab_size, d), "final_norm": (d,), "lm_head": (cfg.vocab_size, d),
+        "attn_norm": (d,), "q": (cfg.num_heads * hd, d), "k": (cfg.num_kv_heads * hd, d),
+        "v": (cfg.num_kv_heads * hd, d), "o": (d, cfg.num_heads * hd), "mlp_norm": (d,), "gate": (f, d),
+        "up": (f, d), "down": (d, f),
+    }
+
+
+def _map_name(name: str, globals_: Mapping[str, str], layer_re: re.Pattern, layer_names: Mapping[str, str],
+              num_layers: int) -> tuple[int | None, str]:
+    if name in globals_:
+        return None, globals_[name]
+    m = layer_re.fullmatch(name)
+    if m and m.group(2) in layer_names and int(m.group(1)) < num_layers:
+        return int(m.group(1)), layer_names[m.group(2)]
+    raise CheckpointError(f"unknown tensor {name!r}: not part of a {num_layers}-layer Llama-family checkpoint")
+
+
+def _assemble(cfg: ModelConfig, tensors: Mapping[tuple[int | None, str], np.ndarray], names: Mapping, dtype,
+              source: str) -> Params:
+    """Check every tensor's presence and shape, then fuse, transpose to [in, out] and stack layers."""
+    shapes = _expected_shapes(cfg)
+    required = [(None, "embed"), (None, "final_norm")] + [(i, s) for i in range(cfg.num_layers) for s in _LAYER_SLOTS]
+    if not cfg.tie_word_embeddings:
+        required.append((None, "lm_head"))
+    for key in required:
+        if key not in tensors:
+            raise CheckpointError(f"missing tensor {names.get(key, key)!r} in {source}")
+    for key, arr in tensors.items():
+        if tuple(arr.shape) != shapes[key[1]]:
+            raise CheckpointError(
+                f"tensor {names[key]!r} in {source} has shape {tuple(arr.shape)}, expected {shapes[key[1]]}"
+            )
+
+    def stack(fn: Callable[[int], np.ndarray]) -> jnp.ndarray:
+        return jnp.asarray(np.stack([fn(i) for i in range(cfg.num_layers)]), dtype)
+
+    t = tensors
+    layers = LayerParams(
+        attn_norm=stack(lambda i: t[i, "attn_norm"]),
+        wqkv=stack(lambda i: np.concatenate([t[i, "q"], t[i, "k"], t[i, "v"]], axis=0).T),
+        wo=stack(lambda i: t[i, "o"].T),
+        mlp_norm=stack(lambda i: t[i, "mlp_norm"]),
+        w_gate_up=stack(lambda i: np.concatenate([t[i, "gate"], t[i, "up"]], axis=0).T),
+        w_down=stack(lambda i: t[i, "down"].T),
+    )
+    lm_head = None if cfg.tie_word_embeddings else jnp.asarray(t[None, "lm_head"].T, dtype)
+    return Params(embed=jnp.asarray(t[None, "embed"], dtype), layers=layers,
+                  final_norm=jnp.asarray(t[None, "final_norm"], dtype), lm_head=lm_head)
+
+
+def load_hf_dir(path: Path, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
+    """An HF directory: config.json plus model.safetensors, or shards listed in model.safetensors.index.json."""
+    from safetensors import safe_open
+
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"missing file {config_path}")
+    cfg = ModelConfig.from_hf(json.loads(config_path.read_text()))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"missing file {path / 'model.safetensors'} (and no model.safetensors.index.json)")
+    tensors: dict[tuple[int | None, str], np.ndarray] = {}
+    names = {k: _hf_name(k) for k in _all_keys(cfg)}
+    for fname in files:
+        fpath = path / fname
+        if not fpath.is_file():
+            raise CheckpointError(f"missing shard file {fpath}")
+        try:
+            with safe_open(str(fpath), framework="numpy") as f:
+                for name in f.keys():
+                    if _HF_SKIPPED.fullmatch(name):
+                        continue
+                    key = _map_name(name, _HF_GLOBAL, _HF_LAYER, _HF_LAYER_NAMES, cfg.num_layers)
+                    tensors[key] = np.asarray(f.get_tensor(name), np.float32)
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+            raise CheckpointError(f"cannot read safetensors file {fpath}: {e}") from e
+    if cfg.tie_word_embeddings:
+        tensors.pop((None, "lm_head"), None)
+    return cfg, _assemble(cfg, tensors, names, dtype, str(path))
+
+
+def _all_keys(cfg: ModelConfig) -> list[tuple[int | None, str]]:
+    return [(None, s) for s in ("embed", "final_norm", "lm_head")] + [
+        (i, s) for i in range(cfg.num_layers) for s in _LAYER_SLOTS]
+
+
+def _hf_name(key: tuple[int | None, str]) -> str:
+    layer, slot = key
+    if layer is None:
+        return next(n for n, s in _HF_GLOBAL.items() if s == slot)
+    return f"model.layers.{layer}." + next(n for n, s in _HF_LAYER_NAMES.items() if s == slot)
+
+
+def _gguf_name(key: tuple[int | None, str]) -> str:
+    layer, slot = key
+    if layer is None:
+        return next(n for n, s in _GGUF_GLOBAL.items() if s == slot)
+    return f"blk.{layer}." + next(n for n, s in _GGUF_LAYER_NAMES.items() if s == slot)
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp stores q/k rows interleaved for its pairwise RoPE; restore HF's rotate-half row order."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_metadata(reader) -> dict:
+    """GGUF key/value metadata as plain Python values (arrays of strings and numbers become lists)."""
+    return {k: f.contents() for k, f in reader.fields.items()}
+
+
+def open_gguf(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # a truncated file fails inside numpy's memmap or gguf's parser
+        raise CheckpointError(f"cannot read GGUF file {path}: {e}") from e
+
+
+def load_gguf(path: Path, dtype=jnp.float32, reader=None) -> tuple[ModelConfig, Params]:
+    """A GGUF file: config from metadata, tensors dequantized with the gguf package."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    reader = reader or open_gguf(path)
+    names_in_file = {t.name for t in reader.tensors}
+    meta = gguf_metadata(reader)
+    vocab = len(meta.get("tokenizer.ggml.tokens", []))
+    cfg = ModelConfig.from_gguf(meta, vocab_size=vocab, tied="output.weight" not in names_in_file)
+    tensors: dict[tuple[int | None, str], np.ndarray] = {}
+    names: dict[tuple[int | None, str], str] = {k: _gguf_name(k) for k in _all_keys(cfg)}
+    for t in reader.tensors:
+        key = _map_name(t.name, _GGUF_GLOBAL, _GGUF_LAYER, _GGUF_LAYER_NAMES, cfg.num_layers)
+        qtype = GGMLQuantizationType(t.tensor_type)
+        if qtype.name not in GGUF_TYPES:
+            raise CheckpointError(f"tensor {t.name!r} has unsupported GGUF type {qtype.name}; supported: {GGUF_TYPES}")
+        try:
+            arr = np.asarray(dequantize(t.data, qtype), np.float32)
+        except Exception as e:
+            raise CheckpointError(f"cannot dequantize tensor {t.name!r} ({qtype.name}) in {path}: {e}") from e
+        arr = arr.reshape(tuple(int(n) for n in reversed(t.shape)))  # ggml dims are [in, out]
+        if key[1] in ("q", "k") and arr.shape == _expected_shapes(cfg)[key[1]]:
+            arr = _unpermute_rope(arr, cfg.num_heads if key[1] == "q" else cfg.num_kv_heads)
+        tensors[key] = arr
+    return cfg, _assemble(cfg, tensors, names, dtype, str(path))
+
+
+def load_model(path: str | Path | None = None, dtype: str = "float32") -> LoadedModel:
+    """Load a model and its tokenizer: an HF directory, a .gguf file, or (None) the embedded default model."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    source = Path(path) if path is not None else default_model_path()
+    if source.is_dir():
+        cfg, params = load_hf_dir(source, DTYPES[dtype])
+        tokenizer = Tokenizer.from_hf_dir(source)
+    elif source.suffix == ".gguf" and source.is_file():
+        reader = open_gguf(source)
+        cfg, params = load_gguf(source, DTYPES[dtype], reader)
+        tokenizer = Tokenizer.from_gguf(reader)
+    else:
+        raise CheckpointError(f"model path {source} is neither an HF directory nor a .gguf file")
+    return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, source=source)

@@ -1,0 +1,77 @@
+"""Per-lane sampling on the device: greedy, temperature, top-k, top-p and min-p, with seeded Gumbel-max.
+
+Each row is sampled from its own logits and its own key (seed folded with the lane's generated-token count), so a
+lane's token never depends on the other rows. Filters and noise run under `lax.cond` on wave-wide predicates; a row
+that asks for neither gets the same bits from either branch (an all-true mask, zero noise it never reads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+TOP_LOGPROBS = 5  # how many alternatives a step returns per row
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["temperature", "top_k", "top_p", "min_p", "seed", "counter"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class SamplingArrays:
+    temperature: jax.Array  # [rows] float32; 0 = greedy
+    top_k: jax.Array  # [rows] int32; 0 = off
+    top_p: jax.Array  # [rows] float32; 1 = off
+    min_p: jax.Array  # [rows] float32; 0 = off
+    seed: jax.Array  # [rows] uint32
+    counter: jax.Array  # [rows] int32: tokens the row has generated so far
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["tokens", "logprob", "top_ids", "top_logprobs"],
+         meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class SampleOut:
+    tokens: jax.Array  # [rows] int32
+    logprob: jax.Array  # [rows] float32: the chosen token's log-probability under the model
+    top_ids: jax.Array  # [rows, TOP_LOGPROBS] int32
+    top_logprobs: jax.Array  # [rows, TOP_LOGPROBS] float32
+
+
+def _filter_mask(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
+    """Which tokens survive top-k, top-p and min-p. scaled: [rows, vocab] temperature-scaled logits."""
+    vocab = scaled.shape[-1]
+    desc = -jnp.sort(-scaled, axis=-1)  # [rows, vocab]
+    kth = jnp.take_along_axis(desc, jnp.clip(s.top_k - 1, 0, vocab - 1)[:, None], axis=-1)  # [rows, 1]
+    keep = jnp.where(s.top_k[:, None] > 0, scaled >= kth, True)
+    probs_desc = jax.nn.softmax(desc, axis=-1)
+    exclusive = jnp.cumsum(probs_desc, axis=-1) - probs_desc
+    n_keep = jnp.maximum(jnp.sum(exclusive < s.top_p[:, None], axis=-1), 1)  # [rows]
+    p_cut = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)
+    keep &= jnp.where(s.top_p[:, None] < 1.0, scaled >= p_cut, True)
+    # min-p: p >= min_p * p_max  <=>  scaled >= max + log(min_p)
+    m_cut = desc[:, :1] + jnp.log(jnp.maximum(s.min_p[:, None], 1e-30))
+    keep &= jnp.where(s.min_p[:, None] > 0.0, scaled >= m_cut, True)
+    return keep
+
+
+def sample(logits: jax.Array, s: SamplingArrays) -> SampleOut:
+    """logits: [rows, vocab] float32 -> one token per row plus log-probabilities."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampling = s.temperature > 0.0
+    scaled = logits / jnp.where(sampling, s.temperature, 1.0)[:, None]
+    filtered = (s.top_k > 0) | (s.top_p < 1.0) | (s.min_p > 0.0)
+    keep = jax.lax.cond(jnp.any(sampling & filtered), _filter_mask, lambda x, _: jnp.ones(x.shape, bool), scaled, s)
+
+    def noise(seed: jax.Array, counter: jax.Array) -> jax.Array:
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), counter)
+        return jax.random.gumbel(key, (logits.shape[-1],), jnp.float32)
+
+    gumbel = jax.lax.cond(jnp.any(sampling), lambda: jax.vmap(noise)(s.seed, s.counter),
+                          lambda: jnp.zeros(logits.shape, jnp.float32))
+    drawn = jnp.argmax(jnp.where(keep, scaled, -jnp.inf) + gumbel, axis=-1).astype(jnp.int32)
+    tokens = jnp.where(sampling, drawn, greedy)
+    top_lp, top_ids = jax.lax.top_k(logprobs, TOP_LOGPROBS)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return SampleOut(tokens=tokens, logprob=chosen, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)

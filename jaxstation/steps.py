@@ -1,0 +1,127 @@
+"""The compiled steps over the KV arena: `decode_step_batch` (one token for every lane) and `prefill_chunk` (a
+fixed-size chunk of one lane's prompt).
+
+Batch invariance is built in, not tested in:
+- shapes are fixed per station (lanes, chunk, block), so every request goes through the same compiled programs;
+- rows never mix: matmuls, norms and sampling are row-wise and attention reads only the row's own lane;
+- attention walks fixed-size KV blocks with an online softmax. The number of blocks follows the longest live lane,
+  and a block that is fully masked for a row leaves that row's running state untouched (`where`, not arithmetic),
+  so how many blocks a wave runs never changes a row's bits.
+A lane not in the wave is pointed at the arena's last slot (`scratch_pos`), which no request ever uses.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from jaxstation.arena import KVArena
+from jaxstation.config import ModelConfig
+from jaxstation.model import Params, layer_at, lm_logits, mlp_block, qkv_proj
+from jaxstation.sampling import SampleOut, SamplingArrays, sample
+
+
+def _blocked_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, arena: KVArena, layer: jax.Array,
+                       lane0: jax.Array, n_blocks: jax.Array, block: int) -> jax.Array:
+    """Online-softmax attention of q over arena lanes [lane0, lane0 + rows), block by block.
+
+    q: [rows, Q, kv_heads, group, head_dim]; q_pos: [rows, Q] -> [rows, Q, heads * head_dim].
+    """
+    rows, nq = q.shape[:2]
+    kvh, hd = cfg.num_kv_heads, cfg.head_dim
+    scale = 1.0 / jnp.sqrt(jnp.float32(hd))
+    stat_shape = (rows, nq, kvh, cfg.group_size)
+
+    def body(b, carry):
+        m, denom, acc = carry  # [rows, Q, kvh, group], same, [rows, Q, kvh, group, hd]
+        start = (layer, lane0, b * block, 0, 0)
+        kb = jax.lax.dynamic_slice(arena.k, start, (1, rows, block, kvh, hd))[0]  # [rows, block, kvh, hd]
+        vb = jax.lax.dynamic_slice(arena.v, start, (1, rows, block, kvh, hd))[0]
+        s = jnp.einsum("rqkgd,rbkd->rqkgb", q, kb, preferred_element_type=jnp.float32) * scale
+        k_pos = b * block + jnp.arange(block, dtype=jnp.int32)
+        mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [rows, Q, block]
+        if cfg.sliding_window is not None:
+            mask &= k_pos[None, None, :] > q_pos[:, :, None] - cfg.sliding_window
+        s = jnp.where(mask[:, :, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        denom_new = alpha * denom + jnp.sum(p, axis=-1)
+        acc_new = alpha[..., None] * acc + jnp.einsum("rqkgb,rbkd->rqkgd", p.astype(vb.dtype), vb,
+                                                      preferred_element_type=jnp.float32)
+        live = jnp.any(mask, axis=-1)[:, :, None, None]  # [rows, Q, 1, 1]
+        return (jnp.where(live, m_new, m), jnp.where(live, denom_new, denom), jnp.where(live[..., None], acc_new, acc))
+
+    init = (jnp.full(stat_shape, -jnp.inf, jnp.float32), jnp.zeros(stat_shape, jnp.float32),
+            jnp.zeros((*stat_shape, hd), jnp.float32))
+    _, denom, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out.astype(q.dtype).reshape(rows, nq, cfg.num_heads * hd)
+
+
+def _layers(cfg: ModelConfig, params: Params, arena: KVArena, x: jax.Array, positions: jax.Array,
+            lane0: jax.Array, n_blocks: jax.Array, block: int) -> tuple[jax.Array, KVArena]:
+    """Run every layer over rows of lanes [lane0, lane0 + rows): write their k/v at `positions`, attend, MLP.
+
+    x: [rows, Q, d]; positions: [rows, Q] int32 (consecutive within a row).
+    """
+    rows, nq = x.shape[:2]
+    inv_freq = jnp.asarray(cfg.inv_freq())
+
+    def body(i, carry):
+        x, k_all, v_all = carry
+        layer = layer_at(params.layers, i)
+        q, k, v = qkv_proj(cfg, layer, x, positions, inv_freq)  # [rows, Q, heads|kvh, hd]
+        if nq == 1:  # decode: one position per lane, scattered
+            lanes = lane0 + jnp.arange(rows)
+            k_all = k_all.at[i, lanes, positions[:, 0]].set(k[:, 0].astype(k_all.dtype))
+            v_all = v_all.at[i, lanes, positions[:, 0]].set(v[:, 0].astype(v_all.dtype))
+        else:  # prefill: one lane, a contiguous run of positions
+            start = (i, lane0, positions[0, 0], 0, 0)
+            k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
+            v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
+        q = q.reshape(rows, nq, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
+        o = _blocked_attention(cfg, q, positions, KVArena(k_all, v_all), i, lane0, n_blocks, block)
+        x = mlp_block(cfg, layer, x + o @ layer.wo)
+        return x, k_all, v_all
+
+    x, k_all, v_all = jax.lax.fori_loop(0, cfg.num_layers, body, (x, arena.k, arena.v))
+    return x, KVArena(k_all, v_all)
+
+
+@partial(jax.jit, static_argnames=("cfg", "block", "return_logits"), donate_argnames=("arena",))
+def decode_step_batch(cfg: ModelConfig, params: Params, arena: KVArena, positions: jax.Array, tokens: jax.Array,
+                      n_blocks: jax.Array, sampling: SamplingArrays, *, block: int,
+                      return_logits: bool = False) -> tuple[KVArena, SampleOut, jax.Array | None]:
+    """Advance every lane by one token with one read of the weights.
+
+    positions, tokens: [lanes] int32 (an idle lane sits at the scratch slot); n_blocks: KV blocks covering the
+    longest live lane. Returns the updated arena, one sample per lane and, if asked, the logits [lanes, vocab].
+    """
+    x = params.embed[tokens][:, None, :]  # [lanes, 1, d]
+    x, arena = _layers(cfg, params, arena, x, positions[:, None], jnp.int32(0), n_blocks, block)
+    logits = lm_logits(cfg, params, x[:, 0])  # [lanes, vocab]
+    return arena, sample(logits, sampling), (logits if return_logits else None)
+
+
+@partial(jax.jit, static_argnames=("cfg", "block", "last", "return_logits"), donate_argnames=("arena",))
+def prefill_chunk(cfg: ModelConfig, params: Params, arena: KVArena, lane: jax.Array, start: jax.Array,
+                  tokens: jax.Array, n_valid: jax.Array, sampling: SamplingArrays, *, block: int, last: bool,
+                  return_logits: bool = False) -> tuple[KVArena, SampleOut | None, jax.Array | None]:
+    """Write one chunk of a lane's prompt into the arena: tokens [chunk] at positions [start, start + chunk).
+
+    Rows past n_valid are padding; their k/v land past the prompt, where they are overwritten before any read.
+    With `last`, also sample from the logits of the last valid row (sampling arrays have one row).
+    """
+    chunk = tokens.shape[0]
+    positions = (start + jnp.arange(chunk, dtype=jnp.int32))[None]  # [1, chunk]
+    n_blocks = (start + n_valid + block - 1) // block
+    x = params.embed[tokens][None]  # [1, chunk, d]
+    x, arena = _layers(cfg, params, arena, x, positions, lane, n_blocks, block)
+    if not last:
+        return arena, None, None
+    h = jax.lax.dynamic_index_in_dim(x[0], n_valid - 1, axis=0, keepdims=True)  # [1, d]
+    logits = lm_logits(cfg, params, h)  # [1, vocab]
+    return arena, sample(logits, sampling), (logits if return_logits else None)

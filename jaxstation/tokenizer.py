@@ -1,0 +1,474 @@
+"""Tokenization for the station: a thin layer over HF `tokenizers` (Rust).
+
+A `Tokenizer` is built either from a Hugging Face model directory (`tokenizer.json` and friends) or from the
+metadata of a GGUF file (byte-level BPE, `tokenizer.ggml.model == "gpt2"`), the way transformers' GGUF converter and
+llama.cpp build it. It also renders chat templates as transformers does, knows the raw bytes of every token, and
+precomputes which tokens end a sentence (`terminal_ids`). `IncrementalDetokenizer` turns a stream of token ids into
+text without ever emitting half a UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from jinja2 import nodes
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers.models import BPE
+
+if TYPE_CHECKING:
+    import gguf
+
+__all__ = ["IncrementalDetokenizer", "Tokenizer"]
+
+# GGUF token types (llama.cpp's `LLAMA_TOKEN_TYPE_*`).
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# GPT-2's split, which `ByteLevel(use_regex=True)` applies by itself.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# `tokenizer.ggml.pre` -> the regex splits llama.cpp applies before byte-level BPE (`llama-vocab.cpp`). `None` means
+# GPT-2's split alone. The starcoder family (smollm among them) isolates every digit first, then splits as GPT-2
+# does: that is `Digits(individual_digits=True)` + `ByteLevel`, as in SmolLM2's own tokenizer.json.
+_DIGITS = "digits"
+_GGUF_PRE_SPLITS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "gpt2": (),
+    "gpt-2": (),
+    "phi-2": (),
+    "jina-es": (),
+    "jina-de": (),
+    "jina-v2-es": (),
+    "jina-v2-de": (),
+    "smollm": (_DIGITS,),
+    "starcoder": (_DIGITS,),
+    "refact": (_DIGITS,),
+    "command-r": (_DIGITS,),
+    "codeshell": (_DIGITS,),
+    "exaone": (_DIGITS,),
+    "minerva-7b": (_DIGITS,),
+    "llama3": (_LLAMA3_SPLIT,),
+    "llama-v3": (_LLAMA3_SPLIT,),
+    "llama-bpe": (_LLAMA3_SPLIT,),
+    "falcon3": (_LLAMA3_SPLIT,),
+    "dbrx": (_LLAMA3_SPLIT,),
+    "smaug-bpe": (_LLAMA3_SPLIT,),
+    "qwen2": (_QWEN2_SPLIT,),
+    "deepseek-r1-qwen": (_QWEN2_SPLIT,),
+    "megrez": (_QWEN2_SPLIT,),
+}
+
+# Closing quotes and brackets that may follow a sentence's final punctuation, and that punctuation itself.
+_CLOSERS = "\"'”’“‘)]}»›」』】〕〉》）］｝"
+_TERMINALS = (".", "!", "?", "…", "。", "！", "？")
+
+
+@lru_cache(maxsize=1)
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+    return {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _is_byte_level_spelling(token: str) -> bool:
+    table = _unicode_to_bytes()
+    return all(ch in table for ch in token)
+
+
+def _byte_level_bytes(token: str) -> bytes:
+    table = _unicode_to_bytes()
+    try:
+        return bytes(table[ch] for ch in token)
+    except KeyError:  # stored raw (llama.cpp writes undecodable or user-defined tokens as text)
+        return token.encode("utf-8")
+
+
+_SP_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _sentencepiece_bytes(token: str) -> bytes:
+    m = _SP_BYTE.fullmatch(token)
+    if m is not None:
+        return bytes([int(m.group(1), 16)])
+    return token.replace("\u2581", " ").encode("utf-8")
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    return default if value is None else value
+
+
+def _token_content(token: Any) -> str | None:
+    """A special token as tokenizer_config.json states it: a string, or a dict with `content`."""
+    if token is None:
+        return None
+    if isinstance(token, dict):
+        return token.get("content")
+    return str(token)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accept transformers' `{% generation %}...{% endgeneration %}` markers, rendering their body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+class Tokenizer:
+    """Encode/decode, chat templates, token bytes and sentence-terminal tokens for one vocabulary."""
+
+    def __init__(
+        self,
+        tokenizer: RustTokenizer,
+        *,
+        bos_id: int | None,
+        eos_ids: Sequence[int],
+        add_bos: bool,
+        chat_template: str | None,
+        byte_level: bool,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+    ) -> None:
+        self._tok = tokenizer
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.bos_id = bos_id
+        self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_ids))
+        self.add_bos = bool(add_bos)
+        self.chat_template = chat_template
+        self.byte_level = byte_level
+
+        added = tokenizer.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        self._added_content = {i: t.content for i, t in added.items()}
+
+        id_to_str = [""] * self.vocab_size
+        for s, i in tokenizer.get_vocab(with_added_tokens=True).items():
+            if 0 <= i < self.vocab_size:
+                id_to_str[i] = s
+        self._token_strs = id_to_str
+        raw = _byte_level_bytes if byte_level else _sentencepiece_bytes
+        self._token_bytes: list[bytes] = [
+            self._added_content[i].encode("utf-8") if i in self._added_content else raw(s)
+            for i, s in enumerate(id_to_str)
+        ]
+        self.bos_token = bos_token if bos_token is not None else self._content(bos_id)
+        self.eos_token = (
+            eos_token if eos_token is not None else self._content(self.eos_ids[0] if self.eos_ids else None)
+        )
+        self.terminal_ids: frozenset[int] = self._compute_terminal_ids()
+
+    # ----------------------------------------------------------------------------------------------- construction
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """Load `tokenizer.json`, `tokenizer_config.json`, and if present `chat_template.jinja` and
+        `generation_config.json` from a Hugging Face model directory."""
+        path = Path(path)
+        tok = RustTokenizer.from_file(str(path / "tokenizer.json"))
+        config_path = path / "tokenizer_config.json"
+        config: dict[str, Any] = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+
+        chat_template = config.get("chat_template")
+        if isinstance(chat_template, list):  # [{"name": ..., "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in chat_template if isinstance(t, dict)}
+            chat_template = named.get("default") or next(iter(named.values()), None)
+        jinja_path = path / "chat_template.jinja"
+        if jinja_path.is_file():
+            chat_template = jinja_path.read_text(encoding="utf-8")
+
+        bos_token = _token_content(config.get("bos_token"))
+        eos_token = _token_content(config.get("eos_token"))
+        bos_id = tok.token_to_id(bos_token) if bos_token is not None else None
+        eos_ids: list[int] = []
+        if eos_token is not None and tok.token_to_id(eos_token) is not None:
+            eos_ids.append(tok.token_to_id(eos_token))
+
+        gen_path = path / "generation_config.json"
+        if gen_path.is_file():
+            gen = json.loads(gen_path.read_text(encoding="utf-8"))
+            gen_eos = gen.get("eos_token_id")
+            if isinstance(gen_eos, int):
+                eos_ids.append(gen_eos)
+            elif isinstance(gen_eos, list):
+                eos_ids.extend(int(i) for i in gen_eos)
+            if bos_id is None and isinstance(gen.get("bos_token_id"), int):
+                bos_id = gen["bos_token_id"]
+
+        add_bos = config.get("add_bos_token")
+        if add_bos is None:  # whatever the tokenizer.json post-processor does
+            with_special = tok.encode("a", add_special_tokens=True).ids
+            add_bos = bos_id is not None and bool(with_special) and with_special[0] == bos_id
+        byte_level = _is_byte_level_json(json.loads((path / "tokenizer.json").read_text(encoding="utf-8")))
+        return cls(
+            tok,
+            bos_id=bos_id,
+            eos_ids=eos_ids,
+            add_bos=bool(add_bos),
+            chat_template=chat_template,
+            byte_level=byte_level,
+            bos_token=bos_token,
+            eos_token=eos_token,
+        )
+
+    @classmethod
+    def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
+        """Byte-level BPE from a GGUF file's `tokenizer.*` metadata (`reader` is a `gguf.GGUFReader`)."""
+        model = _field(reader, "tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(f"unsupported GGUF tokenizer model {model!r}: only byte-level BPE ('gpt2') is supported")
+        pre = _field(reader, "tokenizer.ggml.pre", "default")
+        if pre not in _GGUF_PRE_SPLITS:
+            raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre)")
+        tokens: list[str] = list(_field(reader, "tokenizer.ggml.tokens", []))
+        if not tokens:
+            raise ValueError("GGUF file has no tokenizer.ggml.tokens")
+        merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+        token_type = list(_field(reader, "tokenizer.ggml.token_type", []))
+
+        spelling = _bytes_to_unicode()
+        vocab: dict[str, int] = {}
+        for i, t in enumerate(tokens):
+            key = t if _is_byte_level_spelling(t) else "".join(spelling[b] for b in t.encode("utf-8"))
+            vocab.setdefault(key, i)
+        tok = RustTokenizer(BPE(vocab, merges, fuse_unk=False))
+
+        steps: list[Any] = []
+        for split in _GGUF_PRE_SPLITS[pre]:
+            if split == _DIGITS:
+                steps.append(pre_tokenizers.Digits(individual_digits=True))
+            else:
+                steps.append(pre_tokenizers.Split(Regex(split), behavior="isolated"))
+        use_regex = not any(s not in (_DIGITS,) for s in _GGUF_PRE_SPLITS[pre])
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=use_regex))
+        tok.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
+        tok.decoder = decoders.ByteLevel()
+
+        special = [
+            AddedToken(t, normalized=False, special=True)
+            for t, kind in zip(tokens, token_type, strict=False)
+            if kind == _TOKEN_TYPE_CONTROL and _is_byte_level_spelling(t)
+        ]
+        # User-defined tokens are matched whole in text too (llama.cpp), but are ordinary text when decoding.
+        user = [
+            AddedToken(t, normalized=False, special=False)
+            for t, kind in zip(tokens, token_type, strict=False)
+            if kind == _TOKEN_TYPE_USER_DEFINED and _is_byte_level_spelling(t) and vocab.get(t) is not None
+        ]
+        if special:
+            tok.add_special_tokens(special)
+        if user:
+            tok.add_tokens(user)
+
+        bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
+        eos_ids = [
+            int(v)
+            for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+            if (v := _field(reader, key)) is not None
+        ]
+        add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
+        if add_bos and bos_id is not None:
+            bos = tokens[int(bos_id)]
+            tok.post_processor = processors.TemplateProcessing(
+                single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, int(bos_id))]
+            )
+        else:
+            tok.post_processor = processors.ByteLevel(trim_offsets=False)
+        return cls(
+            tok,
+            bos_id=None if bos_id is None else int(bos_id),
+            eos_ids=eos_ids,
+            add_bos=add_bos,
+            chat_template=_field(reader, "tokenizer.chat_template"),
+            byte_level=True,
+        )
+
+    # ------------------------------------------------------------------------------------------------------- api
+    @property
+    def backend(self) -> RustTokenizer:
+        """The underlying `tokenizers.Tokenizer`."""
+        return self._tok
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes token `token_id` stands for (a special token: its text, UTF-8 encoded)."""
+        return self._token_bytes[token_id]
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render `messages` with the chat template the way transformers does."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template; cannot apply one")
+        context: dict[str, Any] = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        context.update(kwargs)
+        return _compile_template(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **context
+        )
+
+    # ---------------------------------------------------------------------------------------------------- helpers
+    def _content(self, token_id: int | None) -> str | None:
+        if token_id is None or not 0 <= token_id < self.vocab_size:
+            return None
+        if token_id in self._added_content:
+            return self._added_content[token_id]
+        return self._token_bytes[token_id].decode("utf-8", errors="replace")
+
+    def _compute_terminal_ids(self) -> frozenset[int]:
+        closers = _CLOSERS
+        special = self._special_ids
+        out = []
+        for i, raw in enumerate(self._token_bytes):
+            if i in special:
+                continue
+            text = raw.decode("utf-8", errors="ignore").rstrip().rstrip(closers).rstrip()
+            if text.endswith(_TERMINALS):
+                out.append(i)
+        return frozenset(out)
+
+
+def _is_byte_level_json(spec: dict[str, Any]) -> bool:
+    """Whether a tokenizer.json spells its vocabulary GPT-2 byte-level style (a ByteLevel decoder somewhere)."""
+
+    def has_byte_level(node: Any) -> bool:
+        if isinstance(node, dict):
+            if node.get("type") == "ByteLevel":
+                return True
+            return any(has_byte_level(v) for v in node.values())
+        if isinstance(node, list):
+            return any(has_byte_level(v) for v in node)
+        return False
+
+    return has_byte_level(spec.get("decoder")) or has_byte_level(spec.get("pre_tokenizer"))
+
+
+def _incomplete_tail(buf: bytes | bytearray) -> int:
+    """Length of a trailing, possibly-valid but unfinished UTF-8 sequence at the end of `buf` (0 if none)."""
+    n = len(buf)
+    for back in range(1, min(3, n) + 1):
+        b = buf[n - back]
+        if b & 0xC0 == 0x80:  # continuation byte: keep looking for the lead
+            continue
+        if b >= 0xF0:
+            need = 4 if b <= 0xF4 else 1
+        elif b >= 0xE0:
+            need = 3
+        elif b >= 0xC2:
+            need = 2
+        else:
+            need = 1  # ASCII or an invalid lead: nothing to wait for
+        return back if back < need else 0
+    return 0
+
+
+class IncrementalDetokenizer:
+    """Streams text from token ids, O(1) amortised per token, never emitting a partial UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._pending = bytearray()
+        self._pieces: list[str] = []
+        self._text_cache: str | None = ""
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        if self._text_cache is None:
+            self._text_cache = "".join(self._pieces)
+            self._pieces = [self._text_cache]
+        return self._text_cache
+
+    def _emit(self, piece: str) -> str:
+        if piece:
+            self._pieces.append(piece)
+            self._text_cache = None
+        return piece
+
+    def push(self, token_id: int) -> str:
+        """Feed one token; return the new text it completes ("" while a character is still incomplete)."""
+        tok = self.tokenizer
+        if tok.is_special(token_id) and self.skip_special_tokens:
+            return ""
+        self._pending += tok.token_bytes(token_id)
+        keep = _incomplete_tail(self._pending)
+        cut = len(self._pending) - keep
+        if cut == 0:
+            return ""
+        piece = self._pending[:cut].decode("utf-8", errors="replace")
+        del self._pending[:cut]
+        return self._emit(piece)
+
+    def flush(self) -> str:
+        """Whatever is left at the end, incomplete bytes decoded with errors="replace"."""
+        piece = self._pending.decode("utf-8", errors="replace")
+        self._pending.clear()
+        return self._emit(piece)
