@@ -1,0 +1,169 @@
+"""The runner: owns the weights, the KV arena and the compiled steps, and speaks in host-side lanes and tokens.
+
+Only one thread may call an Engine (the scheduler's decode thread, or a caller holding the serialize lock).
+Every call runs one of three compiled programs whose shapes depend only on the station's settings (lanes, chunk,
+block), never on how many lanes are busy: that is what keeps a request's tokens independent of its neighbours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from jaxstation.arena import allocate_arena
+from jaxstation.loader import LoadedModel
+from jaxstation.sampling import SampleOut, SamplingArrays
+from jaxstation.steps import decode_step_batch, prefill_chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens. temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 are off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One sampled token and its log-probabilities (the model's, before temperature and filters)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRow:
+    """A live lane's input to a decode wave: the token to feed, its position, and how to sample the next one."""
+
+    token: int
+    position: int
+    sampling: SamplingParams
+    counter: int  # tokens this request has generated so far (folds into its sampling key)
+
+
+def _sampling_arrays(rows: Sequence[tuple[SamplingParams, int] | None]) -> SamplingArrays:
+    idle = (SamplingParams(), 0)
+    filled = [r or idle for r in rows]
+    return SamplingArrays(
+        temperature=np.array([p.temperature for p, _ in filled], np.float32),
+        top_k=np.array([p.top_k for p, _ in filled], np.int32),
+        top_p=np.array([p.top_p for p, _ in filled], np.float32),
+        min_p=np.array([p.min_p for p, _ in filled], np.float32),
+        seed=np.array([p.seed & 0xFFFFFFFF for p, _ in filled], np.uint32),
+        counter=np.array([c for _, c in filled], np.int32),
+    )
+
+
+def _samples(out: SampleOut) -> list[Sample]:
+    tokens, logprob, top_ids, top_lp = jax.device_get((out.tokens, out.logprob, out.top_ids, out.top_logprobs))
+    return [
+        Sample(int(tokens[i]), float(logprob[i]), tuple(zip(top_ids[i].tolist(), top_lp[i].tolist(), strict=True)))
+        for i in range(len(tokens))
+    ]
+
+
+class Engine:
+    """Lanes over one KV arena. `prefill` fills a lane chunk by chunk; `decode` advances every live lane by one."""
+
+    def __init__(self, model: LoadedModel, lanes: int, max_seq: int, chunk: int, block: int) -> None:
+        if max_seq % chunk or max_seq % block:
+            raise ValueError(f"max_seq ({max_seq}) must be a multiple of the prefill chunk ({chunk}) "
+                             f"and of the KV block ({block})")
+        self.model = model
+        self.cfg = model.cfg
+        self.lanes, self.max_seq, self.chunk, self.block = lanes, max_seq, chunk, block
+        self.scratch_pos = max_seq - 1  # never holds a request's k/v: prompt + new tokens <= max_seq - 1 fed
+        self.arena = None
+        self.reset()
+
+    @property
+    def params(self):
+        return self.model.params
+
+    def reset(self) -> None:
+        """(Re)allocate the arena, e.g. after a failed step left donated buffers unusable."""
+        self.arena = None
+        self.arena = allocate_arena(self.cfg, self.lanes, self.max_seq, self.params.embed.dtype)
+
+    def prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
+                return_logits: bool = False) -> tuple[Sample | None, jax.Array | None]:
+        """Feed prompt[start:start + chunk] into `lane`. When that reaches the prompt's end, sample its first token.
+
+        `start` must be a multiple of the chunk; chunks of one prompt go in order.
+        """
+        if start % self.chunk:
+            raise ValueError(f"prefill start {start} is not a multiple of the chunk {self.chunk}")
+        piece = list(prompt[start:start + self.chunk])
+        last = start + len(piece) >= len(prompt)
+        tokens = np.zeros(self.chunk, np.int32)
+        tokens[:len(piece)] = piece
+        self.arena, out, logits = prefill_chunk(
+            self.cfg, self.params, self.arena, np.int32(lane), np.int32(start), tokens, np.int32(len(piece)),
+            _sampling_arrays([(sampling, 0)]), block=self.block, last=last, return_logits=return_logits)
+        return (_samples(out)[0] if last else None), logits
+
+    def decode(self, rows: Sequence[DecodeRow | None], return_logits: bool = False
+               ) -> tuple[list[Sample | None], jax.Array | None]:
+        """One wave: rows[i] feeds lane i (None = idle lane). Returns one sample per live lane."""
+        if len(rows) != self.lanes:
+            raise ValueError(f"decode needs one row per lane ({self.lanes}), got {len(rows)}")
+        live = [r.position for r in rows if r is not None]
+        if not live:
+            return [None] * self.lanes, None
+        positions = np.array([r.position if r else self.scratch_pos for r in rows], np.int32)
+        tokens = np.array([r.token if r else 0 for r in rows], np.int32)
+        n_blocks = np.int32(max(live) // self.block + 1)
+        sampling = _sampling_arrays([(r.sampling, r.counter) if r else None for r in rows])
+        self.arena, out, logits = decode_step_batch(self.cfg, self.params, self.arena, positions, tokens, n_blocks,
+                                                    sampling, block=self.block, return_logits=return_logits)
+        samples = _samples(out)
+        return [s if r is not None else None for s, r in zip(samples, rows, strict=True)], logits
+
+    def warmup(self) -> None:
+        """Compile and run every step the station uses, on lane 0, leaving no request state behind."""
+        prompt = [0] * (self.chunk + 1)
+        for start in (0, self.chunk):  # a middle chunk and a last chunk
+            self.prefill(0, prompt, start, SamplingParams())
+        self.decode([DecodeRow(0, len(prompt), SamplingParams(temperature=1.0, top_p=0.9), 0)]
+                    + [None] * (self.lanes - 1))
+        self.decode([DecodeRow(0, len(prompt), SamplingParams(), 0)] + [None] * (self.lanes - 1))
+
+
+def generate(engine: Engine, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
+             stop_ids: frozenset[int] = frozenset(), lane: int = 0) -> list[int]:
+    """Run one request alone on `lane`: chunked prefill, then decode until a stop id or max_new_tokens.
+
+    The stop token is not included. Used by the CLI and as the serial reference in tests.
+    """
+    sample = None
+    for start in range(0, len(prompt), engine.chunk):
+        sample, _ = engine.prefill(lane, prompt, start, sampling)
+    out: list[int] = []
+    while sample is not None and sample.token not in stop_ids:
+        out.append(sample.token)
+        if len(out) >= max_new_tokens:
+            break
+        row = DecodeRow(sample.token, len(prompt) + len(out) - 1, sampling, len(out))
+        rows: list[DecodeRow | None] = [None] * engine.lanes
+        rows[lane] = row
+        sample = engine.decode(rows)[0][lane]
+    return out
+
