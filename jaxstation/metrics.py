@@ -1,0 +1,24 @@
+"""Prometheus metrics of one station, on a registry of its own (so tests can run several stations in a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class StationMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("jaxstation_requests", "Requests by outcome", ["outcome"], registry=r)
+        self.queue_depth = Gauge("jaxstation_queue_depth", "Jobs waiting for a lane", registry=r)
+        self.busy_lanes = Gauge("jaxstation_busy_lanes", "Lanes holding a request", registry=r)
+        self.ttft = Histogram("jaxstation_time_to_first_token_seconds", "Submit to first token", registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram("jaxstation_inter_token_latency_seconds", "Gap between a request's tokens", registry=r,
+                             buckets=_LATENCY_BUCKETS)
+        self.step = Histogram("jaxstation_step_seconds", "Compiled step wall time", ["kind"], registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.generated_tokens = Counter("jaxstation_generated_tokens", "Tokens generated", registry=r)
+        self.prompt_tokens = Counter("jaxstation_prompt_tokens", "Prompt tokens prefilled", registry=r)

@@ -1,0 +1,318 @@
+"""The scheduler: one decode thread owns the engine and runs continuous batching over its lanes.
+
+Threads. Request handlers (any thread, e.g. the server's event loop) call `submit`, which appends a Job to a bounded
+pending queue under a condition variable and returns a Future. The one decode thread is the only caller of the
+engine. Each turn of its loop it `schedule()`s: retires cancelled lanes, fills free lanes from the queue, picks at
+most one prefill chunk (the oldest prefilling lane's next one) and the decode wave of every lane past its prompt. It
+runs them, then `postprocess()`es the samples: a lane's token joins its request, which retires on a stop id,
+`terminal_prosody`, `max_new_tokens` or cancellation; its Future is answered and the lane is free for the next fill.
+With no live lane and nothing pending the thread waits on the condition variable: no polling.
+
+Backpressure. The queue holds at most `max_queue` jobs; `submit` past that raises QueueFull (the server answers 503
+with Retry-After) instead of letting latency grow without bound. Once `drain` starts, `submit` raises ShuttingDown.
+
+Prefill interleaving. A long prompt enters chunk by chunk, one chunk per wave, so running lanes stall by at most one
+chunk's time per token.
+
+Serialize-all (continuous=False). The same loop admits a job only when no lane is busy: one request holds the engine
+for its whole prefill and decode, as the old station's lock did, through the same compiled shapes.
+
+Invariance. The engine's steps have fixed shapes and never mix rows, and each request samples with its own seed and
+counter, so a job's tokens are the same whichever lane it gets, whatever runs beside it, and in either mode.
+
+Failure. An exception inside a step fails every job in a lane with StepFailed, rebuilds the arena and goes on;
+queued jobs are served next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from jaxstation.engine import DecodeRow, Engine, Sample, SamplingParams
+from jaxstation.metrics import StationMetrics
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The pending queue is at its bound."""
+
+
+class ShuttingDown(Exception):
+    """The station is draining or stopped and takes no new work."""
+
+
+class StepFailed(Exception):
+    """A compiled step raised; the jobs in flight are failed with its message."""
+
+
+class Cancelled(Exception):
+    """The job was cancelled (its client went away)."""
+
+
+@dataclasses.dataclass
+class Job:
+    """One request. `on_token`, if given, is called from the decode thread with each generated Sample."""
+
+    tokens: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    stop_ids: frozenset[int] = frozenset()
+    terminal_prosody: bool = False
+    on_token: Callable[[Sample], None] | None = None
+    future: Future = dataclasses.field(default_factory=Future, repr=False)
+    submitted_at: float = 0.0
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        """Ask the scheduler to drop this job; its lane is freed within one wave."""
+        self.cancelled = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    generated: list[int]
+    finish_reason: str  # "stop" | "length" | "terminal_prosody"
+    prompt_tokens: int
+    samples: list[Sample]
+    timing: dict[str, float]
+
+
+@dataclasses.dataclass
+class Lane:
+    """A lane's request state: how much of the prompt is in the arena, and what it has generated."""
+
+    job: Job
+    admitted_at: float
+    fed: int = 0  # prompt tokens prefilled
+    samples: list[Sample] = dataclasses.field(default_factory=list)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.job.tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one turn of the loop runs: at most one prefill chunk, and a decode wave over the decoding lanes."""
+
+    prefill_lane: int | None
+    decode_rows: list[DecodeRow | None]
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, *, continuous: bool, max_queue: int, terminal_ids: frozenset[int],
+                 metrics: StationMetrics | None = None) -> None:
+        self.engine = engine
+        self.continuous = continuous
+        self.max_queue = max_queue
+        self.terminal_ids = terminal_ids
+        self.metrics = metrics or StationMetrics()
+        self.lanes: list[Lane | None] = [None] * engine.lanes
+        self.pending: deque[Job] = deque()
+        self.cond = threading.Condition()
+        self.waves = 0  # loop turns that ran a step; flat while idle
+        self.prefill_order: deque[int] = deque()  # lanes waiting for prefill, oldest first
+        self._accepting = True
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # ---- called from request threads -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="jaxstation-decode", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def busy_lanes(self) -> int:
+        return sum(lane is not None for lane in self.lanes)
+
+    def submit(self, job: Job) -> Future:
+        with self.cond:
+            if not self._accepting:
+                raise ShuttingDown("the station is shutting down")
+            if len(self.pending) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} jobs waiting)")
+            job.submitted_at = time.perf_counter()
+            self.pending.append(job)
+            self.metrics.queue_depth.set(len(self.pending))
+            self.cond.notify()
+        return job.future
+
+    def cancel(self, job: Job) -> None:
+        job.cancel()
+        with self.cond:
+            self.cond.notify()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Stop taking work, let queued and running jobs finish for up to timeout_s, fail the rest, stop the thread.
+
+        Returns True if everything finished in time.
+        """
+        with self.cond:
+            self._accepting = False
+            self.cond.notify()
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while (self.pending or self.busy_lanes) and self.alive:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.cond.wait(left)
+            clean = not self.pending and not self.busy_lanes
+            self._stop = True
+            self.cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=max(5.0, timeout_s))
+        self._fail_all(ShuttingDown("the station shut down before this request finished"))
+        return clean
+
+    # ---- the decode thread ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self._stop and not self.pending and not self.busy_lanes:
+                    self.cond.wait()
+                if self._stop:
+                    return
+                self._fill()
+            plan = self.schedule()
+            try:
+                self._execute(plan)
+            except Exception as e:  # a failed step: fail the lanes in flight, rebuild, keep serving
+                log.exception("step failed")
+                self._fail_lanes(StepFailed(f"step failed: {type(e).__name__}: {e}"))
+                self.engine.reset()
+            with self.cond:
+                self.cond.notify_all()  # wake a drain waiting for the last job
+
+    def _fill(self) -> None:
+        """Move pending jobs into free lanes (in serialize-all mode only when every lane is free). Holds cond."""
+        now = time.perf_counter()
+        for i in range(len(self.lanes)):
+            if not self.pending or (not self.continuous and self.busy_lanes):
+                break
+            if self.lanes[i] is None:
+                job = self.pending.popleft()
+                if job.cancelled:
+                    self._finish_cancelled(job)
+                    continue
+                self.lanes[i] = Lane(job=job, admitted_at=now)
+                self.prefill_order.append(i)
+        self.metrics.queue_depth.set(len(self.pending))
+        self.metrics.busy_lanes.set(self.busy_lanes)
+
+    def schedule(self) -> Plan:
+        """Retire cancelled lanes, then pick this turn's prefill chunk and decode rows."""
+        for i, lane in enumerate(self.lanes):
+            if lane is not None and lane.job.cancelled:
+                self._free(i)
+                self._finish_cancelled(lane.job)
+        prefill_lane = self.prefill_order[0] if self.prefill_order else None
+        rows: list[DecodeRow | None] = [None] * len(self.lanes)
+        for i, lane in enumerate(self.lanes):
+            if lane is not None and not lane.prefilling:
+                job, n = lane.job, len(lane.samples)
+                rows[i] = DecodeRow(lane.samples[-1].token, len(job.tokens) + n - 1, job.sampling, n)
+        return Plan(prefill_lane, rows)
+
+    def _execute(self, plan: Plan) -> None:
+        if plan.prefill_lane is not None:
+            i = plan.prefill_lane
+            lane = self.lanes[i]
+            t0 = time.perf_counter()
+            sample, _ = self.engine.prefill(i, lane.job.tokens, lane.fed, lane.job.sampling)
+            self.metrics.step.labels("prefill").observe(time.perf_counter() - t0)
+            self.waves += 1
+            lane.fed = min(lane.fed + self.engine.chunk, len(lane.job.tokens))
+            if sample is not None:
+                self.prefill_order.popleft()
+                self.metrics.prompt_tokens.inc(len(lane.job.tokens))
+                self.postprocess(i, sample)
+        if any(row is not None for row in plan.decode_rows):
+            t0 = time.perf_counter()
+            samples, _ = self.engine.decode(plan.decode_rows)
+            self.metrics.step.labels("decode").observe(time.perf_counter() - t0)
+            self.waves += 1
+            for i, sample in enumerate(samples):
+                if sample is not None:
+                    self.postprocess(i, sample)
+
+    def postprocess(self, i: int, sample: Sample) -> None:
+        """Fold a lane's new token into its request; retire the request when it is done."""
+        lane = self.lanes[i]
+        job = lane.job
+        now = time.perf_counter()
+        if sample.token in job.stop_ids:
+            return self._retire(i, "stop")
+        lane.samples.append(sample)
+        if lane.first_token_at is None:
+            lane.first_token_at = now
+            self.metrics.ttft.observe(now - job.submitted_at)
+        else:
+            self.metrics.itl.observe(now - lane.last_token_at)
+        lane.last_token_at = now
+        self.metrics.generated_tokens.inc()
+        if job.on_token is not None:
+            try:
+                job.on_token(sample)
+            except Exception:  # a broken consumer cancels its own job, never the wave
+                log.exception("on_token callback failed; cancelling the job")
+                job.cancel()
+        if job.terminal_prosody and sample.token in self.terminal_ids:
+            self._retire(i, "terminal_prosody")
+        elif len(lane.samples) >= job.max_new_tokens:
+            self._retire(i, "length")
+
+    def _retire(self, i: int, reason: str) -> None:
+        lane = self._free(i)
+        job, now = lane.job, time.perf_counter()
+        timing = {
+            "queue_s": lane.admitted_at - job.submitted_at,
+            "ttft_s": (lane.first_token_at or now) - job.submitted_at,
+            "total_s": now - job.submitted_at,
+        }
+        self.metrics.requests.labels("ok").inc()
+        job.future.set_result(Result([s.token for s in lane.samples], reason, len(job.tokens), lane.samples, timing))
+
+    def _free(self, i: int) -> Lane:
+        lane = self.lanes[i]
+        self.lanes[i] = None
+        if i in self.prefill_order:
+            self.prefill_order.remove(i)
+        self.metrics.busy_lanes.set(self.busy_lanes)
+        return lane
+
+    def _finish_cancelled(self, job: Job) -> None:
+        self.metrics.requests.labels("cancelled").inc()
+        if not job.future.done():
+            job.future.set_exception(Cancelled("the request was cancelled"))
+
+    def _fail_lanes(self, error: Exception) -> None:
+        for i, lane in enumerate(self.lanes):
+            if lane is not None:
+                self._free(i)
+                self.metrics.requests.labels("error").inc()
+                if not lane.job.future.done():
+                    lane.job.future.set_exception(error)
+
+    def _fail_all(self, error: Exception) -> None:
+        with self.cond:
+            self._fail_lanes(error)
+            while self.pending:
+                job = self.pending.popleft()
+                self.metrics.requests.labels("error").inc()
+                if not job.future.done():
+                    job.future.set_exception(error)
+            self.metrics.queue_depth.set(0)
