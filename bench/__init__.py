@@ -1,0 +1,1 @@
+"""Benchmarks: each script writes JSON under bench/results/; `python -m bench.report` draws the plots."""
