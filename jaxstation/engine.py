@@ -157,7 +157,7 @@ def generate(engine: Engine, prompt: Sequence[int], max_new_tokens: int, samplin
     for start in range(0, len(prompt), engine.chunk):
         sample, _ = engine.prefill(lane, prompt, start, sampling)
     out: list[int] = []
-    while sample is not None and sample.token not in stop_ids:
+    while sample is not None and sample.token not in stop_ids and len(out) < max_new_tokens:
         out.append(sample.token)
         if len(out) >= max_new_tokens:
             break

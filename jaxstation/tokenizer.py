@@ -224,6 +224,8 @@ class Tokenizer:
         """Load `tokenizer.json`, `tokenizer_config.json`, and if present `chat_template.jinja` and
         `generation_config.json` from a Hugging Face model directory."""
         path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"missing file {path / 'tokenizer.json'}: an HF model directory needs its tokenizer")
         tok = RustTokenizer.from_file(str(path / "tokenizer.json"))
         config_path = path / "tokenizer_config.json"
         config: dict[str, Any] = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}

@@ -1,0 +1,63 @@
+"""Shared, session-scoped fixtures: the default model is loaded once and one Engine is compiled once.
+
+Tests that use `engine` may leave any lane in any state; every test prefills the lanes it reads before using them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxstation.engine import Engine
+from jaxstation.loader import LoadedModel, load_hf_dir, load_model
+
+TESTS = Path(__file__).resolve().parent
+FIXTURES = TESTS / "fixtures"
+REFERENCE = TESTS.parent.parent / "shared" / "reference"
+
+# The shared station on the default model: 4 lanes, 512 positions, 32-token prefill chunks, 128-position KV blocks.
+ENGINE_SHAPE = {"lanes": 4, "max_seq": 512, "chunk": 32, "block": 128}
+
+
+@pytest.fixture(scope="session")
+def default_model() -> LoadedModel:
+    try:
+        return load_model()
+    except FileNotFoundError as e:  # the default model wheel is not installed
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def engine(default_model: LoadedModel) -> Engine:
+    return Engine(default_model, **ENGINE_SHAPE)
+
+
+@pytest.fixture(scope="session")
+def smollm_reference() -> dict[str, np.ndarray]:
+    path = REFERENCE / "smollm2_hf_reference.npz"
+    if not path.is_file():
+        pytest.skip(f"{path} is missing")
+    with np.load(path) as data:
+        return {k: data[k] for k in data.files}
+
+
+def tiny_model(name: str) -> LoadedModel:
+    """A tiny HF fixture as a LoadedModel (no tokenizer: the fixtures ship none and the Engine needs none)."""
+    path = FIXTURES / name
+    cfg, params = load_hf_dir(path)
+    return LoadedModel(cfg=cfg, params=params, tokenizer=None, source=path)
+
+
+def tiny_reference(name: str) -> dict[str, np.ndarray]:
+    with np.load(FIXTURES / name / "reference.npz") as data:
+        return {k: data[k] for k in data.files}
+
+
+def prefill_all(engine: Engine, lane: int, prompt, sampling, return_logits: bool = False):
+    """Feed a whole prompt into `lane` chunk by chunk; return the last chunk's (Sample, logits)."""
+    sample, logits = None, None
+    for start in range(0, len(prompt), engine.chunk):
+        sample, logits = engine.prefill(lane, prompt, start, sampling, return_logits=return_logits)
+    return sample, logits
