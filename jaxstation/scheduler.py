@@ -32,7 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 from jaxstation.engine import DecodeRow, Engine, Sample, SamplingParams
 from jaxstation.metrics import StationMetrics
@@ -201,13 +201,12 @@ class Scheduler:
         """Move pending jobs into free lanes (in serialize-all mode only when every lane is free). Holds cond."""
         now = time.perf_counter()
         for i in range(len(self.lanes)):
+            while self.pending and self.pending[0].cancelled:  # a cancelled job never takes (or skips) a lane
+                self._finish_cancelled(self.pending.popleft())
             if not self.pending or (not self.continuous and self.busy_lanes):
                 break
             if self.lanes[i] is None:
                 job = self.pending.popleft()
-                if job.cancelled:
-                    self._finish_cancelled(job)
-                    continue
                 self.lanes[i] = Lane(job=job, admitted_at=now)
                 self.prefill_order.append(i)
         self.metrics.queue_depth.set(len(self.pending))
@@ -216,7 +215,7 @@ class Scheduler:
     def schedule(self) -> Plan:
         """Retire cancelled lanes, then pick this turn's prefill chunk and decode rows."""
         for i, lane in enumerate(self.lanes):
-            if lane is not None and lane.job.cancelled:
+            if lane is not None and (lane.job.cancelled or lane.job.future.cancelled()):
                 self._free(i)
                 self._finish_cancelled(lane.job)
         prefill_lane = self.prefill_order[0] if self.prefill_order else None
@@ -284,7 +283,11 @@ class Scheduler:
             "total_s": now - job.submitted_at,
         }
         self.metrics.requests.labels("ok").inc()
-        job.future.set_result(Result([s.token for s in lane.samples], reason, len(job.tokens), lane.samples, timing))
+        try:
+            job.future.set_result(Result([s.token for s in lane.samples], reason, len(job.tokens), lane.samples,
+                                         timing))
+        except InvalidStateError:  # its caller cancelled the Future; that must not fail the wave
+            pass
 
     def _free(self, i: int) -> Lane:
         lane = self.lanes[i]

@@ -1,0 +1,179 @@
+"""A fake Engine for scheduler unit tests: the surface the scheduler uses, with tokens you can compute by hand.
+
+Tokens. A prompt's first token is `(sum(prompt) + seed) % vocab`; feeding token t at position p gives
+`(t + p + 1) % vocab`. `expected(prompt, n, seed)` writes out the first n tokens of a request run alone.
+
+Recording. `calls` lists every step in order: `("prefill", lane, start, prompt)` or `("decode", ((lane, prompt),
+...))` with the prompts of the live rows. `errors` collects protocol violations (chunks out of order, a decode row
+whose position, token or counter disagrees with what the lane holds); tests assert it stays empty.
+
+Faults and pauses. `fail_next_prefill` / `fail_next_decode` make the next such step raise RuntimeError("boom").
+`hold()` makes every step wait at its start until `step(n)` allows n more or `release()` lets everything run;
+`wait_blocked()` returns once the decode thread is parked at that gate. `on_step(kind)`, if set, is called from the
+decode thread at the start of each step (after the gate).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from jaxstation.engine import DecodeRow, Sample, SamplingParams
+
+VOCAB = 1000
+
+
+def first_token(prompt: Sequence[int], seed: int = 0, vocab: int = VOCAB) -> int:
+    return (sum(prompt) + seed) % vocab
+
+
+def next_token(token: int, position: int, vocab: int = VOCAB) -> int:
+    return (token + position + 1) % vocab
+
+
+def expected(prompt: Sequence[int], n: int, seed: int = 0, vocab: int = VOCAB) -> list[int]:
+    """The first n tokens the fake generates for `prompt` (no stop ids)."""
+    out = [first_token(prompt, seed, vocab)]
+    while len(out) < n:
+        out.append(next_token(out[-1], len(prompt) + len(out) - 1, vocab))
+    return out[:n]
+
+
+def _sample(token: int) -> Sample:
+    return Sample(token, -0.5, ((token, -0.5),))
+
+
+class _LaneState:
+    def __init__(self, prompt: tuple[int, ...]) -> None:
+        self.prompt = prompt
+        self.fed = 0  # prompt tokens fed
+        self.length = 0  # positions written
+        self.generated = 0
+        self.last: int | None = None
+
+
+class FakeEngine:
+    def __init__(self, lanes: int = 2, chunk: int = 4, max_seq: int = 256, vocab: int = VOCAB,
+                 step_delay: float = 0.0) -> None:
+        self.lanes, self.chunk, self.max_seq, self.vocab = lanes, chunk, max_seq, vocab
+        self.block = max_seq
+        self.step_delay = step_delay
+        self.calls: list[tuple] = []
+        self.errors: list[str] = []
+        self.resets = 0
+        self.fail_next_prefill = False
+        self.fail_next_decode = False
+        self.on_step: Callable[[str], None] | None = None
+        self._state: list[_LaneState | None] = [None] * lanes
+        self._cv = threading.Condition()
+        self._budget: int | None = None  # None: run freely; else steps allowed before blocking
+        self._waiting = False
+
+    # ---- views of the record ------------------------------------------------------------------------------
+    @property
+    def prefills(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        return [c[1:] for c in self.calls if c[0] == "prefill"]
+
+    @property
+    def decode_waves(self) -> list[tuple[tuple[int, tuple[int, ...]], ...]]:
+        return [c[1] for c in self.calls if c[0] == "decode"]
+
+    def lanes_of(self, prompt: Sequence[int]) -> list[int]:
+        """The lanes in which `prompt` started a prefill, in order."""
+        return [lane for lane, start, p in self.prefills if start == 0 and p == tuple(prompt)]
+
+    # ---- pausing ------------------------------------------------------------------------------------------
+    def hold(self) -> None:
+        with self._cv:
+            self._budget = 0
+
+    def step(self, n: int = 1) -> None:
+        with self._cv:
+            self._budget = (self._budget or 0) + n
+            self._waiting = False  # so wait_blocked waits for the thread to park again
+            self._cv.notify_all()
+
+    def release(self) -> None:
+        with self._cv:
+            self._budget = None
+            self._cv.notify_all()
+
+    def wait_blocked(self, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not self._waiting:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the decode thread never reached the gate")
+                self._cv.wait(left)
+
+    def _gate(self, kind: str) -> None:
+        with self._cv:
+            while self._budget is not None and self._budget <= 0:
+                self._waiting = True
+                self._cv.notify_all()
+                self._cv.wait(10.0)
+            self._waiting = False
+            if self._budget is not None:
+                self._budget -= 1
+        if self.on_step is not None:
+            self.on_step(kind)
+        if self.step_delay:
+            time.sleep(self.step_delay)
+
+    # ---- the Engine surface -------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.resets += 1
+        self._state = [None] * self.lanes
+
+    def prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
+                return_logits: bool = False) -> tuple[Sample | None, None]:
+        self._gate("prefill")
+        prompt = tuple(prompt)
+        self.calls.append(("prefill", lane, start, prompt))
+        if self.fail_next_prefill:
+            self.fail_next_prefill = False
+            raise RuntimeError("boom")
+        if start % self.chunk:
+            self.errors.append(f"prefill start {start} not a multiple of {self.chunk}")
+        if start == 0:
+            self._state[lane] = _LaneState(prompt)
+        st = self._state[lane]
+        if st is None or st.prompt != prompt or st.fed != start:
+            self.errors.append(f"prefill of lane {lane} at {start} out of order")
+            return None, None
+        piece = prompt[start:start + self.chunk]
+        st.fed += len(piece)
+        st.length += len(piece)
+        if st.fed < len(prompt):
+            return None, None
+        st.last = first_token(prompt, sampling.seed, self.vocab)
+        return _sample(st.last), None
+
+    def decode(self, rows: Sequence[DecodeRow | None], return_logits: bool = False
+               ) -> tuple[list[Sample | None], None]:
+        self._gate("decode")
+        if len(rows) != self.lanes:
+            self.errors.append(f"decode got {len(rows)} rows for {self.lanes} lanes")
+        live = tuple((i, self._state[i].prompt if self._state[i] else ()) for i, r in enumerate(rows) if r)
+        self.calls.append(("decode", live))
+        if self.fail_next_decode:
+            self.fail_next_decode = False
+            raise RuntimeError("boom")
+        out: list[Sample | None] = []
+        for i, row in enumerate(rows):
+            if row is None:
+                out.append(None)
+                continue
+            st = self._state[i]
+            if st is None or st.fed < len(st.prompt):
+                self.errors.append(f"decode of lane {i} before its prefill finished")
+            elif (row.position, row.token, row.counter) != (st.length, st.last, st.generated + 1):
+                self.errors.append(f"lane {i}: row {row} but the lane holds length {st.length}, last {st.last}, "
+                                   f"generated {st.generated + 1}")
+            token = next_token(row.token, row.position, self.vocab)
+            if st is not None:
+                st.length, st.last, st.generated = row.position + 1, token, st.generated + 1
+            out.append(_sample(token))
+        return out, None

@@ -1,0 +1,442 @@
+"""Scheduler unit tests against FakeEngine (tests/fake_engine.py), with the real decode thread.
+
+Each turn of the loop is: fill free lanes, retire cancelled lanes, run at most one prefill chunk, then one decode
+wave over the lanes past their prompt. The fake's tokens are hand-computable, so both the call trace and the outputs
+are asserted exactly.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+from fake_engine import FakeEngine, expected
+
+from jaxstation.engine import SamplingParams
+from jaxstation.scheduler import Cancelled, Job, QueueFull, Scheduler, ShuttingDown, StepFailed
+
+TIMEOUT = 5.0
+
+
+def make(lanes: int = 2, chunk: int = 4, continuous: bool = True, max_queue: int = 64,
+         terminal_ids: frozenset[int] = frozenset(), **fake_kw) -> tuple[FakeEngine, Scheduler]:
+    fake = FakeEngine(lanes=lanes, chunk=chunk, **fake_kw)
+    return fake, Scheduler(fake, continuous=continuous, max_queue=max_queue, terminal_ids=terminal_ids)
+
+
+@pytest.fixture
+def stations():
+    """Schedulers made by a test; each is drained (with its fake released) at teardown."""
+    made: list[tuple[FakeEngine, Scheduler]] = []
+
+    def _make(**kw):
+        made.append(make(**kw))
+        return made[-1]
+
+    yield _make
+    for fake, sched in made:
+        fake.release()
+        if sched.alive:
+            assert sched.drain(TIMEOUT)
+
+
+def wait_for(pred, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition never held")
+        time.sleep(0.002)
+
+
+def D(*lanes_prompts):  # a decode call of the trace
+    return ("decode", tuple(lanes_prompts))
+
+
+def P(lane, start, prompt):  # a prefill call of the trace
+    return ("prefill", lane, start, tuple(prompt))
+
+
+# ---- fill, retire, reuse ------------------------------------------------------------------------------------
+
+def test_fill_retire_and_reuse_order(stations):
+    fake, sched = stations(lanes=2)
+    a, b, c, d, e = ([1], [2, 3], [4], [5, 6, 7], [8])
+    lengths = {"a": 3, "b": 6, "c": 2, "d": 4, "e": 2}
+    prompts = {"a": a, "b": b, "c": c, "d": d, "e": e}
+    jobs = {k: Job(tokens=prompts[k], max_new_tokens=lengths[k]) for k in "abcde"}
+    futures = {k: sched.submit(jobs[k]) for k in "abcde"}  # all queued before the thread starts
+    sched.start()
+    results = {k: f.result(TIMEOUT) for k, f in futures.items()}
+
+    for k in "abcde":
+        assert results[k].generated == expected(prompts[k], lengths[k])
+        assert results[k].finish_reason == "length"
+        assert results[k].prompt_tokens == len(prompts[k])
+    assert {k: fake.lanes_of(prompts[k]) for k in "abcde"} == {"a": [0], "b": [1], "c": [0], "d": [0], "e": [1]}
+    # The exact trace: a freed lane is refilled (and its prefill run) on the turn right after the retiring wave.
+    assert fake.calls == [
+        P(0, 0, a),
+        P(1, 0, b), D((0, tuple(a))),
+        D((0, tuple(a)), (1, tuple(b))),  # a retires (3 tokens)
+        P(0, 0, c), D((1, tuple(b))),  # c takes lane 0 at once
+        D((0, tuple(c)), (1, tuple(b))),  # c retires (2 tokens)
+        P(0, 0, d), D((1, tuple(b))),
+        D((0, tuple(d)), (1, tuple(b))),  # b retires (6 tokens)
+        P(1, 0, e), D((0, tuple(d))),
+        D((0, tuple(d)), (1, tuple(e))),  # d and e retire together
+    ]
+    assert fake.errors == []
+    assert sched.busy_lanes == 0 and not sched.pending
+
+
+def test_per_request_seed_changes_tokens(stations):
+    fake, sched = stations(lanes=2)
+    f1 = sched.submit(Job(tokens=[3, 4], max_new_tokens=4, sampling=SamplingParams(temperature=1.0, seed=7)))
+    f2 = sched.submit(Job(tokens=[3, 4], max_new_tokens=4))
+    sched.start()
+    assert f1.result(TIMEOUT).generated == expected([3, 4], 4, seed=7)
+    assert f2.result(TIMEOUT).generated == expected([3, 4], 4)
+    assert fake.errors == []
+
+
+def test_prefill_is_chunked_and_interleaved(stations):
+    fake, sched = stations(lanes=3, chunk=4)
+    short = [9]
+    long1 = list(range(1, 15))  # 14 tokens: chunks at 0, 4, 8, 12
+    long2 = list(range(20, 29))  # 9 tokens: chunks at 0, 4, 8
+    f_short = sched.submit(Job(tokens=short, max_new_tokens=12))
+    f1 = sched.submit(Job(tokens=long1, max_new_tokens=2))
+    f2 = sched.submit(Job(tokens=long2, max_new_tokens=2))
+    sched.start()
+    assert f_short.result(TIMEOUT).generated == expected(short, 12)
+    assert f1.result(TIMEOUT).generated == expected(long1, 2)
+    assert f2.result(TIMEOUT).generated == expected(long2, 2)
+
+    # Chunks go in order, the oldest prefilling lane first: long1's four chunks, then long2's three.
+    assert [(lane, start) for lane, start, p in fake.prefills if p != tuple(short)] == [
+        (1, 0), (1, 4), (1, 8), (1, 12), (2, 0), (2, 4), (2, 8)]
+    # At most one prefill chunk per turn: once `short` decodes, every prefill chunk is followed by a decode wave
+    # holding it, so it stalls by at most one chunk per token.
+    kinds = [c[0] for c in fake.calls]
+    assert kinds[:2] == ["prefill", "prefill"]  # short's prefill, then long1's first chunk (short not decoding yet)
+    for i in range(1, len(kinds)):
+        if kinds[i] == "prefill":
+            assert kinds[i + 1] == "decode", fake.calls
+            assert 0 in [lane for lane, _ in fake.calls[i + 1][1]]
+    assert sum(k == "prefill" for k in kinds) == 1 + 4 + 3
+    assert fake.errors == []
+
+
+# ---- stop conditions ----------------------------------------------------------------------------------------
+
+def _first_unique_at(seq: list[int], k: int) -> int:
+    assert seq[k] not in seq[:k], "pick another prompt: the token repeats"
+    return seq[k]
+
+
+def test_stop_id_is_not_included(stations):
+    prompt = [10, 11, 12]
+    seq = expected(prompt, 10)
+    stop = _first_unique_at(seq, 3)
+    _, sched = stations(lanes=2)
+    seen: list[int] = []
+    f = sched.submit(Job(tokens=prompt, max_new_tokens=10, stop_ids=frozenset({stop, 999_999}),
+                         on_token=lambda s: seen.append(s.token)))
+    f_first = sched.submit(Job(tokens=prompt, max_new_tokens=10, stop_ids=frozenset({seq[0]})))
+    sched.start()
+    r = f.result(TIMEOUT)
+    assert (r.generated, r.finish_reason) == (seq[:3], "stop")
+    assert [s.token for s in r.samples] == seq[:3]
+    assert seen == seq[:3]  # on_token never sees the stop token
+    r0 = f_first.result(TIMEOUT)  # the very first (prefill) token is a stop id
+    assert (r0.generated, r0.finish_reason) == ([], "stop")
+
+
+def test_terminal_prosody_includes_the_terminal_token(stations):
+    prompt = [7, 8]
+    seq = expected(prompt, 10)
+    terminal = _first_unique_at(seq, 2)
+    _, sched = stations(lanes=2, terminal_ids=frozenset({terminal}))
+    f_on = sched.submit(Job(tokens=prompt, max_new_tokens=10, terminal_prosody=True))
+    f_off = sched.submit(Job(tokens=prompt, max_new_tokens=10))
+    sched.start()
+    r_on, r_off = f_on.result(TIMEOUT), f_off.result(TIMEOUT)
+    assert (r_on.generated, r_on.finish_reason) == (seq[:3], "terminal_prosody")
+    assert (r_off.generated, r_off.finish_reason) == (seq, "length")
+
+
+def test_max_new_tokens_one_retires_after_prefill(stations):
+    fake, sched = stations(lanes=2)
+    f = sched.submit(Job(tokens=[1, 2, 3, 4, 5], max_new_tokens=1))
+    sched.start()
+    r = f.result(TIMEOUT)
+    assert (r.generated, r.finish_reason) == (expected([1, 2, 3, 4, 5], 1), "length")
+    assert [c[0] for c in fake.calls] == ["prefill", "prefill"]  # two chunks, no decode
+
+
+# ---- cancellation -------------------------------------------------------------------------------------------
+
+def test_cancel_running_job_frees_its_lane_within_one_wave(stations):
+    fake, sched = stations(lanes=2)
+    a, b, c = [1], [2], [3]
+    job_a = Job(tokens=a, max_new_tokens=100)
+    job_a.on_token = lambda s: len(sched.lanes[0].samples) == 3 and sched.cancel(job_a)  # cancel at its 3rd token
+    fa = sched.submit(job_a)
+    fb = sched.submit(Job(tokens=b, max_new_tokens=6))
+    fc = sched.submit(Job(tokens=c, max_new_tokens=2))
+    sched.start()
+    with pytest.raises(Cancelled):
+        fa.result(TIMEOUT)
+    assert fb.result(TIMEOUT).generated == expected(b, 6)
+    assert fc.result(TIMEOUT).generated == expected(c, 2)
+    assert fake.calls[:7] == [
+        P(0, 0, a),
+        P(1, 0, b), D((0, (1,))),
+        D((0, (1,)), (1, (2,))),  # a's 3rd token: cancelled
+        D((1, (2,))),  # the next turn retires a: one wave without it
+        P(0, 0, c), D((1, (2,))),  # and the turn after, c fills lane 0
+    ]
+    assert fake.lanes_of(c) == [0]
+    assert fake.errors == []
+
+
+def test_cancel_from_another_thread_mid_wave(stations):
+    fake, sched = stations(lanes=1)
+    fake.hold()
+    job_a = Job(tokens=[1], max_new_tokens=1000)
+    fa = sched.submit(job_a)
+    fb = sched.submit(Job(tokens=[2], max_new_tokens=3))
+    sched.start()
+    fake.step(5)
+    fake.wait_blocked()  # parked inside a's 6th step
+    assert sched.lanes[0] is not None and sched.lanes[0].job is job_a
+    sched.cancel(job_a)
+    fake.release()
+    with pytest.raises(Cancelled):
+        fa.result(TIMEOUT)
+    assert fb.result(TIMEOUT).generated == expected([2], 3)
+    # a ran its prefill and 5 decodes (the held 6th completes), then b took its lane
+    assert [c[0] for c in fake.calls] == ["prefill"] + ["decode"] * 5 + ["prefill", "decode", "decode"]
+    assert fake.errors == []
+
+
+def test_cancelled_pending_job_never_runs(stations):
+    fake, sched = stations(lanes=1)
+    fake.hold()
+    fa = sched.submit(Job(tokens=[1], max_new_tokens=3))
+    job_b = Job(tokens=[2], max_new_tokens=3)
+    fb = sched.submit(job_b)
+    fc = sched.submit(Job(tokens=[3], max_new_tokens=3))
+    sched.start()
+    fake.wait_blocked()  # a is in lane 0, b and c wait
+    sched.cancel(job_b)
+    fake.release()
+    assert fa.result(TIMEOUT).generated == expected([1], 3)
+    with pytest.raises(Cancelled):
+        fb.result(TIMEOUT)
+    assert fc.result(TIMEOUT).generated == expected([3], 3)
+    assert fake.lanes_of([2]) == []
+    assert fake.lanes_of([3]) == [0]
+
+
+def test_cancelled_pending_job_does_not_hold_up_the_freed_lane(stations):
+    fake, sched = stations(lanes=2)
+    a, b, c, d = [1], [2], [3], [4]
+    fa = sched.submit(Job(tokens=a, max_new_tokens=3))
+    fb = sched.submit(Job(tokens=b, max_new_tokens=8))
+    job_c = Job(tokens=c, max_new_tokens=3)
+    fc = sched.submit(job_c)
+    fd = sched.submit(Job(tokens=d, max_new_tokens=2))
+    sched.cancel(job_c)
+    sched.start()
+    assert fa.result(TIMEOUT).generated == expected(a, 3)
+    assert fb.result(TIMEOUT).generated == expected(b, 8)
+    assert fd.result(TIMEOUT).generated == expected(d, 2)
+    with pytest.raises(Cancelled):
+        fc.result(TIMEOUT)
+    assert fake.calls[:6] == [
+        P(0, 0, a),
+        P(1, 0, b), D((0, (1,))),
+        D((0, (1,)), (1, (2,))),  # a retires
+        P(0, 0, d), D((1, (2,))),  # the next fill skips the cancelled c and gives lane 0 to d at once
+    ]
+
+
+def test_future_cancelled_by_its_caller_does_not_fail_the_wave(stations):
+    fake, sched = stations(lanes=2)
+    fake.hold()
+    fa = sched.submit(Job(tokens=[1], max_new_tokens=4))
+    fb = sched.submit(Job(tokens=[2], max_new_tokens=6))
+    sched.start()
+    fake.wait_blocked()
+    assert fa.cancel()  # concurrent.futures lets a caller cancel a pending Future (e.g. via asyncio.wrap_future)
+    fake.release()
+    assert fb.result(TIMEOUT).generated == expected([2], 6)
+    assert fa.cancelled()
+    assert fake.resets == 0
+    assert sched.metrics.requests.labels("error")._value.get() == 0
+
+
+def test_raising_on_token_cancels_only_its_own_job(stations):
+    fake, sched = stations(lanes=2)
+    seen_a: list[int] = []
+    seen_b: list[int] = []
+
+    def bad(sample):
+        seen_a.append(sample.token)
+        if len(seen_a) == 2:
+            raise ValueError("consumer broke")
+
+    fa = sched.submit(Job(tokens=[4, 4], max_new_tokens=50, on_token=bad))
+    fb = sched.submit(Job(tokens=[5], max_new_tokens=8, on_token=lambda s: seen_b.append(s.token)))
+    sched.start()
+    with pytest.raises(Cancelled):
+        fa.result(TIMEOUT)
+    rb = fb.result(TIMEOUT)
+    assert rb.generated == expected([5], 8)
+    assert seen_b == rb.generated  # once per token, in order
+    assert seen_a == expected([4, 4], 2)
+    assert fake.errors == []
+
+
+# ---- step failure -------------------------------------------------------------------------------------------
+
+def test_step_exception_fails_only_the_jobs_in_flight(stations):
+    fake, sched = stations(lanes=2)
+
+    def trip(sample):  # a's 2nd token: the next decode raises
+        if len(sched.lanes[0].samples) == 2:
+            fake.fail_next_decode = True
+
+    fa = sched.submit(Job(tokens=[1], max_new_tokens=10, on_token=trip))
+    fb = sched.submit(Job(tokens=[2], max_new_tokens=10))
+    fc = sched.submit(Job(tokens=[3], max_new_tokens=4))
+    fd = sched.submit(Job(tokens=[4, 5], max_new_tokens=3))
+    sched.start()
+    for f in (fa, fb):
+        with pytest.raises(StepFailed, match="step failed: RuntimeError: boom"):
+            f.result(TIMEOUT)
+    assert fc.result(TIMEOUT).generated == expected([3], 4)
+    assert fd.result(TIMEOUT).generated == expected([4, 5], 3)
+    assert fake.resets == 1
+    assert fake.lanes_of([3]) == [0] and fake.lanes_of([4, 5]) == [1]
+    assert sched.alive
+    assert sched.metrics.requests.labels("error")._value.get() == 2
+    assert sched.metrics.requests.labels("ok")._value.get() == 2
+    assert fake.errors == []
+
+
+def test_prefill_exception_fails_the_lanes_and_serving_goes_on(stations):
+    fake, sched = stations(lanes=2)
+    fake.fail_next_prefill = True
+    fa = sched.submit(Job(tokens=[1], max_new_tokens=3))
+    sched.start()
+    with pytest.raises(StepFailed, match="boom"):
+        fa.result(TIMEOUT)
+    fb = sched.submit(Job(tokens=[2], max_new_tokens=3))
+    assert fb.result(TIMEOUT).generated == expected([2], 3)
+    assert fake.resets == 1
+
+
+# ---- backpressure and shutdown ------------------------------------------------------------------------------
+
+def test_queue_full_past_max_queue(stations):
+    fake, sched = stations(lanes=1, max_queue=3)
+    futures = [sched.submit(Job(tokens=[i], max_new_tokens=2)) for i in range(3)]
+    with pytest.raises(QueueFull):
+        sched.submit(Job(tokens=[9], max_new_tokens=2))
+    assert len(sched.pending) == 3
+    sched.start()
+    for i, f in enumerate(futures):
+        assert f.result(TIMEOUT).generated == expected([i], 2)
+    assert sched.submit(Job(tokens=[9], max_new_tokens=2)).result(TIMEOUT).generated == expected([9], 2)
+
+
+def test_drain_finishes_in_flight_and_queued_work_then_stops(stations):
+    fake, sched = stations(lanes=1)
+    fake.hold()
+    fa = sched.submit(Job(tokens=[1], max_new_tokens=4))
+    fb = sched.submit(Job(tokens=[2], max_new_tokens=2))
+    sched.start()
+    fake.wait_blocked()
+    outcome: list[bool] = []
+    drainer = threading.Thread(target=lambda: outcome.append(sched.drain(TIMEOUT)))
+    drainer.start()
+    wait_for(lambda: not sched._accepting)
+    with pytest.raises(ShuttingDown):
+        sched.submit(Job(tokens=[3], max_new_tokens=2))
+    assert not fa.done()
+    fake.release()
+    drainer.join(TIMEOUT)
+    assert outcome == [True]
+    assert fa.result(0).generated == expected([1], 4)
+    assert fb.result(0).generated == expected([2], 2)
+    assert not sched.alive
+    with pytest.raises(ShuttingDown):
+        sched.submit(Job(tokens=[3], max_new_tokens=2))
+
+
+def test_drain_timeout_fails_the_rest_with_shutting_down(stations):
+    fake, sched = stations(lanes=1, step_delay=0.005)
+    fa = sched.submit(Job(tokens=[1], max_new_tokens=10_000))
+    fb = sched.submit(Job(tokens=[2], max_new_tokens=2))
+    sched.start()
+    wait_for(lambda: len(fake.calls) > 2)
+    t0 = time.monotonic()
+    assert sched.drain(0.2) is False
+    assert time.monotonic() - t0 < 2.0
+    assert not sched.alive
+    for f in (fa, fb):
+        with pytest.raises(ShuttingDown):
+            f.result(0)
+
+
+def test_idle_thread_sleeps(stations):
+    fake, sched = stations(lanes=2)
+    sched.start()
+    assert sched.submit(Job(tokens=[1], max_new_tokens=5)).result(TIMEOUT).generated == expected([1], 5)
+    time.sleep(0.05)
+    waves, calls = sched.waves, len(fake.calls)
+    assert waves == 5  # 1 prefill + 4 decodes
+    time.sleep(0.3)
+    assert (sched.waves, len(fake.calls)) == (waves, calls)
+    # no busy loop: the process barely uses CPU while idle, and the thread is parked in Condition.wait
+    cpu0 = time.process_time()
+    time.sleep(0.5)
+    assert time.process_time() - cpu0 < 0.1
+    frame = sys._current_frames()[sched._thread.ident]
+    names = []
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    assert names[0] == "wait" and "_run" in names
+    assert sched.alive
+    # and it wakes for new work
+    assert sched.submit(Job(tokens=[2], max_new_tokens=2)).result(TIMEOUT).generated == expected([2], 2)
+
+
+# ---- serialize-all ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("continuous", [False, True])
+def test_serialize_all_runs_one_job_at_a_time(stations, continuous):
+    fake, sched = stations(lanes=3, continuous=continuous)
+    busy: list[int] = []
+    fake.on_step = lambda kind: busy.append(sched.busy_lanes)
+    prompts = [[1], list(range(2, 9)), [3, 3], [4] * 5, [5]]
+    lengths = [4, 3, 6, 2, 5]
+    futures = [sched.submit(Job(tokens=p, max_new_tokens=n)) for p, n in zip(prompts, lengths, strict=True)]
+    sched.start()
+    for p, n, f in zip(prompts, lengths, futures, strict=True):
+        assert f.result(TIMEOUT).generated == expected(p, n)  # same tokens in either mode
+    if continuous:
+        assert max(busy) == 3
+    else:
+        assert max(busy) == 1
+        assert all(len(w) == 1 for w in fake.decode_waves)
+        # each job's calls are one contiguous block, in submission order
+        owners = [c[3] if c[0] == "prefill" else c[1][0][1] for c in fake.calls]
+        blocks = [o for i, o in enumerate(owners) if i == 0 or o != owners[i - 1]]
+        assert blocks == [tuple(p) for p in prompts]
+    assert fake.errors == []
