@@ -180,6 +180,14 @@ class Scheduler:
 
     # ---- the decode thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # the loop itself broke: nobody may wait forever on a dead thread
+            log.exception("decode thread died")
+            self._fail_all(StepFailed(f"decode thread died: {type(e).__name__}: {e}"))
+            raise
+
+    def _loop(self) -> None:
         while True:
             with self.cond:
                 while not self._stop and not self.pending and not self.busy_lanes:

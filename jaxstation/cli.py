@@ -1,0 +1,99 @@
+"""`jaxstation generate` runs one prompt on a one-lane engine; `jaxstation serve` runs the station server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import secrets
+import sys
+import time
+from collections.abc import Sequence
+
+from jaxstation.settings import ConfigError, add_arguments, resolve
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from jaxstation.engine import Engine, SamplingParams, generate
+    from jaxstation.loader import load_model
+
+    t0 = time.perf_counter()
+    model = load_model(args.model, args.dtype)
+    tok = model.tokenizer
+    if args.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        prompt = tok.encode(text, add_special_tokens=False)  # the template already holds any special tokens
+    else:
+        prompt = tok.encode(args.prompt)
+    chunk, block = 32, 128
+    max_seq = _round_up(len(prompt) + args.max_new_tokens, block)
+    if max_seq > model.cfg.max_position:
+        print(f"error: prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds the model's "
+              f"{model.cfg.max_position} positions", file=sys.stderr)
+        return 2
+    engine = Engine(model, lanes=1, max_seq=max_seq, chunk=chunk, block=block)
+    engine.warmup()  # compile outside the timed run
+    seed = args.seed if args.seed is not None else secrets.randbelow(1 << 32)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed)
+    t1 = time.perf_counter()
+    out = generate(engine, prompt, args.max_new_tokens, sampling, stop_ids=frozenset(tok.eos_ids))
+    elapsed = time.perf_counter() - t1
+    print(tok.decode(out, skip_special_tokens=True))
+    seed_note = f", seed {seed}" if args.temperature > 0 else ""
+    print(f"[prompt {len(prompt)} tokens, generated {len(out)} tokens in {elapsed:.2f} s: "
+          f"{len(out) / elapsed if elapsed > 0 else 0.0:.1f} tokens/s; load + compile {t1 - t0:.1f} s{seed_note}]",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from jaxstation.server import serve
+
+    try:
+        config = resolve(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return serve(config)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxstation", description="A batched, batch-invariant LLM serving station.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate from one prompt and print the text")
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    gen.add_argument("--top-k", type=int, default=0, help="0 is off")
+    gen.add_argument("--top-p", type=float, default=1.0, help="1 is off")
+    gen.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="run the /generate station server",
+                         description="Flags override the environment variables named in each help line.")
+    add_arguments(srv)
+    srv.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        if args.max_new_tokens < 1:
+            build_parser().error("--max-new-tokens must be >= 1")
+        if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+            build_parser().error("need --temperature >= 0, --top-k >= 0 and --top-p in (0, 1]")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(logging.WARNING)  # not the backend probe's INFO lines
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""Station settings: one frozen `StationConfig`, resolved from CLI flags over environment variables over defaults.
+
+Every environment variable has a mirroring CLI flag (`MOONSHINE_BATCH_LANES` <-> `--lanes`, ...). `PORT` is honoured
+because Cloud Run sets it. `check_memory` runs at start-up, once the model's config is known, and fails with an
+error that says how much the KV arena needs and which setting to lower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxstation.arena import arena_bytes
+from jaxstation.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+GiB = 1 << 30
+DTYPES = ("float32", "bfloat16")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message names the environment variable and the flag to change."""
+
+
+def parse_bool(name: str, value: str) -> bool:
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ConfigError(f"{name}={value!r} is not a boolean; use one of 1/0, true/false, yes/no, on/off")
+
+
+def _parse_int(name: str, value: str) -> int:
+    try:
+        return int(value.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not an integer") from None
+
+
+def _parse_float(name: str, value: str) -> float:
+    try:
+        return float(value.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not a number") from None
+
+
+def _parse_str(name: str, value: str) -> str | None:
+    return value or None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setting:
+    field: str
+    env: str | None
+    flag: str
+    parse: Callable[[str, str], Any]
+    help: str
+
+
+# One row per setting: the StationConfig field, its environment variable, its CLI flag.
+SETTINGS: tuple[_Setting, ...] = (
+    _Setting("model", "MOONSHINE_MODEL", "--model", _parse_str,
+             "HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"),
+    _Setting("dtype", "MOONSHINE_DTYPE", "--dtype", _parse_str, "weight and KV dtype: float32 or bfloat16"),
+    _Setting("host", "MOONSHINE_HOST", "--host", _parse_str, "TCP bind address (default 127.0.0.1)"),
+    _Setting("port", "PORT", "--port", _parse_int, "TCP port (default 8000; PORT is honoured, as Cloud Run sets it)"),
+    _Setting("uds", "MOONSHINE_UDS", "--uds", _parse_str, "listen on this Unix socket instead of TCP"),
+    _Setting("lanes", "MOONSHINE_BATCH_LANES", "--lanes", _parse_int, "decode lanes, i.e. max concurrent requests"),
+    _Setting("max_seq", "MOONSHINE_MAX_SEQ", "--max-seq", _parse_int,
+             "positions per lane: prompt + max_new_tokens <= max_seq"),
+    _Setting("prefill_chunk", "MOONSHINE_PREFILL_CHUNK", "--prefill-chunk", _parse_int,
+             "prompt tokens per prefill step"),
+    _Setting("kv_block", "MOONSHINE_KV_BLOCK", "--kv-block", _parse_int, "positions per attention KV block"),
+    _Setting("continuous", "MOONSHINE_CONTINUOUS_BATCH", "--continuous-batch", parse_bool,
+             "continuous batching (default off: one request at a time)"),
+    _Setting("max_queue", "MOONSHINE_MAX_QUEUE", "--max-queue", _parse_int,
+             "jobs waiting for a lane before new ones get 503"),
+    _Setting("drain_s", "MOONSHINE_DRAIN_S", "--drain-s", _parse_float,
+             "seconds in-flight requests get to finish after SIGTERM"),
+    _Setting("max_body_bytes", "MOONSHINE_MAX_BODY_BYTES", "--max-body-bytes", _parse_int,
+             "largest request body accepted (413 past it)"),
+    _Setting("api_key", "MOONSHINE_API_KEY", "--api-key", _parse_str, "API key for the OpenAI-compatible routes"),
+)
+_BY_FIELD = {s.field: s for s in SETTINGS}
+
+
+def _name(field: str) -> str:
+    """How an error names a setting: its environment variable (the flag is in --help)."""
+    s = _BY_FIELD[field]
+    return s.env or s.flag
+
+
+@dataclasses.dataclass(frozen=True)
+class StationConfig:
+    """Every station setting. Build it with `resolve`; `__post_init__` rejects what cannot work."""
+
+    model: str | None = None  # None: the embedded default model
+    dtype: str = "float32"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    uds: str | None = None
+    lanes: int = 8
+    max_seq: int = 2048
+    prefill_chunk: int = 32
+    kv_block: int = 128
+    continuous: bool = False
+    max_queue: int = 64
+    drain_s: float = 30.0
+    max_body_bytes: int = 1 * MiB
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"{_name('dtype')}={self.dtype!r} must be one of {', '.join(DTYPES)}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"{_name('port')}={self.port} must be a TCP port in [0, 65535]")
+        for field in ("lanes", "max_seq", "prefill_chunk", "kv_block", "max_queue", "max_body_bytes"):
+            if getattr(self, field) < 1:
+                raise ConfigError(f"{_name(field)}={getattr(self, field)} must be >= 1")
+        for field in ("prefill_chunk", "kv_block"):
+            if self.max_seq % getattr(self, field):
+                raise ConfigError(f"{_name('max_seq')}={self.max_seq} must be a multiple of "
+                                  f"{_name(field)}={getattr(self, field)}")
+        if not self.drain_s >= 0:
+            raise ConfigError(f"{_name('drain_s')}={self.drain_s} must be >= 0 seconds")
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most prompt + max_new_tokens one request may ask for (the last generated token is never fed)."""
+        return self.max_seq
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register one flag per setting. Every default is None so that `resolve` can tell a flag from its absence."""
+    for s in SETTINGS:
+        help_ = f"{s.help} [env {s.env}]" if s.env else s.help
+        if s.parse is parse_bool:
+            parser.add_argument(s.flag, dest=s.field, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif s.parse is _parse_int:
+            parser.add_argument(s.flag, dest=s.field, type=int, default=None, help=help_)
+        elif s.parse is _parse_float:
+            parser.add_argument(s.flag, dest=s.field, type=float, default=None, help=help_)
+        else:
+            parser.add_argument(s.flag, dest=s.field, default=None, help=help_)
+
+
+def resolve(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None) -> StationConfig:
+    """CLI flags override environment variables, which override the defaults. Raises ConfigError."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for s in SETTINGS:
+        flag_value = getattr(args, s.field, None) if args is not None else None
+        if flag_value is not None:
+            values[s.field] = flag_value
+        elif s.env and env.get(s.env, "").strip():
+            values[s.field] = s.parse(s.env, env[s.env])
+    return StationConfig(**values)
+
+
+def weight_bytes(cfg: ModelConfig, dtype: str) -> int:
+    """Bytes the model's weights take once loaded in `dtype`."""
+    d, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    per_layer = 2 * d + d * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd + cfg.num_heads * hd * d + 3 * d * f
+    n = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2) + d + cfg.num_layers * per_layer
+    return n * jnp.dtype(dtype).itemsize
+
+
+def available_memory() -> tuple[int | None, str]:
+    """(bytes free for the arena, where): free host RAM on CPU, the allocator's headroom on an accelerator."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "cpu (free RAM)"
+        except (ValueError, OSError):
+            return None, "cpu"
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None, device.device_kind
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0), device.device_kind
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def check_memory(cfg: ModelConfig, station: StationConfig, *, weights_resident: bool = False,
+                 available: int | None = None) -> None:
+    """Fail at start-up, with the setting to lower, if max_seq exceeds the model or the arena cannot fit.
+
+    weights_resident: the weights are already loaded, so the free figure has them taken off already.
+    available: bytes free (default: measured by `available_memory`).
+    """
+    if station.max_seq > cfg.max_position:
+        raise ConfigError(f"{_name('max_seq')}={station.max_seq} exceeds the model's max_position "
+                          f"({cfg.max_position}); lower {_name('max_seq')}")
+    where = "given"
+    if available is None:
+        available, where = available_memory()
+    if available is None:
+        log.warning("cannot measure free memory on %s; skipping the arena memory check", where)
+        return
+    arena = arena_bytes(cfg, station.lanes, station.max_seq, jnp.dtype(station.dtype))
+    weights = 0 if weights_resident else weight_bytes(cfg, station.dtype)
+    if arena + weights <= available:
+        return
+    per_lane = arena // station.lanes
+    fit_lanes = max(0, (available - weights) // per_lane)
+    per_block = arena_bytes(cfg, station.lanes, station.kv_block, jnp.dtype(station.dtype))
+    fit_seq = max(0, (available - weights) // per_block) * station.kv_block
+    raise ConfigError(
+        f"the KV arena needs {_gib(arena)} ({_name('lanes')}={station.lanes} x {_name('max_seq')}={station.max_seq}, "
+        f"{_gib(per_lane)} per lane)" + (f" plus {_gib(weights)} of weights" if weights else "")
+        + f", but only {_gib(available)} is free on {where}. Lower {_name('lanes')} (at most {fit_lanes} lanes fit at "
+        f"this max_seq) or {_name('max_seq')} (at most {fit_seq} positions fit at {station.lanes} lanes)"
+    )
