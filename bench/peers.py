@@ -1,0 +1,352 @@
+"""jaxstation beside the engines a user would otherwise pick: same GGUF, same token ids, same workload, one run.
+
+Systems (each skipped with a note when it is not available):
+  jaxstation         a station subprocess (`python -m jaxstation serve --continuous-batch`, 8 lanes) over HTTP
+                     /generate; falls back to the Scheduler in-process if the server cannot start
+  llama-server       llama.cpp's C++ server with -np 8 parallel slots, /completion with token ids, ignore_eos
+                     (build it with scripts/build_llama_server.sh; or pass --llama-server PATH)
+  llama-cpp-python   `python -m llama_cpp.server` (serializes requests), /v1/completions with token ids
+  transformers       HF `generate` in-process, float32, greedy: one stream (K=1) and a static batch (K=8)
+Workload: throughput at K concurrent requests (default K = 1 and 8; 128 new tokens, greedy, no early stop, the
+fixed prompt set of bench.throughput) and an open-loop Poisson latency run (the mixed prompt lengths of
+bench.latency; end-to-end latency, server-side TTFT where the reply says it). Repetitions are interleaved across the
+systems (rep 1: every system, rep 2: every system, ...), so the ratios hold on a noisy machine. One side-by-side
+table is printed and written as JSON. Peers are the optional `peers` extra: pip install -e '.[peers]'.
+
+Usage:
+  scripts/build_llama_server.sh                   # once, ~15 min; cached in ~/.cache/jaxstation-peers
+  python -m bench.peers                           # K = 1 8, 128 new tokens, 3 reps, latency at 2 req/s
+  python -m bench.peers --quick                   # 16 new tokens, 1 rep, 6 latency requests
+  python -m bench.peers --only jaxstation llama-server --llama-server /path/to/llama-server
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from bench.common import write_result
+from bench.workload import (
+    concurrent_run,
+    free_port,
+    llama_cpp_python_completion,
+    llama_server_completion,
+    make_prompts,
+    med_spread,
+    mixed_lengths,
+    percentiles,
+    poisson_arrivals,
+    server_process,
+    station_available,
+    station_cmd,
+    station_generate,
+)
+
+SYSTEMS = ("jaxstation", "llama-server", "llama-cpp-python", "transformers")
+CACHE = Path(os.environ.get("JAXSTATION_PEERS_CACHE", Path.home() / ".cache" / "jaxstation-peers"))
+
+
+class System:
+    """A system under test: `run(prompts, new)` sends the prompts concurrently, returns (wall_s, generated)."""
+
+    name = ""
+    serves_http = True
+
+    def run(self, prompts: list[list[int]], new: int) -> tuple[float, int]:
+        wall, replies = concurrent_run(self.call, prompts, new)
+        return wall, sum(r["n_generated"] for r in replies)
+
+    def call(self, client, tokens: list[int], new: int) -> dict:
+        raise NotImplementedError
+
+
+class Station(System):
+    name = "jaxstation"
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+
+    def call(self, client, tokens, new):
+        r = station_generate(client, self.base, tokens, new)
+        r["server_ttft_s"] = r["timing"]["ttft_s"]
+        return r
+
+
+class DirectStation(System):
+    """The Scheduler in this process: the fallback when the HTTP station cannot start."""
+
+    name = "jaxstation"
+    serves_http = False
+
+    def __init__(self, model, lanes: int, max_seq: int) -> None:
+        from jaxstation.engine import Engine
+        from jaxstation.scheduler import Scheduler
+
+        engine = Engine(model, lanes=lanes, max_seq=max_seq, chunk=32, block=128)
+        engine.warmup()
+        self.sched = Scheduler(engine, continuous=True, max_queue=256, terminal_ids=frozenset())
+        self.sched.start()
+
+    def call(self, client, tokens, new):
+        from jaxstation.scheduler import Job
+
+        t0 = time.perf_counter()
+        r = self.sched.submit(Job(tokens=tokens, max_new_tokens=new, stop_ids=frozenset())).result()
+        return {"client_s": time.perf_counter() - t0, "n_generated": len(r.generated),
+                "server_ttft_s": r.timing["ttft_s"]}
+
+
+class LlamaServer(System):
+    name = "llama-server"
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+
+    def call(self, client, tokens, new):
+        r = llama_server_completion(client, self.base, tokens, new)
+        if r.get("timings") and "prompt_ms" in r["timings"]:
+            r["server_ttft_s"] = r["timings"]["prompt_ms"] / 1e3
+        return r
+
+
+class LlamaCppPython(System):
+    name = "llama-cpp-python"
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+
+    def call(self, client, tokens, new):
+        return llama_cpp_python_completion(client, self.base, tokens, new)
+
+
+class Transformers(System):
+    """HF generate in this process; K prompts of equal length run as one static batch (no padding needed)."""
+
+    name = "transformers"
+    serves_http = False
+
+    def __init__(self, gguf: Path) -> None:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        torch.set_num_threads(os.cpu_count() or 1)
+        self.torch = torch
+        # transformers' own GGUF reader, dequantized to float32 (from_pretrained(gguf_file=) would need accelerate)
+        cfg = dict(load_gguf_checkpoint(str(gguf), return_tensors=False)["config"])
+        config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+        _, unexpected = model.load_state_dict(tensors, strict=False)
+        if unexpected:
+            raise ValueError(f"unexpected GGUF tensors for {type(model).__name__}: {unexpected[:5]}")
+        model.tie_weights()
+        self.model = model.eval()
+
+    def run(self, prompts, new):
+        lengths = {len(p) for p in prompts}
+        if len(lengths) != 1:
+            raise ValueError("transformers static batch needs prompts of one length")
+        ids = self.torch.tensor(prompts, dtype=self.torch.long)
+        t0 = time.perf_counter()
+        with self.torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=self.torch.ones_like(ids), max_new_tokens=new,
+                                      min_new_tokens=new, do_sample=False, pad_token_id=0)
+        wall = time.perf_counter() - t0
+        return wall, int((out.shape[1] - ids.shape[1]) * out.shape[0])
+
+
+def find_llama_server(arg: str | None) -> str | None:
+    for cand in (arg, str(CACHE / "llama-server"), shutil.which("llama-server")):
+        if cand and Path(cand).is_file() and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def latency_run(system: System, prompts, arrivals, new: int) -> dict:
+    """Open-loop Poisson run: one thread per request, started at its arrival time."""
+    import httpx
+
+    results, errors, lock = [], [], threading.Lock()
+
+    def one(i: int) -> None:
+        with httpx.Client(timeout=600) as client:
+            try:
+                r = system.call(client, prompts[i], new)
+            except Exception as e:  # counted as rejected/failed
+                with lock:
+                    errors.append(repr(e)[:200])
+                return
+            with lock:
+                results.append(r)
+
+    threads = []
+    t0 = time.perf_counter()
+    for i, at in enumerate(arrivals):
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        t = threading.Thread(target=one, args=(i,), daemon=True)
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    generated = sum(r["n_generated"] for r in results)
+    return {"completed": len(results), "failed": len(errors), "errors": errors[:3], "wall_s": wall,
+            "achieved_tokens_per_s": generated / wall, "e2e_s": percentiles([r["client_s"] for r in results]),
+            "server_ttft_s": percentiles([r["server_ttft_s"] for r in results if r.get("server_ttft_s") is not None])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rate", type=float, default=2.0, help="latency run: Poisson arrivals, requests/s")
+    ap.add_argument("--latency-requests", type=int, default=24)
+    ap.add_argument("--latency-new-tokens", type=int, default=64)
+    ap.add_argument("--no-latency", action="store_true")
+    ap.add_argument("--slots", type=int, default=8, help="llama-server -np and jaxstation --lanes")
+    ap.add_argument("--llama-server", help="path of the llama-server binary (default: the build cache, then PATH)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--server-timeout", type=float, default=300.0)
+    ap.add_argument("--quick", action="store_true", help="16 new tokens, 1 rep, 6 latency requests of 16 tokens")
+    args = ap.parse_args()
+    if args.quick:
+        args.new_tokens, args.reps, args.latency_requests, args.latency_new_tokens = 16, 1, 6, 16
+
+    from jaxstation.default_model import default_model_path
+    from jaxstation.loader import load_model
+
+    gguf = default_model_path()
+    model = load_model(gguf)
+    tok = model.tokenizer
+    prompts = make_prompts(tok, max(args.ks), args.prompt_len, seed=args.seed)  # == bench.throughput's prompts
+    lengths = mixed_lengths(args.latency_requests, args.seed)  # == bench.latency's mix
+    lat_prompts = make_prompts(tok, args.latency_requests, lengths, seed=args.seed)
+    arrivals = poisson_arrivals(args.rate, args.latency_requests, args.seed)
+    ctx = 1024 * -(-(max(lengths + [args.prompt_len]) + max(args.new_tokens, args.latency_new_tokens) + 1) // 1024)
+    tmp = Path(tempfile.gettempdir())
+    notes: dict[str, str] = {}
+    systems: list[System] = []
+
+    with contextlib.ExitStack() as stack:
+        def serve(name: str, cmd: list[str], ready: str, make) -> None:
+            try:
+                stack.enter_context(server_process(cmd, ready, args.server_timeout, log=tmp / f"peers-{name}.log"))
+                systems.append(make())
+            except (RuntimeError, OSError) as e:
+                notes[name] = f"could not start: {str(e).splitlines()[0]}"
+
+        if "jaxstation" in args.only:
+            why = station_available()
+            if why is None:
+                port = free_port()
+                base = f"http://127.0.0.1:{port}"
+                serve("jaxstation", station_cmd(port, args.slots, ctx), f"{base}/ready", lambda b=base: Station(b))
+            else:
+                notes["jaxstation"] = why
+            if not any(s.name == "jaxstation" for s in systems):
+                notes["jaxstation"] = notes.get("jaxstation", "") + "; ran the Scheduler in-process instead"
+                systems.append(DirectStation(model, args.slots, ctx))
+        if "llama-server" in args.only:
+            binary = find_llama_server(args.llama_server)
+            if binary is None:
+                notes["llama-server"] = "not built: run scripts/build_llama_server.sh (or pass --llama-server)"
+            else:
+                port = free_port()
+                base = f"http://127.0.0.1:{port}"
+                cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(args.slots),
+                       "-c", str(ctx * args.slots), "-t", str(args.threads)]
+                serve("llama-server", cmd, f"{base}/health", lambda b=base: LlamaServer(b))
+        if "llama-cpp-python" in args.only:
+            if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("uvicorn") is None:
+                notes["llama-cpp-python"] = "not installed: pip install 'llama-cpp-python[server]'"
+            else:
+                port = free_port()
+                base = f"http://127.0.0.1:{port}"
+                cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+                       "--port", str(port), "--n_ctx", str(ctx), "--n_threads", str(args.threads)]
+                serve("llama-cpp-python", cmd, f"{base}/v1/models", lambda b=base: LlamaCppPython(b))
+        if "transformers" in args.only:
+            if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None:
+                notes["transformers"] = "not installed: pip install transformers torch"
+            else:
+                try:
+                    systems.append(Transformers(gguf))
+                except Exception as e:
+                    notes["transformers"] = f"could not load the GGUF: {type(e).__name__}: {str(e)[:300]}"
+        for name, note in notes.items():
+            print(f"{name}: {note}")
+
+        for s in systems:  # warm-up, not measured
+            s.run(prompts[:max(args.ks)], 4)
+        tput: dict[str, dict[int, list[float]]] = {s.name: {k: [] for k in args.ks} for s in systems}
+        for rep in range(args.reps):
+            order = systems[rep % len(systems):] + systems[:rep % len(systems)]  # rotate who goes first
+            for s in order:
+                for k in args.ks:
+                    wall, generated = s.run(prompts[:k], args.new_tokens)
+                    tput[s.name][k].append(generated / wall)
+                    print(f"rep {rep} {s.name:17s} K={k}: {generated / wall:7.1f} tok/s ({generated} tokens)")
+        latency = {}
+        if not args.no_latency:
+            for s in systems:
+                if not s.serves_http and s.name == "transformers":
+                    latency[s.name] = {"skipped": "not a server"}
+                    continue
+                latency[s.name] = latency_run(s, lat_prompts, arrivals, args.latency_new_tokens)
+                print(f"latency {s.name:17s}: e2e p50 {latency[s.name]['e2e_s']['p50']:.2f}s "
+                      f"p99 {latency[s.name]['e2e_s']['p99']:.2f}s  {latency[s.name]['achieved_tokens_per_s']:.1f} "
+                      f"tok/s  failed {latency[s.name]['failed']}")
+        for s in systems:
+            if isinstance(s, DirectStation):
+                s.sched.drain(5)
+
+    rows = []
+    for name in SYSTEMS:
+        row: dict = {"system": name, "note": notes.get(name)}
+        if name in tput:
+            row["tokens_per_s"] = {str(k): med_spread(v) for k, v in tput[name].items()}
+            row["best_tokens_per_s"] = max(med_spread(v)["median"] for v in tput[name].values())
+        if name in latency:
+            row["latency"] = latency[name]
+        rows.append(row)
+    by = {r["system"]: r for r in rows}
+    ratios = {}
+    if "best_tokens_per_s" in by["jaxstation"]:
+        for name in SYSTEMS[1:]:
+            if "best_tokens_per_s" in by[name]:
+                ratios[f"jaxstation_best_over_{name}_best"] = by["jaxstation"]["best_tokens_per_s"] / \
+                    by[name]["best_tokens_per_s"]
+
+    ks = args.ks
+    print("\n| system | " + " | ".join(f"K={k} tok/s" for k in ks) + " | best | latency e2e p50 / p99 s | "
+          "latency tok/s | note |")
+    print("|---|" + "---:|" * (len(ks) + 3) + "---|")
+    for r in rows:
+        cells = [f"{r['tokens_per_s'][str(k)]['median']:.1f}" if "tokens_per_s" in r else "-" for k in ks]
+        best = f"{r['best_tokens_per_s']:.1f}" if "best_tokens_per_s" in r else "-"
+        lat = r.get("latency") or {}
+        e2e = f"{lat['e2e_s']['p50']:.2f} / {lat['e2e_s']['p99']:.2f}" if lat.get("e2e_s", {}).get("p50") else "-"
+        ltps = f"{lat['achieved_tokens_per_s']:.1f}" if "achieved_tokens_per_s" in lat else "-"
+        print(f"| {r['system']} | " + " | ".join(cells) + f" | {best} | {e2e} | {ltps} | {r['note'] or ''} |")
+    print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
+    path = write_result("peers", {"config": dict(vars(args)), "model": str(gguf), "rows": rows, "ratios": ratios})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

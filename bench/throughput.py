@@ -1,0 +1,227 @@
+"""Aggregate decode throughput at K concurrent requests, through the Scheduler directly and over HTTP /generate.
+
+Greedy, a fixed prompt set (random English from a fixed seed, encoded by the model's tokenizer), 128 new tokens, no
+early stop. Direct: one Engine with lanes = max K (continuous batching); wall time from the first submit to the last
+result; aggregate = tokens generated / wall. HTTP: a station subprocess (`python -m jaxstation serve`) and K client
+threads. Per K: tokens/s (median and spread over --reps, warm-up excluded), ratio to K=1, mean lanes busy per decode
+wave, and scheduler overhead = (wall - time inside engine.decode/prefill) / that step time.
+
+Usage:
+  python -m bench.throughput                    # K = 1 2 4 8 16 32, 128 new tokens, 3 reps, direct + HTTP
+  python -m bench.throughput --quick            # K = 1 2, 16 new tokens, 1 rep (smoke run)
+  python -m bench.throughput --ks 1 8 --no-http --engine-lanes k   # an engine sized to each K instead
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import write_result
+from bench.workload import (
+    StepTimer,
+    concurrent_run,
+    free_port,
+    make_prompts,
+    med_spread,
+    server_process,
+    station_available,
+    station_cmd,
+    station_generate,
+)
+
+
+def seq_len(prompt_len: int, new: int, chunk: int, block: int) -> int:
+    unit = math.lcm(chunk, block)
+    return unit * math.ceil((prompt_len + new + 1) / unit)
+
+
+def direct(args, model, prompts) -> dict:
+    from jaxstation.engine import Engine
+    from jaxstation.scheduler import Job, Scheduler
+
+    max_seq = seq_len(args.prompt_len, args.new_tokens, args.chunk, args.block)
+    stations: dict[int, tuple] = {}
+
+    def station(k: int):
+        lanes = max(args.ks) if args.engine_lanes == "max" else k
+        if lanes not in stations:
+            engine = Engine(model, lanes=lanes, max_seq=max_seq, chunk=args.chunk, block=args.block)
+            engine.warmup()
+            timer = StepTimer(engine)
+            sched = Scheduler(engine, continuous=True, max_queue=4 * lanes, terminal_ids=frozenset())
+            sched.start()
+            stations[lanes] = (sched, timer)
+            run(k, min(8, args.new_tokens))  # warm-up: not measured
+        return stations[lanes]
+
+    def run(k: int, new: int) -> dict:
+        sched, timer = station(k)
+        timer.reset()
+        waves0 = sched.waves
+        jobs = [Job(tokens=prompts[i], max_new_tokens=new, stop_ids=frozenset()) for i in range(k)]
+        t0 = time.perf_counter()
+        futures = [sched.submit(j) for j in jobs]
+        results = [f.result() for f in futures]
+        wall = time.perf_counter() - t0
+        generated = sum(len(r.generated) for r in results)
+        short = [len(r.generated) for r in results if len(r.generated) != new]
+        step = timer.step_s
+        return {"wall_s": wall, "generated": generated, "tokens_per_s": generated / wall,
+                "waves": sched.waves - waves0, "step_s": step, "overhead_frac": (wall - step) / step,
+                "mean_busy": timer.mean_busy(), "decode_waves": len(timer.decode_s),
+                "decode_ms_median": 1e3 * med_spread(timer.decode_s)["median"], "short_requests": short}
+
+    reps: dict[int, list[dict]] = {k: [] for k in args.ks}
+    for rep in range(args.reps):
+        for k in args.ks:
+            r = run(k, args.new_tokens)
+            reps[k].append(r)
+            print(f"direct rep {rep} K={k:2d}: {r['tokens_per_s']:7.1f} tok/s  wall {r['wall_s']:6.2f}s  "
+                  f"busy {r['mean_busy']:.2f}  overhead {100 * r['overhead_frac']:.1f}%"
+                  + (f"  SHORT {r['short_requests']}" if r["short_requests"] else ""))
+    for sched, _ in stations.values():
+        sched.drain(5)
+    return summarize(args, reps, max_seq=max_seq)
+
+
+def summarize(args, reps: dict[int, list[dict]], **extra) -> dict:
+    rows = []
+    base = None
+    for k in args.ks:
+        runs = reps[k]
+        tps = med_spread([r["tokens_per_s"] for r in runs])
+        if k == args.ks[0]:
+            base = tps["median"]
+        row = {"k": k, "tokens_per_s": tps, "ratio_to_first": tps["median"] / base if base else None}
+        for key in ("overhead_frac", "mean_busy", "decode_ms_median"):
+            vals = [r[key] for r in runs if r.get(key) is not None]
+            row[key] = med_spread(vals) if vals else None
+        row["runs"] = runs
+        rows.append(row)
+    return {"rows": rows, **extra}
+
+
+_METRIC = re.compile(r'^(jaxstation_step_seconds_count\{kind="decode"\}|jaxstation_generated_tokens_total) ([0-9.e+]+)',
+                     re.M)
+
+
+def scrape(client, base: str) -> dict | None:
+    """Decode-wave count and generated-token count from the station's /metrics, if it serves them."""
+    try:
+        text = client.get(f"{base}/metrics", timeout=10).text
+    except Exception:
+        return None
+    found = {m.group(1).split("{")[0]: float(m.group(2)) for m in _METRIC.finditer(text)}
+    return found if len(found) == 2 else None
+
+
+def http(args, prompts) -> dict:
+    import httpx
+
+    why = station_available()
+    if why:
+        return {"skipped": why}
+    lanes = max(args.ks)
+    max_seq = seq_len(args.prompt_len, args.new_tokens, args.chunk, args.block)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = Path(tempfile.gettempdir()) / f"jaxstation-bench-station-{port}.log"
+    cmd = station_cmd(port, lanes, max_seq, args.chunk, args.block, max_queue=4 * lanes, dtype=args.dtype)
+    try:
+        with server_process(cmd, f"{base}/ready", timeout_s=args.server_timeout, log=log), httpx.Client() as client:
+            call = lambda c, t, n: station_generate(c, base, t, n)  # noqa: E731
+            concurrent_run(call, prompts[:lanes], min(8, args.new_tokens))  # warm-up
+            reps: dict[int, list[dict]] = {k: [] for k in args.ks}
+            for rep in range(args.reps):
+                for k in args.ks:
+                    before = scrape(client, base)
+                    wall, replies = concurrent_run(call, prompts[:k], args.new_tokens)
+                    after = scrape(client, base)
+                    generated = sum(r["n_generated"] for r in replies)
+                    busy = None
+                    if before and after:
+                        waves = after["jaxstation_step_seconds_count"] - before["jaxstation_step_seconds_count"]
+                        # every request's first token comes from its prefill, the rest from decode waves
+                        decoded = after["jaxstation_generated_tokens_total"] - \
+                            before["jaxstation_generated_tokens_total"] - k
+                        busy = decoded / waves if waves else None
+                    short = [r["n_generated"] for r in replies if r["n_generated"] != args.new_tokens]
+                    r = {"wall_s": wall, "generated": generated, "tokens_per_s": generated / wall, "mean_busy": busy,
+                         "short_requests": short,
+                         "server_queue_s_median": med_spread([x["timing"]["queue_s"] for x in replies])["median"]}
+                    reps[k].append(r)
+                    print(f"http   rep {rep} K={k:2d}: {r['tokens_per_s']:7.1f} tok/s  wall {wall:6.2f}s"
+                          + (f"  busy {busy:.2f}" if busy is not None else "")
+                          + (f"  SHORT {short}" if short else ""))
+    except (RuntimeError, OSError) as e:
+        print(f"http: skipped: {e}")
+        return {"skipped": str(e)[:2000]}
+    return summarize(args, reps, max_seq=max_seq, lanes=lanes)
+
+
+def print_table(name: str, res: dict) -> None:
+    if "skipped" in res:
+        print(f"\n{name}: skipped ({res['skipped'].splitlines()[0]})")
+        return
+    print(f"\n{name}:\n|  K | tok/s (median) | spread | ratio to K={res['rows'][0]['k']} | lanes busy | overhead |")
+    print("|---:|---:|---|---:|---:|---:|")
+    for row in res["rows"]:
+        t = row["tokens_per_s"]
+        busy = f"{row['mean_busy']['median']:.2f}" if row.get("mean_busy") else "-"
+        ov = f"{100 * row['overhead_frac']['median']:.1f}%" if row.get("overhead_frac") else "-"
+        print(f"| {row['k']:2d} | {t['median']:.1f} | {t['min']:.1f}-{t['max']:.1f} | {row['ratio_to_first']:.2f} "
+              f"| {busy} | {ov} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="concurrency levels")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--chunk", type=int, default=32)
+    ap.add_argument("--block", type=int, default=128)
+    ap.add_argument("--engine-lanes", choices=("max", "k"), default="max",
+                    help="direct: one engine with lanes = max K (default), or one engine per K with lanes = K")
+    ap.add_argument("--overhead-k", type=int, default=8, help="K at which scheduler overhead is reported")
+    ap.add_argument("--no-direct", action="store_true")
+    ap.add_argument("--no-http", action="store_true")
+    ap.add_argument("--server-timeout", type=float, default=300.0)
+    ap.add_argument("--quick", action="store_true", help="K = 1 2, 16 new tokens, 1 rep")
+    args = ap.parse_args()
+    if args.quick:
+        args.ks, args.new_tokens, args.reps = [1, 2], 16, 1
+    args.ks = sorted(set(args.ks))
+
+    from jaxstation.loader import load_model
+
+    model = load_model(dtype=args.dtype)
+    prompts = make_prompts(model.tokenizer, max(args.ks), args.prompt_len, seed=args.seed)
+    out = {"config": {k: v for k, v in vars(args).items()}, "model": str(model.source)}
+    out["direct"] = {"skipped": "--no-direct"} if args.no_direct else direct(args, model, prompts)
+    out["http"] = {"skipped": "--no-http"} if args.no_http else http(args, prompts)
+
+    targets = {}
+    for name in ("direct", "http"):
+        rows = {r["k"]: r for r in out[name].get("rows", [])}
+        if 1 in rows and 8 in rows:
+            targets[f"{name}_k8_over_k1"] = rows[8]["ratio_to_first"]
+        if name == "direct" and args.overhead_k in rows and rows[args.overhead_k].get("overhead_frac"):
+            targets[f"direct_overhead_frac_k{args.overhead_k}"] = rows[args.overhead_k]["overhead_frac"]["median"]
+    out["targets"] = targets
+    print_table("direct (Scheduler)", out["direct"])
+    print_table("HTTP /generate", out["http"])
+    print("targets:", {k: round(v, 3) for k, v in targets.items()}, "(want k8/k1 >= 5 direct, >= 4.5 http; "
+          "overhead <= 0.10)")
+    print(f"wrote {write_result('throughput', out)}")
+
+
+if __name__ == "__main__":
+    main()
