@@ -31,6 +31,7 @@ from starlette.routing import Route
 from jaxstation.engine import Engine, SamplingParams
 from jaxstation.loader import LoadedModel, load_model
 from jaxstation.metrics import StationMetrics
+from jaxstation.openai_api import openai_middleware, openai_routes
 from jaxstation.scheduler import Cancelled, Job, QueueFull, Result, Scheduler, ShuttingDown, StepFailed
 from jaxstation.settings import StationConfig, check_memory
 
@@ -347,7 +348,7 @@ def create_app(station: Station) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),
-    ], lifespan=lifespan)
+    ] + openai_routes(station), lifespan=lifespan, middleware=openai_middleware(station))
 
 
 # ---- serving -----------------------------------------------------------------------------------------------------

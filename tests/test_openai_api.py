@@ -1,0 +1,364 @@
+"""The OpenAI-compatible routes, driven by the official `openai` client against a real uvicorn on loopback.
+
+One continuous-batching station on the default model (4 lanes, 512 positions) serves the module; the auth test starts
+a second station with an API key on the same loaded model. Token counts stay small to keep the module fast.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+from server_util import ServerThread, metric, raw_post, wait_for
+
+from jaxstation.loader import LoadedModel
+from jaxstation.openai_api import render_chat
+from jaxstation.server import Station, create_app
+from jaxstation.settings import StationConfig
+
+SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
+READY_S = 120
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+CHINESE = [{"role": "user", "content": "Say hello in Chinese."}]
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def make_station(model: LoadedModel, **overrides) -> Station:
+    return Station(StationConfig(**{**SHAPE, "continuous": True, "drain_s": 5, **overrides}), model=model)
+
+
+def wait_ready(client: httpx.Client) -> None:
+    wait_for(lambda: client.get("/ready").status_code == 200, READY_S, "the station did not turn ready", 0.1)
+
+
+def openai_client(server: ServerThread, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def station(default_model: LoadedModel):
+    st = make_station(default_model)
+    with ServerThread(create_app(st)) as server, server.client() as http:
+        wait_ready(http)
+        yield st, server, http, openai_client(server)
+
+
+def cancelled_total(http: httpx.Client) -> float:
+    return metric(http.get("/metrics").text, "jaxstation_requests_total", {"outcome": "cancelled"})
+
+
+def chat_text(client: openai.OpenAI, messages: list[dict], **kw) -> openai.types.chat.ChatCompletion:
+    return client.chat.completions.create(model=MODEL, messages=messages, **kw)
+
+
+def stream_chat(client: openai.OpenAI, messages: list[dict], **kw) -> tuple[list[str], str | None, object]:
+    """(content pieces, finish_reason, usage) of a streamed chat completion with one choice."""
+    pieces, finish, usage, roles = [], None, None, []
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, stream=True, **kw):
+        assert chunk.object == "chat.completion.chunk" and chunk.model == MODEL and chunk.id.startswith("chatcmpl-")
+        if chunk.usage is not None:
+            assert chunk.choices == []
+            usage = chunk.usage
+        for c in chunk.choices:
+            if c.delta.role:
+                roles.append(c.delta.role)
+            if c.delta.content:
+                pieces.append(c.delta.content)
+            if c.finish_reason:
+                finish = c.finish_reason
+    assert roles == ["assistant"]
+    return pieces, finish, usage
+
+
+# ---- basics ------------------------------------------------------------------------------------------------------
+def test_models_tokenize_detokenize(station) -> None:
+    st, _, http, client = station
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    r = http.post("/tokenize", json={"prompt": "Hello world"})
+    assert r.status_code == 200, r.text
+    tokens = r.json()["tokens"]
+    assert r.json()["count"] == len(tokens) and r.json()["max_model_len"] == 512
+    assert http.post("/detokenize", json={"tokens": tokens}).json() == {"prompt": "Hello world"}
+    r = http.post("/tokenize", json={"messages": CAPITAL})
+    assert r.json()["tokens"] == render_chat(st.model.tokenizer, CAPITAL)
+
+
+def test_completion_stream_equals_non_stream(station) -> None:
+    _, _, http, client = station
+    kw = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
+    full = client.completions.create(**kw)
+    assert full.object == "text_completion" and full.id.startswith("cmpl-") and full.model == MODEL
+    (choice,) = full.choices
+    assert choice.finish_reason == "length" and choice.text
+    assert full.usage.completion_tokens == 12 and full.usage.total_tokens == full.usage.prompt_tokens + 12
+
+    pieces, finish, usage = [], None, None
+    for chunk in client.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        assert chunk.object == "text_completion" and chunk.model == MODEL
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            pieces.append(c.text)
+            finish = c.finish_reason or finish
+    assert "".join(pieces) == choice.text and finish == "length"
+    assert usage is not None and usage.model_dump() == full.usage.model_dump()
+
+    # the raw wire format: data lines, blank-line separated, ending with [DONE]
+    with http.stream("POST", "/v1/completions", json={**kw, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-2]) == choice.text
+
+
+def test_chat_stream_equals_non_stream(station) -> None:
+    _, _, _, client = station
+    full = chat_text(client, CAPITAL, max_tokens=16, temperature=0)
+    assert full.object == "chat.completion" and full.id.startswith("chatcmpl-") and full.model == MODEL
+    (choice,) = full.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    pieces, finish, usage = stream_chat(client, CAPITAL, max_tokens=16, temperature=0,
+                                        stream_options={"include_usage": True})
+    assert "".join(pieces) == choice.message.content and finish == choice.finish_reason
+    assert usage.model_dump() == full.usage.model_dump()
+
+
+def test_greedy_chat_equals_generate(station) -> None:
+    st, _, http, client = station
+    tok = st.model.tokenizer
+    ids = render_chat(tok, CAPITAL)
+    r = http.post("/generate", json={"tokens": ids, "max_new_tokens": 24})
+    assert r.status_code == 200, r.text
+    gen = r.json()
+    full = chat_text(client, CAPITAL, max_completion_tokens=24, temperature=0)
+    assert full.choices[0].message.content == tok.decode(gen["generated"], skip_special_tokens=True)
+    assert full.choices[0].finish_reason == gen["finish_reason"]
+    assert full.usage.prompt_tokens == len(ids) and full.usage.completion_tokens == len(gen["generated"])
+
+
+# ---- sampling parameters -----------------------------------------------------------------------------------------
+def test_n3_and_seeds(station) -> None:
+    _, _, _, client = station
+    kw = {"model": MODEL, "prompt": "My favourite colour is", "max_tokens": 8, "temperature": 1.0}
+    r = client.completions.create(**kw, n=3, seed=5)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert 3 <= r.usage.completion_tokens <= 24  # the prompt counts once, the three choices all count
+    # choice i runs with seed + i, so it equals a single request with that seed
+    singles = [client.completions.create(**kw, seed=5 + i).choices[0].text for i in range(3)]
+    assert [c.text for c in r.choices] == singles
+    assert len(set(singles)) > 1  # different seeds sample differently
+
+
+def test_seeded_sampling_is_reproducible(station) -> None:
+    _, _, _, client = station
+    kw = {"max_tokens": 12, "temperature": 0.9, "top_p": 0.95, "seed": 1234}
+    a = chat_text(client, CAPITAL, **kw).choices[0].message.content
+    b = chat_text(client, CAPITAL, **kw).choices[0].message.content
+    pieces, _, _ = stream_chat(client, CAPITAL, **kw)
+    assert a == b == "".join(pieces)
+    extra = client.chat.completions.create(model=MODEL, messages=CAPITAL, **kw, extra_body={"top_k": 40, "min_p": 0.0})
+    assert extra.choices[0].message.content  # the vLLM extras are accepted
+
+
+def test_stop_strings_across_token_boundaries(station) -> None:
+    _, _, _, client = station
+    kw = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
+    full = client.completions.create(**kw, logprobs=0).choices[0]
+    text, offsets = full.text, full.logprobs.text_offset
+    # a stop string that straddles a token boundary, found first at that boundary
+    boundary = next(o for o in offsets[2:] if text.find(text[o - 2:o + 2]) == o - 2 and text[o - 2:o + 2].strip())
+    stop = text[boundary - 2:boundary + 2]
+    r = client.completions.create(**kw, stop=[stop, "never appears"])
+    assert r.choices[0].text == text[:boundary - 2] and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 16
+    pieces = [c.choices[0].text for c in client.completions.create(**kw, stop=stop, stream=True) if c.choices]
+    assert "".join(pieces) == text[:boundary - 2]
+
+
+def test_prompt_lists_and_n(station) -> None:
+    st, _, _, client = station
+    kw = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+    r = client.completions.create(**kw, prompt=["Hello, my name is", "The sky is"], n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]  # prompt p, choice j -> index p * n + j
+    alone = [client.completions.create(**kw, prompt=p).choices[0].text for p in ("Hello, my name is", "The sky is")]
+    assert [c.text for c in r.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    ids = st.model.tokenizer.encode("The sky is")
+    assert client.completions.create(**kw, prompt=ids).choices[0].text == alone[1]
+    assert r.usage.prompt_tokens == len(st.model.tokenizer.encode("Hello, my name is")) + len(ids)
+
+
+def test_stop_token_ids(station) -> None:
+    st, _, http, client = station
+    tok = st.model.tokenizer
+    ids = tok.encode("The capital of France is")
+    gen = http.post("/generate", json={"tokens": ids, "max_new_tokens": 10}).json()["generated"]
+    stop_id = gen[3]
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0,
+                                  extra_body={"stop_token_ids": [stop_id]})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == tok.decode(gen[:gen.index(stop_id)])
+
+
+def test_logprobs(station) -> None:
+    _, _, _, client = station
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens == 6
+    assert "".join(lp.tokens) == r.choices[0].text
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 2 and chosen <= 0 and max(top.values()) == pytest.approx(chosen)  # greedy: the top one
+
+    c = chat_text(client, CAPITAL, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2).choices[0]
+    content = c.logprobs.content
+    assert len(content) == 6
+    assert b"".join(bytes(e.bytes) for e in content).decode() == c.message.content
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+    streamed = []
+    for chunk in client.chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=6, temperature=0,
+                                                stream=True, logprobs=True, top_logprobs=2):
+        for ch in chunk.choices:
+            if ch.logprobs and ch.logprobs.content:
+                streamed += [(e.token, e.logprob) for e in ch.logprobs.content]
+    assert streamed == [(e.token, e.logprob) for e in content]
+
+
+def test_utf8_stream_pieces_equal_the_text(station) -> None:
+    st, _, http, client = station
+    tok = st.model.tokenizer
+    # the serial run: this prompt makes the model write CJK characters, split over byte-level tokens
+    gen = http.post("/generate", json={"tokens": render_chat(tok, CHINESE), "max_new_tokens": 20}).json()
+    serial = tok.decode(gen["generated"], skip_special_tokens=True)
+    assert any(ord(ch) > 127 for ch in serial)
+    full = chat_text(client, CHINESE, max_tokens=20, temperature=0).choices[0].message.content
+    assert full == serial
+    pieces, _, _ = stream_chat(client, CHINESE, max_tokens=20, temperature=0)
+    assert "".join(pieces) == full
+    assert all("\ufffd" not in p for p in pieces)
+
+
+# ---- concurrency and disconnects ---------------------------------------------------------------------------------
+def test_eight_concurrent_streams(station) -> None:
+    _, _, _, client = station
+    prompts = [[{"role": "user", "content": f"Count to {i + 2}."}] for i in range(8)]
+    expected = [chat_text(client, p, max_tokens=10, temperature=0).choices[0].message.content for p in prompts]
+    got: list[str | None] = [None] * 8
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            pieces, finish, _ = stream_chat(client, prompts[i], max_tokens=10, temperature=0)
+            assert finish in ("stop", "length")
+            got[i] = "".join(pieces)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert got == expected
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_frees_the_lane(station, stream: bool) -> None:
+    st, server, http, _ = station
+    wait_for(lambda: st.scheduler.busy_lanes == 0, 10, "an earlier test left a lane busy")
+    before = cancelled_total(http)
+    body = json.dumps({"model": MODEL, "messages": CAPITAL, "max_tokens": 400, "temperature": 0, "stream": stream,
+                       "stop": "never appears"})
+    sock = raw_post(server.address, "/v1/chat/completions", body.encode())
+    wait_for(lambda: st.scheduler.busy_lanes == 1, 10, "the request did not take a lane")
+    if stream:
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # the stream has started
+    sock.close()
+    wait_for(lambda: st.scheduler.busy_lanes == 0, 10, "the lane was not freed")
+    wait_for(lambda: cancelled_total(http) == before + 1, 5, "the job was not counted as cancelled")
+
+
+# ---- auth and errors ---------------------------------------------------------------------------------------------
+def test_auth_off_needs_no_key(station) -> None:
+    _, _, http, _ = station
+    assert http.get("/v1/models").status_code == 200
+    assert http.post("/tokenize", json={"prompt": "hi"}).status_code == 200
+
+
+def test_auth_on(default_model: LoadedModel) -> None:
+    st = make_station(default_model, api_key="s3cret")
+    with ServerThread(create_app(st)) as server, server.client() as http:
+        assert http.get("/health").status_code == 200
+        wait_ready(http)  # /ready needs no key either
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/generate"),
+                             ("GET", "/metrics"), ("POST", "/tokenize")):
+            r = http.request(method, path, json={})
+            assert r.status_code == 401, (path, r.text)
+            assert r.json()["error"]["code"] == "invalid_api_key" and r.json()["error"]["type"]
+        with pytest.raises(openai.AuthenticationError):
+            openai_client(server, "wrong").models.list()
+        client = openai_client(server, "s3cret")
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
+        assert r.usage.completion_tokens == 2
+        headers = {"Authorization": "Bearer s3cret"}
+        assert http.post("/generate", json={"tokens": [1, 2], "max_new_tokens": 1}, headers=headers).status_code == 200
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 6}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "n": 9}, "n"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 600}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "frequency_penalty": 1}, "frequency_penalty"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "temperature": 3}, "temperature"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+])
+def test_unsupported_or_invalid_field_is_400(station, route: str, body: dict, param: str) -> None:
+    _, _, http, _ = station
+    r = http.post(route, json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_openai_client_sees_400_and_neutral_penalties_pass(station) -> None:
+    _, _, _, client = station
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"5": 1})
+    assert "logit_bias" in str(e.value)
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=2, presence_penalty=0, frequency_penalty=0,
+                                  user="someone")
+    assert r.usage.completion_tokens >= 1
+
+
+def test_queue_full_is_503_with_retry_after(default_model: LoadedModel) -> None:
+    st = make_station(default_model, continuous=False, max_queue=1)
+    long = json.dumps({"tokens": [1, 2, 3], "max_new_tokens": 400}).encode()
+    with ServerThread(create_app(st)) as server, server.client() as http:
+        wait_ready(http)
+        running = raw_post(server.address, "/generate", long)
+        wait_for(lambda: st.scheduler.busy_lanes == 1, 10, "the first request did not start")
+        queued = raw_post(server.address, "/generate", long)
+        wait_for(lambda: len(st.scheduler.pending) == 1, 10, "the second request was not queued")
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1, r.text
+        assert "queue is full" in r.json()["error"]["message"]
+        with pytest.raises(openai.InternalServerError):
+            openai_client(server).chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=2, n=2)
+        running.close()
+        queued.close()
+        wait_for(lambda: st.scheduler.busy_lanes == 0 and not st.scheduler.pending, 10, "lanes not freed")
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
