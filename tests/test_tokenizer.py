@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import gguf
 import numpy as np
 import pytest
 
@@ -14,18 +15,12 @@ from jaxstation.tokenizer import IncrementalDetokenizer, Tokenizer
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
 
-gguf = pytest.importorskip("gguf")
-
 
 @pytest.fixture(scope="module")
 def reader():
     from jaxstation.default_model import default_model_path
 
-    try:
-        path = default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    return gguf.GGUFReader(path)
+    return gguf.GGUFReader(default_model_path())
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +30,7 @@ def tok(reader) -> Tokenizer:
 
 def _reference(name: str) -> Path:
     path = REFERENCE / name
-    if not path.is_file():
-        pytest.skip(f"reference file {path} missing")
+    assert path.is_file(), f"reference file {path} is missing"
     return path
 
 
