@@ -30,6 +30,7 @@ from bench.workload import (
     make_prompts,
     med_spread,
     mixed_lengths,
+    open_loop,
     percentiles,
     poisson_arrivals,
     server_process,
@@ -112,18 +113,8 @@ def load_http(base: str, prompts, arrivals, new_tokens: int) -> dict:
             with lock:
                 results.append((i, r))
 
-    threads = []
-    t0 = time.perf_counter()
-    for i, at in enumerate(arrivals):
-        delay = t0 + at - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        t = threading.Thread(target=one, args=(i,), daemon=True)
-        t.start()
-        threads.append(t)
-    for t in threads:
-        t.join()
-    return figures(results, None, prompts, rejected[0], time.perf_counter() - t0)
+    wall = open_loop(arrivals, one)
+    return figures(results, None, prompts, rejected[0], wall)
 
 
 def scenario(sched, chunk: int, decoders: int, long_len: int, base_tokens: int, tail_tokens: int, tokenizer,

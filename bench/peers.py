@@ -42,6 +42,7 @@ from bench.workload import (
     make_prompts,
     med_spread,
     mixed_lengths,
+    open_loop,
     percentiles,
     poisson_arrivals,
     server_process,
@@ -188,18 +189,7 @@ def latency_run(system: System, prompts, arrivals, new: int) -> dict:
             with lock:
                 results.append(r)
 
-    threads = []
-    t0 = time.perf_counter()
-    for i, at in enumerate(arrivals):
-        delay = t0 + at - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        t = threading.Thread(target=one, args=(i,), daemon=True)
-        t.start()
-        threads.append(t)
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = open_loop(arrivals, one)
     generated = sum(r["n_generated"] for r in results)
     return {"completed": len(results), "failed": len(errors), "errors": errors[:3], "wall_s": wall,
             "achieved_tokens_per_s": generated / wall, "e2e_s": percentiles([r["client_s"] for r in results]),

@@ -233,6 +233,22 @@ def concurrent_run(call, prompts: Sequence[list[int]], max_new: int) -> tuple[fl
     return wall, replies  # type: ignore[return-value]
 
 
+def open_loop(arrivals: Sequence[float], one) -> float:
+    """Start `one(i)` in its own thread at each arrival time (seconds from now), wait for all; return the wall time."""
+    threads = []
+    t0 = time.perf_counter()
+    for i, at in enumerate(arrivals):
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        t = threading.Thread(target=one, args=(i,), daemon=True)
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def poisson_arrivals(rate: float, n: int, seed: int) -> list[float]:
     """n arrival offsets (seconds from the start) of a Poisson process at `rate` requests/s."""
     rng = np.random.default_rng(seed)
