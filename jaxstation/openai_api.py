@@ -456,7 +456,7 @@ class _Run:
         cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
         if cut >= 0:
             out, c.held, c.finish = pending[:cut], "", "stop"
-            self.scheduler.cancel(c.job)  # the station stops decoding it within one wave
+            self.scheduler.finish_early(c.job)  # the station retires it as "stop" within one wave
         elif final:
             out, c.held = pending, ""
         else:
@@ -484,7 +484,7 @@ class _Run:
                 get.cancel()
         index, event = get.result()
         c = self.choices[index]
-        if c.finish is not None:  # already ended by a stop string; late tokens and the cancelled result are dropped
+        if c.finish is not None:  # already ended by a stop string; late tokens and its result are dropped
             return None
         if isinstance(event, Sample):
             c.tokens += 1

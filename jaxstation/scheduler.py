@@ -2,10 +2,11 @@
 
 Threads. Request handlers (any thread, e.g. the server's event loop) call `submit`, which appends a Job to a bounded
 pending queue under a condition variable and returns a Future. The one decode thread is the only caller of the
-engine. Each turn of its loop it `schedule()`s: retires cancelled lanes, fills free lanes from the queue, picks at
-most one prefill chunk (the oldest prefilling lane's next one) and the decode wave of every lane past its prompt. It
-runs them, then `postprocess()`es the samples: a lane's token joins its request, which retires on a stop id,
-`terminal_prosody`, `max_new_tokens` or cancellation; its Future is answered and the lane is free for the next fill.
+engine. Each turn of its loop it `schedule()`s: retires cancelled or early-finished lanes, fills free lanes from the
+queue, picks at most one prefill chunk (the oldest prefilling lane's next one) and the decode wave of every lane past
+its prompt. It runs them, then `postprocess()`es the samples: a lane's token joins its request, which retires on a
+stop id, `terminal_prosody`, `max_new_tokens`, `finish_early` (a host matched a stop string) or cancellation; its
+Future is answered and the lane is free for the next fill.
 With no live lane and nothing pending the thread waits on the condition variable: no polling.
 
 Backpressure. The queue holds at most `max_queue` jobs; `submit` past that raises QueueFull (the server answers 503
@@ -69,6 +70,7 @@ class Job:
     future: Future = dataclasses.field(default_factory=Future, repr=False)
     submitted_at: float = 0.0
     cancelled: bool = False
+    stop_requested: bool = False
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this job; its lane is freed within one wave."""
@@ -155,6 +157,13 @@ class Scheduler:
         with self.cond:
             self.cond.notify()
 
+    def finish_early(self, job: Job) -> None:
+        """End a running job with finish_reason "stop" and what it has generated (e.g. a host matched a stop
+        string); its lane is freed within one wave."""
+        job.stop_requested = True
+        with self.cond:
+            self.cond.notify()
+
     def drain(self, timeout_s: float) -> bool:
         """Stop taking work, let queued and running jobs finish for up to timeout_s, fail the rest, stop the thread.
 
@@ -221,11 +230,15 @@ class Scheduler:
         self.metrics.busy_lanes.set(self.busy_lanes)
 
     def schedule(self) -> Plan:
-        """Retire cancelled lanes, then pick this turn's prefill chunk and decode rows."""
+        """Retire cancelled and early-finished lanes, then pick this turn's prefill chunk and decode rows."""
         for i, lane in enumerate(self.lanes):
-            if lane is not None and (lane.job.cancelled or lane.job.future.cancelled()):
+            if lane is None:
+                continue
+            if lane.job.cancelled or lane.job.future.cancelled():
                 self._free(i)
                 self._finish_cancelled(lane.job)
+            elif lane.job.stop_requested:
+                self._retire(i, "stop")
         prefill_lane = self.prefill_order[0] if self.prefill_order else None
         rows: list[DecodeRow | None] = [None] * len(self.lanes)
         for i, lane in enumerate(self.lanes):

@@ -166,16 +166,19 @@ def test_seeded_sampling_is_reproducible(station) -> None:
 
 
 def test_stop_strings_across_token_boundaries(station) -> None:
-    _, _, _, client = station
+    st, _, http, client = station
     kw = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
     full = client.completions.create(**kw, logprobs=0).choices[0]
     text, offsets = full.text, full.logprobs.text_offset
     # a stop string that straddles a token boundary, found first at that boundary
     boundary = next(o for o in offsets[2:] if text.find(text[o - 2:o + 2]) == o - 2 and text[o - 2:o + 2].strip())
     stop = text[boundary - 2:boundary + 2]
+    cancelled_before = cancelled_total(http)
     r = client.completions.create(**kw, stop=[stop, "never appears"])
     assert r.choices[0].text == text[:boundary - 2] and r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens < 16
+    wait_for(lambda: st.scheduler.busy_lanes == 0, 10, "the stopped request kept its lane")
+    assert cancelled_total(http) == cancelled_before  # retired as "stop" by the scheduler, not cancelled
     pieces = [c.choices[0].text for c in client.completions.create(**kw, stop=stop, stream=True) if c.choices]
     assert "".join(pieces) == text[:boundary - 2]
 

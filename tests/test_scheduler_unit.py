@@ -202,6 +202,23 @@ def test_cancel_running_job_frees_its_lane_within_one_wave(stations):
     assert fake.errors == []
 
 
+def test_finish_early_retires_as_stop_with_the_tokens_so_far(stations):
+    fake, sched = stations(lanes=1)
+    a, b = [1], [2]
+    job_a = Job(tokens=a, max_new_tokens=100)
+    job_a.on_token = lambda s: len(sched.lanes[0].samples) == 3 and sched.finish_early(job_a)  # at its 3rd token
+    fa = sched.submit(job_a)
+    fb = sched.submit(Job(tokens=b, max_new_tokens=2))
+    sched.start()
+    ra = fa.result(TIMEOUT)
+    assert (ra.generated, ra.finish_reason) == (expected(a, 3), "stop")
+    assert fb.result(TIMEOUT).generated == expected(b, 2)
+    assert fake.lanes_of(b) == [0]
+    assert sched.metrics.requests.labels("ok")._value.get() == 2
+    assert sched.metrics.requests.labels("cancelled")._value.get() == 0
+    assert fake.errors == []
+
+
 def test_cancel_from_another_thread_mid_wave(stations):
     fake, sched = stations(lanes=1)
     fake.hold()
