@@ -49,6 +49,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxstation.default_model import DEFAULT_GGUF_NAME
 from jaxstation.engine import Sample, SamplingParams
+from jaxstation.http_common import BodyError, is_int, is_number, read_json, until_disconnect
 from jaxstation.sampling import TOP_LOGPROBS
 from jaxstation.scheduler import Cancelled, Job, QueueFull, Result, ShuttingDown, StepFailed
 from jaxstation.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -125,26 +126,18 @@ def openai_middleware(station: Station) -> list[Middleware]:
 
 
 # ---- validation helpers ------------------------------------------------------------------------------------------
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def _neutral(key: str, value: Any, body: dict) -> bool:
     """Whether an otherwise unsupported field holds a value that asks for nothing (so accepting it ignores nothing)."""
     if value is None:
         return True
     if key in ("presence_penalty", "frequency_penalty"):
-        return _is_number(value) and value == 0
+        return is_number(value) and value == 0
     if key == "logit_bias":
         return value == {}
     if key == "echo":
         return value is False
     if key == "best_of":
-        return _is_int(value) and value in (1, body.get("n") or 1)
+        return is_int(value) and value in (1, body.get("n") or 1)
     return False
 
 
@@ -165,7 +158,7 @@ def _opt_int(body: dict, key: str, lo: int, hi: int | None = None) -> int | None
     v = body.get(key)
     if v is None:
         return None
-    if not _is_int(v) or v < lo or (hi is not None and v > hi):
+    if not is_int(v) or v < lo or (hi is not None and v > hi):
         rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
         raise _bad(key, f"{key} must be an integer {rng}, got {v!r}")
     return v
@@ -175,7 +168,7 @@ def _opt_number(body: dict, key: str, default: float, ok: Callable[[float], bool
     v = body.get(key)
     if v is None:
         return default
-    if not _is_number(v) or not ok(v):
+    if not is_number(v) or not ok(v):
         raise _bad(key, f"{key} must be a number in {rng}, got {v!r}")
     return float(v)
 
@@ -190,7 +183,7 @@ def _opt_bool(body: dict, key: str) -> bool:
 
 
 def _token_ids(value: Any, vocab: int, param: str) -> list[int]:
-    if not isinstance(value, list) or not all(_is_int(t) for t in value):
+    if not isinstance(value, list) or not all(is_int(t) for t in value):
         raise _bad(param, f"{param} must be a list of token ids")
     for t in value:
         if not 0 <= t < vocab:
@@ -240,10 +233,10 @@ def _parse_common(body: dict, chat: bool, prompts: list[list[int]], logprobs: in
     top_k = body.get("top_k")
     if top_k is None or top_k == -1:
         top_k = 0
-    elif not _is_int(top_k) or top_k < 0:
+    elif not is_int(top_k) or top_k < 0:
         raise _bad("top_k", f"top_k must be an integer >= 0 (0 or -1 is off), got {top_k!r}")
     seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or not -(1 << 63) <= seed < (1 << 64)):
+    if seed is not None and (not is_int(seed) or not -(1 << 63) <= seed < (1 << 64)):
         raise _bad("seed", f"seed must be a 64-bit integer, got {seed!r}")
 
     stop = body.get("stop")
@@ -290,7 +283,7 @@ def parse_completion(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: 
         prompts = [tok.encode(prompt)]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = [tok.encode(p) for p in prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         prompts = [_token_ids(prompt, vocab, "prompt")]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
         prompts = [_token_ids(p, vocab, "prompt") for p in prompt]
@@ -545,13 +538,6 @@ class _Disconnected(Exception):
     pass
 
 
-async def _until_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 class _SSEResponse(StreamingResponse):
     """A StreamingResponse that runs `on_close` however the stream ends (finished, failed or the client gone)."""
 
@@ -598,27 +584,17 @@ def openai_routes(station: Station) -> list[Route]:
             msg = f"the station failed to start: {station.load_error}" if station.load_error else "not ready yet"
             raise _busy(msg)
 
-    async def read_json(request: Request) -> Any:
-        limit = station.config.max_body_bytes
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes", "body", "too_large")
-            chunks.append(chunk)
-
-        def reject_constant(name: str) -> None:
-            raise ValueError(f"{name} is not valid JSON")
-
+    async def read_body(request: Request) -> Any:
         try:
-            return json.loads(b"".join(chunks), parse_constant=reject_constant)
-        except ValueError as e:
-            raise _bad("body", f"the body is not valid JSON: {e}") from None
+            return await read_json(request, station.config.max_body_bytes)
+        except BodyError as e:
+            code = "too_large" if e.status == 413 else "invalid_value"
+            raise OpenAIError(e.status, e.message, "body", code) from None
 
     async def completions(request: Request, chat: bool) -> Response:
         try:
             check_ready()
-            body = await read_json(request)
+            body = await read_body(request)
             tok = station.model.tokenizer
             parse = parse_chat if chat else parse_completion
             req = parse(body, tok, station.model.cfg.vocab_size, station.config.max_request_tokens, station.eos_ids)
@@ -633,7 +609,7 @@ def openai_routes(station: Station) -> list[Route]:
         return await _complete(request, run, head)
 
     async def _complete(request: Request, run: _Run, head: dict) -> Response:
-        gone = asyncio.ensure_future(_until_disconnect(request))
+        gone = asyncio.ensure_future(until_disconnect(request))
         try:
             while not run.done:
                 await run.next(gone)
@@ -709,7 +685,7 @@ def openai_routes(station: Station) -> list[Route]:
     async def tokenize(request: Request) -> Response:
         try:
             tok = tokenizer()
-            body = await read_json(request)
+            body = await read_body(request)
             if isinstance(body, dict) and "messages" in body:
                 body = _check_fields(body, frozenset({"model", "messages", "add_generation_prompt",
                                                       "add_special_tokens"}))
@@ -729,7 +705,7 @@ def openai_routes(station: Station) -> list[Route]:
     async def detokenize(request: Request) -> Response:
         try:
             tok = tokenizer()
-            body = _check_fields(await read_json(request), frozenset({"model", "tokens"}))
+            body = _check_fields(await read_body(request), frozenset({"model", "tokens"}))
             tokens = _token_ids(body.get("tokens"), station.model.cfg.vocab_size, "tokens")
         except OpenAIError as e:
             return rejected(e)

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import math
 import secrets
 import signal
 import threading
@@ -29,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from jaxstation.engine import Engine, SamplingParams
+from jaxstation.http_common import BodyError, is_int, is_number, read_json, until_disconnect
 from jaxstation.loader import LoadedModel, load_model
 from jaxstation.metrics import StationMetrics
 from jaxstation.openai_api import openai_middleware, openai_routes
@@ -142,38 +141,9 @@ class ApiError(Exception):
 
 
 # ---- request parsing ---------------------------------------------------------------------------------------------
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing (413) past `limit` bytes by Content-Length or by the bytes actually received."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise ApiError(400, f"invalid Content-Length {declared!r}", "body")
-        if int(declared) > limit:
-            raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes", "body")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", "body")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return (isinstance(v, int | float) and not isinstance(v, bool)) and math.isfinite(v)
-
-
 def _token_list(body: dict, field: str, vocab: int, *, allow_empty: bool) -> list[int]:
     value = body[field]
-    if not isinstance(value, list) or not all(_is_int(t) for t in value):
+    if not isinstance(value, list) or not all(is_int(t) for t in value):
         raise ApiError(422, f"{field} must be a list of integers", field)
     if not value and not allow_empty:
         raise ApiError(422, f"{field} must not be empty", field)
@@ -199,7 +169,7 @@ def parse_generate(body: Any, vocab: int, max_request_tokens: int, eos_ids: froz
     tokens = _token_list(body, "tokens", vocab, allow_empty=False)
 
     max_new = body["max_new_tokens"]
-    if not _is_int(max_new):
+    if not is_int(max_new):
         raise ApiError(422, "max_new_tokens must be an integer", "max_new_tokens")
     if max_new < 1:
         raise ApiError(422, f"max_new_tokens must be >= 1, got {max_new}", "max_new_tokens")
@@ -210,7 +180,7 @@ def parse_generate(body: Any, vocab: int, max_request_tokens: int, eos_ids: froz
     temperature = body.get("temperature", 0.0)
     if temperature is None:
         temperature = 0.0
-    if not _is_number(temperature):
+    if not is_number(temperature):
         raise ApiError(422, "temperature must be a finite number", "temperature")
     if temperature < 0:
         raise ApiError(422, f"temperature must be >= 0, got {temperature}", "temperature")
@@ -218,13 +188,13 @@ def parse_generate(body: Any, vocab: int, max_request_tokens: int, eos_ids: froz
     seed = body.get("seed")
     if seed is None:
         seed = secrets.randbelow(_SEED_LIMIT)
-    elif not _is_int(seed) or not 0 <= seed < _SEED_LIMIT:
+    elif not is_int(seed) or not 0 <= seed < _SEED_LIMIT:
         raise ApiError(422, f"seed must be null or an integer in [0, 2**32), got {seed!r}", "seed")
 
     top_k = body.get("top_k")
     if top_k is None:
         top_k = 0
-    elif not _is_int(top_k):
+    elif not is_int(top_k):
         raise ApiError(422, "top_k must be null or an integer", "top_k")
     elif top_k < 0:
         raise ApiError(422, f"top_k must be >= 0 (0 is off), got {top_k}", "top_k")
@@ -232,7 +202,7 @@ def parse_generate(body: Any, vocab: int, max_request_tokens: int, eos_ids: froz
     top_p = body.get("top_p")
     if top_p is None:
         top_p = 1.0
-    elif not _is_number(top_p):
+    elif not is_number(top_p):
         raise ApiError(422, "top_p must be null or a number", "top_p")
     elif not 0 < top_p <= 1:
         raise ApiError(422, f"top_p must be in (0, 1], got {top_p}", "top_p")
@@ -246,14 +216,6 @@ def parse_generate(body: Any, vocab: int, max_request_tokens: int, eos_ids: froz
     return Job(tokens=tokens, max_new_tokens=max_new,
                sampling=SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p), seed=seed),
                stop_ids=eos_ids | frozenset(stop), terminal_prosody=body.get("terminal_prosody", False))
-
-
-async def _until_disconnect(request: Request) -> None:
-    """Return when the client goes away (the body is already read, so receive() only reports a disconnect)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def _retrieve(fut: asyncio.Future) -> None:
@@ -278,11 +240,10 @@ def create_app(station: Station) -> Starlette:
             msg = f"the station failed to start: {station.load_error}" if station.load_error else "not ready yet"
             return rejected(ApiError(503, msg, headers={"Retry-After": str(RETRY_AFTER_S)}))
         try:
-            raw = await _read_body(request, station.config.max_body_bytes)
             try:
-                body = json.loads(raw, parse_constant=_reject_constant)
-            except ValueError as e:  # JSONDecodeError and bad UTF-8 alike
-                raise ApiError(400, f"the body is not valid JSON: {e}", "body") from None
+                body = await read_json(request, station.config.max_body_bytes)
+            except BodyError as e:
+                raise ApiError(e.status, e.message, "body") from None
             job = parse_generate(body, station.model.cfg.vocab_size, station.config.max_request_tokens,
                                  station.eos_ids)
             future = scheduler.submit(job)
@@ -294,7 +255,7 @@ def create_app(station: Station) -> Starlette:
             return rejected(ApiError(503, str(e)))
 
         result_fut = asyncio.wrap_future(future)
-        gone = asyncio.ensure_future(_until_disconnect(request))
+        gone = asyncio.ensure_future(until_disconnect(request))
         try:
             while True:
                 done, _ = await asyncio.wait({result_fut, gone}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)

@@ -1,0 +1,59 @@
+"""Request plumbing shared by the station's /generate route and the OpenAI routes: bounded JSON bodies, type checks
+and disconnect detection. Each API maps `BodyError` into its own error shape."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from starlette.requests import Request
+
+
+class BodyError(Exception):
+    """A body that cannot be read as JSON (400) or is over the size limit (413)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The parsed body, refusing (413) past `limit` bytes by Content-Length or by the bytes actually received, and
+    (400) anything that is not strict JSON (NaN and Infinity included)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise BodyError(400, f"invalid Content-Length {declared!r}")
+        if int(declared) > limit:
+            raise BodyError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks), parse_constant=_reject_constant)
+    except ValueError as e:  # JSONDecodeError and bad UTF-8 alike
+        raise BodyError(400, f"the body is not valid JSON: {e}") from None
+
+
+async def until_disconnect(request: Request) -> None:
+    """Return when the client goes away (the body is already read, so receive() only reports a disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
