@@ -18,6 +18,8 @@ from jaxstation.loader import LoadedModel
 from jaxstation.sampling import SampleOut, SamplingArrays
 from jaxstation.steps import decode_step_batch, prefill_chunk
 
+SEED_LIMIT = 1 << 32  # seeds are 32-bit on the device
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -67,7 +69,7 @@ def _sampling_arrays(rows: Sequence[tuple[SamplingParams, int] | None]) -> Sampl
         top_k=np.array([p.top_k for p, _ in filled], np.int32),
         top_p=np.array([p.top_p for p, _ in filled], np.float32),
         min_p=np.array([p.min_p for p, _ in filled], np.float32),
-        seed=np.array([p.seed & 0xFFFFFFFF for p, _ in filled], np.uint32),
+        seed=np.array([p.seed % SEED_LIMIT for p, _ in filled], np.uint32),
         counter=np.array([c for _, c in filled], np.int32),
     )
 

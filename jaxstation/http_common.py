@@ -9,6 +9,8 @@ from typing import Any
 
 from starlette.requests import Request
 
+RETRY_AFTER_S = 1  # Retry-After on a 503 for a full queue or a station still loading
+
 
 class BodyError(Exception):
     """A body that cannot be read as JSON (400) or is over the size limit (413)."""

@@ -48,8 +48,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxstation.default_model import DEFAULT_GGUF_NAME
-from jaxstation.engine import Sample, SamplingParams
-from jaxstation.http_common import BodyError, is_int, is_number, read_json, until_disconnect
+from jaxstation.engine import SEED_LIMIT, Sample, SamplingParams
+from jaxstation.http_common import RETRY_AFTER_S, BodyError, is_int, is_number, read_json, until_disconnect
 from jaxstation.sampling import TOP_LOGPROBS
 from jaxstation.scheduler import Cancelled, Job, QueueFull, Result, ShuttingDown, StepFailed
 from jaxstation.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -61,9 +61,7 @@ log = logging.getLogger(__name__)
 
 MAX_N = 8
 MAX_STOPS = 16
-RETRY_AFTER_S = 1
 OPEN_PATHS = frozenset({"/health", "/ready"})  # never need the API key
-_SEED_MOD = 1 << 32
 
 _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "user", "stream",
                      "stream_options", "top_k", "min_p", "stop_token_ids", "presence_penalty", "frequency_penalty",
@@ -404,7 +402,7 @@ class _Run:
         req = self.req
         for p, (prompt, max_tokens) in enumerate(zip(req.prompts, req.max_tokens, strict=True)):
             for j in range(req.n):
-                seed = (req.seed + j) % _SEED_MOD if req.seed is not None else secrets.randbelow(_SEED_MOD)
+                seed = (req.seed + j) % SEED_LIMIT if req.seed is not None else secrets.randbelow(SEED_LIMIT)
                 index = len(self.choices)
                 job = Job(tokens=prompt, max_new_tokens=max_tokens,
                           sampling=dataclasses.replace(req.sampling, seed=seed), stop_ids=req.stop_ids,

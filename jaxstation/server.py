@@ -26,8 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from jaxstation.engine import Engine, SamplingParams
-from jaxstation.http_common import BodyError, is_int, is_number, read_json, until_disconnect
+from jaxstation.engine import SEED_LIMIT, Engine, SamplingParams
+from jaxstation.http_common import RETRY_AFTER_S, BodyError, is_int, is_number, read_json, until_disconnect
 from jaxstation.loader import LoadedModel, load_model
 from jaxstation.metrics import StationMetrics
 from jaxstation.openai_api import openai_middleware, openai_routes
@@ -36,8 +36,6 @@ from jaxstation.settings import StationConfig, check_memory
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_S = 1  # Retry-After on 503 for a full queue or a station still loading
-_SEED_LIMIT = 1 << 32  # seeds are 32-bit on the device
 _FIELDS = ("tokens", "max_new_tokens", "temperature", "seed", "top_k", "top_p", "stop_token_ids",
            "terminal_prosody", "resume")
 
@@ -187,8 +185,8 @@ def parse_generate(body: Any, vocab: int, max_request_tokens: int, eos_ids: froz
 
     seed = body.get("seed")
     if seed is None:
-        seed = secrets.randbelow(_SEED_LIMIT)
-    elif not is_int(seed) or not 0 <= seed < _SEED_LIMIT:
+        seed = secrets.randbelow(SEED_LIMIT)
+    elif not is_int(seed) or not 0 <= seed < SEED_LIMIT:
         raise ApiError(422, f"seed must be null or an integer in [0, 2**32), got {seed!r}", "seed")
 
     top_k = body.get("top_k")
