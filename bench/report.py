@@ -31,6 +31,13 @@ def newest(results: Path, kind: str) -> dict | None:
     return data
 
 
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_throughput(plt, data: dict, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, label in (("direct", "Scheduler (in-process)"), ("http", "HTTP /generate")):
@@ -48,11 +55,7 @@ def plot_throughput(plt, data: dict, out: Path) -> Path:
     ax.set_title(f"Throughput vs concurrency ({data['config']['new_tokens']} new tokens, greedy)")
     ax.grid(alpha=0.3)
     ax.legend()
-    path = out / "throughput.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "throughput.png")
 
 
 def plot_latency(plt, data: dict, out: Path) -> Path | None:
@@ -72,11 +75,7 @@ def plot_latency(plt, data: dict, out: Path) -> Path | None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle("Latency under open-loop Poisson load (Scheduler, mixed prompt lengths)")
-    path = out / "latency.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "latency.png")
 
 
 def plot_chunk(plt, data: dict, out: Path) -> Path | None:
@@ -99,11 +98,7 @@ def plot_chunk(plt, data: dict, out: Path) -> Path | None:
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8)
     ax.grid(alpha=0.3)
     ax.set_title("4 lanes decoding while a 512-token prompt prefills")
-    path = out / "prefill_chunk.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "prefill_chunk.png")
 
 
 def plot_roofline(plt, data: dict, out: Path) -> Path:
@@ -125,11 +120,7 @@ def plot_roofline(plt, data: dict, out: Path) -> Path:
     ax.axhline(100, color="gray", lw=0.8, ls="--")
     ax.grid(alpha=0.3, axis="y")
     ax.legend()
-    path = out / "roofline.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "roofline.png")
 
 
 def plot_peers(plt, data: dict, out: Path) -> Path | None:
@@ -147,11 +138,7 @@ def plot_peers(plt, data: dict, out: Path) -> Path | None:
     ax.set_title("Same GGUF, same token ids")
     ax.grid(alpha=0.3, axis="y")
     ax.legend()
-    path = out / "peers.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "peers.png")
 
 
 def _f(x, fmt: str = "{:.1f}") -> str:
