@@ -5,7 +5,8 @@ Systems (each skipped with a note when it is not available):
                      /generate; falls back to the Scheduler in-process if the server cannot start
   llama-server       llama.cpp's C++ server with -np 8 parallel slots, /completion with token ids, ignore_eos
                      (build it with scripts/build_llama_server.sh; or pass --llama-server PATH)
-  llama-cpp-python   `python -m llama_cpp.server` (serializes requests), /v1/completions with token ids
+  llama-cpp-python   `python -m llama_cpp.server` (serializes requests), /v1/completions with the
+                     prompts' text (its API takes no token ids; decoding and re-encoding gives the same ids)
   transformers       HF `generate` in-process, float32, greedy: one stream (K=1) and a static batch (K=8)
 Workload: throughput at K concurrent requests (default K = 1 and 8; 128 new tokens, greedy, no early stop, the
 fixed prompt set of bench.throughput) and an open-loop Poisson latency run (the mixed prompt lengths of
@@ -121,11 +122,12 @@ class LlamaServer(System):
 class LlamaCppPython(System):
     name = "llama-cpp-python"
 
-    def __init__(self, base: str) -> None:
-        self.base = base
+    def __init__(self, base: str, tokenizer) -> None:
+        self.base, self.tokenizer = base, tokenizer
 
     def call(self, client, tokens, new):
-        return llama_cpp_python_completion(client, self.base, tokens, new)
+        # the same ids, decoded: its server re-encodes them with the same GGUF vocabulary
+        return llama_cpp_python_completion(client, self.base, self.tokenizer.decode(tokens), new)
 
 
 class Transformers(System):
@@ -269,7 +271,7 @@ def main() -> None:
                 base = f"http://127.0.0.1:{port}"
                 cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
                        "--port", str(port), "--n_ctx", str(ctx), "--n_threads", str(args.threads)]
-                serve("llama-cpp-python", cmd, f"{base}/v1/models", lambda b=base: LlamaCppPython(b))
+                serve("llama-cpp-python", cmd, f"{base}/v1/models", lambda b=base: LlamaCppPython(b, tok))
         if "transformers" in args.only:
             if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None:
                 notes["transformers"] = "not installed: pip install transformers torch"

@@ -194,10 +194,11 @@ def llama_server_completion(client, base: str, tokens: list[int], max_new: int) 
             "timings": out.get("timings")}
 
 
-def llama_cpp_python_completion(client, base: str, tokens: list[int], max_new: int) -> dict:
-    """POST the llama-cpp-python server's /v1/completions with token ids, greedy."""
+def llama_cpp_python_completion(client, base: str, text: str, max_new: int) -> dict:
+    """POST the llama-cpp-python server's /v1/completions, greedy. Its API takes text, not token ids."""
     t0 = time.perf_counter()
-    r = client.post(f"{base}/v1/completions", json={"prompt": tokens, "max_tokens": max_new, "temperature": 0},
+    r = client.post(f"{base}/v1/completions", json={"prompt": text, "max_tokens": max_new, "temperature": 0,
+                                                  "logit_bias": {"2": -100.0}},  # no early stop at EOS (id 2)
                     timeout=600)
     r.raise_for_status()
     out = r.json()

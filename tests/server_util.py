@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import httpx
 import uvicorn
@@ -72,6 +74,23 @@ def raw_post(address: tuple[str, int] | str, path: str, body: bytes) -> socket.s
             f"Content-Length: {len(body)}\r\n\r\n").encode()
     sock.sendall(head + body)
     return sock
+
+
+@contextlib.contextmanager
+def queue_held_full(station, server: ServerThread) -> Iterator[None]:
+    """With a serialize-all station of max_queue=1: hold its lane and its one queue slot with two long raw requests,
+    then release both on exit and wait until the station is idle again."""
+    long = json.dumps({"tokens": [1, 2, 3], "max_new_tokens": 400}).encode()
+    running = raw_post(server.address, "/generate", long)
+    wait_for(lambda: station.scheduler.busy_lanes == 1, 10, "the first request did not start")
+    queued = raw_post(server.address, "/generate", long)
+    try:
+        wait_for(lambda: len(station.scheduler.pending) == 1, 10, "the second request was not queued")
+        yield
+    finally:
+        running.close()
+        queued.close()
+    wait_for(lambda: station.scheduler.busy_lanes == 0 and not station.scheduler.pending, 10, "lanes not freed")
 
 
 def metric(text: str, name: str, labels: dict[str, str] | None = None) -> float:

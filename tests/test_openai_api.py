@@ -12,7 +12,7 @@ import threading
 import httpx
 import openai
 import pytest
-from server_util import ServerThread, metric, raw_post, wait_for
+from server_util import ServerThread, metric, queue_held_full, raw_post, wait_for
 
 from jaxstation.loader import LoadedModel
 from jaxstation.openai_api import render_chat
@@ -348,20 +348,13 @@ def test_openai_client_sees_400_and_neutral_penalties_pass(station) -> None:
 
 def test_queue_full_is_503_with_retry_after(default_model: LoadedModel) -> None:
     st = make_station(default_model, continuous=False, max_queue=1)
-    long = json.dumps({"tokens": [1, 2, 3], "max_new_tokens": 400}).encode()
     with ServerThread(create_app(st)) as server, server.client() as http:
         wait_ready(http)
-        running = raw_post(server.address, "/generate", long)
-        wait_for(lambda: st.scheduler.busy_lanes == 1, 10, "the first request did not start")
-        queued = raw_post(server.address, "/generate", long)
-        wait_for(lambda: len(st.scheduler.pending) == 1, 10, "the second request was not queued")
-        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
-        assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1, r.text
-        assert "queue is full" in r.json()["error"]["message"]
-        with pytest.raises(openai.InternalServerError):
-            openai_client(server).chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=2, n=2)
-        running.close()
-        queued.close()
-        wait_for(lambda: st.scheduler.busy_lanes == 0 and not st.scheduler.pending, 10, "lanes not freed")
+        with queue_held_full(st, server):
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1, r.text
+            assert "queue is full" in r.json()["error"]["message"]
+            with pytest.raises(openai.InternalServerError):
+                openai_client(server).chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=2, n=2)
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 200, r.text

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_util import ServerThread, free_port, metric, raw_post, wait_for
+from server_util import ServerThread, free_port, metric, queue_held_full, raw_post, wait_for
 
 from jaxstation.engine import Engine, SamplingParams, generate
 from jaxstation.loader import LoadedModel
@@ -198,20 +198,13 @@ def test_disconnect_cancels_the_job(tcp) -> None:
 
 def test_queue_full_gives_503_with_retry_after(default_model: LoadedModel) -> None:
     station = make_station(default_model, continuous=False, max_queue=1)
-    long = json.dumps({"tokens": [1, 2, 3], "max_new_tokens": 400}).encode()
     with ServerThread(create_app(station)) as server, server.client() as client:
         wait_ready(client)
-        running = raw_post(server.address, "/generate", long)
-        wait_for(lambda: station.scheduler.busy_lanes == 1, 10, "the first request did not start")
-        queued = raw_post(server.address, "/generate", long)
-        wait_for(lambda: len(station.scheduler.pending) == 1, 10, "the second request was not queued")
-        r = client.post("/generate", json=OK)
-        assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
-        assert "queue is full" in r.json()["error"]["message"]
-        assert requests_total(client.get("/metrics").text, "rejected") == 1
-        running.close()
-        queued.close()
-        wait_for(lambda: station.scheduler.busy_lanes == 0 and not station.scheduler.pending, 10, "lanes not freed")
+        with queue_held_full(station, server):
+            r = client.post("/generate", json=OK)
+            assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
+            assert "queue is full" in r.json()["error"]["message"]
+            assert requests_total(client.get("/metrics").text, "rejected") == 1
         assert client.post("/generate", json=OK).status_code == 200
 
 
