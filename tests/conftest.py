@@ -15,7 +15,7 @@ from jaxstation.loader import LoadedModel, load_hf_dir, load_model
 
 TESTS = Path(__file__).resolve().parent
 FIXTURES = TESTS / "fixtures"
-REFERENCE = TESTS.parent.parent / "shared" / "reference"
+REFERENCE = TESTS / "reference"  # transformers' outputs, committed; see reference/README.md
 
 # The shared station on the default model: 4 lanes, 512 positions, 32-token prefill chunks, 128-position KV blocks.
 ENGINE_SHAPE = {"lanes": 4, "max_seq": 512, "chunk": 32, "block": 128}
@@ -34,7 +34,7 @@ def engine(default_model: LoadedModel) -> Engine:
 @pytest.fixture(scope="session")
 def smollm_reference() -> dict[str, np.ndarray]:
     path = REFERENCE / "smollm2_hf_reference.npz"
-    assert path.is_file(), f"{path} is missing: the parity tests need ../shared/reference beside the checkout"
+    assert path.is_file(), f"{path} is missing: the parity tests need the committed tests/reference data"
     with np.load(path) as data:
         return {k: data[k] for k in data.files}
 

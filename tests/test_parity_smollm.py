@@ -1,6 +1,6 @@
 """Parity of the default model (SmolLM2-135M GGUF, float32) with HF transformers' reference outputs.
 
-See ../shared/reference/README.md: HF logits at every prompt position (top 64), full logits at the last position,
+See tests/reference/README.md: HF logits at every prompt position (top 64), full logits at the last position,
 and greedy continuations with and without EOS masking.
 """
 

@@ -1,4 +1,4 @@
-"""Tests for jaxstation.tokenizer against the HF reference data in ../shared/reference/."""
+"""Tests for jaxstation.tokenizer against the HF reference data in tests/reference/."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from jaxstation.tokenizer import IncrementalDetokenizer, Tokenizer
 
-REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
+REFERENCE = Path(__file__).resolve().parent / "reference"
 
 
 @pytest.fixture(scope="module")
