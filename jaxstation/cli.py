@@ -8,10 +8,11 @@ import secrets
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from jaxstation import __version__
 from jaxstation.loader import CheckpointError
-from jaxstation.settings import DTYPES, ConfigError, add_arguments, resolve
+from jaxstation.settings import DTYPES, ConfigError, StationConfig, add_arguments, resolve, use_gpu_memory_fraction
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -23,7 +24,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from jaxstation.loader import load_model
 
     t0 = time.perf_counter()
-    model = load_model(args.model, args.dtype)
+    station = StationConfig(dtype=args.dtype)  # the backend's defaults for what generate does not expose
+    model = load_model(args.model, station.weights, station.loop)
     tok = model.tokenizer
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
@@ -36,7 +38,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"error: prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds the model's "
               f"{model.cfg.max_position} positions", file=sys.stderr)
         return 2
-    engine = Engine(model, lanes=1, max_seq=max_seq, chunk=chunk, block=block)
+    engine = Engine(model, lanes=1, max_seq=max_seq, chunk=chunk, block=block,
+                    attention=replace(station, max_seq=max_seq).attention_for(model.cfg))
     engine.warmup()  # compile outside the timed run
     seed = args.seed if args.seed is not None else secrets.randbelow(1 << 32)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed)
@@ -85,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 is off")
     gen.add_argument("--top-p", type=float, default=1.0, help="1 is off")
     gen.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)")
-    gen.add_argument("--dtype", default="float32", choices=DTYPES,
-                     help="dtype of the weights and the KV cache (default: float32)")
+    gen.add_argument("--dtype", default=None, choices=DTYPES,
+                     help="weight dtype; int8 is weight-only (default: float32 on CPU, bfloat16 on a GPU)")
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="run the /generate station server",
@@ -103,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             build_parser().error("--max-new-tokens must be >= 1")
         if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
             build_parser().error("need --temperature >= 0, --top-k >= 0 and --top-p in (0, 1]")
+    use_gpu_memory_fraction()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)  # not the backend probe's INFO lines
     try:

@@ -74,11 +74,12 @@ class Station:
         try:
             t0 = time.perf_counter()
             if self.model is None:
-                self.model = load_model(self.config.model, self.config.dtype)
+                self.model = load_model(self.config.model, self.config.weights, self.config.loop)
                 log.info("loaded %s in %.1f s", self.model.source, time.perf_counter() - t0)
             check_memory(self.model.cfg, self.config, weights_resident=True)
             c = self.config
-            self.engine = Engine(self.model, lanes=c.lanes, max_seq=c.max_seq, chunk=c.prefill_chunk, block=c.kv_block)
+            self.engine = Engine(self.model, lanes=c.lanes, max_seq=c.max_seq, chunk=c.prefill_chunk, block=c.kv_block,
+                                 attention=c.attention_for(self.model.cfg))
             if self._before_warmup is not None:
                 self._before_warmup()
             t1 = time.perf_counter()

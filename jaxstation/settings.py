@@ -19,12 +19,17 @@ import jax.numpy as jnp
 
 from jaxstation.arena import arena_bytes
 from jaxstation.config import ModelConfig
+from jaxstation.engine import ATTENTIONS
+from jaxstation.model import LAYER_LOOPS, WEIGHT_DTYPES, compute_dtype
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 GiB = 1 << 30
-DTYPES = ("float32", "bfloat16")
+DTYPES = WEIGHT_DTYPES
+ATTENTION_CHOICES = ("auto", *ATTENTIONS)
+LAYER_LOOP_CHOICES = ("auto", *LAYER_LOOPS)
+GPU_MEM_FRACTION = "0.92"  # of the card, for weights + arena + XLA's scratch; JAX's own default is 0.75
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -73,7 +78,15 @@ class _Setting:
 SETTINGS: tuple[_Setting, ...] = (
     _Setting("model", "MOONSHINE_MODEL", "--model", _parse_str,
              "HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)"),
-    _Setting("dtype", "MOONSHINE_DTYPE", "--dtype", _parse_str, "weight and KV dtype: float32 or bfloat16"),
+    _Setting("dtype", "MOONSHINE_DTYPE", "--dtype", _parse_str,
+             "weight dtype: float32, bfloat16 or int8 (weight-only, per output channel; activations and the KV "
+             "arena stay float32 on CPU, bfloat16 on a GPU) (default: float32 on CPU, bfloat16 on a GPU)"),
+    _Setting("attention", "MOONSHINE_ATTENTION", "--attention", _parse_str,
+             "decode attention: blocked (online softmax over KV blocks), xla or cudnn "
+             "(jax.nn.dot_product_attention with per-lane lengths); auto is cudnn on a GPU, blocked on CPU"),
+    _Setting("layer_loop", "MOONSHINE_LAYER_LOOP", "--layer-loop", _parse_str,
+             "scan (stacked layer weights in one loop) or unroll (one weight buffer per layer); auto is unroll on "
+             "a GPU, scan on CPU"),
     _Setting("host", "MOONSHINE_HOST", "--host", _parse_str, "TCP bind address"),
     _Setting("port", "PORT", "--port", _parse_int, "TCP port (PORT is honoured, as Cloud Run sets it)"),
     _Setting("uds", "MOONSHINE_UDS", "--uds", _parse_str, "listen on this Unix socket instead of TCP"),
@@ -108,7 +121,9 @@ class StationConfig:
     """Every station setting. Build it with `resolve`; `__post_init__` rejects what cannot work."""
 
     model: str | None = None  # None: the embedded default model
-    dtype: str = "float32"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on a GPU
+    attention: str = "auto"
+    layer_loop: str = "auto"
     host: str = "127.0.0.1"
     port: int = 8000
     uds: str | None = None
@@ -123,8 +138,11 @@ class StationConfig:
     api_key: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"{_name('dtype')}={self.dtype!r} must be one of {', '.join(DTYPES)}")
+        for field, choices in (("dtype", DTYPES), ("attention", ATTENTION_CHOICES),
+                               ("layer_loop", LAYER_LOOP_CHOICES)):
+            value = getattr(self, field)
+            if value is not None and value not in choices:
+                raise ConfigError(f"{_name(field)}={value!r} must be one of {', '.join(choices)}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"{_name('port')}={self.port} must be a TCP port in [0, 65535]")
         for field in ("lanes", "max_seq", "prefill_chunk", "kv_block", "max_queue", "max_body_bytes"):
@@ -136,6 +154,22 @@ class StationConfig:
                                   f"{_name(field)}={getattr(self, field)}")
         if not self.drain_s >= 0:
             raise ConfigError(f"{_name('drain_s')}={self.drain_s} must be >= 0 seconds")
+
+    @property
+    def weights(self) -> str:
+        """The weight dtype: the setting, or the backend's default."""
+        return self.dtype or ("bfloat16" if on_gpu() else "float32")
+
+    @property
+    def loop(self) -> str:
+        return self.layer_loop if self.layer_loop != "auto" else ("unroll" if on_gpu() else "scan")
+
+    def attention_for(self, cfg: ModelConfig) -> str:
+        """The decode attention: the setting, or cuDNN on a GPU unless the model's sliding window would be cut."""
+        if self.attention != "auto":
+            return self.attention
+        windowed = cfg.sliding_window is not None and self.max_seq > cfg.sliding_window
+        return "cudnn" if on_gpu() and not windowed else "blocked"
 
     @property
     def max_request_tokens(self) -> int:
@@ -175,12 +209,28 @@ def resolve(args: argparse.Namespace | None = None, env: Mapping[str, str] | Non
     return StationConfig(**values)
 
 
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def use_gpu_memory_fraction() -> None:
+    """Let JAX's GPU allocator take GPU_MEM_FRACTION of the card (unless the user set it): its default 75% would not
+    hold Mistral-7B in bfloat16 plus an 8 x 4096 arena on a 24 GB L4. Call before JAX first touches a device."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEM_FRACTION)
+
+
 def weight_bytes(cfg: ModelConfig, dtype: str) -> int:
-    """Bytes the model's weights take once loaded in `dtype`."""
-    d, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    per_layer = 2 * d + d * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd + cfg.num_heads * hd * d + 3 * d * f
-    n = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2) + d + cfg.num_layers * per_layer
-    return n * jnp.dtype(dtype).itemsize
+    """Bytes the model's weights take once loaded as `dtype` (int8: one byte per projection weight plus a float32
+    scale per output channel; norms and an untied embedding in the compute dtype)."""
+    d, hd, f, v = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
+    proj_in_out = [(d, cfg.qkv_size), (cfg.num_heads * hd, d), (d, 2 * f), (f, d)]
+    float_size = jnp.dtype(compute_dtype(dtype)).itemsize
+    weight_size = 1 if dtype == "int8" else float_size
+    proj = cfg.num_layers * sum(i * o for i, o in proj_in_out) + (0 if cfg.tie_word_embeddings else d * v)
+    scales = 4 * (cfg.num_layers * sum(o for _, o in proj_in_out) + v) if dtype == "int8" else 0
+    embed = v * d * (weight_size if cfg.tie_word_embeddings else float_size)
+    norms = (2 * cfg.num_layers + 1) * d * float_size
+    return proj * weight_size + scales + embed + norms
 
 
 def available_memory() -> tuple[int | None, str]:
@@ -194,7 +244,10 @@ def available_memory() -> tuple[int | None, str]:
     stats = device.memory_stats() or {}
     if "bytes_limit" not in stats:
         return None, device.device_kind
-    return stats["bytes_limit"] - stats.get("bytes_in_use", 0), device.device_kind
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
+    return (stats["bytes_limit"] - stats.get("bytes_in_use", 0),
+            f"{device.device_kind} (JAX's pool of {_gib(stats['bytes_limit'])}, "
+            f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction})")
 
 
 def _gib(n: int) -> str:
@@ -217,13 +270,14 @@ def check_memory(cfg: ModelConfig, station: StationConfig, *, weights_resident: 
     if available is None:
         log.warning("cannot measure free memory on %s; skipping the arena memory check", where)
         return
-    arena = arena_bytes(cfg, station.lanes, station.max_seq, jnp.dtype(station.dtype))
-    weights = 0 if weights_resident else weight_bytes(cfg, station.dtype)
+    arena_dtype = compute_dtype(station.weights)
+    arena = arena_bytes(cfg, station.lanes, station.max_seq, arena_dtype)
+    weights = 0 if weights_resident else weight_bytes(cfg, station.weights)
     if arena + weights <= available:
         return
     per_lane = arena // station.lanes
     fit_lanes = max(0, (available - weights) // per_lane)
-    per_block = arena_bytes(cfg, station.lanes, station.kv_block, jnp.dtype(station.dtype))
+    per_block = arena_bytes(cfg, station.lanes, station.kv_block, arena_dtype)
     fit_seq = max(0, (available - weights) // per_block) * station.kv_block
     raise ConfigError(
         f"the KV arena needs {_gib(arena)} ({_name('lanes')}={station.lanes} x {_name('max_seq')}={station.max_seq}, "

@@ -57,9 +57,11 @@ def test_help_shows_defaults_and_routes() -> None:
     for default in ("(default: 8) [env MOONSHINE_BATCH_LANES]", "(default: 2048) [env MOONSHINE_MAX_SEQ]",
                     "(default: 32) [env MOONSHINE_PREFILL_CHUNK]", "(default: 128) [env MOONSHINE_KV_BLOCK]",
                     "(default: 64) [env MOONSHINE_MAX_QUEUE]", "(default: 30.0) [env MOONSHINE_DRAIN_S]",
-                    "(default: 1048576) [env MOONSHINE_MAX_BODY_BYTES]", "(default: float32) [env MOONSHINE_DTYPE]",
+                    "(default: 1048576) [env MOONSHINE_MAX_BODY_BYTES]",
+                    "(default: float32 on CPU, bfloat16 on a GPU) [env MOONSHINE_DTYPE]",
+                    "(default: auto) [env MOONSHINE_ATTENTION]", "(default: auto) [env MOONSHINE_LAYER_LOOP]",
                     "(default: off) [env MOONSHINE_CONTINUOUS_BATCH]"):
         assert default in serve
     generate = " ".join(run_cli("generate", "--help").stdout.split())
     assert "--max-new-tokens MAX_NEW_TOKENS the most tokens to generate" in generate
-    assert "--dtype {float32,bfloat16} dtype of the weights" in generate
+    assert "--dtype {float32,bfloat16,int8} weight dtype; int8 is weight-only" in generate
