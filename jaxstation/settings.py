@@ -264,7 +264,7 @@ def check_memory(cfg: ModelConfig, station: StationConfig, *, weights_resident: 
     if station.max_seq > cfg.max_position:
         raise ConfigError(f"{_name('max_seq')}={station.max_seq} exceeds the model's max_position "
                           f"({cfg.max_position}); lower {_name('max_seq')}")
-    where = "given"
+    where = "the device"
     if available is None:
         available, where = available_memory()
     if available is None:
