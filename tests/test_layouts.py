@@ -115,7 +115,7 @@ def test_mistral_7b_bf16_fits_an_l4_with_8_lanes_of_4096() -> None:
     assert 14.4e9 < weight_bytes(cfg, "bfloat16") < 14.6e9
     check_memory(cfg, StationConfig(dtype="bfloat16", lanes=8, max_seq=4096), available=pool)
     with pytest.raises(ConfigError, match=r"the KV arena needs 8\.00 GiB .* plus 13\.50 GiB of weights, but only "
-                                          r"20\.69 GiB is free .* at most 14 lanes fit"):
+                                          r"20\.69 GiB is free .*at most 14 lanes fit"):
         check_memory(cfg, StationConfig(dtype="bfloat16", lanes=16, max_seq=4096), available=pool)
     # int8 weights leave room for twice the lanes
     check_memory(cfg, StationConfig(dtype="int8", lanes=16, max_seq=4096), available=pool)
