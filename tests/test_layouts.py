@@ -117,9 +117,9 @@ def test_mistral_7b_bf16_fits_an_l4_with_8_lanes_of_4096() -> None:
     with pytest.raises(ConfigError, match=r"the KV arena needs 8\.00 GiB .* plus 13\.50 GiB of weights, but only "
                                           r"20\.69 GiB is free .*at most 14 lanes fit"):
         check_memory(cfg, StationConfig(dtype="bfloat16", lanes=16, max_seq=4096), available=pool)
-    # int8 weights leave room for twice the lanes
-    check_memory(cfg, StationConfig(dtype="int8", lanes=16, max_seq=4096), available=pool)
-    assert weight_bytes(cfg, "int8") < 0.52 * weight_bytes(cfg, "bfloat16") + 1 * GiB
+    # int8 weights take about half: 8 x 4096 fits with room to spare even with this CPU backend's float32 arena
+    check_memory(cfg, StationConfig(dtype="int8", lanes=8, max_seq=4096), available=pool)
+    assert weight_bytes(cfg, "int8") < 0.5 * weight_bytes(cfg, "bfloat16") + 0.1 * GiB
 
 
 def test_random_model_matches_a_loaded_one_in_layout_and_bytes(default_model: LoadedModel) -> None:
