@@ -17,7 +17,7 @@ from test_batch_invariance import TARGET, run_wave
 from jaxstation.engine import Engine, SamplingParams, _sampling_arrays
 from jaxstation.loader import LoadedModel, load_model
 from jaxstation.quant import QuantWeight, matmul, quantize
-from jaxstation.settings import ConfigError, GiB, StationConfig, check_memory, weight_bytes
+from jaxstation.settings import ConfigError, StationConfig, check_memory, weight_bytes
 from jaxstation.shapes import ARCHITECTURES, random_model
 from jaxstation.steps import decode_step_batch
 
@@ -119,7 +119,7 @@ def test_mistral_7b_bf16_fits_an_l4_with_8_lanes_of_4096() -> None:
         check_memory(cfg, StationConfig(dtype="bfloat16", lanes=16, max_seq=4096), available=pool)
     # int8 weights take about half: 8 x 4096 fits with room to spare even with this CPU backend's float32 arena
     check_memory(cfg, StationConfig(dtype="int8", lanes=8, max_seq=4096), available=pool)
-    assert weight_bytes(cfg, "int8") < 0.5 * weight_bytes(cfg, "bfloat16") + 0.1 * GiB
+    assert weight_bytes(cfg, "int8") < 0.55 * weight_bytes(cfg, "bfloat16")  # + a float32 embedding on CPU
 
 
 def test_random_model_matches_a_loaded_one_in_layout_and_bytes(default_model: LoadedModel) -> None:
