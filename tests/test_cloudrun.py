@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_util import ServerThread, free_port, metric, wait_for
+from server_util import ServerThread, free_port, metric, station_process, wait_for
 
 from jaxstation.loader import LoadedModel
 from jaxstation.server import Station, create_app
@@ -109,57 +109,39 @@ def test_container_command_serves_on_port_then_drains_on_sigterm(tmp_path: Path)
     image_env = {k: v for k, v in img.env.items() if k not in ("PATH", "VIRTUAL_ENV")}  # the image's own paths
     env = env_with_tree(**{**image_env, "PORT": str(port), "MOONSHINE_BATCH_LANES": "1",
                            "MOONSHINE_CONTINUOUS_BATCH": "0"})
-    log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen([tool(img.cmd[0]), *img.cmd[1:]], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            cwd=tmp_path)
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
-            def ready() -> bool:
-                assert proc.poll() is None, "the server exited early"
-                try:
-                    return client.get("/ready").status_code == 200
-                except httpx.TransportError:
-                    return False
+    with station_process([tool(img.cmd[0]), *img.cmd[1:]], port, tmp_path / "serve.log", 120, env=env,
+                         cwd=tmp_path) as (proc, client):
+        text = client.get("/metrics").text
+        phases = {p: metric(text, "jaxstation_startup_seconds", {"phase": p}) for p in (*PHASES, "ready")}
+        assert all(v > 0 for v in phases.values()), phases
+        assert phases["ready"] >= sum(phases[p] for p in PHASES) - 0.05, phases  # ready counts from process start
+        assert metric(text, "jaxstation_startup_programs", {"source": "compiled"}) >= 3  # three step shapes
 
-            wait_for(ready, 120, "the container command did not turn ready on PORT", 0.25)
-            text = client.get("/metrics").text
-            phases = {p: metric(text, "jaxstation_startup_seconds", {"phase": p}) for p in (*PHASES, "ready")}
-            assert all(v > 0 for v in phases.values()), phases
-            assert phases["ready"] >= sum(phases[p] for p in PHASES) - 0.05, phases  # ready counts from process start
-            assert metric(text, "jaxstation_startup_programs", {"source": "compiled"}) >= 3  # three step shapes
+        def post(max_new: int) -> httpx.Response:
+            return client.post("/generate", json={"tokens": [1, 2, 3], "max_new_tokens": max_new})
 
-            def post(max_new: int) -> httpx.Response:
-                return client.post("/generate", json={"tokens": [1, 2, 3], "max_new_tokens": max_new})
-
-            with ThreadPoolExecutor(3) as pool:
-                first = pool.submit(post, 24)
-                wait_for(lambda: metric(client.get("/metrics").text, "jaxstation_busy_lanes") == 1, 10,
-                         "the first request did not start")
-                long = pool.submit(post, 2000)  # ~2000 tokens at one lane: well past the 8 s drain here
-                wait_for(lambda: metric(client.get("/metrics").text, "jaxstation_queue_depth") == 1, 10,
-                         "the second request was not queued")
-                queued = pool.submit(post, 8)
-                wait_for(lambda: metric(client.get("/metrics").text, "jaxstation_queue_depth") == 2, 10,
-                         "the third request was not queued")
-                proc.send_signal(signal.SIGTERM)
-                t0 = time.monotonic()
-                r = first.result(30)
-                assert r.status_code == 200, r.text
-                assert r.json()["finish_reason"] in ("stop", "length")
-                r_long, r_queued = long.result(30), queued.result(30)
-            exit_code = proc.wait(30)
-            took = time.monotonic() - t0
-        assert r_long.status_code == 503 and "before this request finished" in r_long.json()["error"]["message"]
-        assert r_queued.status_code == 503 and "before this request started" in r_queued.json()["error"]["message"]
-        assert exit_code == 0
-        assert took < 10.0, f"exited {took:.1f} s after SIGTERM; Cloud Run kills at 10 s"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.seek(0)
-        print(log.read()[-3000:])
-        log.close()
+        with ThreadPoolExecutor(3) as pool:
+            first = pool.submit(post, 24)
+            wait_for(lambda: metric(client.get("/metrics").text, "jaxstation_busy_lanes") == 1, 10,
+                     "the first request did not start")
+            long = pool.submit(post, 2000)  # ~2000 tokens at one lane: well past the 8 s drain here
+            wait_for(lambda: metric(client.get("/metrics").text, "jaxstation_queue_depth") == 1, 10,
+                     "the second request was not queued")
+            queued = pool.submit(post, 8)
+            wait_for(lambda: metric(client.get("/metrics").text, "jaxstation_queue_depth") == 2, 10,
+                     "the third request was not queued")
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            r = first.result(30)
+            assert r.status_code == 200, r.text
+            assert r.json()["finish_reason"] in ("stop", "length")
+            r_long, r_queued = long.result(30), queued.result(30)
+        exit_code = proc.wait(30)
+        took = time.monotonic() - t0
+    assert r_long.status_code == 503 and "before this request finished" in r_long.json()["error"]["message"]
+    assert r_queued.status_code == 503 and "before this request started" in r_queued.json()["error"]["message"]
+    assert exit_code == 0
+    assert took < 10.0, f"exited {took:.1f} s after SIGTERM; Cloud Run kills at 10 s"
 
 
 # ---- cold start: the persistent compilation cache -----------------------------------------------------------------
