@@ -237,7 +237,8 @@ def main() -> None:
     print_table("HTTP /generate", out["http"])
     print("targets:", {k: round(v, 3) for k, v in targets.items()}, "(want k8/k1 >= 5 direct, >= 4.5 http; "
           "overhead <= 0.10)")
-    print(f"wrote {write_result('throughput', out)}")
+    lanes = max(args.ks) if args.engine_lanes == "max" else "k"
+    print(f"wrote {write_result(f'throughput_lanes{lanes}', out)}")
 
 
 if __name__ == "__main__":

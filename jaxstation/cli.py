@@ -9,7 +9,9 @@ import sys
 import time
 from collections.abc import Sequence
 
-from jaxstation.settings import ConfigError, add_arguments, resolve
+from jaxstation import __version__
+from jaxstation.loader import CheckpointError
+from jaxstation.settings import DTYPES, ConfigError, add_arguments, resolve
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -50,30 +52,41 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from jaxstation.loader import model_source
     from jaxstation.server import serve, warmup_only
 
-    try:
-        config = resolve(args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    config = resolve(args)
+    model_source(config.model)  # a bad path is refused here, before the server announces that it listens
     return warmup_only(config) if args.warmup_only else serve(config)
 
 
+_ABOUT = """\
+A batched, batch-invariant LLM serving station for Llama/Mistral-family models.
+
+`serve` answers POST /generate (token ids in, token ids out) and the OpenAI-compatible routes
+POST /v1/completions, POST /v1/chat/completions (with streaming), GET /v1/models, POST /tokenize and
+POST /detokenize, plus GET /health, GET /ready and GET /metrics. `generate` runs one prompt and prints the text."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxstation", description="A batched, batch-invariant LLM serving station.")
+    parser = argparse.ArgumentParser(prog="jaxstation", description=_ABOUT,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"jaxstation {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate from one prompt and print the text")
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--max-new-tokens", type=int, default=128,
+                     help="the most tokens to generate; it stops earlier at the model's end-of-sequence token "
+                          "(default: 128)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     gen.add_argument("--top-k", type=int, default=0, help="0 is off")
     gen.add_argument("--top-p", type=float, default=1.0, help="1 is off")
     gen.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.add_argument("--dtype", default="float32", choices=DTYPES,
+                     help="dtype of the weights and the KV cache (default: float32)")
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="run the /generate station server",
@@ -95,7 +108,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             build_parser().error("need --temperature >= 0, --top-k >= 0 and --top-p in (0, 1]")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)  # not the backend probe's INFO lines
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ConfigError, CheckpointError) as e:  # the user's mistake: say what it is, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

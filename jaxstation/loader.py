@@ -216,14 +216,33 @@ def load_model(path: str | Path | None = None, dtype: str = "float32") -> Loaded
     """Load a model and its tokenizer: an HF directory, a .gguf file, or (None) the embedded default model."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    source = Path(path) if path is not None else default_model_path()
+    source = model_source(path)
     if source.is_dir():
         cfg, params = load_hf_dir(source, DTYPES[dtype])
         tokenizer = Tokenizer.from_hf_dir(source)
-    elif source.suffix == ".gguf" and source.is_file():
+    else:
         reader = open_gguf(source)
         cfg, params = load_gguf(source, DTYPES[dtype], reader)
         tokenizer = Tokenizer.from_gguf(reader)
-    else:
-        raise CheckpointError(f"model path {source} is neither an HF directory nor a .gguf file")
     return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, source=source)
+
+
+def model_source(path: str | Path | None) -> Path:
+    """The checkpoint a model path names, checked without reading it: an HF directory with a config.json, or a
+    .gguf file; None is the embedded default model. Raises CheckpointError saying what is wrong with the path."""
+    if path is None:
+        try:
+            return default_model_path()
+        except FileNotFoundError as e:
+            raise CheckpointError(str(e)) from None
+    source = Path(path)
+    if not source.exists():
+        raise CheckpointError(f"model path {source} does not exist")
+    if source.is_dir():
+        if not (source / "config.json").is_file():
+            raise CheckpointError(f"model directory {source} has no config.json: an HF model directory holds "
+                                  "config.json, tokenizer.json and *.safetensors")
+        return source
+    if source.suffix != ".gguf":
+        raise CheckpointError(f"model path {source} is neither an HF directory nor a .gguf file")
+    return source

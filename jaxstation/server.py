@@ -22,6 +22,7 @@ import jax
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -31,7 +32,7 @@ from jaxstation.engine import SEED_LIMIT, Engine, SamplingParams
 from jaxstation.http_common import RETRY_AFTER_S, BodyError, is_int, is_number, read_json, until_disconnect
 from jaxstation.loader import LoadedModel, load_model
 from jaxstation.metrics import StationMetrics
-from jaxstation.openai_api import openai_middleware, openai_routes
+from jaxstation.openai_api import OpenAIError, openai_middleware, openai_routes
 from jaxstation.scheduler import Cancelled, Job, QueueFull, Result, Scheduler, ShuttingDown, StepFailed
 from jaxstation.settings import StationConfig, check_memory
 
@@ -318,7 +319,21 @@ def create_app(station: Station) -> Starlette:
         yield
         await asyncio.to_thread(station.shutdown)
 
-    return Starlette(routes=[
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        """Unmatched routes and methods answer in JSON like every other error (OpenAI's shape under /v1)."""
+        path, method = request.url.path, request.method
+        if exc.status_code == 404:
+            message, code = f"no route {method} {path}", "not_found"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message, code = f"{method} is not allowed on {path} (allowed: {allowed})", "method_not_allowed"
+        else:
+            message, code = exc.detail, None
+        if path.startswith("/v1/"):
+            return OpenAIError(exc.status_code, message, None, code, headers=exc.headers).response()
+        return ApiError(exc.status_code, message, None, headers=exc.headers).response()
+
+    return Starlette(exception_handlers={HTTPException: http_error}, routes=[
         Route("/generate", generate, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),

@@ -72,10 +72,10 @@ class _Setting:
 # One row per setting: the StationConfig field, its environment variable, its CLI flag.
 SETTINGS: tuple[_Setting, ...] = (
     _Setting("model", "MOONSHINE_MODEL", "--model", _parse_str,
-             "HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"),
+             "HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)"),
     _Setting("dtype", "MOONSHINE_DTYPE", "--dtype", _parse_str, "weight and KV dtype: float32 or bfloat16"),
-    _Setting("host", "MOONSHINE_HOST", "--host", _parse_str, "TCP bind address (default 127.0.0.1)"),
-    _Setting("port", "PORT", "--port", _parse_int, "TCP port (default 8000; PORT is honoured, as Cloud Run sets it)"),
+    _Setting("host", "MOONSHINE_HOST", "--host", _parse_str, "TCP bind address"),
+    _Setting("port", "PORT", "--port", _parse_int, "TCP port (PORT is honoured, as Cloud Run sets it)"),
     _Setting("uds", "MOONSHINE_UDS", "--uds", _parse_str, "listen on this Unix socket instead of TCP"),
     _Setting("lanes", "MOONSHINE_BATCH_LANES", "--lanes", _parse_int, "decode lanes, i.e. max concurrent requests"),
     _Setting("max_seq", "MOONSHINE_MAX_SEQ", "--max-seq", _parse_int,
@@ -84,7 +84,8 @@ SETTINGS: tuple[_Setting, ...] = (
              "prompt tokens per prefill step"),
     _Setting("kv_block", "MOONSHINE_KV_BLOCK", "--kv-block", _parse_int, "positions per attention KV block"),
     _Setting("continuous", "MOONSHINE_CONTINUOUS_BATCH", "--continuous-batch", parse_bool,
-             "continuous batching (default off: one request at a time)"),
+             "continuous batching: on batches concurrent requests into each decode wave; off serves one request at a "
+             "time, as the original station did"),
     _Setting("max_queue", "MOONSHINE_MAX_QUEUE", "--max-queue", _parse_int,
              "jobs waiting for a lane before new ones get 503"),
     _Setting("drain_s", "MOONSHINE_DRAIN_S", "--drain-s", _parse_float,
@@ -147,8 +148,13 @@ class StationConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register one flag per setting. Every default is None so that `resolve` can tell a flag from its absence."""
+    defaults = StationConfig()
     for s in SETTINGS:
-        help_ = f"{s.help} [env {s.env}]" if s.env else s.help
+        default = getattr(defaults, s.field)
+        if isinstance(default, bool):
+            default = "on" if default else "off"
+        shown = "" if default is None or s.field == "api_key" else f" (default: {default})"
+        help_ = f"{s.help}{shown} [env {s.env}]" if s.env else f"{s.help}{shown}"
         if s.parse is parse_bool:
             parser.add_argument(s.flag, dest=s.field, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif s.parse is _parse_int:

@@ -334,3 +334,25 @@ def test_cli_serve_rejects_bad_settings(capsys: pytest.CaptureFixture) -> None:
 
     assert main(["serve", "--max-seq", "1000"]) == 2
     assert "MOONSHINE_MAX_SEQ=1000 must be a multiple" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method,path,status,message", [
+    ("GET", "/nowhere", 404, "no route GET /nowhere"),
+    ("GET", "/generate", 405, "GET is not allowed on /generate (allowed: POST)"),
+])
+def test_unmatched_route_and_method_are_json(tcp, method: str, path: str, status: int, message: str) -> None:
+    _, _, client = tcp
+    r = client.request(method, path)
+    assert r.status_code == status
+    assert r.headers["content-type"] == "application/json"
+    assert r.json() == {"error": {"message": message, "field": None}}
+    if status == 405:
+        assert r.headers["allow"] == "POST"
+
+
+def test_unmatched_openai_route_is_openai_json(tcp) -> None:
+    _, _, client = tcp
+    r = client.post("/v1/embeddings", json={})
+    assert r.status_code == 404
+    assert r.json() == {"error": {"message": "no route POST /v1/embeddings", "type": "invalid_request_error",
+                                  "param": None, "code": "not_found"}}
