@@ -56,11 +56,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from jaxstation.loader import model_source
-    from jaxstation.server import serve
+    from jaxstation.server import serve, warmup_only
 
     config = resolve(args)
     model_source(config.model)  # a bad path is refused here, before the server announces that it listens
-    return serve(config)
+    return warmup_only(config) if args.warmup_only else serve(config)
 
 
 _ABOUT = """\
@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="run the /generate station server",
                          description="Flags override the environment variables named in each help line.")
     add_arguments(srv)
+    srv.add_argument("--warmup-only", action="store_true",
+                     help="load the model and compile every step shape (filling MOONSHINE_COMPILE_CACHE_DIR), then "
+                          "exit 0 without serving; run it at image build time or as a deploy step")
     srv.set_defaults(func=cmd_serve)
     return parser
 

@@ -8,7 +8,7 @@ block), never on how many lanes are busy: that is what keeps a request's tokens 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -150,14 +150,22 @@ class Engine:
         samples = _samples(out)
         return [s if r is not None else None for s, r in zip(samples, rows, strict=True)], logits
 
+    def warmup_steps(self) -> list[tuple[str, Callable[[], object]]]:
+        """Every step shape the station runs, as (name, run it once on lane 0); the first run of each compiles it."""
+        prompt = [0] * (self.chunk + 1)
+        idle: list[DecodeRow | None] = [None] * (self.lanes - 1)
+        sampled = [DecodeRow(0, len(prompt), SamplingParams(temperature=1.0, top_p=0.9), 0)] + idle
+        greedy = [DecodeRow(0, len(prompt), SamplingParams(), 0)] + idle
+        return [
+            ("prefill", lambda: self.prefill(0, prompt, 0, SamplingParams())),  # a middle chunk
+            ("prefill_last", lambda: self.prefill(0, prompt, self.chunk, SamplingParams())),  # a last chunk: samples
+            ("decode", lambda: (self.decode(sampled), self.decode(greedy))),
+        ]
+
     def warmup(self) -> None:
         """Compile and run every step the station uses, on lane 0, leaving no request state behind."""
-        prompt = [0] * (self.chunk + 1)
-        for start in (0, self.chunk):  # a middle chunk and a last chunk
-            self.prefill(0, prompt, start, SamplingParams())
-        self.decode([DecodeRow(0, len(prompt), SamplingParams(temperature=1.0, top_p=0.9), 0)]
-                    + [None] * (self.lanes - 1))
-        self.decode([DecodeRow(0, len(prompt), SamplingParams(), 0)] + [None] * (self.lanes - 1))
+        for _, run in self.warmup_steps():
+            run()
 
 
 def generate(engine: Engine, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,

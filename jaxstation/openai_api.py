@@ -470,7 +470,7 @@ class _Run:
                     break
                 if disconnected is not None and disconnected in done:
                     raise _Disconnected
-                if not self.scheduler.alive:
+                if not self.scheduler.alive and not all(c.job.future.done() for c in self.choices):
                     raise OpenAIError(500, "the decode thread has died", None, "internal_error")
         finally:
             if not get.done():

@@ -106,6 +106,8 @@ SETTINGS: tuple[_Setting, ...] = (
     _Setting("max_body_bytes", "MOONSHINE_MAX_BODY_BYTES", "--max-body-bytes", _parse_int,
              "largest request body accepted (413 past it)"),
     _Setting("api_key", "MOONSHINE_API_KEY", "--api-key", _parse_str, "API key for the OpenAI-compatible routes"),
+    _Setting("compile_cache_dir", "MOONSHINE_COMPILE_CACHE_DIR", "--compile-cache-dir", _parse_str,
+             "JAX persistent compilation cache: a local path, a mounted volume or gs://bucket/dir (default off)"),
 )
 _BY_FIELD = {s.field: s for s in SETTINGS}
 
@@ -136,6 +138,7 @@ class StationConfig:
     drain_s: float = 30.0
     max_body_bytes: int = 1 * MiB
     api_key: str | None = dataclasses.field(default=None, repr=False)
+    compile_cache_dir: str | None = None  # None: no persistent compilation cache
 
     def __post_init__(self) -> None:
         for field, choices in (("dtype", DTYPES), ("attention", ATTENTION_CHOICES),
