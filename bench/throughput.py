@@ -11,6 +11,7 @@ Usage:
   python -m bench.throughput --quick            # K = 1 2, 16 new tokens, 1 rep (smoke run)
   python -m bench.throughput --ks 1 8 --no-http --engine-lanes k   # an engine sized to each K instead
   python -m bench.throughput --url https://canary---svc.a.run.app --ks 1 8 --reps 1   # a running station (burst)
+  python -m bench.throughput --shape mistral-7b --ks 1 8 32   # random weights at a real shape, scheduler only
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import write_result
+import numpy as np
+
+from bench.common import add_model_args, bench_model, write_result
 from bench.workload import (
     StepTimer,
     concurrent_run,
@@ -52,7 +55,7 @@ def direct(args, model, prompts) -> dict:
     def station(k: int):
         lanes = max(args.ks) if args.engine_lanes == "max" else k
         if lanes not in stations:
-            engine = Engine(model, lanes=lanes, max_seq=max_seq, chunk=args.chunk, block=args.block)
+            engine = Engine(model, lanes=lanes, max_seq=max_seq, chunk=args.chunk, block=args.block, **args.engine_kw)
             engine.warmup()
             timer = StepTimer(engine)
             sched = Scheduler(engine, continuous=True, max_queue=4 * lanes, terminal_ids=frozenset())
@@ -198,7 +201,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default="float32")
+    add_model_args(ap)
     ap.add_argument("--chunk", type=int, default=32)
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--engine-lanes", choices=("max", "k"), default="max",
@@ -217,10 +220,14 @@ def main() -> None:
         args.ks, args.new_tokens, args.reps = [1, 2], 16, 1
     args.ks = sorted(set(args.ks))
 
-    from jaxstation.loader import load_model
-
-    model = load_model(dtype=args.dtype)
-    prompts = make_prompts(model.tokenizer, max(args.ks), args.prompt_len, seed=args.seed)
+    if args.shape:  # random weights: no tokenizer and no checkpoint for a station subprocess
+        args.no_http = True
+    model, args.engine_kw = bench_model(args, seq_len(args.prompt_len, args.new_tokens, args.chunk, args.block))
+    if model.tokenizer is None:
+        rng = np.random.default_rng(args.seed)
+        prompts = rng.integers(3, model.cfg.vocab_size, (max(args.ks), args.prompt_len)).tolist()
+    else:
+        prompts = make_prompts(model.tokenizer, max(args.ks), args.prompt_len, seed=args.seed)
     out = {"config": {k: v for k, v in vars(args).items()}, "model": str(model.source)}
     out["direct"] = {"skipped": "--no-direct"} if args.no_direct else direct(args, model, prompts)
     out["http"] = {"skipped": "--no-http"} if args.no_http else http(args, prompts)
@@ -238,7 +245,8 @@ def main() -> None:
     print("targets:", {k: round(v, 3) for k, v in targets.items()}, "(want k8/k1 >= 5 direct, >= 4.5 http; "
           "overhead <= 0.10)")
     lanes = max(args.ks) if args.engine_lanes == "max" else "k"
-    print(f"wrote {write_result(f'throughput_lanes{lanes}', out)}")
+    shape = f"_{args.shape}" if args.shape else ""
+    print(f"wrote {write_result(f'throughput{shape}_lanes{lanes}', out)}")
 
 
 if __name__ == "__main__":
