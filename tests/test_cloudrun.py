@@ -54,8 +54,8 @@ def test_hadolint_clean() -> None:
 
 
 def test_shellcheck_clean() -> None:
-    r = subprocess.run([tool("shellcheck"), "scripts/deploy_cloudrun.sh", ".ci/run"], cwd=REPO, capture_output=True,
-                       text=True)
+    r = subprocess.run([tool("shellcheck"), "scripts/deploy_cloudrun.sh", "scripts/gpu_check.sh", ".ci/run"], cwd=REPO,
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
