@@ -27,6 +27,8 @@ Supported request fields (anything else is a 400 naming the field):
   as null are treated as absent.
 
 Logprobs are the model's (log-softmax of the raw logits), before temperature and filters, computed on the device.
+A choice that ends on a stop token (EOS or `stop_token_ids`) lists that token last in its logprobs, as vLLM does (so
+echo with `max_tokens: 1` always has one entry past the prompt); its text is not in the reply nor in completion_tokens.
 Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 validation, 401 a missing or wrong
 key, 503 (with Retry-After) a full queue or a station not ready or draining, 500 a failed step.
 With `MOONSHINE_API_KEY` set, every route except /health and /ready needs `Authorization: Bearer <key>`.
@@ -512,6 +514,8 @@ class _Run:
             raise OpenAIError(500, str(e), None, "internal_error") from None
         c.prompt_logprobs = result.prompt_logprobs
         text = self._advance(c, "", final=True)
+        if result.stop_sample is not None and self.req.logprobs is not None:  # listed, as vLLM does; not in text
+            c.logprobs.append((result.stop_sample, len(c.detok.text)))
         if c.finish is None:
             c.finish = "length" if result.finish_reason == "length" else "stop"
         return _Update(c, text, True)

@@ -90,6 +90,7 @@ class Result:
     samples: list[Sample]
     timing: dict[str, float]
     prompt_logprobs: list[Sample] = dataclasses.field(default_factory=list)  # prompt tokens 1.., if the job asked
+    stop_sample: Sample | None = None  # the stop id that ended it, if one did (not in `generated`)
 
 
 @dataclasses.dataclass
@@ -101,6 +102,7 @@ class Lane:
     fed: int = 0  # prompt tokens prefilled
     samples: list[Sample] = dataclasses.field(default_factory=list)
     scored: list[Sample] = dataclasses.field(default_factory=list)  # prompt tokens 1.. scored so far
+    stop_sample: Sample | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
 
@@ -289,6 +291,7 @@ class Scheduler:
         job = lane.job
         now = time.perf_counter()
         if sample.token in job.stop_ids:
+            lane.stop_sample = sample
             return self._retire(i, "stop")
         lane.samples.append(sample)
         if lane.first_token_at is None:
@@ -320,7 +323,7 @@ class Scheduler:
         self.metrics.requests.labels("ok").inc()
         try:
             job.future.set_result(Result([s.token for s in lane.samples], reason, len(job.tokens), lane.samples,
-                                         timing, lane.scored))
+                                         timing, lane.scored, lane.stop_sample))
         except InvalidStateError:  # its caller cancelled the Future; that must not fail the wave
             pass
 

@@ -183,6 +183,28 @@ def test_echo_generation_equals_plain_generation(station) -> None:
         assert theirs.items() <= mine.items()  # echo adds the position's own token
 
 
+def test_a_stop_token_is_listed_last_in_logprobs(station, default_model, smollm_reference) -> None:
+    """The reference chat prompt's greedy answer ends with EOS: one token before it, echo with max_tokens 1 must
+    still list one entry past the prompt (lm-eval drops the last entry as the generated one)."""
+    _, _, http = station
+    answer = smollm_reference["p1_greedy_ids"].tolist()
+    assert answer[-1] == 2
+    ids = smollm_reference["p1_prompt_ids"].tolist() + answer[:-1]
+    lp = oracle_logprobs(default_model, ids)
+    reply = echo(http, ids)
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["text"] == default_model.tokenizer.decode(ids)
+    assert reply["usage"]["completion_tokens"] == 0
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) + 1 and logprobs["tokens"][-1] == "<|im_end|>"
+    assert logprobs["token_logprobs"][-1] == pytest.approx(lp[-1, 2], abs=ORACLE_ATOL)
+    assert logprobs["text_offset"][-1] == len(choice["text"])
+    chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64,
+                                                   "temperature": 0, "logprobs": True}).json()["choices"][0]
+    assert chat["finish_reason"] == "stop" and chat["logprobs"]["content"][-1]["token"] == "<|im_end|>"
+    assert "<|im_end|>" not in chat["message"]["content"]
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "echo": True, "stream": True}, "echo"),
