@@ -695,10 +695,11 @@ def openai_routes(station: Station) -> list[Route]:
             gone.cancel()
         choices = []
         for c in run.choices:
-            lp = run.logprobs_since(c)
             if run.req.echo_texts is not None:
                 prefix, lp = run.echo(c)
                 c.text.insert(0, prefix)
+            else:
+                lp = run.logprobs_since(c)
             if run.req.chat:
                 choices.append({"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
                                 "logprobs": lp, "finish_reason": c.finish})
