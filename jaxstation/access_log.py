@@ -73,7 +73,8 @@ class AccessLogMiddleware:
 
 def access_line(scope: Scope, status: int, duration_s: float, prompt_tokens: int | None,
                 generated_tokens: int | None, refused: str | None) -> None:
-    """Log one request: INFO for 1xx-3xx, WARNING for 4xx, ERROR for 5xx."""
+    """Log one request: INFO for 1xx-3xx, WARNING for 4xx and 503 (loading, full or draining: the station works as
+    designed), ERROR for other 5xx."""
     method, path = scope["method"], scope["path"]
     parts = [f"{method} {path} {status} {duration_s * 1000:.1f} ms"]
     if prompt_tokens is not None:
@@ -87,7 +88,7 @@ def access_line(scope: Scope, status: int, duration_s: float, prompt_tokens: int
         **({"remoteIp": client[0]} if client else {}),
     }
     fields = {"prompt_tokens": prompt_tokens, "generated_tokens": generated_tokens, "refused": refused}
-    level = logging.ERROR if status >= 500 else logging.WARNING if status >= 400 else logging.INFO
+    level = logging.ERROR if status >= 500 and status != 503 else logging.WARNING if status >= 400 else logging.INFO
     log.log(level, " ".join(parts), extra={"http_request": http_request,
                                            "access": {k: v for k, v in fields.items() if v is not None}})
 

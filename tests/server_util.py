@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -64,6 +68,35 @@ def wait_for(predicate: Callable[[], object], timeout: float, message: str, inte
         if time.monotonic() > deadline:
             raise AssertionError(f"{message} within {timeout} s")
         time.sleep(interval)
+
+
+@contextlib.contextmanager
+def serve_process(log_path: Path, args: list[str], env: dict[str, str], ready_s: float
+                  ) -> Iterator[tuple[subprocess.Popen, httpx.Client]]:
+    """`python -m jaxstation serve --port P *args` from this checkout on CPU, stdout and stderr in log_path.
+
+    Yields (process, client) once /ready answers 200 (failing at once if the process exits); kills it on the way out
+    if it is still running."""
+    port = free_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "jaxstation", "serve", "--port", str(port), *args],
+                                env={**os.environ, "JAX_PLATFORMS": "cpu", **env}, stdout=log,
+                                stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])
+        try:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+                def ready() -> bool:
+                    assert proc.poll() is None, "the server exited early"
+                    try:
+                        return client.get("/ready").status_code == 200
+                    except httpx.TransportError:
+                        return False
+
+                wait_for(ready, ready_s, "the server did not turn ready", 0.25)
+                yield proc, client
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def raw_post(address: tuple[str, int] | str, path: str, body: bytes) -> socket.socket:

@@ -8,15 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
-import httpx
 import pytest
-from server_util import ServerThread, free_port, wait_for
+from server_util import ServerThread, serve_process, wait_for
 
 from jaxstation.access_log import JsonFormatter
 from jaxstation.loader import LoadedModel
@@ -132,39 +128,19 @@ def test_log_format_setting() -> None:
 
 
 def test_serve_json_mode_prints_one_json_object_per_line(tmp_path: Path) -> None:
-    port = free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MOONSHINE_API_KEY": API_KEY,
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
-    out = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "jaxstation", "serve", "--port", str(port), "--lanes", "1",
-                             "--max-seq", "256", "--log-format", "json"], env=env, stdout=out,
-                            stderr=subprocess.STDOUT)
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
-            def ready() -> bool:
-                assert proc.poll() is None, "the server exited early"
-                try:
-                    return client.get("/ready").status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            wait_for(ready, 120, "the server did not turn ready", 0.25)
-            auth = {"Authorization": f"Bearer {API_KEY}"}
-            body = {"prompt": SECRET_PROMPT, "max_tokens": 2, "temperature": 0}
-            r = client.post("/v1/completions", json=body, headers=auth)
-            assert r.status_code == 200
-            usage = r.json()["usage"]
-            assert client.post("/v1/completions", json=body).status_code == 401
-            assert client.post("/v1/completions", json={**body, "n": 99}, headers=auth).status_code == 400
+    log = tmp_path / "serve.log"
+    with serve_process(log, ["--lanes", "1", "--max-seq", "256", "--log-format", "json"],
+                       {"MOONSHINE_API_KEY": API_KEY}, 120) as (proc, client):
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        body = {"prompt": SECRET_PROMPT, "max_tokens": 2, "temperature": 0}
+        r = client.post("/v1/completions", json=body, headers=auth)
+        assert r.status_code == 200
+        usage = r.json()["usage"]
+        assert client.post("/v1/completions", json=body).status_code == 401
+        assert client.post("/v1/completions", json={**body, "n": 99}, headers=auth).status_code == 400
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        out.seek(0)
-        text = out.read()
-        out.close()
+    text = log.read_text()
     entries = [json.loads(line) for line in text.splitlines() if line.strip()]  # every line is one JSON object
     assert all(isinstance(e, dict) and e["severity"] and "message" in e for e in entries)
     access = [e for e in entries if "httpRequest" in e and e["httpRequest"]["requestUrl"] == "/v1/completions"]

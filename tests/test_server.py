@@ -9,17 +9,14 @@ serialize-all one with a one-job queue for the 503 test.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-from server_util import ServerThread, free_port, metric, queue_held_full, raw_post, wait_for
+from server_util import ServerThread, metric, queue_held_full, raw_post, serve_process, wait_for
 
 from jaxstation.engine import Engine, SamplingParams, generate
 from jaxstation.loader import LoadedModel
@@ -270,22 +267,10 @@ def status_or_refused(call) -> int | str:
 
 
 def test_sigterm_drains_in_flight_then_exits_0(tmp_path: Path) -> None:
-    port = free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MOONSHINE_CONTINUOUS_BATCH": "1"}
-    log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "jaxstation", "serve", "--port", str(port), "--lanes", "2",
-                             "--max-seq", "256", "--drain-s", "30"], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            cwd=Path(__file__).resolve().parents[1])
+    log = tmp_path / "serve.log"
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
-            def ready() -> bool:
-                assert proc.poll() is None, "the server exited early"
-                try:
-                    return client.get("/ready").status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            wait_for(ready, 90, "the server did not turn ready", 0.25)
+        with serve_process(log, ["--lanes", "2", "--max-seq", "256", "--drain-s", "30"],
+                           {"MOONSHINE_CONTINUOUS_BATCH": "1"}, 90) as (proc, client):
             with ThreadPoolExecutor(1) as pool:
                 in_flight = pool.submit(client.post, "/generate", json={"tokens": [1, 2, 3], "max_new_tokens": 40,
                                                                          "stop_token_ids": None})
@@ -297,14 +282,9 @@ def test_sigterm_drains_in_flight_then_exits_0(tmp_path: Path) -> None:
                 r = in_flight.result(60)
             assert r.status_code == 200, r.text
             assert r.json()["finish_reason"] in ("stop", "length")
-        assert proc.wait(30) == 0
+            assert proc.wait(30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.seek(0)
-        print(log.read()[-3000:])
-        log.close()
+        print(log.read_text()[-3000:])
 
 
 # ---- settings and CLI (no model run) -----------------------------------------------------------------------------
