@@ -34,10 +34,11 @@ def fingerprint() -> dict:
 
 
 def write_result(name: str, payload: dict) -> Path:
-    """Write bench/results/<name>-<date>-<machine>.json and return its path."""
+    """Write bench/results/<name>-<date>-<machine>.json (or under $JAXSTATION_BENCH_RESULTS) and return its path."""
     fp = fingerprint()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}-{dt.date.today().isoformat()}-{fp['id']}.json"
+    results = Path(os.environ.get("JAXSTATION_BENCH_RESULTS") or RESULTS)
+    results.mkdir(parents=True, exist_ok=True)
+    path = results / f"{name}-{dt.date.today().isoformat()}-{fp['id']}.json"
     path.write_text(json.dumps({"bench": name, "machine": fp, "when": dt.datetime.now().isoformat(timespec="seconds"),
                                 **payload}, indent=2))
     return path

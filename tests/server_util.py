@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -70,35 +68,6 @@ def wait_for(predicate: Callable[[], object], timeout: float, message: str, inte
         time.sleep(interval)
 
 
-@contextlib.contextmanager
-def serve_process(log_path: Path, args: list[str], env: dict[str, str], ready_s: float
-                  ) -> Iterator[tuple[subprocess.Popen, httpx.Client]]:
-    """`python -m jaxstation serve --port P *args` from this checkout on CPU, stdout and stderr in log_path.
-
-    Yields (process, client) once /ready answers 200 (failing at once if the process exits); kills it on the way out
-    if it is still running."""
-    port = free_port()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "jaxstation", "serve", "--port", str(port), *args],
-                                env={**os.environ, "JAX_PLATFORMS": "cpu", **env}, stdout=log,
-                                stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])
-        try:
-            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
-                def ready() -> bool:
-                    assert proc.poll() is None, "the server exited early"
-                    try:
-                        return client.get("/ready").status_code == 200
-                    except httpx.TransportError:
-                        return False
-
-                wait_for(ready, ready_s, "the server did not turn ready", 0.25)
-                yield proc, client
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-
 def raw_post(address: tuple[str, int] | str, path: str, body: bytes) -> socket.socket:
     """Send one POST on a fresh socket and return the socket unread (close it to disconnect mid-request)."""
     sock = socket.socket(socket.AF_UNIX if isinstance(address, str) else socket.AF_INET)
@@ -133,3 +102,29 @@ def metric(text: str, name: str, labels: dict[str, str] | None = None) -> float:
             if sample.name == name and (labels is None or sample.labels == labels):
                 return sample.value
     return 0.0
+
+
+@contextlib.contextmanager
+def station_process(cmd: Sequence[str], port: int, log_path: Path, ready_timeout: float, **popen_kw
+                    ) -> Iterator[tuple[subprocess.Popen, httpx.Client]]:
+    """Start a station process, wait until /ready on `port` answers 200, and yield (process, client). Afterwards the
+    process is killed if it still runs and the tail of its log is printed."""
+    with open(log_path, "w+") as log:
+        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, **popen_kw)
+        try:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+                def ready() -> bool:
+                    assert proc.poll() is None, "the server exited early"
+                    try:
+                        return client.get("/ready").status_code == 200
+                    except httpx.TransportError:
+                        return False
+
+                wait_for(ready, ready_timeout, f"the server did not turn ready on port {port}", 0.25)
+                yield proc, client
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.seek(0)
+            print(log.read()[-3000:])

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
-from server_util import ServerThread, serve_process, wait_for
+from server_util import ServerThread, free_port, station_process, wait_for
 
 from jaxstation.access_log import JsonFormatter
 from jaxstation.loader import LoadedModel
@@ -129,9 +131,12 @@ def test_log_format_setting() -> None:
 
 
 def test_serve_json_mode_prints_one_json_object_per_line(tmp_path: Path) -> None:
+    port = free_port()
+    cmd = [sys.executable, "-m", "jaxstation", "serve", "--port", str(port), "--lanes", "1", "--max-seq", "256",
+           "--log-format", "json"]
     log = tmp_path / "serve.log"
-    with serve_process(log, ["--lanes", "1", "--max-seq", "256", "--log-format", "json"],
-                       {"MOONSHINE_API_KEY": API_KEY}, 120) as (proc, client):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MOONSHINE_API_KEY": API_KEY}
+    with station_process(cmd, port, log, 120, env=env, cwd=Path(__file__).resolve().parents[1]) as (proc, client):
         auth = {"Authorization": f"Bearer {API_KEY}"}
         body = {"prompt": SECRET_PROMPT, "max_tokens": 2, "temperature": 0}
         r = client.post("/v1/completions", json=body, headers=auth)
