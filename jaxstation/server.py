@@ -376,9 +376,9 @@ class DrainingServer(uvicorn.Server):
 
 def serve(config: StationConfig) -> int:
     """Run the station on uvicorn until SIGTERM/SIGINT. Returns the process exit code."""
+    configure_logging(config.log_format)  # before the first line: the start-up clock logs the import phase
     station = Station(config, clock=StartupClock.from_process_start())
     bind = {"uds": config.uds} if config.uds else {"host": config.host, "port": config.port}
-    configure_logging(config.log_format)
     json_logs = {"log_config": None} if config.log_format == "json" else {}  # uvicorn's lines go to the root logger
     uv_config = uvicorn.Config(create_app(station), **bind, lifespan="on", log_level="info",
                                timeout_graceful_shutdown=5, access_log=False, **json_logs)
@@ -397,6 +397,7 @@ def serve(config: StationConfig) -> int:
 
 def warmup_only(config: StationConfig) -> int:
     """Load and compile every step shape as `serve` would (filling the compilation cache, if set), then exit 0."""
+    configure_logging(config.log_format)
     if not config.compile_cache_dir:
         log.warning("no MOONSHINE_COMPILE_CACHE_DIR: the warm-up compiles, but nothing is kept for the next start")
     station = Station(config, clock=StartupClock.from_process_start())
