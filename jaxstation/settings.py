@@ -86,8 +86,8 @@ SETTINGS: tuple[_Setting, ...] = (
              "decode attention: blocked (online softmax over KV blocks), xla or cudnn "
              "(jax.nn.dot_product_attention with per-lane lengths); auto is cudnn on a GPU, blocked on CPU"),
     _Setting("layer_loop", "MOONSHINE_LAYER_LOOP", "--layer-loop", _parse_str,
-             "scan (stacked layer weights in one loop) or unroll (one weight buffer per layer); auto is unroll on "
-             "a GPU, scan on CPU"),
+             "scan (stacked layer weights in one loop) or unroll (one weight buffer per layer); auto is unroll, "
+             "except scan for int8 on CPU"),
     _Setting("host", "MOONSHINE_HOST", "--host", _parse_str, "TCP bind address"),
     _Setting("port", "PORT", "--port", _parse_int, "TCP port (PORT is honoured, as Cloud Run sets it)"),
     _Setting("uds", "MOONSHINE_UDS", "--uds", _parse_str, "listen on this Unix socket instead of TCP"),
@@ -171,7 +171,11 @@ class StationConfig:
 
     @property
     def loop(self) -> str:
-        return self.layer_loop if self.layer_loop != "auto" else ("unroll" if on_gpu() else "scan")
+        """The layer walk: the setting, or unroll, except for int8 on CPU, whose per-layer int8 -> float32 converts
+        XLA's CPU backend materializes outside a loop (bench/levers.py: 4-6x slower unrolled, 1.6x stacked)."""
+        if self.layer_loop != "auto":
+            return self.layer_loop
+        return "scan" if self.weights == "int8" and not on_gpu() else "unroll"
 
     def attention_for(self, cfg: ModelConfig) -> str:
         """The decode attention: the setting, or cuDNN on a GPU unless the model's sliding window would be cut."""
