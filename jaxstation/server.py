@@ -31,6 +31,7 @@ from jaxstation.http_common import RETRY_AFTER_S, BodyError, is_int, is_number, 
 from jaxstation.loader import LoadedModel, load_model
 from jaxstation.metrics import StationMetrics
 from jaxstation.openai_api import openai_middleware, openai_routes
+from jaxstation.runner import Runner
 from jaxstation.scheduler import Cancelled, Job, QueueFull, Result, Scheduler, ShuttingDown, StepFailed
 from jaxstation.settings import StationConfig, check_memory
 
@@ -44,15 +45,18 @@ class Station:
     """One serving station: config, model, engine, scheduler, metrics, and whether it is ready.
 
     model: an already loaded model (tests, or a caller that loaded it); None loads `config.model` in `start`.
+    engine_factory: builds the engine from the loaded model (default: a local `Engine`; a mesh host passes its own).
     before_warmup: called in the loading thread right before `engine.warmup()` (a test hook to observe /ready 503).
     """
 
     def __init__(self, config: StationConfig, *, model: LoadedModel | None = None,
+                 engine_factory: Callable[[LoadedModel, StationConfig], Runner] | None = None,
                  before_warmup: Callable[[], None] | None = None) -> None:
         self.config = config
         self.model = model
         self.metrics = StationMetrics()
-        self.engine: Engine | None = None
+        self.engine: Runner | None = None
+        self._engine_factory = engine_factory or local_engine
         self.scheduler: Scheduler | None = None
         self.ready = threading.Event()
         self.load_error: str | None = None
@@ -75,9 +79,8 @@ class Station:
             if self.model is None:
                 self.model = load_model(self.config.model, self.config.dtype)
                 log.info("loaded %s in %.1f s", self.model.source, time.perf_counter() - t0)
-            check_memory(self.model.cfg, self.config, weights_resident=True)
             c = self.config
-            self.engine = Engine(self.model, lanes=c.lanes, max_seq=c.max_seq, chunk=c.prefill_chunk, block=c.kv_block)
+            self.engine = self._engine_factory(self.model, c)
             if self._before_warmup is not None:
                 self._before_warmup()
             t1 = time.perf_counter()
@@ -125,6 +128,12 @@ class Station:
     def eos_ids(self) -> frozenset[int]:
         tok = self.model.tokenizer if self.model is not None else None
         return frozenset(tok.eos_ids) if tok is not None else frozenset()
+
+
+def local_engine(model: LoadedModel, c: StationConfig) -> Engine:
+    """The station's own engine, once its arena is known to fit."""
+    check_memory(model.cfg, c, weights_resident=True)
+    return Engine(model, lanes=c.lanes, max_seq=c.max_seq, chunk=c.prefill_chunk, block=c.kv_block)
 
 
 class ApiError(Exception):
@@ -270,7 +279,7 @@ def create_app(station: Station) -> Starlette:
         try:
             result: Result = result_fut.result()
         except StepFailed as e:
-            return ApiError(500, str(e)).response()
+            return ApiError(e.status, str(e)).response()
         except ShuttingDown as e:
             return ApiError(503, str(e)).response()
         except Cancelled as e:
@@ -339,11 +348,15 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(config: StationConfig) -> int:
-    """Run the station on uvicorn until SIGTERM/SIGINT. Returns the process exit code."""
-    station = Station(config)
+def serve(config: StationConfig, app_and_station: tuple[Starlette, Station] | None = None) -> int:
+    """Run the station (or a given app and its Station, e.g. a mesh host) on uvicorn until SIGTERM/SIGINT.
+    Returns the process exit code."""
+    if app_and_station is None:
+        station = Station(config)
+        app_and_station = create_app(station), station
+    app, station = app_and_station
     bind = {"uds": config.uds} if config.uds else {"host": config.host, "port": config.port}
-    uv_config = uvicorn.Config(create_app(station), **bind, lifespan="on", log_level="info",
+    uv_config = uvicorn.Config(app, **bind, lifespan="on", log_level="info",
                                timeout_graceful_shutdown=5, access_log=False)
     server = DrainingServer(uv_config, station)
 

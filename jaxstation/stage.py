@@ -137,7 +137,8 @@ class Stage:
         wave = self._wave(meta)
         want = {"lanes", "positions", "tokens" if self.first else "x"}
         if set(arrays) != want:
-            raise WireError("arrays", f"this station ({self.layers}) takes exactly {sorted(want)}, got {sorted(arrays)}")
+            raise WireError("arrays", f"this station ({self.layers}) takes exactly {sorted(want)}, "
+                                      f"got {sorted(arrays)}")
         lanes, positions = arrays["lanes"], arrays["positions"]
         if lanes.dtype != np.int32 or lanes.ndim != 1 or lanes.shape[0] < 1:
             raise WireError("lanes", f"must be int32 [K], got {lanes.dtype} {list(lanes.shape)}")
