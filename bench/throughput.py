@@ -10,6 +10,7 @@ Usage:
   python -m bench.throughput                    # K = 1 2 4 8 16 32, 128 new tokens, 3 reps, direct + HTTP
   python -m bench.throughput --quick            # K = 1 2, 16 new tokens, 1 rep (smoke run)
   python -m bench.throughput --ks 1 8 --no-http --engine-lanes k   # an engine sized to each K instead
+  python -m bench.throughput --mesh --ks 1 4 8  # also 1, 2, 3 mesh stations, pipelining off/on (bench/mesh.py)
 """
 
 from __future__ import annotations
@@ -195,6 +196,9 @@ def main() -> None:
     ap.add_argument("--no-http", action="store_true")
     ap.add_argument("--server-timeout", type=float, default=300.0)
     ap.add_argument("--quick", action="store_true", help="K = 1 2, 16 new tokens, 1 rep")
+    ap.add_argument("--mesh", action="store_true", help="also meshes of --mesh-stations station processes "
+                                                         "(implies --no-http); writes throughput_mesh-*.json")
+    ap.add_argument("--mesh-stations", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3])
     args = ap.parse_args()
     if args.quick:
         args.ks, args.new_tokens, args.reps = [1, 2], 16, 1
@@ -206,7 +210,14 @@ def main() -> None:
     prompts = make_prompts(model.tokenizer, max(args.ks), args.prompt_len, seed=args.seed)
     out = {"config": {k: v for k, v in vars(args).items()}, "model": str(model.source)}
     out["direct"] = {"skipped": "--no-direct"} if args.no_direct else direct(args, model, prompts)
-    out["http"] = {"skipped": "--no-http"} if args.no_http else http(args, prompts)
+    out["http"] = {"skipped": "--no-http"} if args.no_http or args.mesh else http(args, prompts)
+    if args.mesh:
+        from bench.mesh import mesh, print_mesh
+
+        out["mesh"] = mesh(args, model, prompts, seq_len(args.prompt_len, args.new_tokens, args.chunk, args.block))
+        out["targets"] = print_mesh(out["direct"], out["mesh"])
+        print(f"wrote {write_result('throughput_mesh', out)}")
+        return
 
     targets = {}
     for name in ("direct", "http"):

@@ -79,6 +79,7 @@ class Hop:
 
     station: int
     path: str
+    wave: str  # "prefill" | "decode"
     ms: float  # wall time at the host
     compute_ms: float  # the station's own time in the step
     sent: int  # body bytes each way
@@ -136,7 +137,8 @@ class StationClient:
             raise MeshError(f"{self.name} sent an unreadable {path} reply: {e}") from None
         if reply.get("epoch") != self.epoch:
             raise StationLost(self, "restarted (its epoch changed), so its KV is gone")
-        self.hops.append(Hop(self.index, path, ms, float(reply.get("compute_ms", 0.0)), len(body), len(r.content)))
+        self.hops.append(Hop(self.index, path, meta["wave"], ms, float(reply.get("compute_ms", 0.0)), len(body),
+                             len(r.content)))
         return out
 
     def close(self) -> None:

@@ -6,11 +6,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
-
 from server_util import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,15 +42,19 @@ class StationProcess:
                 "--lanes", str(self.shape["lanes"]), "--max-seq", str(self.shape["max_seq"]),
                 "--prefill-chunk", str(self.shape["prefill_chunk"]), "--kv-block", str(self.shape["kv_block"]),
                 *self.extra]
-        self.proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.log = tempfile.TemporaryFile()  # not a pipe: a full pipe would block the station
+        self.proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
         return self
 
-    def wait_ready(self, timeout: float = 120.0) -> StationProcess:
+    def stderr_tail(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-2000:]
+
+    def wait_ready(self, timeout: float = 300.0) -> StationProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(f"station {self.layers} exited {self.proc.returncode}: "
-                                     f"{self.proc.stderr.read().decode()[-2000:]}")
+                raise AssertionError(f"station {self.layers} exited {self.proc.returncode}: {self.stderr_tail()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return self
@@ -64,6 +68,7 @@ class StationProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(30)
+        self.log.close()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -72,8 +77,8 @@ class StationProcess:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
                 self.kill()
-        if self.proc is not None and self.proc.stderr is not None:
-            self.proc.stderr.close()
+        if self.proc is not None:
+            self.log.close()
 
 
 def start_mesh(splits: list[str], **kwargs) -> list[StationProcess]:
