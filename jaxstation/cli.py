@@ -8,9 +8,9 @@ import logging
 import secrets
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from jaxstation.settings import ConfigError, add_arguments, resolve
+from jaxstation.settings import ConfigError, StationConfig, add_arguments, resolve
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -50,44 +50,50 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace, check: Callable[[StationConfig], None] | None = None) -> StationConfig | None:
+    """The resolved settings, once `check` (which raises ConfigError) passes; else None after printing why."""
+    try:
+        config = resolve(args)
+        if check is not None:
+            check(config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    return config
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from jaxstation.server import serve
 
-    try:
-        config = resolve(args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return serve(config)
+    config = _config(args)
+    return 2 if config is None else serve(config)
+
+
+def _station_check(c: StationConfig) -> None:
+    if c.layers is None:
+        raise ConfigError("a mesh station needs its layer range: --layers A:B (MOONSHINE_LAYERS)")
+    c.check_mesh_security()
+
+
+def _host_check(c: StationConfig) -> None:
+    if not c.station_urls:
+        raise ConfigError("a mesh host needs its stations: --stations URL,URL,... (MOONSHINE_MESH_STATIONS)")
+    c.check_mesh_security()
 
 
 def cmd_station(args: argparse.Namespace) -> int:
     from jaxstation.mesh_station import serve_station
 
-    try:
-        config = resolve(args)
-        if config.layers is None:
-            raise ConfigError("a mesh station needs its layer range: --layers A:B (MOONSHINE_LAYERS)")
-        config.check_mesh_security()
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return serve_station(config)
+    config = _config(args, _station_check)
+    return 2 if config is None else serve_station(config)
 
 
 def cmd_host(args: argparse.Namespace) -> int:
     from jaxstation.mesh import create_host_app
     from jaxstation.server import serve
 
-    try:
-        config = resolve(args)
-        if not config.station_urls:
-            raise ConfigError("a mesh host needs its stations: --stations URL,URL,... (MOONSHINE_MESH_STATIONS)")
-        config.check_mesh_security()
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return serve(config, create_host_app(config))
+    config = _config(args, _host_check)
+    return 2 if config is None else serve(config, create_host_app(config))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,7 +32,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 import httpx
@@ -314,8 +314,12 @@ class MeshEngine:
             x = self._forward(stations, meta, np.arange(g, g + k, dtype=np.int32), positions, tokens)
             return None if sampling is None else self._head("decode", x[:, 0], sampling[g:g + k], return_logits)
 
-        results = list(self._pool.map(run, groups)) if self._pool is not None and len(groups) > 1 else \
-            [run(g) for g in groups]
+        if self._pool is not None and len(groups) > 1:
+            futures = [self._pool.submit(run, g) for g in groups]
+            wait(futures)  # every group's hops are over before a failure is handled
+            results = [f.result() for f in futures]
+        else:
+            results = [run(g) for g in groups]
         samples: list[Sample | None] = [None] * self.lanes
         logits = None
         for g, result in zip(groups, results, strict=True):

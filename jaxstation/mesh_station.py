@@ -170,17 +170,7 @@ def create_station_app(station: MeshStation) -> Starlette:
 
 def serve_station(config: StationConfig) -> int:
     """Run a mesh station on uvicorn until SIGTERM/SIGINT. Returns the process exit code."""
+    from jaxstation.server import run_server, uvicorn_config
+
     station = MeshStation(config)
-    bind = {"uds": config.uds} if config.uds else {"host": config.host, "port": config.port}
-    server = uvicorn.Server(uvicorn.Config(create_station_app(station), **bind, lifespan="on", log_level="info",
-                                           timeout_graceful_shutdown=5, access_log=False))
-
-    def load_failed() -> None:
-        server.should_exit = True
-
-    station.on_load_failed = load_failed
-    server.run()
-    if station.load_error:
-        log.error("station failed to start: %s", station.load_error)
-        return 1
-    return 0 if server.started else 3
+    return run_server(uvicorn.Server(uvicorn_config(config, create_station_app(station))), station)

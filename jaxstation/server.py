@@ -355,10 +355,17 @@ def serve(config: StationConfig, app_and_station: tuple[Starlette, Station] | No
         station = Station(config)
         app_and_station = create_app(station), station
     app, station = app_and_station
+    return run_server(DrainingServer(uvicorn_config(config, app), station), station)
+
+
+def uvicorn_config(config: StationConfig, app: Starlette) -> uvicorn.Config:
     bind = {"uds": config.uds} if config.uds else {"host": config.host, "port": config.port}
-    uv_config = uvicorn.Config(app, **bind, lifespan="on", log_level="info",
-                               timeout_graceful_shutdown=5, access_log=False)
-    server = DrainingServer(uv_config, station)
+    return uvicorn.Config(app, **bind, lifespan="on", log_level="info", timeout_graceful_shutdown=5, access_log=False)
+
+
+def run_server(server: uvicorn.Server, station: Any) -> int:
+    """Serve until told to stop, or until `station` (anything with `on_load_failed` and `load_error`) fails to
+    load. Returns the exit code: 0, 1 (failed to load) or 3 (never started, e.g. the port was taken)."""
 
     def load_failed() -> None:
         server.should_exit = True

@@ -83,7 +83,8 @@ def workload(default_model, local):
         Spec(story[10:40], 12, SamplingParams(temperature=0.9, top_k=5, top_p=0.8, seed=5)),
         Spec(tuple(int(t) for t in rng.integers(0, vocab, 64)), 9, SamplingParams()),
     ]
-    reference = [generate(local, s.prompt, s.max_new, s.sampling) for s in specs]
+    eos = frozenset(tok.eos_ids)  # /generate stops on them, so the Scheduler runs here do too
+    reference = [generate(local, s.prompt, s.max_new, s.sampling, eos) for s in specs]
     return specs, reference
 
 
@@ -96,9 +97,9 @@ def connect(procs: list[StationProcess], model, **kw) -> MeshEngine:
     return MeshEngine.connect(host_config(procs, **kw), model.cfg, fingerprint(model))
 
 
-def run_jobs(engine, specs: list[Spec]) -> list[list[int]]:
+def run_jobs(engine, specs: list[Spec], eos: frozenset[int]) -> list[list[int]]:
     sched = Scheduler(engine, continuous=True, max_queue=64, terminal_ids=frozenset())
-    futures = [sched.submit(Job(tokens=list(s.prompt), max_new_tokens=s.max_new, sampling=s.sampling))
+    futures = [sched.submit(Job(tokens=list(s.prompt), max_new_tokens=s.max_new, sampling=s.sampling, stop_ids=eos))
                for s in specs]  # all queued before the decode thread starts: more jobs than lanes
     sched.start()
     try:
@@ -113,7 +114,7 @@ def test_two_station_mesh_gives_the_single_station_tokens(stations, default_mode
     engine = connect(stations["2"], default_model, mesh_pipeline=pipeline)
     try:
         assert engine.group_size == (2 if pipeline else 4)
-        assert run_jobs(engine, specs) == reference
+        assert run_jobs(engine, specs, frozenset(default_model.tokenizer.eos_ids)) == reference
         hops = [h for c in engine.clients for h in c.hops]
         assert {h.path for h in hops} == {"/forward", "/lm_head"}
         assert {h.station for h in hops} == {0, 1}
@@ -143,9 +144,9 @@ def test_three_station_host_serves_the_single_station_tokens(stations, default_m
 
 def _long_specs(default_model) -> list[Spec]:
     tok = default_model.tokenizer
-    prompts = ["Tell me a long story about a lighthouse.", "Write a poem about the sea.",
-               "Explain how a steam engine works.", "List the planets and describe each one.",
-               "Describe a walk through a forest in autumn."]
+    prompts = ["Explain how a steam engine works.", "The history of the Roman Empire began when",
+               "In the early morning the fishermen of the village", "A recipe for bread: first, take",
+               "The train left the station at dawn and"]  # none meets EOS within 40 tokens
     return [Spec(tuple(tok.encode(p)), 40, SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=10 + i))
             for i, p in enumerate(prompts)]
 
@@ -156,7 +157,9 @@ def _generated(server: ServerThread) -> float:
 
 def test_sigkill_and_restart_of_the_middle_station_loses_no_token(stations, default_model, local):
     specs = _long_specs(default_model)
-    reference = [generate(local, s.prompt, s.max_new, s.sampling) for s in specs]
+    eos = frozenset(default_model.tokenizer.eos_ids)
+    reference = [generate(local, s.prompt, s.max_new, s.sampling, eos) for s in specs]
+    assert [len(r) for r in reference] == [40] * 5
     middle = stations["3"][1]
     app, station = create_host_app(host_config(stations["3"], mesh_recover_s=120), model=default_model)
     with ServerThread(app) as server, server.client(timeout=300) as client:
@@ -170,7 +173,7 @@ def test_sigkill_and_restart_of_the_middle_station_loses_no_token(stations, defa
             middle.start().wait_ready()
             assert httpx.get(middle.url + "/health").json()["epoch"] != epoch
             replies = [f.result() for f in futures]
-    assert in_flight >= 3  # the kill caught requests mid-generation
+    assert in_flight == 5  # the kill caught every request mid-generation
     for i, (r, ref) in enumerate(zip(replies, reference, strict=True)):
         assert r.status_code == 200, r.text
         assert r.json()["generated"] == ref, f"job {i}"
@@ -203,7 +206,8 @@ def test_a_station_that_stays_down_fails_in_flight_requests_with_502_and_the_hos
         middle.start().wait_ready()
         r = client.post("/generate", json=specs[0].body())
         assert r.status_code == 200, r.text
-        assert r.json()["generated"] == generate(local, specs[0].prompt, specs[0].max_new, specs[0].sampling)
+        eos = frozenset(default_model.tokenizer.eos_ids)
+        assert r.json()["generated"] == generate(local, specs[0].prompt, specs[0].max_new, specs[0].sampling, eos)
         assert client.get("/health").json()["status"] == "ok"
 
 
