@@ -46,6 +46,7 @@ from jaxstation.config import ModelConfig
 from jaxstation.engine import DecodeRow, Sample, SamplingParams, _samples, _sampling_arrays
 from jaxstation.loader import LoadedModel
 from jaxstation.sampling import SampleOut
+from jaxstation.server import Station, create_app
 from jaxstation.settings import StationConfig
 from jaxstation.stage import SAMPLING_FIELDS, LayerRange, fingerprint
 from jaxstation.wire import CONTENT_TYPE, WireError, decode, encode
@@ -399,10 +400,9 @@ def _wait_info(c: StationClient, deadline: float, budget_s: float) -> dict[str, 
 
 
 # ---- the host app ------------------------------------------------------------------------------------------------
-def create_host_app(config: StationConfig, *, model: LoadedModel | None = None) -> tuple[Starlette, Any]:
+def create_host_app(config: StationConfig, *, model: LoadedModel | None = None) -> tuple[Starlette, Station]:
     """The station app (the scheduler, /generate, the OpenAI routes) over a MeshEngine, and its Station. /health also
     names each station and whether it answers."""
-    from jaxstation.server import Station, create_app
 
     def engine_factory(loaded: LoadedModel, c: StationConfig) -> MeshEngine:
         model_fp = fingerprint(loaded)

@@ -30,6 +30,7 @@ from starlette.routing import Route
 
 from jaxstation.http_common import BodyError, read_body
 from jaxstation.loader import LoadedModel, load_model
+from jaxstation.server import run_server, uvicorn_config
 from jaxstation.settings import StationConfig, check_memory
 from jaxstation.stage import Stage
 from jaxstation.wire import CONTENT_TYPE, MAX_HEADER_BYTES, WireError, decode, encode
@@ -170,7 +171,5 @@ def create_station_app(station: MeshStation) -> Starlette:
 
 def serve_station(config: StationConfig) -> int:
     """Run a mesh station on uvicorn until SIGTERM/SIGINT. Returns the process exit code."""
-    from jaxstation.server import run_server, uvicorn_config
-
     station = MeshStation(config)
     return run_server(uvicorn.Server(uvicorn_config(config, create_station_app(station))), station)

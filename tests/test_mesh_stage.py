@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import ENGINE_SHAPE as SHAPE  # the session engine's shape, so its compiled steps are reused
 
 from jaxstation.engine import DecodeRow, Engine, SamplingParams, _sampling_arrays
 from jaxstation.loader import load_model
 from jaxstation.stage import LayerRange, Stage, slice_params
 from jaxstation.wire import DTYPES, decode, encode
-
-SHAPE = {"lanes": 4, "max_seq": 256, "chunk": 32, "block": 128}
 
 
 def _stages(model, splits: list[str]) -> list[Stage]:
@@ -29,8 +28,8 @@ def _forward(stages: list[Stage], wave: str, inputs: np.ndarray, positions: np.n
     return x
 
 
-def _check_split(model, splits: list[str], sampling: SamplingParams) -> None:
-    engine = Engine(model, **SHAPE)
+def _check_split(engine: Engine, splits: list[str], sampling: SamplingParams) -> None:
+    model = engine.model
     stages = _stages(model, splits)
     lanes, chunk, block, scratch = SHAPE["lanes"], SHAPE["chunk"], SHAPE["block"], SHAPE["max_seq"] - 1
     rng = np.random.default_rng(0)
@@ -63,15 +62,15 @@ def _check_split(model, splits: list[str], sampling: SamplingParams) -> None:
         token = samples[lane].token
 
 
-def test_three_uneven_stages_equal_the_whole_model_bitwise(default_model):
-    _check_split(default_model, ["0:7", "7:19", "19:30"], SamplingParams(temperature=0.8, top_k=50, seed=3))
+def test_three_uneven_stages_equal_the_whole_model_bitwise(engine):
+    _check_split(engine, ["0:7", "7:19", "19:30"], SamplingParams(temperature=0.8, top_k=50, seed=3))
 
 
 def test_bfloat16_stages_equal_the_whole_bfloat16_model_bitwise():
     model = load_model(dtype="bfloat16")
     stage = Stage(model, LayerRange(0, 13), **SHAPE)
     assert stage.dtype == DTYPES["bfloat16"] and stage.info()["dtype"] == "bfloat16"
-    _check_split(model, ["0:13", "13:30"], SamplingParams())
+    _check_split(Engine(model, **SHAPE), ["0:13", "13:30"], SamplingParams())
 
 
 def test_slice_params_keeps_only_what_the_range_needs(default_model):
