@@ -112,11 +112,11 @@ def print_mesh(direct: dict, meshes: list[dict]) -> dict:
     for m in meshes:
         for r in m["rows"]:
             tps = r["tokens_per_s"]["median"]
-            ratio = tps / local[r["k"]] if r["k"] in local else None
-            print(f"| {m['stations']} | {'on' if m['pipeline'] else 'off'} | {r['k']} | {tps:.1f} | "
-                  f"{ratio:.2f} | {r['bytes_per_decode_wave'] / 1024:.1f} | {r['hop_ms']['p50']:.2f} | "
-                  f"{r['hop_ms']['p99']:.2f} | {r['hop_transport_ms']['p50']:.2f} |" if ratio is not None else "")
-            if r["k"] == 8 and m["stations"] == 2 and not m["pipeline"] and ratio is not None:
+            ratio = tps / local[r["k"]] if r["k"] in local else float("nan")
+            print(f"| {m['stations']} | {'on' if m['pipeline'] else 'off'} | {r['k']} | {tps:.1f} | {ratio:.2f} | "
+                  f"{r['bytes_per_decode_wave'] / 1024:.1f} | {r['hop_ms']['p50']:.2f} | {r['hop_ms']['p99']:.2f} | "
+                  f"{r['hop_transport_ms']['p50']:.2f} |")
+            if r["k"] == 8 and m["stations"] == 2 and not m["pipeline"]:
                 targets["mesh2_k8_over_local"] = ratio
             if r["k"] == 8 and not m["pipeline"]:
                 targets[f"mesh{m['stations']}_k8_hop_p50_ms"] = r["hop_ms"]["p50"]
