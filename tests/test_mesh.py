@@ -1,17 +1,20 @@
 """The mesh on the default model: 2- and 3-station meshes as real processes on loopback ports, split unevenly.
 
 Parity: the parity-gate style workload (more jobs than lanes, greedy and seeded sampling, lanes=4) gives, through
-the unchanged Scheduler on a MeshEngine (with and without pipelining) and through the host's HTTP routes, exactly the
-tokens of a single local station. Recovery: SIGKILL the middle station mid-generation and restart it on its port:
-every request completes with the uninterrupted tokens; kill it for good: the requests in flight get a 502 naming it,
-the host stays up, /health names it, and after a restart new requests succeed.
+the unchanged Scheduler on a MeshEngine (continuous with and without pipelining, and serialize-all) and through the
+host's HTTP routes, exactly the tokens of a single local station. Recovery: SIGKILL the middle station
+mid-generation and restart it on its port: every request completes with the uninterrupted tokens; kill it for good:
+the requests in flight get a 502 naming it, the host stays up, /health names it, and after a restart new requests
+succeed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -97,8 +100,17 @@ def connect(procs: list[StationProcess], model, **kw) -> MeshEngine:
     return MeshEngine.connect(host_config(procs, **kw), model.cfg, fingerprint(model))
 
 
-def run_jobs(engine, specs: list[Spec], eos: frozenset[int]) -> list[list[int]]:
-    sched = Scheduler(engine, continuous=True, max_queue=64, terminal_ids=frozenset())
+@contextlib.contextmanager
+def running_host(procs: list[StationProcess], model, **kw) -> Iterator[tuple[ServerThread, httpx.Client]]:
+    """A mesh host over `procs` on a loopback port, ready."""
+    app, station = create_host_app(host_config(procs, **kw), model=model)
+    with ServerThread(app) as server, server.client(timeout=300) as client:
+        wait_for(station.ready.is_set, 120, "the host did not get ready")
+        yield server, client
+
+
+def run_jobs(engine, specs: list[Spec], eos: frozenset[int], continuous: bool) -> list[list[int]]:
+    sched = Scheduler(engine, continuous=continuous, max_queue=64, terminal_ids=frozenset())
     futures = [sched.submit(Job(tokens=list(s.prompt), max_new_tokens=s.max_new, sampling=s.sampling, stop_ids=eos))
                for s in specs]  # all queued before the decode thread starts: more jobs than lanes
     sched.start()
@@ -108,13 +120,13 @@ def run_jobs(engine, specs: list[Spec], eos: frozenset[int]) -> list[list[int]]:
         assert sched.drain(10)
 
 
-@pytest.mark.parametrize("pipeline", [False, True])
-def test_two_station_mesh_gives_the_single_station_tokens(stations, default_model, workload, pipeline):
+@pytest.mark.parametrize(("pipeline", "continuous"), [(False, True), (True, True), (False, False)])
+def test_two_station_mesh_gives_the_single_station_tokens(stations, default_model, workload, pipeline, continuous):
     specs, reference = workload
     engine = connect(stations["2"], default_model, mesh_pipeline=pipeline)
     try:
         assert engine.group_size == (2 if pipeline else 4)
-        assert run_jobs(engine, specs, frozenset(default_model.tokenizer.eos_ids)) == reference
+        assert run_jobs(engine, specs, frozenset(default_model.tokenizer.eos_ids), continuous) == reference
         hops = [h for c in engine.clients for h in c.hops]
         assert {h.path for h in hops} == {"/forward", "/lm_head"}
         assert {h.station for h in hops} == {0, 1}
@@ -124,9 +136,7 @@ def test_two_station_mesh_gives_the_single_station_tokens(stations, default_mode
 
 def test_three_station_host_serves_the_single_station_tokens(stations, default_model, workload):
     specs, reference = workload
-    app, station = create_host_app(host_config(stations["3"]), model=default_model)
-    with ServerThread(app) as server, server.client(timeout=300) as client:
-        wait_for(station.ready.is_set, 120, "the host did not get ready")
+    with running_host(stations["3"], default_model) as (_, client):
         with ThreadPoolExecutor(len(specs)) as pool:  # all at once: more requests than lanes
             replies = list(pool.map(lambda s: client.post("/generate", json=s.body()), specs))
         for i, (r, ref) in enumerate(zip(replies, reference, strict=True)):
@@ -161,9 +171,7 @@ def test_sigkill_and_restart_of_the_middle_station_loses_no_token(stations, defa
     reference = [generate(local, s.prompt, s.max_new, s.sampling, eos) for s in specs]
     assert [len(r) for r in reference] == [40] * 5
     middle = stations["3"][1]
-    app, station = create_host_app(host_config(stations["3"], mesh_recover_s=120), model=default_model)
-    with ServerThread(app) as server, server.client(timeout=300) as client:
-        wait_for(station.ready.is_set, 120, "the host did not get ready")
+    with running_host(stations["3"], default_model, mesh_recover_s=120) as (server, client):
         with ThreadPoolExecutor(len(specs)) as pool:
             futures = [pool.submit(client.post, "/generate", json=s.body()) for s in specs]
             wait_for(lambda: _generated(server) >= 12, 120, "generation did not start", interval=0.05)
@@ -183,9 +191,7 @@ def test_a_station_that_stays_down_fails_in_flight_requests_with_502_and_the_hos
         stations, default_model, local):
     specs = _long_specs(default_model)[:2]
     middle = stations["3"][1]
-    app, station = create_host_app(host_config(stations["3"], mesh_recover_s=2), model=default_model)
-    with ServerThread(app) as server, server.client(timeout=300) as client:
-        wait_for(station.ready.is_set, 120, "the host did not get ready")
+    with running_host(stations["3"], default_model, mesh_recover_s=2) as (server, client):
         with ThreadPoolExecutor(len(specs)) as pool:
             futures = [pool.submit(client.post, "/generate", json=s.body()) for s in specs]
             wait_for(lambda: _generated(server) >= 4, 120, "generation did not start", interval=0.05)
