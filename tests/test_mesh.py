@@ -96,8 +96,18 @@ def host_config(procs: list[StationProcess], **kw) -> StationConfig:
                             **SHAPE, **kw})
 
 
+_FINGERPRINTS: dict[int, str] = {}
+
+
+def model_fp(model) -> str:
+    """The model's fingerprint, hashed once per model object (it reads every weight)."""
+    if id(model) not in _FINGERPRINTS:
+        _FINGERPRINTS[id(model)] = fingerprint(model)
+    return _FINGERPRINTS[id(model)]
+
+
 def connect(procs: list[StationProcess], model, **kw) -> MeshEngine:
-    return MeshEngine.connect(host_config(procs, **kw), model.cfg, fingerprint(model))
+    return MeshEngine.connect(host_config(procs, **kw), model.cfg, model_fp(model))
 
 
 @contextlib.contextmanager
@@ -255,7 +265,7 @@ def test_the_host_refuses_stations_of_another_shape_model_or_dtype(stations, def
             connect(stations["2"], default_model, **kw)
     tiny = tiny_model("tiny-llama3")
     with pytest.raises(MeshError, match=re.escape(f"station {first.url} (layers 0:13) serves a different model")):
-        MeshEngine.connect(host_config(stations["2"]), default_model.cfg, fingerprint(tiny))
+        MeshEngine.connect(host_config(stations["2"]), default_model.cfg, model_fp(tiny))
 
 
 def test_the_host_refuses_a_wrong_or_missing_token(stations, default_model):
@@ -276,10 +286,9 @@ def test_the_host_refuses_a_station_without_a_token_unless_insecure(default_mode
         url = f"http://127.0.0.1:{server.port}"
         host = StationConfig(stations=url, mesh_token=TOKEN, **SHAPE)
         with pytest.raises(MeshError, match="takes requests without a token.*--insecure-mesh"):
-            MeshEngine.connect(host, default_model.cfg, fingerprint(default_model))
+            MeshEngine.connect(host, default_model.cfg, model_fp(default_model))
         with pytest.raises(MeshError, match="serves a different model"):  # insecure passes the token check only
-            MeshEngine.connect(dataclasses.replace(host, insecure_mesh=True), default_model.cfg,
-                               fingerprint(default_model))
+            MeshEngine.connect(dataclasses.replace(host, insecure_mesh=True), default_model.cfg, model_fp(default_model))
 
 
 def test_the_cli_refuses_a_station_or_host_without_token_or_role(monkeypatch, capsys):
