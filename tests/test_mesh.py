@@ -288,7 +288,8 @@ def test_the_host_refuses_a_station_without_a_token_unless_insecure(default_mode
         with pytest.raises(MeshError, match="takes requests without a token.*--insecure-mesh"):
             MeshEngine.connect(host, default_model.cfg, model_fp(default_model))
         with pytest.raises(MeshError, match="serves a different model"):  # insecure passes the token check only
-            MeshEngine.connect(dataclasses.replace(host, insecure_mesh=True), default_model.cfg, model_fp(default_model))
+            MeshEngine.connect(dataclasses.replace(host, insecure_mesh=True), default_model.cfg,
+                               model_fp(default_model))
 
 
 def test_the_cli_refuses_a_station_or_host_without_token_or_role(monkeypatch, capsys):
