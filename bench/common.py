@@ -27,17 +27,19 @@ def fingerprint() -> dict:
                    if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    device = jax.devices()[0]
     info = {"cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend(),
-            "device": str(jax.devices()[0])}
+            "device": str(device), "device_kind": device.device_kind}
     info["id"] = hashlib.sha1(json.dumps(info, sort_keys=True).encode()).hexdigest()[:8]
     return info
 
 
 def write_result(name: str, payload: dict) -> Path:
-    """Write bench/results/<name>-<date>-<machine>.json and return its path."""
+    """Write bench/results/<name>-<date>-<machine>.json (or under $JAXSTATION_BENCH_RESULTS) and return its path."""
     fp = fingerprint()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}-{dt.date.today().isoformat()}-{fp['id']}.json"
+    results = Path(os.environ.get("JAXSTATION_BENCH_RESULTS") or RESULTS)
+    results.mkdir(parents=True, exist_ok=True)
+    path = results / f"{name}-{dt.date.today().isoformat()}-{fp['id']}.json"
     path.write_text(json.dumps({"bench": name, "machine": fp, "when": dt.datetime.now().isoformat(timespec="seconds"),
                                 **payload}, indent=2))
     return path
@@ -70,3 +72,29 @@ def timed(fn: Callable[[], object]) -> float:
 def summary(samples: list[float]) -> dict:
     """Median and spread of repeated measurements."""
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
+
+
+def add_model_args(ap) -> None:
+    """--shape / --dtype / --layer-loop / --attention: which model a bench runs, and how."""
+    ap.add_argument("--shape", default=None,
+                    help="a named architecture with random weights (smollm2-135m, mistral-7b, llama3-8b) instead of "
+                         "the default model; needs no checkpoint")
+    ap.add_argument("--dtype", default=None, help="float32, bfloat16 or int8 (default: the backend's)")
+    ap.add_argument("--layer-loop", default="auto", help="scan, unroll or auto (the backend's)")
+    ap.add_argument("--attention", default="auto", help="blocked, xla, cudnn or auto (the backend's)")
+
+
+def bench_model(args, max_seq: int):
+    """(LoadedModel, Engine keyword arguments) for the model args, resolved as a station with max_seq would."""
+    from jaxstation.loader import load_model
+    from jaxstation.settings import StationConfig
+    from jaxstation.shapes import random_model
+
+    station = StationConfig(dtype=args.dtype, layer_loop=args.layer_loop, attention=args.attention, max_seq=max_seq,
+                            prefill_chunk=1, kv_block=1)
+    if args.shape:
+        model = random_model(args.shape, station.weights, station.loop)
+    else:
+        model = load_model(dtype=station.weights, layer_loop=station.loop)
+    args.dtype, args.layer_loop, args.attention = station.weights, station.loop, station.attention_for(model.cfg)
+    return model, {"attention": args.attention}

@@ -25,7 +25,8 @@ TOKEN = "bench-mesh-token"
 def _station_cmd(port: int, layers: str, lanes: int, max_seq: int, args) -> list[str]:
     return [sys.executable, "-m", "jaxstation", "station", "--layers", layers, "--port", str(port),
             "--lanes", str(lanes), "--max-seq", str(max_seq), "--prefill-chunk", str(args.chunk),
-            "--kv-block", str(args.block), "--dtype", args.dtype]
+            "--kv-block", str(args.block), "--dtype", args.dtype, "--layer-loop", args.layer_loop,
+            "--attention", args.attention]
 
 
 def _one_mesh(args, model, prompts, urls: list[str], lanes: int, max_seq: int, pipeline: bool) -> dict:
@@ -35,7 +36,8 @@ def _one_mesh(args, model, prompts, urls: list[str], lanes: int, max_seq: int, p
     from jaxstation.stage import fingerprint
 
     config = StationConfig(stations=",".join(urls), mesh_token=TOKEN, lanes=lanes, max_seq=max_seq,
-                           prefill_chunk=args.chunk, kv_block=args.block, dtype=args.dtype, mesh_pipeline=pipeline)
+                           prefill_chunk=args.chunk, kv_block=args.block, dtype=args.dtype, layer_loop=args.layer_loop,
+                           attention=args.attention, mesh_pipeline=pipeline)
     engine = MeshEngine.connect(config, model.cfg, fingerprint(model))
     engine.warmup()
     timer = StepTimer(engine)

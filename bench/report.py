@@ -31,6 +31,32 @@ def newest(results: Path, kind: str) -> dict | None:
     return data
 
 
+def newest_of_each(results: Path, prefix: str) -> list[dict]:
+    """The newest result of every kind whose name starts with `prefix` (throughput_lanes8, throughput_lanes32, ...)."""
+    kinds = sorted({p.name.split("-", 1)[0] for p in results.glob(f"{prefix}*-*.json")})
+    return [d for d in (newest(results, kind) for kind in kinds) if d is not None]
+
+
+def merge_peers(runs: list[dict]) -> dict | None:
+    """One peers table from several runs (e.g. one per --slots): each system's K columns side by side."""
+    if not runs:
+        return None
+    rows: dict[str, dict] = {}
+    for run in runs:
+        for r in run["rows"]:
+            row = rows.setdefault(r["system"], {"system": r["system"], "tokens_per_s": {}, "note": r.get("note")})
+            row["tokens_per_s"].update(r.get("tokens_per_s", {}))
+            if r.get("latency"):
+                row["latency"] = r["latency"]
+    ratios = {k: v for run in runs for k, v in (run.get("ratios") or {}).items()}
+    return {"rows": list(rows.values()), "ratios": ratios, "_file": ", ".join(run["_file"] for run in runs)}
+
+
+def _lanes(data: dict) -> int:
+    ks = data["config"]["ks"]
+    return max(ks) if data["config"].get("engine_lanes", "max") == "max" else 0
+
+
 def _save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -38,21 +64,25 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
-def plot_throughput(plt, data: dict, out: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, label in (("direct", "Scheduler (in-process)"), ("http", "HTTP /generate")):
-        rows = data.get(name, {}).get("rows")
-        if not rows:
-            continue
-        ks = [r["k"] for r in rows]
-        med = [r["tokens_per_s"]["median"] for r in rows]
-        err = [[m - r["tokens_per_s"]["min"] for m, r in zip(med, rows, strict=True)],
-               [r["tokens_per_s"]["max"] - m for m, r in zip(med, rows, strict=True)]]
-        ax.errorbar(ks, med, yerr=err, marker="o", capsize=3, label=label)
+def plot_throughput(plt, runs: list[dict], out: Path) -> Path:
+    """One curve per station (lane count) and path (scheduler, HTTP)."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for data in sorted(runs, key=_lanes):
+        lanes = _lanes(data)
+        station = f"{lanes}-lane station" if lanes else "lanes = K"
+        for name, label, style in (("direct", "scheduler", "-"), ("http", "HTTP", "--")):
+            rows = data.get(name, {}).get("rows")
+            if not rows:
+                continue
+            ks = [r["k"] for r in rows]
+            med = [r["tokens_per_s"]["median"] for r in rows]
+            err = [[m - r["tokens_per_s"]["min"] for m, r in zip(med, rows, strict=True)],
+                   [r["tokens_per_s"]["max"] - m for m, r in zip(med, rows, strict=True)]]
+            ax.errorbar(ks, med, yerr=err, marker="o", ls=style, capsize=3, label=f"{station}, {label}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent requests K")
     ax.set_ylabel("aggregate decode tokens/s")
-    ax.set_title(f"Throughput vs concurrency ({data['config']['new_tokens']} new tokens, greedy)")
+    ax.set_title(f"Throughput vs concurrency ({runs[0]['config']['new_tokens']} new tokens, greedy)")
     ax.grid(alpha=0.3)
     ax.legend()
     return _save(plt, fig, out / "throughput.png")
@@ -135,7 +165,7 @@ def plot_peers(plt, data: dict, out: Path) -> Path | None:
                [r["tokens_per_s"].get(str(k), {}).get("median") or 0 for r in rows], width, label=f"K={k}")
     ax.set_xticks([i + width * (len(ks) - 1) / 2 for i in range(len(rows))], [r["system"] for r in rows])
     ax.set_ylabel("aggregate tokens/s")
-    ax.set_title("Same GGUF, same token ids")
+    ax.set_title(f"Same GGUF, same token ids (K = {', '.join(map(str, ks))})")
     ax.grid(alpha=0.3, axis="y")
     ax.legend()
     return _save(plt, fig, out / "peers.png")
@@ -147,10 +177,9 @@ def _f(x, fmt: str = "{:.1f}") -> str:
 
 def markdown(data: dict[str, dict | None]) -> str:
     lines = []
-    t = data.get("throughput")
-    if t:
-        lines += [f"**Throughput** ({t['_file']}; {t['config']['new_tokens']} new tokens, greedy, median of "
-                  f"{t['config']['reps']})", "",
+    for t in data.get("throughput") or []:
+        lines += [f"**Throughput, {_lanes(t) or 'K'}-lane station** ({t['_file']}; {t['config']['new_tokens']} new "
+                  f"tokens, greedy, median of {t['config']['reps']})", "",
                   "| K | Scheduler tok/s | ratio | lanes busy | overhead | HTTP tok/s | ratio |",
                   "|---:|---:|---:|---:|---:|---:|---:|"]
         direct = {r["k"]: r for r in t.get("direct", {}).get("rows", [])}
@@ -222,6 +251,8 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     data = {kind: newest(args.results, kind) for kind in KINDS}
+    data["throughput"] = newest_of_each(args.results, "throughput")
+    data["peers"] = merge_peers(newest_of_each(args.results, "peers"))
     drawn = []
     if data["throughput"]:
         drawn.append(plot_throughput(plt, data["throughput"], out))
@@ -232,7 +263,7 @@ def main() -> None:
     if data["peers"]:
         drawn.append(plot_peers(plt, data["peers"], out))
     for kind, d in data.items():
-        if d is None:
+        if not d:
             print(f"<!-- no {kind}-*.json in {args.results} -->")
     print(markdown(data))
     for p in drawn:

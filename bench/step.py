@@ -1,36 +1,43 @@
-"""Time `decode_step_batch` for lanes 1, 2, 4, 8, 16 at live lengths 128 and 1024 on the default model.
+"""Time `decode_step_batch` at several lane counts and live lengths, on the default model or a named shape.
 
-Reports ms per step, tokens/s and the weight bandwidth achieved against the measured copy bandwidth (the roofline).
-Usage: python -m bench.step [--reps 10] [--dtype float32]
+Reports ms per step, tokens/s and the weight bandwidth achieved against the measured bandwidth (the roofline).
+Usage:
+  python -m bench.step [--reps 10] [--dtype float32]
+  python -m bench.step --shape mistral-7b --lanes 1 8 32 64 --live 512 2048 --max-seq 4096   # random weights
 """
 
 from __future__ import annotations
 
 import argparse
 
-from bench.common import copy_bandwidth, read_bandwidth, summary, timed, write_result
+import jax
+
+from bench.common import add_model_args, bench_model, copy_bandwidth, read_bandwidth, summary, timed, write_result
 from jaxstation.engine import DecodeRow, Engine, SamplingParams
-from jaxstation.loader import load_model
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--dtype", default="float32")
+    add_model_args(ap)
     ap.add_argument("--lanes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--live", type=int, nargs="+", default=[128, 1024])
+    ap.add_argument("--max-seq", type=int, default=2048)
+    ap.add_argument("--name", default="step", help="result file name")
     args = ap.parse_args()
 
-    model = load_model(dtype=args.dtype)
+    model, engine_kw = bench_model(args, args.max_seq)
     weight_bytes = model.params.nbytes
+    print(f"{model.source}: {args.dtype}, layer loop {args.layer_loop}, attention {args.attention}")
     copy_bw, read_bw = copy_bandwidth(), read_bandwidth()
-    bandwidth = max(copy_bw, read_bw)  # the roofline: a decode step only has to read its bytes
+    # the roofline: a decode step only has to read its bytes (on an accelerator, from its own memory)
+    bandwidth = max(copy_bw, read_bw) if jax.default_backend() == "cpu" else read_bw
     floor_ms = 1e3 * weight_bytes / bandwidth
     print(f"weights {weight_bytes / 1e6:.0f} MB, copy {copy_bw / 1e9:.1f} GB/s, read {read_bw / 1e9:.1f} GB/s, "
           f"floor {floor_ms:.1f} ms")
     rows = []
     for lanes in args.lanes:
-        engine = Engine(model, lanes=lanes, max_seq=2048, chunk=32, block=128)
+        engine = Engine(model, lanes=lanes, max_seq=args.max_seq, chunk=32, block=128, **engine_kw)
         engine.warmup()
         for live in args.live:
             wave = [DecodeRow(1, live - 1, SamplingParams(), 0)] * lanes
@@ -45,15 +52,16 @@ def main() -> None:
                   f"{row['weight_gb_per_s']:5.1f} GB/s weights ({100 * row['fraction_of_roofline']:.0f}% of roofline)")
 
     by = {(r["lanes"], r["live"]): r["ms_per_step"] for r in rows}
-    checks = {}
-    if (1, 128) in by and (8, 128) in by:
-        checks["8_lane_over_1_lane_at_128"] = by[8, 128] / by[1, 128]
-    if (1, 128) in by:
-        checks["1_lane_over_floor"] = by[1, 128] / floor_ms
-    if (8, 128) in by and (8, 1024) in by:
-        checks["8_lane_1024_over_128"] = by[8, 1024] / by[8, 128]
+    lo, hi = min(args.live), max(args.live)
+    one, widest = min(args.lanes), max(args.lanes)
+    checks = {f"{one}_lane_at_{lo}_over_floor": by[one, lo] / floor_ms}
+    if 8 in args.lanes:
+        checks[f"8_lane_over_{one}_lane_at_{lo}"] = by[8, lo] / by[one, lo]
+        checks[f"8_lane_{hi}_over_{lo}"] = by[8, hi] / by[8, lo]
+    checks[f"{widest}_lane_at_{hi}_over_{one}_lane_at_{lo}"] = by[widest, hi] / by[one, lo]
     print({k: round(v, 2) for k, v in checks.items()})
-    path = write_result("step", {"dtype": args.dtype, "weight_bytes": weight_bytes, "copy_bandwidth": copy_bw,
+    path = write_result(args.name, {"config": vars(args), "model": str(model.source), "dtype": args.dtype,
+                                    "weight_bytes": weight_bytes, "copy_bandwidth": copy_bw,
                                  "read_bandwidth": read_bw,
                                  "floor_ms": floor_ms, "rows": rows, "ratios": checks})
     print(f"wrote {path}")

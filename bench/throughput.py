@@ -10,6 +10,8 @@ Usage:
   python -m bench.throughput                    # K = 1 2 4 8 16 32, 128 new tokens, 3 reps, direct + HTTP
   python -m bench.throughput --quick            # K = 1 2, 16 new tokens, 1 rep (smoke run)
   python -m bench.throughput --ks 1 8 --no-http --engine-lanes k   # an engine sized to each K instead
+  python -m bench.throughput --url https://canary---svc.a.run.app --ks 1 8 --reps 1   # a running station (burst)
+  python -m bench.throughput --shape mistral-7b --ks 1 8 32   # random weights at a real shape, scheduler only
   python -m bench.throughput --mesh --ks 1 4 8  # also 1, 2, 3 mesh stations, pipelining off/on (bench/mesh.py)
 """
 
@@ -17,12 +19,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import tempfile
 import time
 from pathlib import Path
 
-from bench.common import write_result
+import numpy as np
+
+from bench.common import add_model_args, bench_model, write_result
 from bench.workload import (
     StepTimer,
     concurrent_run,
@@ -51,7 +56,7 @@ def direct(args, model, prompts) -> dict:
     def station(k: int):
         lanes = max(args.ks) if args.engine_lanes == "max" else k
         if lanes not in stations:
-            engine = Engine(model, lanes=lanes, max_seq=max_seq, chunk=args.chunk, block=args.block)
+            engine = Engine(model, lanes=lanes, max_seq=max_seq, chunk=args.chunk, block=args.block, **args.engine_kw)
             engine.warmup()
             timer = StepTimer(engine)
             sched = Scheduler(engine, continuous=True, max_queue=4 * lanes, terminal_ids=frozenset())
@@ -121,9 +126,43 @@ def scrape(client, base: str) -> dict | None:
     return found if len(found) == 2 else None
 
 
-def http(args, prompts) -> dict:
+def http_runs(args, prompts, base: str, headers: dict[str, str]) -> dict[int, list[dict]]:
+    """The HTTP reps against the station at `base`; raises RuntimeError if a request fails or a reply is malformed."""
     import httpx
 
+    with httpx.Client(headers=headers) as client:
+        call = lambda c, t, n: station_generate(c, base, t, n)  # noqa: E731
+        concurrent_run(call, prompts[:max(args.ks)], min(8, args.new_tokens), headers=headers)  # warm-up
+        reps: dict[int, list[dict]] = {k: [] for k in args.ks}
+        for rep in range(args.reps):
+            for k in args.ks:
+                before = scrape(client, base)
+                wall, replies = concurrent_run(call, prompts[:k], args.new_tokens, headers=headers)
+                after = scrape(client, base)
+                generated = sum(r["n_generated"] for r in replies)
+                busy = None
+                if before and after:
+                    waves = after["jaxstation_step_seconds_count"] - before["jaxstation_step_seconds_count"]
+                    # every request's first token comes from its prefill, the rest from decode waves
+                    decoded = after["jaxstation_generated_tokens_total"] - \
+                        before["jaxstation_generated_tokens_total"] - k
+                    busy = decoded / waves if waves else None
+                short = [r["n_generated"] for r in replies if r["n_generated"] != args.new_tokens]
+                r = {"wall_s": wall, "generated": generated, "tokens_per_s": generated / wall, "mean_busy": busy,
+                     "short_requests": short,
+                     "server_queue_s_median": med_spread([x["timing"]["queue_s"] for x in replies])["median"]}
+                reps[k].append(r)
+                print(f"http   rep {rep} K={k:2d}: {r['tokens_per_s']:7.1f} tok/s  wall {wall:6.2f}s"
+                      + (f"  busy {busy:.2f}" if busy is not None else "")
+                      + (f"  SHORT {short}" if short else ""))
+    return reps
+
+
+def http(args, prompts) -> dict:
+    if args.url:  # a running station (e.g. a Cloud Run canary): any failure is fatal
+        token = os.environ.get("JAXSTATION_BEARER_TOKEN")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return summarize(args, http_runs(args, prompts, args.url.rstrip("/"), headers), url=args.url)
     why = station_available()
     if why:
         return {"skipped": why}
@@ -134,31 +173,8 @@ def http(args, prompts) -> dict:
     log = Path(tempfile.gettempdir()) / f"jaxstation-bench-station-{port}.log"
     cmd = station_cmd(port, lanes, max_seq, args.chunk, args.block, max_queue=4 * lanes, dtype=args.dtype)
     try:
-        with server_process(cmd, f"{base}/ready", timeout_s=args.server_timeout, log=log), httpx.Client() as client:
-            call = lambda c, t, n: station_generate(c, base, t, n)  # noqa: E731
-            concurrent_run(call, prompts[:lanes], min(8, args.new_tokens))  # warm-up
-            reps: dict[int, list[dict]] = {k: [] for k in args.ks}
-            for rep in range(args.reps):
-                for k in args.ks:
-                    before = scrape(client, base)
-                    wall, replies = concurrent_run(call, prompts[:k], args.new_tokens)
-                    after = scrape(client, base)
-                    generated = sum(r["n_generated"] for r in replies)
-                    busy = None
-                    if before and after:
-                        waves = after["jaxstation_step_seconds_count"] - before["jaxstation_step_seconds_count"]
-                        # every request's first token comes from its prefill, the rest from decode waves
-                        decoded = after["jaxstation_generated_tokens_total"] - \
-                            before["jaxstation_generated_tokens_total"] - k
-                        busy = decoded / waves if waves else None
-                    short = [r["n_generated"] for r in replies if r["n_generated"] != args.new_tokens]
-                    r = {"wall_s": wall, "generated": generated, "tokens_per_s": generated / wall, "mean_busy": busy,
-                         "short_requests": short,
-                         "server_queue_s_median": med_spread([x["timing"]["queue_s"] for x in replies])["median"]}
-                    reps[k].append(r)
-                    print(f"http   rep {rep} K={k:2d}: {r['tokens_per_s']:7.1f} tok/s  wall {wall:6.2f}s"
-                          + (f"  busy {busy:.2f}" if busy is not None else "")
-                          + (f"  SHORT {short}" if short else ""))
+        with server_process(cmd, f"{base}/ready", timeout_s=args.server_timeout, log=log):
+            reps = http_runs(args, prompts, base, {})
     except (RuntimeError, OSError) as e:
         print(f"http: skipped: {e}")
         return {"skipped": str(e)[:2000]}
@@ -186,7 +202,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default="float32")
+    add_model_args(ap)
     ap.add_argument("--chunk", type=int, default=32)
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--engine-lanes", choices=("max", "k"), default="max",
@@ -196,18 +212,26 @@ def main() -> None:
     ap.add_argument("--no-http", action="store_true")
     ap.add_argument("--server-timeout", type=float, default=300.0)
     ap.add_argument("--quick", action="store_true", help="K = 1 2, 16 new tokens, 1 rep")
+    ap.add_argument("--url", help="measure this running station over HTTP only (no direct run, no subprocess); "
+                                  "exit 1 on any failed request or malformed reply. Bearer: $JAXSTATION_BEARER_TOKEN")
     ap.add_argument("--mesh", action="store_true", help="also meshes of --mesh-stations station processes "
                                                          "(implies --no-http); writes throughput_mesh-*.json")
     ap.add_argument("--mesh-stations", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3])
     args = ap.parse_args()
+    if args.url:
+        args.no_direct, args.no_http = True, False
     if args.quick:
         args.ks, args.new_tokens, args.reps = [1, 2], 16, 1
     args.ks = sorted(set(args.ks))
 
-    from jaxstation.loader import load_model
-
-    model = load_model(dtype=args.dtype)
-    prompts = make_prompts(model.tokenizer, max(args.ks), args.prompt_len, seed=args.seed)
+    if args.shape:  # random weights: no tokenizer and no checkpoint for a station subprocess
+        args.no_http = True
+    model, args.engine_kw = bench_model(args, seq_len(args.prompt_len, args.new_tokens, args.chunk, args.block))
+    if model.tokenizer is None:
+        rng = np.random.default_rng(args.seed)
+        prompts = rng.integers(3, model.cfg.vocab_size, (max(args.ks), args.prompt_len)).tolist()
+    else:
+        prompts = make_prompts(model.tokenizer, max(args.ks), args.prompt_len, seed=args.seed)
     out = {"config": {k: v for k, v in vars(args).items()}, "model": str(model.source)}
     out["direct"] = {"skipped": "--no-direct"} if args.no_direct else direct(args, model, prompts)
     out["http"] = {"skipped": "--no-http"} if args.no_http or args.mesh else http(args, prompts)
@@ -231,7 +255,9 @@ def main() -> None:
     print_table("HTTP /generate", out["http"])
     print("targets:", {k: round(v, 3) for k, v in targets.items()}, "(want k8/k1 >= 5 direct, >= 4.5 http; "
           "overhead <= 0.10)")
-    print(f"wrote {write_result('throughput', out)}")
+    lanes = max(args.ks) if args.engine_lanes == "max" else "k"
+    shape = f"_{args.shape}" if args.shape else ""
+    print(f"wrote {write_result(f'throughput{shape}_lanes{lanes}', out)}")
 
 
 if __name__ == "__main__":

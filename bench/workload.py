@@ -171,13 +171,38 @@ def station_cmd(port: int, lanes: int, max_seq: int, chunk: int = 32, block: int
             "--max-queue", str(max_queue), "--dtype", dtype]
 
 
+def reply_problems(reply: object, prompt_tokens: int, max_new: int) -> list[str]:
+    """What makes `reply` not a well-formed /generate reply to a prompt of that many tokens (empty: nothing)."""
+    if not isinstance(reply, dict):
+        return [f"not a JSON object: {reply!r:.200}"]
+    gen = reply.get("generated")
+    if not isinstance(gen, list) or not all(isinstance(t, int) and t >= 0 for t in gen):
+        return [f"'generated' is not a list of token ids: {gen!r:.200}"]
+    out = []
+    if len(gen) > max_new:
+        out.append(f"{len(gen)} tokens generated, more than max_new_tokens={max_new}")
+    if reply.get("finish_reason") not in ("stop", "length"):
+        out.append(f"finish_reason {reply.get('finish_reason')!r} is not stop or length")
+    if reply.get("prompt_tokens") != prompt_tokens:
+        out.append(f"prompt_tokens {reply.get('prompt_tokens')!r} != {prompt_tokens}")
+    if not isinstance(reply.get("timing"), dict):
+        out.append("no 'timing' object")
+    return out
+
+
 def station_generate(client, base: str, tokens: list[int], max_new: int) -> dict:
-    """POST /generate, greedy, no stop ids. Returns the JSON reply with "client_s" (round trip) added."""
+    """POST /generate, greedy, no stop ids. Returns the JSON reply with "client_s" (round trip) added.
+
+    Raises ValueError if the reply is not a well-formed /generate reply for this request.
+    """
     t0 = time.perf_counter()
     r = client.post(f"{base}/generate", json={"tokens": tokens, "max_new_tokens": max_new, "temperature": 0,
                                                "seed": None, "stop_token_ids": []}, timeout=600)
     r.raise_for_status()
     out = r.json()
+    wrong = reply_problems(out, len(tokens), max_new)
+    if wrong:
+        raise ValueError(f"malformed /generate reply ({'; '.join(wrong)}): {r.text[:300]}")
     out["client_s"] = time.perf_counter() - t0
     out["n_generated"] = len(out["generated"])
     return out
@@ -205,7 +230,8 @@ def llama_cpp_python_completion(client, base: str, text: str, max_new: int) -> d
     return {"client_s": time.perf_counter() - t0, "n_generated": int(out.get("usage", {}).get("completion_tokens", 0))}
 
 
-def concurrent_run(call, prompts: Sequence[list[int]], max_new: int) -> tuple[float, list[dict]]:
+def concurrent_run(call, prompts: Sequence[list[int]], max_new: int,
+                   headers: dict[str, str] | None = None) -> tuple[float, list[dict]]:
     """Send every prompt at once from its own thread with call(client, tokens, max_new). Returns (wall, replies)."""
     import httpx
 
@@ -213,7 +239,7 @@ def concurrent_run(call, prompts: Sequence[list[int]], max_new: int) -> tuple[fl
     barrier = threading.Barrier(len(prompts) + 1)
 
     def worker(i: int) -> None:
-        with httpx.Client(timeout=600) as client:
+        with httpx.Client(timeout=600, headers=headers) as client:
             barrier.wait()
             try:
                 replies[i] = call(client, prompts[i], max_new)

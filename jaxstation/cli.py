@@ -8,9 +8,12 @@ import logging
 import secrets
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import replace
 
-from jaxstation.settings import ConfigError, StationConfig, add_arguments, resolve
+from jaxstation import __version__
+from jaxstation.loader import CheckpointError
+from jaxstation.settings import DTYPES, ConfigError, StationConfig, add_arguments, resolve, use_gpu_memory_fraction
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -22,7 +25,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from jaxstation.loader import load_model
 
     t0 = time.perf_counter()
-    model = load_model(args.model, args.dtype)
+    station = StationConfig(dtype=args.dtype)  # the backend's defaults for what generate does not expose
+    model = load_model(args.model, station.weights, station.loop)
     tok = model.tokenizer
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
@@ -35,7 +39,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"error: prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds the model's "
               f"{model.cfg.max_position} positions", file=sys.stderr)
         return 2
-    engine = Engine(model, lanes=1, max_seq=max_seq, chunk=chunk, block=block)
+    engine = Engine(model, lanes=1, max_seq=max_seq, chunk=chunk, block=block,
+                    attention=replace(station, max_seq=max_seq).attention_for(model.cfg))
     engine.warmup()  # compile outside the timed run
     seed = args.seed if args.seed is not None else secrets.randbelow(1 << 32)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed)
@@ -50,71 +55,71 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config(args: argparse.Namespace, check: Callable[[StationConfig], None] | None = None) -> StationConfig | None:
-    """The resolved settings, once `check` (which raises ConfigError) passes; else None after printing why."""
-    try:
-        config = resolve(args)
-        if check is not None:
-            check(config)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return None
-    return config
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
-    from jaxstation.server import serve
+    from jaxstation.loader import model_source
+    from jaxstation.server import serve, warmup_only
 
-    config = _config(args)
-    return 2 if config is None else serve(config)
-
-
-def _station_check(c: StationConfig) -> None:
-    if c.layers is None:
-        raise ConfigError("a mesh station needs its layer range: --layers A:B (MOONSHINE_LAYERS)")
-    c.check_mesh_security()
-
-
-def _host_check(c: StationConfig) -> None:
-    if not c.station_urls:
-        raise ConfigError("a mesh host needs its stations: --stations URL,URL,... (MOONSHINE_MESH_STATIONS)")
-    c.check_mesh_security()
+    config = resolve(args)
+    model_source(config.model)  # a bad path is refused here, before the server announces that it listens
+    return warmup_only(config) if args.warmup_only else serve(config)
 
 
 def cmd_station(args: argparse.Namespace) -> int:
     from jaxstation.mesh_station import serve_station
 
-    config = _config(args, _station_check)
-    return 2 if config is None else serve_station(config)
+    config = resolve(args)
+    if config.layers is None:
+        raise ConfigError("a mesh station needs its layer range: --layers A:B (MOONSHINE_LAYERS)")
+    config.check_mesh_security()
+    return serve_station(config)
 
 
 def cmd_host(args: argparse.Namespace) -> int:
     from jaxstation.mesh import create_host_app
     from jaxstation.server import serve
 
-    config = _config(args, _host_check)
-    return 2 if config is None else serve(config, create_host_app(config))
+    config = resolve(args)
+    if not config.station_urls:
+        raise ConfigError("a mesh host needs its stations: --stations URL,URL,... (MOONSHINE_MESH_STATIONS)")
+    config.check_mesh_security()
+    return serve(config, create_host_app(config))
+
+
+_ABOUT = """\
+A batched, batch-invariant LLM serving station for Llama/Mistral-family models.
+
+`serve` answers POST /generate (token ids in, token ids out) and the OpenAI-compatible routes
+POST /v1/completions, POST /v1/chat/completions (with streaming), GET /v1/models, POST /tokenize and
+POST /detokenize, plus GET /health, GET /ready and GET /metrics. `generate` runs one prompt and prints the text."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxstation", description="A batched, batch-invariant LLM serving station.")
+    parser = argparse.ArgumentParser(prog="jaxstation", description=_ABOUT,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"jaxstation {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate from one prompt and print the text")
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--max-new-tokens", type=int, default=128,
+                     help="the most tokens to generate; it stops earlier at the model's end-of-sequence token "
+                          "(default: 128)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     gen.add_argument("--top-k", type=int, default=0, help="0 is off")
     gen.add_argument("--top-p", type=float, default=1.0, help="1 is off")
     gen.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.add_argument("--dtype", default=None, choices=DTYPES,
+                     help="weight dtype; int8 is weight-only (default: float32 on CPU, bfloat16 on a GPU)")
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="run the /generate station server",
                          description="Flags override the environment variables named in each help line.")
     add_arguments(srv)
+    srv.add_argument("--warmup-only", action="store_true",
+                     help="load the model and compile every step shape (filling MOONSHINE_COMPILE_CACHE_DIR), then "
+                          "exit 0 without serving; run it at image build time or as a deploy step")
     srv.set_defaults(func=cmd_serve)
 
     for name, func, help_ in (
@@ -134,9 +139,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             build_parser().error("--max-new-tokens must be >= 1")
         if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
             build_parser().error("need --temperature >= 0, --top-k >= 0 and --top-p in (0, 1]")
+    use_gpu_memory_fraction()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)  # not the backend probe's INFO lines
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ConfigError, CheckpointError) as e:  # the user's mistake: say what it is, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ block), never on how many lanes are busy: that is what keeps a request's tokens 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -19,6 +19,9 @@ from jaxstation.sampling import SampleOut, SamplingArrays
 from jaxstation.steps import decode_step_batch, prefill_chunk
 
 SEED_LIMIT = 1 << 32  # seeds are 32-bit on the device
+# Decode attention: the blocked online-softmax walk, or jax.nn.dot_product_attention ("xla" or "cudnn") over each
+# lane's whole slab with per-lane lengths (no per-block loop; cuDNN skips what lies past a lane's length).
+ATTENTIONS = ("blocked", "xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,13 +88,20 @@ def _samples(out: SampleOut) -> list[Sample]:
 class Engine:
     """Lanes over one KV arena. `prefill` fills a lane chunk by chunk; `decode` advances every live lane by one."""
 
-    def __init__(self, model: LoadedModel, lanes: int, max_seq: int, chunk: int, block: int) -> None:
+    def __init__(self, model: LoadedModel, lanes: int, max_seq: int, chunk: int, block: int,
+                 attention: str = "blocked") -> None:
         if max_seq % chunk or max_seq % block:
             raise ValueError(f"max_seq ({max_seq}) must be a multiple of the prefill chunk ({chunk}) "
                              f"and of the KV block ({block})")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+        if attention != "blocked" and model.cfg.sliding_window is not None and max_seq > model.cfg.sliding_window:
+            raise ValueError(f"attention={attention!r} does not window; with a sliding window of "
+                             f"{model.cfg.sliding_window} it needs max_seq <= the window, got {max_seq}")
         self.model = model
         self.cfg = model.cfg
         self.lanes, self.max_seq, self.chunk, self.block = lanes, max_seq, chunk, block
+        self.attention = attention
         self.scratch_pos = max_seq - 1  # never holds a request's k/v: prompt + new tokens <= max_seq - 1 fed
         self.arena = None
         self.reset()
@@ -103,7 +113,7 @@ class Engine:
     def reset(self) -> None:
         """(Re)allocate the arena, e.g. after a failed step left donated buffers unusable."""
         self.arena = None
-        self.arena = allocate_arena(self.cfg, self.lanes, self.max_seq, self.params.embed.dtype)
+        self.arena = allocate_arena(self.cfg, self.lanes, self.max_seq, self.params.dtype)
 
     def prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
                 return_logits: bool = False) -> tuple[Sample | None, jax.Array | None]:
@@ -135,18 +145,27 @@ class Engine:
         n_blocks = np.int32(max(live) // self.block + 1)
         sampling = _sampling_arrays([(r.sampling, r.counter) if r else None for r in rows])
         self.arena, out, logits = decode_step_batch(self.cfg, self.params, self.arena, positions, tokens, n_blocks,
-                                                    sampling, block=self.block, return_logits=return_logits)
+                                                    sampling, block=self.block, attention=self.attention,
+                                                    return_logits=return_logits)
         samples = _samples(out)
         return [s if r is not None else None for s, r in zip(samples, rows, strict=True)], logits
 
+    def warmup_steps(self) -> list[tuple[str, Callable[[], object]]]:
+        """Every step shape the station runs, as (name, run it once on lane 0); the first run of each compiles it."""
+        prompt = [0] * (self.chunk + 1)
+        idle: list[DecodeRow | None] = [None] * (self.lanes - 1)
+        sampled = [DecodeRow(0, len(prompt), SamplingParams(temperature=1.0, top_p=0.9), 0)] + idle
+        greedy = [DecodeRow(0, len(prompt), SamplingParams(), 0)] + idle
+        return [
+            ("prefill", lambda: self.prefill(0, prompt, 0, SamplingParams())),  # a middle chunk
+            ("prefill_last", lambda: self.prefill(0, prompt, self.chunk, SamplingParams())),  # a last chunk: samples
+            ("decode", lambda: (self.decode(sampled), self.decode(greedy))),
+        ]
+
     def warmup(self) -> None:
         """Compile and run every step the station uses, on lane 0, leaving no request state behind."""
-        prompt = [0] * (self.chunk + 1)
-        for start in (0, self.chunk):  # a middle chunk and a last chunk
-            self.prefill(0, prompt, start, SamplingParams())
-        self.decode([DecodeRow(0, len(prompt), SamplingParams(temperature=1.0, top_p=0.9), 0)]
-                    + [None] * (self.lanes - 1))
-        self.decode([DecodeRow(0, len(prompt), SamplingParams(), 0)] + [None] * (self.lanes - 1))
+        for _, run in self.warmup_steps():
+            run()
 
 
 def generate(engine: Engine, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,

@@ -9,18 +9,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 
 from jaxstation.config import ModelConfig
 from jaxstation.default_model import default_model_path
-from jaxstation.model import LayerParams, Params
+from jaxstation.model import WEIGHT_DTYPES, Params, pack_params
 from jaxstation.tokenizer import Tokenizer
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 _LAYER_SLOTS = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
 
@@ -75,9 +73,9 @@ def _map_name(name: str, globals_: Mapping[str, str], layer_re: re.Pattern, laye
     raise CheckpointError(f"unknown tensor {name!r}: not part of a {num_layers}-layer Llama-family checkpoint")
 
 
-def _assemble(cfg: ModelConfig, tensors: Mapping[tuple[int | None, str], np.ndarray], names: Mapping, dtype,
-              source: str) -> Params:
-    """Check every tensor's presence and shape, then fuse, transpose to [in, out] and stack layers."""
+def _assemble(cfg: ModelConfig, tensors: Mapping[tuple[int | None, str], np.ndarray], names: Mapping, weights: str,
+              layer_loop: str, source: str) -> Params:
+    """Check every tensor's presence and shape, then pack them (`model.pack_params`)."""
     shapes = _expected_shapes(cfg)
     required = [(None, "embed"), (None, "final_norm")] + [(i, s) for i in range(cfg.num_layers) for s in _LAYER_SLOTS]
     if not cfg.tie_word_embeddings:
@@ -91,24 +89,10 @@ def _assemble(cfg: ModelConfig, tensors: Mapping[tuple[int | None, str], np.ndar
                 f"tensor {names[key]!r} in {source} has shape {tuple(arr.shape)}, expected {shapes[key[1]]}"
             )
 
-    def stack(fn: Callable[[int], np.ndarray]) -> jnp.ndarray:
-        return jnp.asarray(np.stack([fn(i) for i in range(cfg.num_layers)]), dtype)
-
-    t = tensors
-    layers = LayerParams(
-        attn_norm=stack(lambda i: t[i, "attn_norm"]),
-        wqkv=stack(lambda i: np.concatenate([t[i, "q"], t[i, "k"], t[i, "v"]], axis=0).T),
-        wo=stack(lambda i: t[i, "o"].T),
-        mlp_norm=stack(lambda i: t[i, "mlp_norm"]),
-        w_gate_up=stack(lambda i: np.concatenate([t[i, "gate"], t[i, "up"]], axis=0).T),
-        w_down=stack(lambda i: t[i, "down"].T),
-    )
-    lm_head = None if cfg.tie_word_embeddings else jnp.asarray(t[None, "lm_head"].T, dtype)
-    return Params(embed=jnp.asarray(t[None, "embed"], dtype), layers=layers,
-                  final_norm=jnp.asarray(t[None, "final_norm"], dtype), lm_head=lm_head)
+    return pack_params(cfg, lambda layer, slot: tensors[layer, slot], weights, layer_loop)
 
 
-def load_hf_dir(path: Path, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
+def load_hf_dir(path: Path, dtype: str = "float32", layer_loop: str = "scan") -> tuple[ModelConfig, Params]:
     """An HF directory: config.json plus model.safetensors, or shards listed in model.safetensors.index.json."""
     from safetensors import safe_open
 
@@ -143,7 +127,7 @@ def load_hf_dir(path: Path, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
             raise CheckpointError(f"cannot read safetensors file {fpath}: {e}") from e
     if cfg.tie_word_embeddings:
         tensors.pop((None, "lm_head"), None)
-    return cfg, _assemble(cfg, tensors, names, dtype, str(path))
+    return cfg, _assemble(cfg, tensors, names, dtype, layer_loop, str(path))
 
 
 def _all_keys(cfg: ModelConfig) -> list[tuple[int | None, str]]:
@@ -185,7 +169,8 @@ def open_gguf(path: Path):
         raise CheckpointError(f"cannot read GGUF file {path}: {e}") from e
 
 
-def load_gguf(path: Path, dtype=jnp.float32, reader=None) -> tuple[ModelConfig, Params]:
+def load_gguf(path: Path, dtype: str = "float32", reader=None, layer_loop: str = "scan"
+              ) -> tuple[ModelConfig, Params]:
     """A GGUF file: config from metadata, tensors dequantized with the gguf package."""
     from gguf import GGMLQuantizationType, dequantize
 
@@ -209,21 +194,44 @@ def load_gguf(path: Path, dtype=jnp.float32, reader=None) -> tuple[ModelConfig, 
         if key[1] in ("q", "k") and arr.shape == _expected_shapes(cfg)[key[1]]:
             arr = _unpermute_rope(arr, cfg.num_heads if key[1] == "q" else cfg.num_kv_heads)
         tensors[key] = arr
-    return cfg, _assemble(cfg, tensors, names, dtype, str(path))
+    return cfg, _assemble(cfg, tensors, names, dtype, layer_loop, str(path))
 
 
-def load_model(path: str | Path | None = None, dtype: str = "float32") -> LoadedModel:
-    """Load a model and its tokenizer: an HF directory, a .gguf file, or (None) the embedded default model."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    source = Path(path) if path is not None else default_model_path()
+def load_model(path: str | Path | None = None, dtype: str = "float32", layer_loop: str = "scan") -> LoadedModel:
+    """Load a model and its tokenizer: an HF directory, a .gguf file, or (None) the embedded default model.
+
+    dtype: the weights' dtype, one of `model.WEIGHT_DTYPES` (int8 quantizes every projection at load);
+    layer_loop: the per-layer weight layout, one of `model.LAYER_LOOPS`.
+    """
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(WEIGHT_DTYPES)}, got {dtype!r}")
+    source = model_source(path)
     if source.is_dir():
-        cfg, params = load_hf_dir(source, DTYPES[dtype])
+        cfg, params = load_hf_dir(source, dtype, layer_loop)
         tokenizer = Tokenizer.from_hf_dir(source)
-    elif source.suffix == ".gguf" and source.is_file():
-        reader = open_gguf(source)
-        cfg, params = load_gguf(source, DTYPES[dtype], reader)
-        tokenizer = Tokenizer.from_gguf(reader)
     else:
-        raise CheckpointError(f"model path {source} is neither an HF directory nor a .gguf file")
+        reader = open_gguf(source)
+        cfg, params = load_gguf(source, dtype, reader, layer_loop)
+        tokenizer = Tokenizer.from_gguf(reader)
     return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, source=source)
+
+
+def model_source(path: str | Path | None) -> Path:
+    """The checkpoint a model path names, checked without reading it: an HF directory with a config.json, or a
+    .gguf file; None is the embedded default model. Raises CheckpointError saying what is wrong with the path."""
+    if path is None:
+        try:
+            return default_model_path()
+        except FileNotFoundError as e:
+            raise CheckpointError(str(e)) from None
+    source = Path(path)
+    if not source.exists():
+        raise CheckpointError(f"model path {source} does not exist")
+    if source.is_dir():
+        if not (source / "config.json").is_file():
+            raise CheckpointError(f"model directory {source} has no config.json: an HF model directory holds "
+                                  "config.json, tokenizer.json and *.safetensors")
+        return source
+    if source.suffix != ".gguf":
+        raise CheckpointError(f"model path {source} is neither an HF directory nor a .gguf file")
+    return source

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 import httpx
+import jax.numpy as jnp
 import numpy as np
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -45,6 +46,7 @@ from starlette.routing import Route
 from jaxstation.config import ModelConfig
 from jaxstation.engine import DecodeRow, Sample, SamplingParams, _samples, _sampling_arrays
 from jaxstation.loader import LoadedModel
+from jaxstation.model import compute_dtype
 from jaxstation.sampling import SampleOut
 from jaxstation.server import Station, create_app
 from jaxstation.settings import StationConfig
@@ -153,7 +155,8 @@ def _describe(info: dict[str, Any], name: str) -> str:
 def check_mesh(clients: Sequence[StationClient], config: StationConfig, cfg: ModelConfig, model_fp: str) -> None:
     """Refuse a mesh that cannot serve the host's model exactly: raises MeshError naming the station."""
     want = {"lanes": config.lanes, "max_seq": config.max_seq, "chunk": config.prefill_chunk,
-            "block": config.kv_block, "dtype": config.dtype, "total_layers": cfg.num_layers}
+            "block": config.kv_block, "dtype": jnp.dtype(compute_dtype(config.weights)).name,
+            "layer_loop": config.loop, "attention": config.attention_for(cfg), "total_layers": cfg.num_layers}
     for c in clients:
         if not c.info.get("auth") and not config.insecure_mesh:
             raise MeshError(f"{c.name} takes requests without a token; give it MOONSHINE_MESH_TOKEN, or start the "
@@ -193,6 +196,7 @@ class MeshEngine:
         self.clients = clients
         self.lanes, self.max_seq, self.chunk, self.block = lanes, max_seq, chunk, block
         self.scratch_pos = max_seq - 1
+        self.arena = None  # the KV arenas live on the stations
         self.recover_s = recover_s
         groups = max(g for g in range(1, len(clients) + 1) if lanes % g == 0) if pipeline else 1
         self.group_size = lanes // groups
@@ -255,6 +259,10 @@ class MeshEngine:
     def reset(self) -> None:
         """The lanes' requests were failed: forget their histories (a station's KV is overwritten before use)."""
         self.history = [[] for _ in range(self.lanes)]
+
+    def warmup_steps(self) -> list[tuple[str, Callable[[], object]]]:
+        """The warm-up as one named step (the stations compiled their own shapes when they started)."""
+        return [("mesh", self.warmup)]
 
     def warmup(self) -> None:
         """One prefill and one decode wave (greedy and sampled) through the mesh on lane 0, then forget them."""
@@ -358,7 +366,8 @@ class MeshEngine:
         c = lost.station
         log.warning("%s lost (%s); waiting up to %.0f s for it", c.name, lost.reason, self.recover_s)
         info = _wait_info(c, deadline, self.recover_s)
-        for key in ("layers", "fingerprint", "lanes", "max_seq", "chunk", "block", "dtype", "auth"):
+        for key in ("layers", "fingerprint", "lanes", "max_seq", "chunk", "block", "dtype", "layer_loop", "attention",
+                    "auth"):
             if info.get(key) != c.info.get(key):
                 raise MeshError(f"{c.name} came back with {_describe(info, key)}, it had {_describe(c.info, key)}")
         if info["epoch"] != c.epoch:

@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from jaxstation.coldstart import enable_compile_cache
 from jaxstation.http_common import BodyError, read_body
 from jaxstation.loader import LoadedModel, load_model
 from jaxstation.server import run_server, uvicorn_config
@@ -60,12 +61,14 @@ class MeshStation:
     def _load(self) -> None:
         try:
             c, layers = self.config, self.config.layer_range
-            model = self.model or load_model(c.model, c.dtype)
+            enable_compile_cache(c.compile_cache_dir)
+            model = self.model or load_model(c.model, c.weights, c.loop)
             if layers.stop > model.cfg.num_layers:
                 raise ValueError(f"MOONSHINE_LAYERS={layers} reaches past the model's {model.cfg.num_layers} layers")
             check_memory(dataclasses.replace(model.cfg, num_layers=layers.stop - layers.start), c,
                          weights_resident=True)
-            stage = Stage(model, layers, c.lanes, c.max_seq, c.prefill_chunk, c.kv_block)
+            stage = Stage(model, layers, c.lanes, c.max_seq, c.prefill_chunk, c.kv_block,
+                          attention=c.attention_for(model.cfg))
             self.model = None  # the whole model's weights go; the stage keeps its range
             t0 = time.perf_counter()
             stage.warmup()

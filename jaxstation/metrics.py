@@ -22,3 +22,7 @@ class StationMetrics:
                               buckets=_LATENCY_BUCKETS)
         self.generated_tokens = Counter("jaxstation_generated_tokens", "Tokens generated", registry=r)
         self.prompt_tokens = Counter("jaxstation_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.startup = Gauge("jaxstation_startup_seconds", "Start-up phase durations; phase=ready counts from process "
+                             "start to ready", ["phase"], registry=r)
+        self.startup_programs = Gauge("jaxstation_startup_programs", "Programs the start-up compiled or read from the "
+                                      "persistent compilation cache", ["source"], registry=r)

@@ -1,48 +1,136 @@
 """The Llama-family decoder in functional JAX: parameter pytree, layer pieces and the full-sequence oracle.
 
-Weights are stored [in, out] so activations multiply on the left. Per-layer weights are stacked on a leading layer
-axis; q/k/v and gate/up are fused so that each layer reads its weights in three matmuls plus the output projections.
+Weights are stored [in, out] so activations multiply on the left; q/k/v and gate/up are fused so that each layer
+reads its weights in three matmuls plus the output projections. A projection is a float array or an int8
+`QuantWeight` (jaxstation/quant.py); `quant.matmul` handles both.
+
+Two layouts of the per-layer weights, chosen at load (`layer_loop`):
+- "scan": every leaf stacked on a leading layer axis, walked by `fori_loop` (one compiled layer body; best on CPU);
+- "unroll": a tuple with one `LayerParams` per layer, walked by a Python loop, so that each matmul reads its own
+  weight buffer in place (on a GPU, indexing a stacked weight inside a loop copies it before the GEMM).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from functools import partial
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxstation.config import ModelConfig
+from jaxstation.quant import Weight, matmul, matmul_transposed, precision_for, quantize, take_rows
+
+LAYER_LOOPS = ("scan", "unroll")
+Carry = TypeVar("Carry")
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=[
     "attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class LayerParams:
-    attn_norm: jax.Array  # [layers, d]
-    wqkv: jax.Array  # [layers, d, (heads + 2 * kv_heads) * head_dim]
-    wo: jax.Array  # [layers, heads * head_dim, d]
-    mlp_norm: jax.Array  # [layers, d]
-    w_gate_up: jax.Array  # [layers, d, 2 * ffn]
-    w_down: jax.Array  # [layers, ffn, d]
+    """One layer's weights ("unroll"), or every layer's stacked on a leading axis ("scan")."""
+
+    attn_norm: jax.Array  # [d]
+    wqkv: Weight  # [d, (heads + 2 * kv_heads) * head_dim]
+    wo: Weight  # [heads * head_dim, d]
+    mlp_norm: jax.Array  # [d]
+    w_gate_up: Weight  # [d, 2 * ffn]
+    w_down: Weight  # [ffn, d]
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["embed", "layers", "final_norm", "lm_head"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Params:
-    embed: jax.Array  # [vocab, d]
-    layers: LayerParams
+    embed: Weight  # [vocab, d]
+    layers: LayerParams | tuple[LayerParams, ...]
     final_norm: jax.Array  # [d]
-    lm_head: jax.Array | None  # [d, vocab]; None when tied to embed
+    lm_head: Weight | None  # [d, vocab]; None when tied to embed
 
     @property
     def nbytes(self) -> int:
         return sum(x.nbytes for x in jax.tree_util.tree_leaves(self))
 
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The compute dtype: activations, norms and the KV arena."""
+        return self.final_norm.dtype
+
+    @property
+    def layer_loop(self) -> str:
+        return "unroll" if isinstance(self.layers, tuple) else "scan"
+
+
+WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
+
+
+def compute_dtype(weights: str) -> jnp.dtype:
+    """Activations, norms and the arena: the weights' float dtype; for int8, bfloat16 on a GPU and float32 on CPU."""
+    if weights == "int8":
+        return jnp.dtype(jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
+    return jnp.dtype(weights)
+
+
+def pack_params(cfg: ModelConfig, tensor: Callable[[int | None, str], np.ndarray | jax.Array], weights: str = "float32",
+                layer_loop: str = "scan") -> Params:
+    """Build Params from checkpoint-oriented tensors ([out, in], HF slot names via `tensor(layer, slot)`): fuse q/k/v
+    and gate/up, transpose to [in, out], cast or quantize, and lay the layers out for `layer_loop`."""
+    if weights not in WEIGHT_DTYPES:
+        raise ValueError(f"weights must be one of {WEIGHT_DTYPES}, got {weights!r}")
+    if layer_loop not in LAYER_LOOPS:
+        raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
+    dtype = compute_dtype(weights)
+
+    def proj(w) -> Weight:  # [in, out], or [layers, in, out]
+        return quantize(w, reduce_axis=-2) if weights == "int8" else jnp.asarray(w, dtype)
+
+    def layer_arrays(i: int) -> dict[str, np.ndarray]:
+        t = functools.partial(tensor, i)
+        return {"attn_norm": t("attn_norm"), "wqkv": np.concatenate([t("q"), t("k"), t("v")], axis=0).T,
+                "wo": t("o").T, "mlp_norm": t("mlp_norm"),
+                "w_gate_up": np.concatenate([t("gate"), t("up")], axis=0).T, "w_down": t("down").T}
+
+    def build(a: dict) -> LayerParams:
+        norms = {k: jnp.asarray(a[k], dtype) for k in ("attn_norm", "mlp_norm")}
+        return LayerParams(**norms, **{k: proj(a[k]) for k in ("wqkv", "wo", "w_gate_up", "w_down")})
+
+    if layer_loop == "unroll":
+        layers: LayerParams | tuple[LayerParams, ...] = tuple(build(layer_arrays(i)) for i in range(cfg.num_layers))
+    else:
+        per_layer = [layer_arrays(i) for i in range(cfg.num_layers)]
+        layers = build({k: np.stack([a[k] for a in per_layer]) for k in per_layer[0]})
+    embed = tensor(None, "embed")  # [vocab, d]: with a tied head, its rows are the head's output channels
+    if cfg.tie_word_embeddings and weights == "int8":
+        embed_w: Weight = quantize(embed, reduce_axis=-1)
+    else:
+        embed_w = jnp.asarray(embed, dtype)
+    lm_head = None if cfg.tie_word_embeddings else proj(np.asarray(tensor(None, "lm_head")).T)
+    return Params(embed=embed_w, layers=layers, final_norm=jnp.asarray(tensor(None, "final_norm"), dtype),
+                  lm_head=lm_head)
+
 
 def layer_at(layers: LayerParams, i: jax.Array | int) -> LayerParams:
     """One layer's weights out of the stacked pytree."""
     return jax.tree_util.tree_map(lambda a: a[i], layers)
+
+
+def over_layers(params: Params, body: Callable[[jax.Array | int, LayerParams, Carry], Carry], carry: Carry) -> Carry:
+    """carry = body(i, layer_i, carry) for every layer, in the params' layout."""
+    if isinstance(params.layers, tuple):
+        for i, layer in enumerate(params.layers):
+            carry = body(i, layer, carry)
+        return carry
+    n = jax.tree_util.tree_leaves(params.layers)[0].shape[0]
+    return jax.lax.fori_loop(0, n, lambda i, c: body(i, layer_at(params.layers, i), c), carry)
+
+
+def embed_tokens(params: Params, tokens: jax.Array) -> jax.Array:
+    """tokens [...] int32 -> [..., d] in the compute dtype."""
+    return take_rows(params.embed, tokens, params.dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -65,7 +153,7 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
 def qkv_proj(cfg: ModelConfig, layer: LayerParams, x: jax.Array, positions: jax.Array, inv_freq: jax.Array):
     """Norm, fused q/k/v projection and RoPE. x: [..., T, d] -> q [..., T, heads, hd], k/v [..., T, kv_heads, hd]."""
     h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-    qkv = h @ layer.wqkv
+    qkv = matmul(h, layer.wqkv)
     nq, nk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     lead = x.shape[:-1]
     q = qkv[..., :nq].reshape(*lead, cfg.num_heads, cfg.head_dim)
@@ -74,21 +162,26 @@ def qkv_proj(cfg: ModelConfig, layer: LayerParams, x: jax.Array, positions: jax.
     return rope(q, positions, inv_freq), rope(k, positions, inv_freq), v
 
 
+def attn_out(layer: LayerParams, x: jax.Array, o: jax.Array) -> jax.Array:
+    """The residual after attention: x + o @ wo. o: [..., heads * head_dim]."""
+    return x + matmul(o, layer.wo)
+
+
 def mlp_block(cfg: ModelConfig, layer: LayerParams, x: jax.Array) -> jax.Array:
     """Residual SwiGLU block: x + down(silu(gate) * up)."""
     h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-    gate_up = h @ layer.w_gate_up
+    gate_up = matmul(h, layer.w_gate_up)
     gate, up = gate_up[..., :cfg.intermediate_size], gate_up[..., cfg.intermediate_size:]
-    return x + (jax.nn.silu(gate) * up) @ layer.w_down
+    return x + matmul(jax.nn.silu(gate) * up, layer.w_down)
 
 
 def lm_logits(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
     """Final norm and lm_head; float32 logits [..., vocab]."""
     h = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     if params.lm_head is None:
-        logits = jax.lax.dot_general(h, params.embed, (((h.ndim - 1,), (1,)), ((), ())))
+        logits = matmul_transposed(h, params.embed)
     else:
-        logits = h @ params.lm_head
+        logits = matmul(h, params.lm_head)
     return logits.astype(jnp.float32)
 
 
@@ -102,16 +195,16 @@ def forward_full(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Arr
     mask = kpos <= qpos  # [T, T]
     if cfg.sliding_window is not None:
         mask &= kpos > qpos - cfg.sliding_window
-    x = params.embed[tokens]  # [T, d]
+    precision = precision_for(params.dtype)
 
-    def body(i, x):
-        layer = layer_at(params.layers, i)
+    def body(i, layer: LayerParams, x):
         q, k, v = qkv_proj(cfg, layer, x, positions, inv_freq)
         q = q.reshape(t, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
-        s = jnp.einsum("qkgd,skd->kgqs", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(cfg.head_dim)
+        s = jnp.einsum("qkgd,skd->kgqs", q, k, preferred_element_type=jnp.float32,
+                       precision=precision) / jnp.sqrt(cfg.head_dim)
         p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
-        o = jnp.einsum("kgqs,skd->qkgd", p.astype(v.dtype), v).reshape(t, cfg.num_heads * cfg.head_dim)
-        return mlp_block(cfg, layer, x + o @ layer.wo)
+        o = jnp.einsum("kgqs,skd->qkgd", p.astype(v.dtype), v,
+                       precision=precision).reshape(t, cfg.num_heads * cfg.head_dim)
+        return mlp_block(cfg, layer, attn_out(layer, x, o))
 
-    x = jax.lax.fori_loop(0, cfg.num_layers, body, x)
-    return lm_logits(cfg, params, x)
+    return lm_logits(cfg, params, over_layers(params, body, embed_tokens(params, tokens)))

@@ -434,8 +434,10 @@ class _Run:
         return all(c.finish is not None for c in self.choices)
 
     def cancel_all(self) -> None:
+        """Cancel the jobs still running. A choice that already ended on a stop string is left to `finish_early`,
+        which retires it as "stop"."""
         for c in self.choices:
-            if not c.job.future.done():
+            if c.finish is None and not c.job.future.done():
                 self.scheduler.cancel(c.job)
 
     def _advance(self, c: _Choice, piece: str, final: bool) -> str:
@@ -468,7 +470,7 @@ class _Run:
                     break
                 if disconnected is not None and disconnected in done:
                     raise _Disconnected
-                if not self.scheduler.alive:
+                if not self.scheduler.alive and not all(c.job.future.done() for c in self.choices):
                     raise OpenAIError(500, "the decode thread has died", None, "internal_error")
         finally:
             if not get.done():

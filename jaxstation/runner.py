@@ -6,7 +6,7 @@ cannot tell whether the layers run in this process or across stations.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from jaxstation.engine import DecodeRow, Sample, SamplingParams
@@ -18,6 +18,7 @@ class Runner(Protocol):
     chunk: int  # prompt tokens per prefill step
     block: int  # positions per attention KV block
     scratch_pos: int  # the arena slot idle lanes write to; no request ever uses it
+    arena: Any  # device state a caller may wait on (None when the KV lives elsewhere, e.g. on mesh stations)
 
     def prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
                 return_logits: bool = False) -> tuple[Sample | None, Any]:
@@ -29,6 +30,9 @@ class Runner(Protocol):
 
     def reset(self) -> None:
         """Forget every lane's state after a failed step."""
+
+    def warmup_steps(self) -> list[tuple[str, Callable[[], object]]]:
+        """The warm-up as (name, run it once) steps, for start-up phase timing."""
 
     def warmup(self) -> None:
         """Compile and run every step the runner uses, leaving no request state behind."""

@@ -186,11 +186,12 @@ class Scheduler:
                     break
                 self.cond.wait(left)
             clean = not self.pending and not self.busy_lanes
-            self._stop = True
+            self._fail_pending(ShuttingDown("the station shut down before this request started"))
+            self._stop = True  # the decode thread fails its lanes on its way out, so every Future is answered first
             self.cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=max(5.0, timeout_s))
-        self._fail_all(ShuttingDown("the station shut down before this request finished"))
+        self._fail_all(ShuttingDown("the station shut down before this request finished"))  # a thread stuck in a step
         return clean
 
     # ---- the decode thread ------------------------------------------------------------------------------------
@@ -208,6 +209,7 @@ class Scheduler:
                 while not self._stop and not self.pending and not self.busy_lanes:
                     self.cond.wait()
                 if self._stop:
+                    self._fail_lanes(ShuttingDown("the station shut down before this request finished"))
                     return
                 self._fill()
             plan = self.schedule()
@@ -337,12 +339,16 @@ class Scheduler:
                 if not lane.job.future.done():
                     lane.job.future.set_exception(error)
 
+    def _fail_pending(self, error: Exception) -> None:
+        """Fail every queued job. Holds cond."""
+        while self.pending:
+            job = self.pending.popleft()
+            self.metrics.requests.labels("error").inc()
+            if not job.future.done():
+                job.future.set_exception(error)
+        self.metrics.queue_depth.set(0)
+
     def _fail_all(self, error: Exception) -> None:
         with self.cond:
             self._fail_lanes(error)
-            while self.pending:
-                job = self.pending.popleft()
-                self.metrics.requests.labels("error").inc()
-                if not job.future.done():
-                    job.future.set_exception(error)
-            self.metrics.queue_depth.set(0)
+            self._fail_pending(error)

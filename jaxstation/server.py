@@ -15,22 +15,24 @@ import logging
 import secrets
 import signal
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import jax
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from jaxstation.coldstart import CompileCount, StartupClock, enable_compile_cache
 from jaxstation.engine import SEED_LIMIT, Engine, SamplingParams
 from jaxstation.http_common import RETRY_AFTER_S, BodyError, is_int, is_number, read_json, until_disconnect
 from jaxstation.loader import LoadedModel, load_model
 from jaxstation.metrics import StationMetrics
-from jaxstation.openai_api import openai_middleware, openai_routes
+from jaxstation.openai_api import OpenAIError, openai_middleware, openai_routes
 from jaxstation.runner import Runner
 from jaxstation.scheduler import Cancelled, Job, QueueFull, Result, Scheduler, ShuttingDown, StepFailed
 from jaxstation.settings import StationConfig, check_memory
@@ -46,15 +48,18 @@ class Station:
 
     model: an already loaded model (tests, or a caller that loaded it); None loads `config.model` in `start`.
     engine_factory: builds the engine from the loaded model (default: a local `Engine`; a mesh host passes its own).
-    before_warmup: called in the loading thread right before `engine.warmup()` (a test hook to observe /ready 503).
+    before_warmup: called in the loading thread right before the warm-up compiles (a test hook to observe /ready 503).
+    clock: where start-up phase times go (logged, and gauges on /metrics); default: one counting from here.
     """
 
     def __init__(self, config: StationConfig, *, model: LoadedModel | None = None,
-                 engine_factory: Callable[[LoadedModel, StationConfig], Runner] | None = None,
-                 before_warmup: Callable[[], None] | None = None) -> None:
+                 before_warmup: Callable[[], None] | None = None, clock: StartupClock | None = None,
+                 engine_factory: Callable[[LoadedModel, StationConfig], Runner] | None = None) -> None:
         self.config = config
         self.model = model
         self.metrics = StationMetrics()
+        self.clock = clock or StartupClock()  # serve() passes one that counts from process start
+        self.clock.add_sink(lambda phase, seconds: self.metrics.startup.labels(phase).set(seconds))
         self.engine: Runner | None = None
         self._engine_factory = engine_factory or local_engine
         self.scheduler: Scheduler | None = None
@@ -74,18 +79,27 @@ class Station:
         self._loader.start()
 
     def _load(self) -> None:
+        """Load, allocate, compile every step shape, start the decode thread; each phase timed on `self.clock`."""
+        clock, c = self.clock, self.config
         try:
-            t0 = time.perf_counter()
+            enable_compile_cache(c.compile_cache_dir)
+            programs = CompileCount()
             if self.model is None:
-                self.model = load_model(self.config.model, self.config.dtype)
-                log.info("loaded %s in %.1f s", self.model.source, time.perf_counter() - t0)
-            c = self.config
-            self.engine = self._engine_factory(self.model, c)
+                with clock.phase("weight_load"):
+                    self.model = load_model(c.model, c.weights, c.loop)
+                log.info("loaded %s", self.model.source)
+            with clock.phase("arena_alloc"):
+                self.engine = self._engine_factory(self.model, c)
             if self._before_warmup is not None:
                 self._before_warmup()
-            t1 = time.perf_counter()
-            self.engine.warmup()
-            log.info("warm-up done in %.1f s", time.perf_counter() - t1)
+            for name, run in self.engine.warmup_steps():
+                with clock.phase(f"compile_{name}"):
+                    run()
+                    jax.block_until_ready(self.engine.arena)
+            compiled, cached = programs.delta()
+            self.metrics.startup_programs.labels("compiled").set(compiled)
+            self.metrics.startup_programs.labels("cache").set(cached)
+            log.info("start-up programs: %d compiled, %d read from the persistent compilation cache", compiled, cached)
             tok = self.model.tokenizer
             scheduler = Scheduler(self.engine, continuous=c.continuous, max_queue=c.max_queue,
                                   terminal_ids=tok.terminal_ids if tok is not None else frozenset(),
@@ -95,6 +109,7 @@ class Station:
                     return
                 scheduler.start()
                 self.scheduler = scheduler
+            clock.record("ready", clock.since_start())
             self.ready.set()
             log.info("ready: %d lanes x %d positions, continuous=%s", c.lanes, c.max_seq, c.continuous)
         except Exception as e:
@@ -131,9 +146,12 @@ class Station:
 
 
 def local_engine(model: LoadedModel, c: StationConfig) -> Engine:
-    """The station's own engine, once its arena is known to fit."""
+    """The station's own engine, once its arena is known to fit, with the arena allocated."""
     check_memory(model.cfg, c, weights_resident=True)
-    return Engine(model, lanes=c.lanes, max_seq=c.max_seq, chunk=c.prefill_chunk, block=c.kv_block)
+    engine = Engine(model, lanes=c.lanes, max_seq=c.max_seq, chunk=c.prefill_chunk, block=c.kv_block,
+                    attention=c.attention_for(model.cfg))
+    jax.block_until_ready(engine.arena)
+    return engine
 
 
 class ApiError(Exception):
@@ -272,7 +290,7 @@ def create_app(station: Station) -> Starlette:
                     scheduler.cancel(job)  # its lane is freed within one wave; nobody reads this reply
                     result_fut.add_done_callback(_retrieve)
                     return Response(status_code=499)
-                if not scheduler.alive and not result_fut.done():
+                if not scheduler.alive and not future.done():  # the thread answers every Future before it ends
                     return ApiError(500, "the decode thread has died").response()
         finally:
             gone.cancel()
@@ -311,7 +329,21 @@ def create_app(station: Station) -> Starlette:
         yield
         await asyncio.to_thread(station.shutdown)
 
-    return Starlette(routes=[
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        """Unmatched routes and methods answer in JSON like every other error (OpenAI's shape under /v1)."""
+        path, method = request.url.path, request.method
+        if exc.status_code == 404:
+            message, code = f"no route {method} {path}", "not_found"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message, code = f"{method} is not allowed on {path} (allowed: {allowed})", "method_not_allowed"
+        else:
+            message, code = exc.detail, None
+        if path.startswith("/v1/"):
+            return OpenAIError(exc.status_code, message, None, code, headers=exc.headers).response()
+        return ApiError(exc.status_code, message, None, headers=exc.headers).response()
+
+    return Starlette(exception_handlers={HTTPException: http_error}, routes=[
         Route("/generate", generate, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
@@ -352,7 +384,7 @@ def serve(config: StationConfig, app_and_station: tuple[Starlette, Station] | No
     """Run the station (or a given app and its Station, e.g. a mesh host) on uvicorn until SIGTERM/SIGINT.
     Returns the process exit code."""
     if app_and_station is None:
-        station = Station(config)
+        station = Station(config, clock=StartupClock.from_process_start())
         app_and_station = create_app(station), station
     app, station = app_and_station
     return run_server(DrainingServer(uvicorn_config(config, app), station), station)
@@ -376,3 +408,16 @@ def run_server(server: uvicorn.Server, station: Any) -> int:
         log.error("station failed to start: %s", station.load_error)
         return 1
     return 0 if server.started else 3
+
+
+def warmup_only(config: StationConfig) -> int:
+    """Load and compile every step shape as `serve` would (filling the compilation cache, if set), then exit 0."""
+    if not config.compile_cache_dir:
+        log.warning("no MOONSHINE_COMPILE_CACHE_DIR: the warm-up compiles, but nothing is kept for the next start")
+    station = Station(config, clock=StartupClock.from_process_start())
+    station._load()
+    station.shutdown(0)
+    if station.load_error:
+        log.error("station failed to start: %s", station.load_error)
+        return 1
+    return 0

@@ -19,13 +19,18 @@ import jax.numpy as jnp
 
 from jaxstation.arena import arena_bytes
 from jaxstation.config import ModelConfig
+from jaxstation.engine import ATTENTIONS
+from jaxstation.model import LAYER_LOOPS, WEIGHT_DTYPES, compute_dtype
 from jaxstation.stage import LayerRange
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 GiB = 1 << 30
-DTYPES = ("float32", "bfloat16")
+DTYPES = WEIGHT_DTYPES
+ATTENTION_CHOICES = ("auto", *ATTENTIONS)
+LAYER_LOOP_CHOICES = ("auto", *LAYER_LOOPS)
+GPU_MEM_FRACTION = "0.92"  # of the card, for weights + arena + XLA's scratch; JAX's own default is 0.75
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -73,10 +78,18 @@ class _Setting:
 # One row per setting: the StationConfig field, its environment variable, its CLI flag.
 SETTINGS: tuple[_Setting, ...] = (
     _Setting("model", "MOONSHINE_MODEL", "--model", _parse_str,
-             "HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"),
-    _Setting("dtype", "MOONSHINE_DTYPE", "--dtype", _parse_str, "weight and KV dtype: float32 or bfloat16"),
-    _Setting("host", "MOONSHINE_HOST", "--host", _parse_str, "TCP bind address (default 127.0.0.1)"),
-    _Setting("port", "PORT", "--port", _parse_int, "TCP port (default 8000; PORT is honoured, as Cloud Run sets it)"),
+             "HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)"),
+    _Setting("dtype", "MOONSHINE_DTYPE", "--dtype", _parse_str,
+             "weight dtype: float32, bfloat16 or int8 (weight-only, per output channel; activations and the KV "
+             "arena stay float32 on CPU, bfloat16 on a GPU) (default: float32 on CPU, bfloat16 on a GPU)"),
+    _Setting("attention", "MOONSHINE_ATTENTION", "--attention", _parse_str,
+             "decode attention: blocked (online softmax over KV blocks), xla or cudnn "
+             "(jax.nn.dot_product_attention with per-lane lengths); auto is cudnn on a GPU, blocked on CPU"),
+    _Setting("layer_loop", "MOONSHINE_LAYER_LOOP", "--layer-loop", _parse_str,
+             "scan (stacked layer weights in one loop) or unroll (one weight buffer per layer); auto is unroll on "
+             "a GPU, scan on CPU"),
+    _Setting("host", "MOONSHINE_HOST", "--host", _parse_str, "TCP bind address"),
+    _Setting("port", "PORT", "--port", _parse_int, "TCP port (PORT is honoured, as Cloud Run sets it)"),
     _Setting("uds", "MOONSHINE_UDS", "--uds", _parse_str, "listen on this Unix socket instead of TCP"),
     _Setting("lanes", "MOONSHINE_BATCH_LANES", "--lanes", _parse_int, "decode lanes, i.e. max concurrent requests"),
     _Setting("max_seq", "MOONSHINE_MAX_SEQ", "--max-seq", _parse_int,
@@ -85,7 +98,8 @@ SETTINGS: tuple[_Setting, ...] = (
              "prompt tokens per prefill step"),
     _Setting("kv_block", "MOONSHINE_KV_BLOCK", "--kv-block", _parse_int, "positions per attention KV block"),
     _Setting("continuous", "MOONSHINE_CONTINUOUS_BATCH", "--continuous-batch", parse_bool,
-             "continuous batching (default off: one request at a time)"),
+             "continuous batching: on batches concurrent requests into each decode wave; off serves one request at a "
+             "time, as the original station did"),
     _Setting("max_queue", "MOONSHINE_MAX_QUEUE", "--max-queue", _parse_int,
              "jobs waiting for a lane before new ones get 503"),
     _Setting("drain_s", "MOONSHINE_DRAIN_S", "--drain-s", _parse_float,
@@ -93,6 +107,8 @@ SETTINGS: tuple[_Setting, ...] = (
     _Setting("max_body_bytes", "MOONSHINE_MAX_BODY_BYTES", "--max-body-bytes", _parse_int,
              "largest request body accepted (413 past it)"),
     _Setting("api_key", "MOONSHINE_API_KEY", "--api-key", _parse_str, "API key for the OpenAI-compatible routes"),
+    _Setting("compile_cache_dir", "MOONSHINE_COMPILE_CACHE_DIR", "--compile-cache-dir", _parse_str,
+             "JAX persistent compilation cache: a local path, a mounted volume or gs://bucket/dir (default off)"),
     _Setting("layers", "MOONSHINE_LAYERS", "--layers", _parse_str, "mesh station: the layer range A:B it holds"),
     _Setting("stations", "MOONSHINE_MESH_STATIONS", "--stations", _parse_str,
              "mesh host: the stations' base URLs, comma-separated"),
@@ -121,7 +137,9 @@ class StationConfig:
     """Every station setting. Build it with `resolve`; `__post_init__` rejects what cannot work."""
 
     model: str | None = None  # None: the embedded default model
-    dtype: str = "float32"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on a GPU
+    attention: str = "auto"
+    layer_loop: str = "auto"
     host: str = "127.0.0.1"
     port: int = 8000
     uds: str | None = None
@@ -134,6 +152,7 @@ class StationConfig:
     drain_s: float = 30.0
     max_body_bytes: int = 1 * MiB
     api_key: str | None = dataclasses.field(default=None, repr=False)
+    compile_cache_dir: str | None = None  # None: no persistent compilation cache
     layers: str | None = None  # station mode: "A:B"
     stations: str | None = None  # host mode: "URL,URL,..."
     mesh_token: str | None = dataclasses.field(default=None, repr=False)
@@ -143,8 +162,11 @@ class StationConfig:
     mesh_pipeline: bool = False
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"{_name('dtype')}={self.dtype!r} must be one of {', '.join(DTYPES)}")
+        for field, choices in (("dtype", DTYPES), ("attention", ATTENTION_CHOICES),
+                               ("layer_loop", LAYER_LOOP_CHOICES)):
+            value = getattr(self, field)
+            if value is not None and value not in choices:
+                raise ConfigError(f"{_name(field)}={value!r} must be one of {', '.join(choices)}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"{_name('port')}={self.port} must be a TCP port in [0, 65535]")
         for field in ("lanes", "max_seq", "prefill_chunk", "kv_block", "max_queue", "max_body_bytes"):
@@ -185,6 +207,22 @@ class StationConfig:
                               f"(or {_BY_FIELD['insecure_mesh'].flag} on a trusted network)")
 
     @property
+    def weights(self) -> str:
+        """The weight dtype: the setting, or the backend's default."""
+        return self.dtype or ("bfloat16" if on_gpu() else "float32")
+
+    @property
+    def loop(self) -> str:
+        return self.layer_loop if self.layer_loop != "auto" else ("unroll" if on_gpu() else "scan")
+
+    def attention_for(self, cfg: ModelConfig) -> str:
+        """The decode attention: the setting, or cuDNN on a GPU unless the model's sliding window would be cut."""
+        if self.attention != "auto":
+            return self.attention
+        windowed = cfg.sliding_window is not None and self.max_seq > cfg.sliding_window
+        return "cudnn" if on_gpu() and not windowed else "blocked"
+
+    @property
     def max_request_tokens(self) -> int:
         """The most prompt + max_new_tokens one request may ask for (the last generated token is never fed)."""
         return self.max_seq
@@ -192,8 +230,13 @@ class StationConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register one flag per setting. Every default is None so that `resolve` can tell a flag from its absence."""
+    defaults = StationConfig()
     for s in SETTINGS:
-        help_ = f"{s.help} [env {s.env}]" if s.env else s.help
+        default = getattr(defaults, s.field)
+        if isinstance(default, bool):
+            default = "on" if default else "off"
+        shown = "" if default is None or s.field == "api_key" else f" (default: {default})"
+        help_ = f"{s.help}{shown} [env {s.env}]" if s.env else f"{s.help}{shown}"
         if s.parse is parse_bool:
             parser.add_argument(s.flag, dest=s.field, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif s.parse is _parse_int:
@@ -217,12 +260,28 @@ def resolve(args: argparse.Namespace | None = None, env: Mapping[str, str] | Non
     return StationConfig(**values)
 
 
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def use_gpu_memory_fraction() -> None:
+    """Let JAX's GPU allocator take GPU_MEM_FRACTION of the card (unless the user set it): its default 75% would not
+    hold Mistral-7B in bfloat16 plus an 8 x 4096 arena on a 24 GB L4. Call before JAX first touches a device."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEM_FRACTION)
+
+
 def weight_bytes(cfg: ModelConfig, dtype: str) -> int:
-    """Bytes the model's weights take once loaded in `dtype`."""
-    d, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    per_layer = 2 * d + d * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd + cfg.num_heads * hd * d + 3 * d * f
-    n = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2) + d + cfg.num_layers * per_layer
-    return n * jnp.dtype(dtype).itemsize
+    """Bytes the model's weights take once loaded as `dtype` (int8: one byte per projection weight plus a float32
+    scale per output channel; norms and an untied embedding in the compute dtype)."""
+    d, hd, f, v = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
+    proj_in_out = [(d, cfg.qkv_size), (cfg.num_heads * hd, d), (d, 2 * f), (f, d)]
+    float_size = jnp.dtype(compute_dtype(dtype)).itemsize
+    weight_size = 1 if dtype == "int8" else float_size
+    proj = cfg.num_layers * sum(i * o for i, o in proj_in_out) + (0 if cfg.tie_word_embeddings else d * v)
+    scales = 4 * (cfg.num_layers * sum(o for _, o in proj_in_out) + v) if dtype == "int8" else 0
+    embed = v * d * (weight_size if cfg.tie_word_embeddings else float_size)
+    norms = (2 * cfg.num_layers + 1) * d * float_size
+    return proj * weight_size + scales + embed + norms
 
 
 def available_memory() -> tuple[int | None, str]:
@@ -236,7 +295,10 @@ def available_memory() -> tuple[int | None, str]:
     stats = device.memory_stats() or {}
     if "bytes_limit" not in stats:
         return None, device.device_kind
-    return stats["bytes_limit"] - stats.get("bytes_in_use", 0), device.device_kind
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
+    return (stats["bytes_limit"] - stats.get("bytes_in_use", 0),
+            f"{device.device_kind} (JAX's pool of {_gib(stats['bytes_limit'])}, "
+            f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction})")
 
 
 def _gib(n: int) -> str:
@@ -253,19 +315,20 @@ def check_memory(cfg: ModelConfig, station: StationConfig, *, weights_resident: 
     if station.max_seq > cfg.max_position:
         raise ConfigError(f"{_name('max_seq')}={station.max_seq} exceeds the model's max_position "
                           f"({cfg.max_position}); lower {_name('max_seq')}")
-    where = "given"
+    where = "the device"
     if available is None:
         available, where = available_memory()
     if available is None:
         log.warning("cannot measure free memory on %s; skipping the arena memory check", where)
         return
-    arena = arena_bytes(cfg, station.lanes, station.max_seq, jnp.dtype(station.dtype))
-    weights = 0 if weights_resident else weight_bytes(cfg, station.dtype)
+    arena_dtype = compute_dtype(station.weights)
+    arena = arena_bytes(cfg, station.lanes, station.max_seq, arena_dtype)
+    weights = 0 if weights_resident else weight_bytes(cfg, station.weights)
     if arena + weights <= available:
         return
     per_lane = arena // station.lanes
     fit_lanes = max(0, (available - weights) // per_lane)
-    per_block = arena_bytes(cfg, station.lanes, station.kv_block, jnp.dtype(station.dtype))
+    per_block = arena_bytes(cfg, station.lanes, station.kv_block, arena_dtype)
     fit_seq = max(0, (available - weights) // per_block) * station.kv_block
     raise ConfigError(
         f"the KV arena needs {_gib(arena)} ({_name('lanes')}={station.lanes} x {_name('max_seq')}={station.max_seq}, "

@@ -23,7 +23,7 @@ import numpy as np
 from jaxstation.arena import KVArena, allocate_arena
 from jaxstation.config import ModelConfig
 from jaxstation.loader import LoadedModel
-from jaxstation.model import Params, lm_logits
+from jaxstation.model import Params, embed_tokens, lm_logits
 from jaxstation.sampling import SampleOut, SamplingArrays, sample
 from jaxstation.steps import _layers
 from jaxstation.wire import DTYPES, WireError
@@ -65,22 +65,27 @@ def fingerprint(model: LoadedModel) -> str:
 
 def slice_params(cfg: ModelConfig, params: Params, layers: LayerRange) -> tuple[ModelConfig, Params]:
     """The config and weights a station of `layers` needs: the range's layers, the embedding on the first station
-    (and on the last when the head is tied to it), the final norm and head on the last. The one place that knows how
-    per-layer weights are laid out."""
+    (and on the last when the head is tied to it), the head on the last. The final norm ([d]) stays everywhere: it
+    names the compute dtype. The one place that knows how per-layer weights are laid out (a tuple of layers, or
+    leaves stacked on a leading layer axis)."""
     first, last = layers.start == 0, layers.stop == cfg.num_layers
-    sub = jax.tree_util.tree_map(lambda a: a[layers.start:layers.stop], params.layers)
+    if isinstance(params.layers, tuple):
+        sub = params.layers[layers.start:layers.stop]
+    else:
+        sub = jax.tree_util.tree_map(lambda a: a[layers.start:layers.stop], params.layers)
     keep_embed = first or (last and params.lm_head is None)
     return (dataclasses.replace(cfg, num_layers=layers.stop - layers.start),
-            Params(embed=params.embed if keep_embed else None, layers=sub,
-                   final_norm=params.final_norm if last else None, lm_head=params.lm_head if last else None))
+            Params(embed=params.embed if keep_embed else None, layers=sub, final_norm=params.final_norm,
+                   lm_head=params.lm_head if last else None))
 
 
-@partial(jax.jit, static_argnames=("cfg", "block"), donate_argnames=("arena",))
+@partial(jax.jit, static_argnames=("cfg", "block", "attention"), donate_argnames=("arena",))
 def forward_step(cfg: ModelConfig, params: Params, arena: KVArena, inputs: jax.Array, positions: jax.Array,
-                 lane0: jax.Array, n_blocks: jax.Array, *, block: int) -> tuple[jax.Array, KVArena]:
-    """inputs: token ids [K, Q] int32 (first station) or residuals [K, Q, d]; positions [K, Q] -> residuals."""
-    x = params.embed[inputs] if inputs.dtype == jnp.int32 else inputs
-    return _layers(cfg, params, arena, x, positions, lane0, n_blocks, block)
+                 lane0: jax.Array, n_blocks: jax.Array, *, block: int, attention: str) -> tuple[jax.Array, KVArena]:
+    """inputs: token ids [K, Q] int32 (first station) or residuals [K, Q, d]; positions [K, Q] -> residuals.
+    attention: the decode attention (a prefill chunk always walks KV blocks)."""
+    x = embed_tokens(params, inputs) if inputs.dtype == jnp.int32 else inputs
+    return _layers(cfg, params, arena, x, positions, lane0, n_blocks, block, attention=attention)
 
 
 @partial(jax.jit, static_argnames=("cfg", "return_logits"))
@@ -95,7 +100,7 @@ class Stage:
     """Layers [start, stop) of `model` over `lanes` lanes of `max_seq` positions. One caller at a time."""
 
     def __init__(self, model: LoadedModel, layers: LayerRange, lanes: int, max_seq: int, chunk: int,
-                 block: int) -> None:
+                 block: int, attention: str = "blocked") -> None:
         total = model.cfg.num_layers
         if layers.stop > total:
             raise ValueError(f"layers {layers} reach past the model's {total} layers")
@@ -107,8 +112,10 @@ class Stage:
         self.fingerprint = fingerprint(model)
         self.full_cfg = model.cfg
         self.cfg, self.params = slice_params(model.cfg, model.params, layers)
-        self.dtype = np.dtype(jax.tree_util.tree_leaves(self.params.layers)[0].dtype)
+        self.dtype = np.dtype(self.params.dtype)
+        self.layer_loop = self.params.layer_loop
         self.lanes, self.max_seq, self.chunk, self.block = lanes, max_seq, chunk, block
+        self.attention = attention
         self.arena = allocate_arena(self.cfg, lanes, max_seq, self.dtype)
 
     @property
@@ -119,7 +126,8 @@ class Stage:
         """What a host checks before it sends a wave: layers, model identity and the lane geometry."""
         return {"layers": str(self.layers), "total_layers": self.total_layers, "fingerprint": self.fingerprint,
                 "lanes": self.lanes, "max_seq": self.max_seq, "chunk": self.chunk, "block": self.block,
-                "dtype": self.dtype_name, "hidden_size": self.cfg.hidden_size, "vocab_size": self.cfg.vocab_size}
+                "dtype": self.dtype_name, "layer_loop": self.layer_loop, "attention": self.attention,
+                "hidden_size": self.cfg.hidden_size, "vocab_size": self.cfg.vocab_size}
 
     # ---- validation -------------------------------------------------------------------------------------------
     def _wave(self, meta: dict) -> str:
@@ -229,11 +237,11 @@ class Stage:
         if wave == "decode":
             inputs = self._pad(inputs, lane0, np.zeros((), inputs.dtype))
             positions = self._pad(positions, lane0, np.int32(self.max_seq - 1))  # idle rows: the scratch slot
-            lane_arg = 0
+            lane_arg, attention = 0, self.attention
         else:
-            lane_arg = lane0
+            lane_arg, attention = lane0, "blocked"
         x, self.arena = forward_step(self.cfg, self.params, self.arena, inputs, positions, np.int32(lane_arg),
-                                     np.int32(n_blocks), block=self.block)
+                                     np.int32(n_blocks), block=self.block, attention=attention)
         x = np.asarray(jax.device_get(x))
         return x[lane0:lane0 + k] if wave == "decode" else x
 

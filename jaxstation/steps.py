@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from jaxstation.arena import KVArena
 from jaxstation.config import ModelConfig
-from jaxstation.model import Params, layer_at, lm_logits, mlp_block, qkv_proj
+from jaxstation.model import Params, attn_out, embed_tokens, lm_logits, mlp_block, over_layers, qkv_proj
+from jaxstation.quant import precision_for
 from jaxstation.sampling import SampleOut, SamplingArrays, sample
 
 
@@ -33,13 +34,14 @@ def _blocked_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, arena: 
     kvh, hd = cfg.num_kv_heads, cfg.head_dim
     scale = 1.0 / jnp.sqrt(jnp.float32(hd))
     stat_shape = (rows, nq, kvh, cfg.group_size)
+    precision = precision_for(q.dtype)
 
     def body(b, carry):
         m, denom, acc = carry  # [rows, Q, kvh, group], same, [rows, Q, kvh, group, hd]
         start = (layer, lane0, b * block, 0, 0)
         kb = jax.lax.dynamic_slice(arena.k, start, (1, rows, block, kvh, hd))[0]  # [rows, block, kvh, hd]
         vb = jax.lax.dynamic_slice(arena.v, start, (1, rows, block, kvh, hd))[0]
-        s = jnp.einsum("rqkgd,rbkd->rqkgb", q, kb, preferred_element_type=jnp.float32) * scale
+        s = jnp.einsum("rqkgd,rbkd->rqkgb", q, kb, preferred_element_type=jnp.float32, precision=precision) * scale
         k_pos = b * block + jnp.arange(block, dtype=jnp.int32)
         mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [rows, Q, block]
         if cfg.sliding_window is not None:
@@ -50,7 +52,7 @@ def _blocked_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, arena: 
         p = jnp.exp(s - m_new[..., None])
         denom_new = alpha * denom + jnp.sum(p, axis=-1)
         acc_new = alpha[..., None] * acc + jnp.einsum("rqkgb,rbkd->rqkgd", p.astype(vb.dtype), vb,
-                                                      preferred_element_type=jnp.float32)
+                                                      preferred_element_type=jnp.float32, precision=precision)
         live = jnp.any(mask, axis=-1)[:, :, None, None]  # [rows, Q, 1, 1]
         return (jnp.where(live, m_new, m), jnp.where(live, denom_new, denom), jnp.where(live[..., None], acc_new, acc))
 
@@ -61,18 +63,31 @@ def _blocked_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, arena: 
     return out.astype(q.dtype).reshape(rows, nq, cfg.num_heads * hd)
 
 
+def _dense_decode_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
+                            implementation: str) -> jax.Array:
+    """One query per lane over that lane's whole slab, masked to its own length, in one fused call.
+
+    q: [lanes, heads, hd]; q_pos: [lanes]; k, v: [lanes, max_seq, kv_heads, hd] -> [lanes, heads * hd]. The
+    shapes never change, so neither do a lane's bits; what lies past a lane's length is masked, never read into it.
+    """
+    out = jax.nn.dot_product_attention(q[:, None], k, v, scale=1.0 / cfg.head_dim ** 0.5,
+                                       key_value_seq_lengths=q_pos + 1, implementation=implementation)
+    return out.reshape(q.shape[0], cfg.num_heads * cfg.head_dim)
+
+
 def _layers(cfg: ModelConfig, params: Params, arena: KVArena, x: jax.Array, positions: jax.Array,
-            lane0: jax.Array, n_blocks: jax.Array, block: int) -> tuple[jax.Array, KVArena]:
+            lane0: jax.Array, n_blocks: jax.Array, block: int, *, attention: str = "blocked"
+            ) -> tuple[jax.Array, KVArena]:
     """Run every layer over rows of lanes [lane0, lane0 + rows): write their k/v at `positions`, attend, MLP.
 
-    x: [rows, Q, d]; positions: [rows, Q] int32 (consecutive within a row).
+    x: [rows, Q, d]; positions: [rows, Q] int32 (consecutive within a row). attention: "blocked" (the online-softmax
+    block walk) or, for decode waves only, a `jax.nn.dot_product_attention` implementation ("xla" or "cudnn").
     """
     rows, nq = x.shape[:2]
     inv_freq = jnp.asarray(cfg.inv_freq())
 
-    def body(i, carry):
+    def body(i, layer, carry):
         x, k_all, v_all = carry
-        layer = layer_at(params.layers, i)
         q, k, v = qkv_proj(cfg, layer, x, positions, inv_freq)  # [rows, Q, heads|kvh, hd]
         if nq == 1:  # decode: one position per lane, scattered
             lanes = lane0 + jnp.arange(rows)
@@ -82,26 +97,30 @@ def _layers(cfg: ModelConfig, params: Params, arena: KVArena, x: jax.Array, posi
             start = (i, lane0, positions[0, 0], 0, 0)
             k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
             v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
-        q = q.reshape(rows, nq, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
-        o = _blocked_attention(cfg, q, positions, KVArena(k_all, v_all), i, lane0, n_blocks, block)
-        x = mlp_block(cfg, layer, x + o @ layer.wo)
-        return x, k_all, v_all
+        if nq == 1 and attention != "blocked":
+            o = _dense_decode_attention(cfg, q[:, 0], positions[:, 0], k_all[i], v_all[i], attention)[:, None]
+        else:
+            q = q.reshape(rows, nq, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
+            o = _blocked_attention(cfg, q, positions, KVArena(k_all, v_all), i, lane0, n_blocks, block)
+        return mlp_block(cfg, layer, attn_out(layer, x, o)), k_all, v_all
 
-    x, k_all, v_all = jax.lax.fori_loop(0, cfg.num_layers, body, (x, arena.k, arena.v))
+    x, k_all, v_all = over_layers(params, body, (x, arena.k, arena.v))
     return x, KVArena(k_all, v_all)
 
 
-@partial(jax.jit, static_argnames=("cfg", "block", "return_logits"), donate_argnames=("arena",))
+@partial(jax.jit, static_argnames=("cfg", "block", "attention", "return_logits"), donate_argnames=("arena",))
 def decode_step_batch(cfg: ModelConfig, params: Params, arena: KVArena, positions: jax.Array, tokens: jax.Array,
-                      n_blocks: jax.Array, sampling: SamplingArrays, *, block: int,
+                      n_blocks: jax.Array, sampling: SamplingArrays, *, block: int, attention: str = "blocked",
                       return_logits: bool = False) -> tuple[KVArena, SampleOut, jax.Array | None]:
     """Advance every lane by one token with one read of the weights.
 
     positions, tokens: [lanes] int32 (an idle lane sits at the scratch slot); n_blocks: KV blocks covering the
-    longest live lane. Returns the updated arena, one sample per lane and, if asked, the logits [lanes, vocab].
+    longest live lane (unused by the dense attentions). Returns the updated arena, one sample per lane and, if
+    asked, the logits [lanes, vocab].
     """
-    x = params.embed[tokens][:, None, :]  # [lanes, 1, d]
-    x, arena = _layers(cfg, params, arena, x, positions[:, None], jnp.int32(0), n_blocks, block)
+    x = embed_tokens(params, tokens)[:, None, :]  # [lanes, 1, d]
+    x, arena = _layers(cfg, params, arena, x, positions[:, None], jnp.int32(0), n_blocks, block,
+                       attention=attention)
     logits = lm_logits(cfg, params, x[:, 0])  # [lanes, vocab]
     return arena, sample(logits, sampling), (logits if return_logits else None)
 
@@ -118,7 +137,7 @@ def prefill_chunk(cfg: ModelConfig, params: Params, arena: KVArena, lane: jax.Ar
     chunk = tokens.shape[0]
     positions = (start + jnp.arange(chunk, dtype=jnp.int32))[None]  # [1, chunk]
     n_blocks = (start + n_valid + block - 1) // block
-    x = params.embed[tokens][None]  # [1, chunk, d]
+    x = embed_tokens(params, tokens)[None]  # [1, chunk, d]
     x, arena = _layers(cfg, params, arena, x, positions, lane, n_blocks, block)
     if not last:
         return arena, None, None

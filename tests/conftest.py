@@ -39,10 +39,10 @@ def smollm_reference() -> dict[str, np.ndarray]:
         return {k: data[k] for k in data.files}
 
 
-def tiny_model(name: str) -> LoadedModel:
+def tiny_model(name: str, dtype: str = "float32", layer_loop: str = "scan") -> LoadedModel:
     """A tiny HF fixture as a LoadedModel (no tokenizer: the fixtures ship none and the Engine needs none)."""
     path = FIXTURES / name
-    cfg, params = load_hf_dir(path)
+    cfg, params = load_hf_dir(path, dtype, layer_loop)
     return LoadedModel(cfg=cfg, params=params, tokenizer=None, source=path)
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -100,3 +102,29 @@ def metric(text: str, name: str, labels: dict[str, str] | None = None) -> float:
             if sample.name == name and (labels is None or sample.labels == labels):
                 return sample.value
     return 0.0
+
+
+@contextlib.contextmanager
+def station_process(cmd: Sequence[str], port: int, log_path: Path, ready_timeout: float, **popen_kw
+                    ) -> Iterator[tuple[subprocess.Popen, httpx.Client]]:
+    """Start a station process, wait until /ready on `port` answers 200, and yield (process, client). Afterwards the
+    process is killed if it still runs and the tail of its log is printed."""
+    with open(log_path, "w+") as log:
+        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, **popen_kw)
+        try:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+                def ready() -> bool:
+                    assert proc.poll() is None, "the server exited early"
+                    try:
+                        return client.get("/ready").status_code == 200
+                    except httpx.TransportError:
+                        return False
+
+                wait_for(ready, ready_timeout, f"the server did not turn ready on port {port}", 0.25)
+                yield proc, client
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.seek(0)
+            print(log.read()[-3000:])

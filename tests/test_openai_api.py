@@ -179,8 +179,13 @@ def test_stop_strings_across_token_boundaries(station) -> None:
     assert r.usage.completion_tokens < 16
     wait_for(lambda: st.scheduler.busy_lanes == 0, 10, "the stopped request kept its lane")
     assert cancelled_total(http) == cancelled_before  # retired as "stop" by the scheduler, not cancelled
+    ok_before = metric(http.get("/metrics").text, "jaxstation_requests_total", {"outcome": "ok"})
     pieces = [c.choices[0].text for c in client.completions.create(**kw, stop=stop, stream=True) if c.choices]
     assert "".join(pieces) == text[:boundary - 2]
+    # a streamed request that ends on a stop string is retired as "stop" too, never counted as cancelled
+    wait_for(lambda: metric(http.get("/metrics").text, "jaxstation_requests_total", {"outcome": "ok"}) == ok_before + 1,
+             10, "the streamed stop-string request was not counted as ok")
+    assert cancelled_total(http) == cancelled_before
 
 
 def test_prompt_lists_and_n(station) -> None:

@@ -17,19 +17,30 @@ from jaxstation.loader import load_model
 from jaxstation.model import forward_full
 
 NAMES = ("tiny-llama3", "tiny-mistral")
+# (fixture, weights, layer loop, decode attention): the CPU default, the GPU layout with the dense attention the GPU
+# runs (its `xla` implementation; tiny-mistral's 16-token window rules the dense attention out at max_seq 64), int8.
+VARIANTS = [(n, "float32", "scan", "blocked") for n in NAMES] + [
+    ("tiny-llama3", "float32", "unroll", "xla"), ("tiny-mistral", "float32", "unroll", "blocked"),
+    ("tiny-llama3", "int8", "scan", "blocked"), ("tiny-mistral", "int8", "unroll", "blocked")]
 # Prompt lengths to prefill before feeding the rest of the 48 reference ids one by one through decode.
 # None is a multiple of the chunk (8). With the 16-token window: 5 and 13 decode across positions 16 and 32;
 # 20 prefills across 16 and decodes across 32; 37 and 47 prefill across both.
 PREFILL_LENGTHS = (5, 13, 20, 37, 47)
 
 
-@pytest.fixture(scope="module", params=NAMES)
+@pytest.fixture(scope="module", params=VARIANTS, ids=lambda v: "-".join(v))
 def tiny(request):
-    model = tiny_model(request.param)
-    ref = tiny_reference(request.param)
+    name, weights, loop, attention = request.param
+    model = tiny_model(name, weights, loop)
+    ref = tiny_reference(name)
     full = np.asarray(forward_full(model.cfg, model.params, jnp.asarray(ref["input_ids"])))
-    engine = Engine(model, lanes=3, max_seq=64, chunk=8, block=16)
-    return request.param, model, ref, full, engine
+    engine = Engine(model, lanes=3, max_seq=64, chunk=8, block=16, attention=attention)
+    return "-".join(request.param), model, ref, full, engine
+
+
+# transformers' float32 numbers hold for the float layouts; int8 against float32 is measured in bench/accuracy.py
+FLOAT_VARIANTS = [v for v in VARIANTS if v[1] == "float32"]
+hf_variants = pytest.mark.parametrize("tiny", FLOAT_VARIANTS, ids=lambda v: "-".join(v), indirect=True)
 
 
 def test_config_is_what_the_fixture_says():
@@ -48,6 +59,7 @@ def test_load_model_needs_a_tokenizer():
         load_model(FIXTURES / "tiny-mistral")
 
 
+@hf_variants
 def test_forward_full_matches_hf(tiny):
     name, _, ref, full, _ = tiny
     assert full.shape == ref["logits"].shape == (48, 256)
@@ -73,6 +85,7 @@ def test_prefill_then_decode_matches_full_forward(tiny, n):
         assert all(s is None for i, s in enumerate(samples) if i != lane)
 
 
+@hf_variants
 def test_greedy_matches_hf(tiny):
     name, _, ref, _, engine = tiny
     k = int(ref["greedy_prompt_len"])

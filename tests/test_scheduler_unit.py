@@ -410,6 +410,27 @@ def test_drain_timeout_fails_the_rest_with_shutting_down(stations):
             f.result(0)
 
 
+def test_drain_deadline_answers_every_job_before_the_thread_ends(stations):
+    """The server reads a dead decode thread with an unanswered Future as a crash (500): at the drain deadline the
+    queued job must be failed (never started) and the running one failed by the decode thread on its way out."""
+    fake, sched = stations(lanes=1, continuous=False, step_delay=0.005)
+    running = Job(tokens=[1], max_new_tokens=10_000)
+    queued = Job(tokens=[2], max_new_tokens=2)
+    thread_alive_when_answered: dict[str, bool] = {}
+    for name, job in (("running", running), ("queued", queued)):
+        job.future.add_done_callback(lambda f, name=name: thread_alive_when_answered.setdefault(name, sched.alive))
+        sched.submit(job)
+    sched.start()
+    wait_for(lambda: len(fake.calls) > 2)
+    assert sched.drain(0.2) is False
+    assert thread_alive_when_answered == {"running": True, "queued": True}
+    with pytest.raises(ShuttingDown, match="before this request started"):
+        queued.future.result(0)
+    with pytest.raises(ShuttingDown, match="before this request finished"):
+        running.future.result(0)
+    assert all(call[0] != "prefill" or call[3] != (2,) for call in fake.calls)  # the queued job never ran
+
+
 def test_idle_thread_sleeps(stations):
     fake, sched = stations(lanes=2)
     sched.start()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_util import ServerThread, free_port, metric, queue_held_full, raw_post, wait_for
+from server_util import ServerThread, free_port, metric, queue_held_full, raw_post, station_process, wait_for
 
 from jaxstation.engine import Engine, SamplingParams, generate
 from jaxstation.loader import LoadedModel
@@ -272,39 +271,22 @@ def status_or_refused(call) -> int | str:
 def test_sigterm_drains_in_flight_then_exits_0(tmp_path: Path) -> None:
     port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "MOONSHINE_CONTINUOUS_BATCH": "1"}
-    log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "jaxstation", "serve", "--port", str(port), "--lanes", "2",
-                             "--max-seq", "256", "--drain-s", "30"], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            cwd=Path(__file__).resolve().parents[1])
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
-            def ready() -> bool:
-                assert proc.poll() is None, "the server exited early"
-                try:
-                    return client.get("/ready").status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            wait_for(ready, 90, "the server did not turn ready", 0.25)
-            with ThreadPoolExecutor(1) as pool:
-                in_flight = pool.submit(client.post, "/generate", json={"tokens": [1, 2, 3], "max_new_tokens": 40,
-                                                                         "stop_token_ids": None})
-                wait_for(lambda: metric(client.get("/metrics").text, "jaxstation_busy_lanes") == 1, 10,
-                         "the request did not start")
-                proc.send_signal(signal.SIGTERM)
-                wait_for(lambda: status_or_refused(lambda: client.get("/ready")) != 200, 5, "/ready stayed 200")
-                assert status_or_refused(lambda: client.post("/generate", json=OK)) in (503, "refused")
-                r = in_flight.result(60)
-            assert r.status_code == 200, r.text
-            assert r.json()["finish_reason"] in ("stop", "length")
+    cmd = [sys.executable, "-m", "jaxstation", "serve", "--port", str(port), "--lanes", "2", "--max-seq", "256",
+           "--drain-s", "30"]
+    with station_process(cmd, port, tmp_path / "serve.log", 90, env=env, cwd=Path(__file__).resolve().parents[1]) \
+            as (proc, client):
+        with ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(client.post, "/generate", json={"tokens": [1, 2, 3], "max_new_tokens": 40,
+                                                                     "stop_token_ids": None})
+            wait_for(lambda: metric(client.get("/metrics").text, "jaxstation_busy_lanes") == 1, 10,
+                     "the request did not start")
+            proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: status_or_refused(lambda: client.get("/ready")) != 200, 5, "/ready stayed 200")
+            assert status_or_refused(lambda: client.post("/generate", json=OK)) in (503, "refused")
+            r = in_flight.result(60)
+        assert r.status_code == 200, r.text
+        assert r.json()["finish_reason"] in ("stop", "length")
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.seek(0)
-        print(log.read()[-3000:])
-        log.close()
 
 
 # ---- settings and CLI (no model run) -----------------------------------------------------------------------------
@@ -352,3 +334,25 @@ def test_cli_serve_rejects_bad_settings(capsys: pytest.CaptureFixture) -> None:
 
     assert main(["serve", "--max-seq", "1000"]) == 2
     assert "MOONSHINE_MAX_SEQ=1000 must be a multiple" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method,path,status,message", [
+    ("GET", "/nowhere", 404, "no route GET /nowhere"),
+    ("GET", "/generate", 405, "GET is not allowed on /generate (allowed: POST)"),
+])
+def test_unmatched_route_and_method_are_json(tcp, method: str, path: str, status: int, message: str) -> None:
+    _, _, client = tcp
+    r = client.request(method, path)
+    assert r.status_code == status
+    assert r.headers["content-type"] == "application/json"
+    assert r.json() == {"error": {"message": message, "field": None}}
+    if status == 405:
+        assert r.headers["allow"] == "POST"
+
+
+def test_unmatched_openai_route_is_openai_json(tcp) -> None:
+    _, _, client = tcp
+    r = client.post("/v1/embeddings", json={})
+    assert r.status_code == 404
+    assert r.json() == {"error": {"message": "no route POST /v1/embeddings", "type": "invalid_request_error",
+                                  "param": None, "code": "not_found"}}

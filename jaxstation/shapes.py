@@ -1,0 +1,65 @@
+"""Named real architectures with random weights: benchmarks and device checks at real shapes without a checkpoint.
+
+The weights are drawn on the device, in the layout and dtype a loaded model would have, so a 7B-shaped model needs
+no host memory or transfer. Random weights give meaningless tokens but real bytes, FLOPs and memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxstation.config import ModelConfig
+from jaxstation.loader import LoadedModel
+from jaxstation.model import LayerParams, Params, compute_dtype
+from jaxstation.quant import quantize
+
+ARCHITECTURES: dict[str, ModelConfig] = {
+    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                                num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+                                max_position=8192, tie_word_embeddings=True),
+    "mistral-7b": ModelConfig(vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                              num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1e6,
+                              max_position=32768, tie_word_embeddings=False),
+    "llama3-8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                             num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                             max_position=8192, tie_word_embeddings=False),
+}
+
+
+def random_params(cfg: ModelConfig, weights: str = "bfloat16", layer_loop: str = "scan", seed: int = 0) -> Params:
+    """N(0, 0.02) weights and unit norms at cfg's shapes, drawn on the default device."""
+    dtype = compute_dtype(weights)
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    key = iter(jax.random.split(jax.random.PRNGKey(seed), 8 * cfg.num_layers + 8))
+
+    def normal(shape: tuple[int, ...]) -> jax.Array:
+        return (0.02 * jax.random.normal(next(key), shape, jnp.float32)).astype(dtype)
+
+    def proj(shape: tuple[int, ...]):  # [..., in, out]
+        w = normal(shape)
+        return quantize(w, reduce_axis=-2) if weights == "int8" else w
+
+    def layer(lead: tuple[int, ...]) -> LayerParams:
+        return LayerParams(attn_norm=jnp.ones((*lead, d), dtype), wqkv=proj((*lead, d, cfg.qkv_size)),
+                           wo=proj((*lead, cfg.num_heads * cfg.head_dim, d)), mlp_norm=jnp.ones((*lead, d), dtype),
+                           w_gate_up=proj((*lead, d, 2 * f)), w_down=proj((*lead, f, d)))
+
+    layers = (tuple(layer(()) for _ in range(cfg.num_layers)) if layer_loop == "unroll"
+              else layer((cfg.num_layers,)))
+    embed = normal((cfg.vocab_size, d))
+    if cfg.tie_word_embeddings and weights == "int8":
+        embed = quantize(embed, reduce_axis=-1)
+    lm_head = None if cfg.tie_word_embeddings else proj((d, cfg.vocab_size))
+    return Params(embed=embed, layers=layers, final_norm=jnp.ones((d,), dtype), lm_head=lm_head)
+
+
+def random_model(name: str, weights: str = "bfloat16", layer_loop: str = "scan", seed: int = 0) -> LoadedModel:
+    """A LoadedModel (no tokenizer) of the named architecture with random weights."""
+    if name not in ARCHITECTURES:
+        raise ValueError(f"unknown shape {name!r}; known: {', '.join(ARCHITECTURES)}")
+    cfg = ARCHITECTURES[name]
+    return LoadedModel(cfg=cfg, params=random_params(cfg, weights, layer_loop, seed), tokenizer=None,
+                       source=Path(f"random:{name}"))
