@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import ENGINE_SHAPE as SHAPE  # the session engine's shape, so its compiled steps are reused
+from conftest import tiny_model
 
 from jaxstation.engine import DecodeRow, Engine, SamplingParams, _sampling_arrays
 from jaxstation.loader import load_model
@@ -80,11 +81,22 @@ def test_slice_params_keeps_only_what_the_range_needs(default_model):
     middle_cfg, middle = slice_params(cfg, params, LayerRange(7, 19))
     last_cfg, last = slice_params(cfg, params, LayerRange(19, 30))
     assert (first_cfg.num_layers, middle_cfg.num_layers, last_cfg.num_layers) == (7, 12, 11)
-    assert first.embed is not None and first.final_norm is None
-    assert middle.embed is None and middle.final_norm is None and middle.lm_head is None
-    assert last.final_norm is not None and (last.embed is not None) == tied
+    assert first.embed is not None and first.lm_head is None
+    assert middle.embed is None and middle.lm_head is None
+    assert (last.embed is not None) == tied and (last.lm_head is None) == tied
+    assert all(p.final_norm is params.final_norm for p in (first, middle, last))  # [d]: names the compute dtype
     np.testing.assert_array_equal(np.asarray(middle.layers.wqkv[0]), np.asarray(params.layers.wqkv[7]))
     assert middle.nbytes < params.nbytes / 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_per_layer_and_int8_weights_split_bitwise(dtype):
+    """The 'unroll' layout (a tuple of layers, the GPU default) slices by layer too; int8 weights travel as the
+    float compute dtype between stations."""
+    model = tiny_model("tiny-llama3", dtype, "unroll")
+    _, sub = slice_params(model.cfg, model.params, LayerRange(1, 2))
+    assert isinstance(sub.layers, tuple) and sub.layers[0] is model.params.layers[1]
+    _check_split(Engine(model, **SHAPE), ["0:1", "1:2"], SamplingParams(temperature=0.9, seed=5))
 
 
 def test_a_range_past_the_model_is_refused(default_model):
