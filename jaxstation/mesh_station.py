@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from jaxstation.access_log import configure_logging
 from jaxstation.coldstart import enable_compile_cache
 from jaxstation.http_common import BodyError, read_body
 from jaxstation.loader import LoadedModel, load_model
@@ -174,5 +175,6 @@ def create_station_app(station: MeshStation) -> Starlette:
 
 def serve_station(config: StationConfig) -> int:
     """Run a mesh station on uvicorn until SIGTERM/SIGINT. Returns the process exit code."""
+    configure_logging(config.log_format)
     station = MeshStation(config)
     return run_server(uvicorn.Server(uvicorn_config(config, create_station_app(station))), station)

@@ -99,6 +99,11 @@ def sample(logits: jax.Array, s: SamplingArrays) -> SampleOut:
                           lambda: jnp.zeros(logits.shape, jnp.float32))
     drawn = jnp.argmax(jnp.where(keep, scaled, -jnp.inf) + gumbel, axis=-1).astype(jnp.int32)
     tokens = jnp.where(sampling, drawn, greedy)
+    return token_logprobs(logprobs, tokens)
+
+
+def token_logprobs(logprobs: jax.Array, tokens: jax.Array) -> SampleOut:
+    """Each row's log-probability of `tokens` [rows] and its TOP_LOGPROBS best tokens. logprobs: [rows, vocab]."""
     top_lp, top_ids = jax.lax.top_k(logprobs, TOP_LOGPROBS)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     return SampleOut(tokens=tokens, logprob=chosen, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)

@@ -65,13 +65,18 @@ class Cancelled(Exception):
 
 @dataclasses.dataclass
 class Job:
-    """One request. `on_token`, if given, is called from the decode thread with each generated Sample."""
+    """One request. `on_token`, if given, is called from the decode thread with each generated Sample.
+
+    `prompt_logprobs` asks for the log-probability of every prompt token after the first (prefill scores each chunk
+    on the device; the Result carries them). `max_new_tokens` 0 is allowed with it: score the prompt, generate nothing.
+    """
 
     tokens: list[int]
     max_new_tokens: int
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     stop_ids: frozenset[int] = frozenset()
     terminal_prosody: bool = False
+    prompt_logprobs: bool = False
     on_token: Callable[[Sample], None] | None = None
     future: Future = dataclasses.field(default_factory=Future, repr=False)
     submitted_at: float = 0.0
@@ -90,6 +95,8 @@ class Result:
     prompt_tokens: int
     samples: list[Sample]
     timing: dict[str, float]
+    prompt_logprobs: list[Sample] = dataclasses.field(default_factory=list)  # prompt tokens 1.., if the job asked
+    stop_sample: Sample | None = None  # the stop id that ended it, if one did (not in `generated`)
 
 
 @dataclasses.dataclass
@@ -100,6 +107,8 @@ class Lane:
     admitted_at: float
     fed: int = 0  # prompt tokens prefilled
     samples: list[Sample] = dataclasses.field(default_factory=list)
+    scored: list[Sample] = dataclasses.field(default_factory=list)  # prompt tokens 1.. scored so far
+    stop_sample: Sample | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
 
@@ -260,14 +269,21 @@ class Scheduler:
             i = plan.prefill_lane
             lane = self.lanes[i]
             t0 = time.perf_counter()
-            sample, _ = self.engine.prefill(i, lane.job.tokens, lane.fed, lane.job.sampling)
+            if lane.job.prompt_logprobs:
+                sample, scored = self.engine.prefill_scored(i, lane.job.tokens, lane.fed, lane.job.sampling)
+                lane.scored.extend(scored)
+            else:
+                sample, _ = self.engine.prefill(i, lane.job.tokens, lane.fed, lane.job.sampling)
             self.metrics.step.labels("prefill").observe(time.perf_counter() - t0)
             self.waves += 1
             lane.fed = min(lane.fed + self.engine.chunk, len(lane.job.tokens))
             if sample is not None:
                 self.prefill_order.popleft()
                 self.metrics.prompt_tokens.inc(len(lane.job.tokens))
-                self.postprocess(i, sample)
+                if lane.job.max_new_tokens > 0:
+                    self.postprocess(i, sample)
+                else:  # scoring only
+                    self._retire(i, "length")
         if any(row is not None for row in plan.decode_rows):
             t0 = time.perf_counter()
             samples, _ = self.engine.decode(plan.decode_rows)
@@ -283,6 +299,7 @@ class Scheduler:
         job = lane.job
         now = time.perf_counter()
         if sample.token in job.stop_ids:
+            lane.stop_sample = sample
             return self._retire(i, "stop")
         lane.samples.append(sample)
         if lane.first_token_at is None:
@@ -314,7 +331,7 @@ class Scheduler:
         self.metrics.requests.labels("ok").inc()
         try:
             job.future.set_result(Result([s.token for s in lane.samples], reason, len(job.tokens), lane.samples,
-                                         timing))
+                                         timing, lane.scored, lane.stop_sample))
         except InvalidStateError:  # its caller cancelled the Future; that must not fail the wave
             pass
 
