@@ -226,17 +226,35 @@ class MeshEngine:
     # ---- the Runner interface ---------------------------------------------------------------------------------
     def prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
                 return_logits: bool = False) -> tuple[Sample | None, np.ndarray | None]:
+        sample, logits, _ = self._prefill(lane, prompt, start, sampling, return_logits, scored=False)
+        return sample, logits
+
+    def prefill_scored(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams
+                       ) -> tuple[Sample | None, list[Sample]]:
+        """`prefill`, and each prompt position's log-probability given the tokens before it (see `Engine`)."""
+        sample, _, scored = self._prefill(lane, prompt, start, sampling, False, scored=True)
+        return sample, scored
+
+    def _prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams, return_logits: bool,
+                 scored: bool) -> tuple[Sample | None, np.ndarray | None, list[Sample]]:
         if start % self.chunk:
             raise ValueError(f"prefill start {start} is not a multiple of the chunk {self.chunk}")
         piece = tuple(prompt[start:start + self.chunk])
         last = start + len(piece) >= len(prompt)
+        following = list(prompt[start + 1:start + 1 + self.chunk])  # row r's next prompt token
 
-        def step() -> tuple[Sample | None, np.ndarray | None]:
+        def step() -> tuple[Sample | None, np.ndarray | None, list[Sample]]:
             x = self._prefill_forward(lane, start, piece, self.clients)
+            rows: list[Sample] = []
+            if scored:
+                targets = np.zeros(self.chunk, np.int32)
+                targets[:len(following)] = following
+                rows = _samples(_sample_out(self.clients[-1].post("/score", {"wave": "prefill"},
+                                                                   {"x": x[0], "targets": targets})))
             if not last:
-                return None, None
+                return None, None, rows[:len(following)]
             samples, logits = self._head("prefill", x[0, len(piece) - 1][None], [(sampling, 0)], return_logits)
-            return samples[0], logits
+            return samples[0], logits, rows[:len(following)]
 
         out = self._step(step)
         self._record(lane, _Entry(start, "prefill", piece))
@@ -302,9 +320,7 @@ class MeshEngine:
         s = _sampling_arrays(sampling)
         out = self.clients[-1].post("/lm_head", {"wave": wave, "logits": return_logits},
                                     {"x": x, **{f: getattr(s, f) for f in SAMPLING_FIELDS}})
-        sample_out = SampleOut(tokens=out["tokens"], logprob=out["logprob"], top_ids=out["top_ids"],
-                               top_logprobs=out["top_logprobs"])
-        return _samples(sample_out), out.get("logits")
+        return _samples(_sample_out(out)), out.get("logits")
 
     def _decode_wave(self, fed: list[tuple[int, int] | None], sampling: list[tuple[SamplingParams, int] | None] | None,
                      stations: Sequence[StationClient], return_logits: bool = False
@@ -394,6 +410,11 @@ class MeshEngine:
             if any(fed):
                 self._decode_wave(fed, None, stations)
         log.info("replayed %d rounds through %d stations in %.2f s", rounds, len(stations), time.perf_counter() - t0)
+
+
+def _sample_out(arrays: dict[str, np.ndarray]) -> SampleOut:
+    return SampleOut(tokens=arrays["tokens"], logprob=arrays["logprob"], top_ids=arrays["top_ids"],
+                     top_logprobs=arrays["top_logprobs"])
 
 
 def _wait_info(c: StationClient, deadline: float, budget_s: float) -> dict[str, Any]:

@@ -2,9 +2,9 @@
 
 Routes: `GET /health` (open) says whether the station is up and its epoch; `GET /info` tells a host what the
 station holds (layers, model fingerprint, lane geometry, dtype); `POST /forward` runs one wave through the range;
-`POST /lm_head` (last station only) samples. /info, /forward and /lm_head need the mesh token as a bearer token,
-compared in constant time. Payloads are `jaxstation.wire` binary; a payload that does not fit the station's settings
-gets a 400 JSON error naming the field.
+`POST /lm_head` (last station only) samples; `POST /score` (last station only) gives a prefill chunk's prompt
+logprobs. All but /health need the mesh token as a bearer token, compared in constant time. Payloads are
+`jaxstation.wire` binary; a payload that does not fit the station's settings gets a 400 JSON error naming the field.
 
 The epoch is a random id chosen when the station starts (and again whenever its arena is rebuilt), sent with every
 reply (`X-Mesh-Epoch` and the binary header's meta): a host that sees it change knows the station's KV is gone.
@@ -160,6 +160,9 @@ def create_station_app(station: MeshStation) -> Starlette:
         x, sampling, logits = args
         return stage.lm_head(meta["wave"], x, sampling, logits)
 
+    def score(stage: Stage, meta: dict, args: tuple) -> dict:
+        return stage.score(*args)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         station.start()
@@ -170,6 +173,7 @@ def create_station_app(station: MeshStation) -> Starlette:
         Route("/info", guarded(info), methods=["GET"]),
         Route("/forward", guarded(binary_step("check_forward", forward)), methods=["POST"]),
         Route("/lm_head", guarded(binary_step("check_lm_head", lm_head)), methods=["POST"]),
+        Route("/score", guarded(binary_step("check_score", score)), methods=["POST"]),
     ], lifespan=lifespan)
 
 

@@ -24,6 +24,10 @@ class Runner(Protocol):
                 return_logits: bool = False) -> tuple[Sample | None, Any]:
         """Feed prompt[start:start + chunk] into `lane`; at the prompt's end, sample its first token."""
 
+    def prefill_scored(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams
+                       ) -> tuple[Sample | None, list[Sample]]:
+        """`prefill`, plus the log-probability of each prompt token in the chunk given the tokens before it."""
+
     def decode(self, rows: Sequence[DecodeRow | None], return_logits: bool = False
                ) -> tuple[list[Sample | None], Any]:
         """One wave: rows[i] feeds lane i (None = idle). One sample per live lane."""

@@ -24,7 +24,7 @@ from jaxstation.arena import KVArena, allocate_arena
 from jaxstation.config import ModelConfig
 from jaxstation.loader import LoadedModel
 from jaxstation.model import Params, embed_tokens, lm_logits
-from jaxstation.sampling import SampleOut, SamplingArrays, sample
+from jaxstation.sampling import SampleOut, SamplingArrays, sample, token_logprobs
 from jaxstation.steps import _layers
 from jaxstation.wire import DTYPES, WireError
 
@@ -94,6 +94,12 @@ def head_step(cfg: ModelConfig, params: Params, x: jax.Array, sampling: Sampling
     """x: [R, d] -> one sample per row (and the float32 logits [R, vocab] if asked)."""
     logits = lm_logits(cfg, params, x)
     return sample(logits, sampling), (logits if return_logits else None)
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def score_step(cfg: ModelConfig, params: Params, x: jax.Array, targets: jax.Array) -> SampleOut:
+    """x: [chunk, d] -> each row's log-probability of targets [chunk] and its top tokens (prompt logprobs)."""
+    return token_logprobs(jax.nn.log_softmax(lm_logits(cfg, params, x), axis=-1), targets)
 
 
 class Stage:
@@ -186,10 +192,28 @@ class Stage:
             raise WireError("n_blocks", f"must be an integer in [1, {self.max_seq // self.block}], got {n_blocks!r}")
         return inputs, positions, lane0, n_blocks
 
-    def check_lm_head(self, meta: dict, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, SamplingArrays, bool]:
-        """(x, sampling, return_logits) of a valid /lm_head payload, or WireError naming the field."""
+    def _head_route(self) -> None:
         if not self.last:
             raise WireError("route", f"this station holds layers {self.layers}; only the last one has the lm_head")
+
+    def check_score(self, meta: dict, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """(x, targets) of a valid /score payload (a prefill chunk's residuals and each row's next prompt token)."""
+        self._head_route()
+        if set(arrays) != {"x", "targets"}:
+            raise WireError("arrays", f"/score takes exactly ['targets', 'x'], got {sorted(arrays)}")
+        x, targets = arrays["x"], arrays["targets"]
+        shape = (self.chunk, self.cfg.hidden_size)
+        if x.dtype != self.dtype or x.shape != shape:
+            raise WireError("x", f"must be {self.dtype_name} {list(shape)}, got {x.dtype} {list(x.shape)}")
+        if targets.dtype != np.int32 or targets.shape != (self.chunk,):
+            raise WireError("targets", f"must be int32 [{self.chunk}], got {targets.dtype} {list(targets.shape)}")
+        if targets.min() < 0 or targets.max() >= self.cfg.vocab_size:
+            raise WireError("targets", f"token ids must lie in [0, {self.cfg.vocab_size})")
+        return x, targets
+
+    def check_lm_head(self, meta: dict, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, SamplingArrays, bool]:
+        """(x, sampling, return_logits) of a valid /lm_head payload, or WireError naming the field."""
+        self._head_route()
         wave = self._wave(meta)
         want = {"x", *SAMPLING_FIELDS}
         if set(arrays) != want:
@@ -255,12 +279,14 @@ class Stage:
             sampling = SamplingArrays(**{f: self._pad(getattr(sampling, f), 0, getattr(idle, f)[0])
                                          for f in SAMPLING_FIELDS})
         out, logits = head_step(self.cfg, self.params, x, sampling, return_logits=return_logits)
-        names = ("tokens", "logprob", "top_ids", "top_logprobs")
-        arrays = dict(zip(names, jax.device_get((out.tokens, out.logprob, out.top_ids, out.top_logprobs)),
-                          strict=True))
+        arrays = _sample_arrays(out)
         if return_logits:
-            arrays["logits"] = jax.device_get(logits)
-        return {k: np.asarray(v)[:r] for k, v in arrays.items()}
+            arrays["logits"] = np.asarray(jax.device_get(logits))
+        return {k: v[:r] for k, v in arrays.items()}
+
+    def score(self, x: np.ndarray, targets: np.ndarray) -> dict[str, np.ndarray]:
+        """Checked chunk rows -> targets, their logprobs and each row's top tokens (compiled on first use)."""
+        return _sample_arrays(score_step(self.cfg, self.params, x, targets))
 
     def reset(self) -> None:
         """A fresh arena, e.g. after a failed step left the donated one unusable."""
@@ -283,6 +309,11 @@ class Stage:
                     s = dataclasses.replace(_idle_sampling(r), temperature=np.full(r, temperature, np.float32),
                                             top_p=np.full(r, 0.9, np.float32))
                     self.lm_head(wave, np.zeros((r, d), self.dtype), s, False)
+
+
+def _sample_arrays(out: SampleOut) -> dict[str, np.ndarray]:
+    fields = ("tokens", "logprob", "top_ids", "top_logprobs")
+    return {f: np.asarray(v) for f, v in zip(fields, jax.device_get([getattr(out, f) for f in fields]), strict=True)}
 
 
 def _idle_sampling(rows: int) -> SamplingArrays:

@@ -366,6 +366,10 @@ def test_stations_refuse_bad_tokens_and_payloads_naming_the_field(stations):
         (last, "/lm_head", ({"wave": "decode"}, {**head_ok, "seed": np.zeros(4, np.int32)}), "seed"),
         (last, "/lm_head", ({"wave": "prefill"}, head_ok), "x"),
         (last, "/lm_head", ({"wave": "decode", "logits": "yes"}, head_ok), "logits"),
+        (middle, "/score", ({}, {"x": np.zeros((32, 576), np.float32), "targets": np.zeros(32, np.int32)}), "route"),
+        (last, "/score", ({}, {"x": np.zeros((32, 576), np.float32), "targets": np.full(32, -1, np.int32)}),
+         "targets"),
+        (last, "/score", ({}, {"x": np.zeros((31, 576), np.float32), "targets": np.zeros(32, np.int32)}), "x"),
     ]
     for station, path, (meta, arrays), field in bad:
         r = _post(station.url, path, encode(meta, arrays))
@@ -380,3 +384,18 @@ def test_stations_refuse_bad_tokens_and_payloads_naming_the_field(stations):
         assert r.status_code == 400 and r.json()["error"]["field"] == field, r.text
     r = _post(middle.url, "/forward", b"\0" * (16 << 20))
     assert r.status_code == 413
+
+
+def test_prompt_logprobs_through_the_mesh_equal_the_local_engine(stations, default_model, local):
+    """The scheduler's scored prefill (echo / prompt logprobs): /score on the last station, bit for bit."""
+    rng = np.random.default_rng(11)
+    prompt = [int(t) for t in rng.integers(0, default_model.cfg.vocab_size, 45)]
+    engine = connect(stations["2"], default_model)
+    try:
+        for start in (0, SHAPE["prefill_chunk"]):
+            got_sample, got = engine.prefill_scored(2, prompt, start, SamplingParams())
+            want_sample, want = local.prefill_scored(2, prompt, start, SamplingParams())
+            assert got == want and got_sample == want_sample  # Samples: token, logprob and top, as floats
+        assert len(got) == 12 and [s.token for s in got] == prompt[33:]
+    finally:
+        engine.close()
