@@ -23,7 +23,7 @@ import numpy as np
 from jaxstation.arena import KVArena, allocate_arena
 from jaxstation.config import ModelConfig
 from jaxstation.loader import LoadedModel
-from jaxstation.model import Params, embed_tokens, lm_logits
+from jaxstation.model import Params, embed_tokens, layer_at, lm_logits
 from jaxstation.sampling import SampleOut, SamplingArrays, sample, token_logprobs
 from jaxstation.steps import _layers
 from jaxstation.wire import DTYPES, WireError
@@ -54,12 +54,18 @@ class LayerRange:
 
 
 def fingerprint(model: LoadedModel) -> str:
-    """The model's identity: its config and every weight's dtype, shape and bytes (of the whole model)."""
+    """The model's identity: its config and every weight's dtype, shape and bytes (of the whole model), layer by layer,
+    so that the stacked and the per-layer layouts of the same weights agree."""
     h = hashlib.blake2b(repr(model.cfg).encode(), digest_size=16)
-    for path, leaf in jax.tree_util.tree_leaves_with_path(model.params):
-        a = np.asarray(leaf)
-        h.update(f"{jax.tree_util.keystr(path)}:{a.dtype}:{a.shape}".encode())
-        h.update(a.tobytes())
+    params = model.params
+    layers = params.layers if isinstance(params.layers, tuple) else [
+        layer_at(params.layers, i) for i in range(model.cfg.num_layers)]
+    named = [("globals", dataclasses.replace(params, layers=()))] + [(f"layer{i}", x) for i, x in enumerate(layers)]
+    for name, tree in named:
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            a = np.asarray(leaf)
+            h.update(f"{name}{jax.tree_util.keystr(path)}:{a.dtype}:{a.shape}".encode())
+            h.update(a.tobytes())
     return h.hexdigest()
 
 
