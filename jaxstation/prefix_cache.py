@@ -1,0 +1,94 @@
+"""Exact prefix reuse over the arena's lanes, decided on the host.
+
+A lane keeps its KV after its request retires. The part of it another request may reuse, bit for bit, is what
+prefill wrote: every prefill chunk has the same shape (`[chunk]` rows at a chunk-aligned start) and a row never reads
+later rows, so the KV a prefill wrote at positions [0, n) is exactly what a fresh prefill of any sequence starting
+with those n tokens writes there. Decode writes the same positions with a different shape (`[lanes]` rows), and its
+bits differ, so generated tokens are never reused. A reusing request restarts prefill at the last chunk boundary at
+or below the matched length: every position from there on is written by the same chunks, at the same starts, as in
+a fresh run, and its tokens are bit-identical to a fresh run's.
+
+The cache is host bookkeeping only: per lane, the token ids prefill wrote and the engine's `lane_versions` stamp
+taken when the lane was freed. A stamp that changed since (another caller wrote the lane, or `Engine.reset` rebuilt
+the arena) voids the entry, so a rebuilt or overwritten lane is never reused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Pick:
+    """The lane a new request takes and what of its cached KV it reuses."""
+
+    lane: int
+    matched: int  # prompt tokens equal to the lane's prefill-written prefix (at most len(prompt) - 1)
+    reused: int  # matched, rounded down to a chunk boundary: prefill restarts here
+
+    @property
+    def hit(self) -> bool:
+        return self.reused > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    tokens: tuple[int, ...]  # the ids prefill wrote at positions [0, len(tokens))
+    version: int  # the lane's Engine.lane_versions stamp when it was freed
+    last_used: int  # a logical clock: larger is more recent
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class PrefixCache:
+    """Which free lane a request takes, by the longest reusable prefix; ties and victims least recently used."""
+
+    def __init__(self, lanes: int, chunk: int) -> None:
+        self.chunk = chunk
+        self._entries: list[_Entry | None] = [None] * lanes
+        self._clock = 0
+
+    def pick(self, prompt: Sequence[int], free: Sequence[int], versions: Sequence[int], reuse: bool = True) -> Pick:
+        """Choose a lane among `free` for `prompt`. `versions` are the engine's current lane stamps.
+
+        The last prompt token is always prefilled (its logits give the first token), so at most len(prompt) - 1
+        tokens match. With reuse off, the choice is the least recently used lane and nothing is reused.
+        """
+        if not free:
+            raise ValueError("no free lane to pick")
+        best: tuple[tuple[int, int, int], Pick] | None = None
+        for lane in free:
+            entry = self._entries[lane]
+            if entry is not None and entry.version != versions[lane]:
+                entry = self._entries[lane] = None  # the lane's KV changed under us
+            matched = min(common_prefix(entry.tokens, prompt), len(prompt) - 1) if reuse and entry else 0
+            reused = matched // self.chunk * self.chunk
+            key = (-reused, entry.last_used if entry else -1, lane)
+            if best is None or key < best[0]:
+                best = (key, Pick(lane, matched if reused else 0, reused))
+        return best[1]
+
+    def take(self, lane: int) -> None:
+        """The lane now runs a request: its cached entry no longer describes it."""
+        self._entries[lane] = None
+
+    def store(self, lane: int, tokens: Sequence[int], version: int) -> None:
+        """The lane was freed holding prefill-written KV for `tokens` (positions [0, len(tokens)))."""
+        self._clock += 1
+        self._entries[lane] = _Entry(tuple(tokens), version, self._clock) if tokens else None
+
+    def clear(self) -> None:
+        """Drop every entry (the arena was rebuilt)."""
+        self._entries = [None] * len(self._entries)
+
+    def cached(self, lane: int) -> tuple[int, ...]:
+        """The prefill-written token ids lane holds for reuse (empty if none)."""
+        entry = self._entries[lane]
+        return entry.tokens if entry else ()
