@@ -96,6 +96,19 @@ def run(sched: Scheduler, prompt: list[int], n: int, **kw):
     return sched.submit(Job(tokens=prompt, max_new_tokens=n, **kw)).result(TIMEOUT)
 
 
+def assert_runs(sched: Scheduler, prompt: list[int], n: int, cached: int) -> None:
+    """`prompt` gives its fresh-run tokens, with `cached` prompt tokens reused."""
+    r = run(sched, prompt, n)
+    assert (r.generated, r.timing["cached_tokens"]) == (expected(prompt, n), cached)
+
+
+def two_cached(sched: Scheduler) -> tuple[list[int], list[int]]:
+    p, q = [1] * 9, [2] * 9
+    run(sched, p, 2)
+    run(sched, q, 2)
+    return p, q
+
+
 def counters(sched: Scheduler) -> tuple[float, ...]:
     m = sched.metrics
     return tuple(c._value.get() for c in (m.prefix_lookups, m.prefix_hits, m.prefix_reused_tokens,
@@ -150,10 +163,8 @@ def test_lru_eviction_with_more_prefixes_than_lanes(station):
     rb = run(sched, b + [4], 2)  # b is gone: a miss, never b's stale lane; it evicts a+[4] (older than c)
     assert (rb.generated, rb.timing["cached_tokens"]) == (expected(b + [4], 2), 0)
     assert fake.starts_of(b + [4]) == [0]
-    rc = run(sched, c + [5], 2)
-    assert (rc.generated, rc.timing["cached_tokens"]) == (expected(c + [5], 2), 8)
-    ra = run(sched, a + [4], 2)
-    assert (ra.generated, ra.timing["cached_tokens"]) == (expected(a + [4], 2), 0)
+    assert_runs(sched, c + [5], 2, 8)
+    assert_runs(sched, a + [4], 2, 0)
     assert fake.errors == []
 
 
@@ -194,37 +205,29 @@ def test_cancelled_mid_prefill_leaves_its_prefilled_chunks(station):
     with pytest.raises(Cancelled):
         job.future.result(TIMEOUT)
     fake.on_step = None
-    r = run(sched, prompt, 3)
-    assert (r.generated, r.timing["cached_tokens"]) == (expected(prompt, 3), 12)
+    assert_runs(sched, prompt, 3, 12)
     assert fake.errors == []
 
 
 def test_a_failed_step_drops_every_cached_prefix(station):
     fake, sched = station(lanes=2)
-    p, q = [1] * 9, [2] * 9
-    run(sched, p, 2)
-    run(sched, q, 2)
+    p, q = two_cached(sched)
     fake.fail_next_decode = True
     with pytest.raises(StepFailed):
         run(sched, [3] * 9, 4)
     assert fake.resets == 1
     for prompt in (p + [5], q + [5]):
-        r = run(sched, prompt, 2)
-        assert (r.generated, r.timing["cached_tokens"]) == (expected(prompt, 2), 0)
+        assert_runs(sched, prompt, 2, 0)
     assert fake.errors == []
 
 
 def test_an_arena_rebuilt_or_lane_written_elsewhere_is_never_reused(station):
     fake, sched = station(lanes=2)
-    p, q = [1] * 9, [2] * 9
-    run(sched, p, 2)
-    run(sched, q, 2)
+    p, q = two_cached(sched)
     fake.reset()  # e.g. rebuilt by another caller holding the engine: the scheduler saw no failure
-    r = run(sched, p + [5], 2)
-    assert (r.generated, r.timing["cached_tokens"]) == (expected(p + [5], 2), 0)
+    assert_runs(sched, p + [5], 2, 0)
     run(sched, q, 2)
     lane_q = fake.lanes_of(q)[-1]
     fake.prefill(lane_q, [7] * 9, 0, SamplingParams())  # someone else writes q's lane (the fake's own protocol)
-    r = run(sched, q + [5], 2)
-    assert (r.generated, r.timing["cached_tokens"]) == (expected(q + [5], 2), 0)
+    assert_runs(sched, q + [5], 2, 0)
     assert fake.errors == []
