@@ -11,7 +11,7 @@ import pytest
 from fake_engine import FakeEngine, expected
 
 from jaxstation.engine import SamplingParams
-from jaxstation.prefix_cache import Pick, PrefixCache
+from jaxstation.prefix_cache import Pick, PrefixCache, common_prefix
 from jaxstation.scheduler import Cancelled, Job, Scheduler, StepFailed
 
 TIMEOUT = 5.0
@@ -231,3 +231,11 @@ def test_an_arena_rebuilt_or_lane_written_elsewhere_is_never_reused(station):
     fake.prefill(lane_q, [7] * 9, 0, SamplingParams())  # someone else writes q's lane (the fake's own protocol)
     assert_runs(sched, q + [5], 2, 0)
     assert fake.errors == []
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 130, 200])
+def test_common_prefix_at_every_offset(n):
+    a = tuple(range(200))
+    b = a[:n] + (-1,) + a[n + 1:]
+    assert common_prefix(a, b[:200]) == n
+    assert common_prefix(a, a[:n]) == n
