@@ -131,17 +131,35 @@ class Engine:
 
         `start` must be a multiple of the chunk; chunks of one prompt go in order.
         """
+        sample, logits, _ = self._prefill(lane, prompt, start, sampling, return_logits, scored=False)
+        return sample, logits
+
+    def prefill_scored(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams
+                       ) -> tuple[Sample | None, list[Sample]]:
+        """`prefill`, and for every prompt position p in (start, start + chunk] the model's log-probability of
+        prompt[p] given prompt[:p], with its top alternatives (one Sample each, in order; token is prompt[p])."""
+        sample, _, scored = self._prefill(lane, prompt, start, sampling, False, scored=True)
+        return sample, scored
+
+    def _prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams, return_logits: bool,
+                 scored: bool) -> tuple[Sample | None, jax.Array | None, list[Sample]]:
         if start % self.chunk:
             raise ValueError(f"prefill start {start} is not a multiple of the chunk {self.chunk}")
         piece = list(prompt[start:start + self.chunk])
         last = start + len(piece) >= len(prompt)
         tokens = np.zeros(self.chunk, np.int32)
         tokens[:len(piece)] = piece
+        targets = None
+        if scored:
+            following = list(prompt[start + 1:start + 1 + self.chunk])  # row r's next prompt token
+            targets = np.zeros(self.chunk, np.int32)
+            targets[:len(following)] = following
         self._touch([lane])
-        self.arena, out, logits = prefill_chunk(
+        self.arena, out, logits, rows = prefill_chunk(
             self.cfg, self.params, self.arena, np.int32(lane), np.int32(start), tokens, np.int32(len(piece)),
-            _sampling_arrays([(sampling, 0)]), block=self.block, last=last, return_logits=return_logits)
-        return (_samples(out)[0] if last else None), logits
+            _sampling_arrays([(sampling, 0)]), targets, block=self.block, last=last, return_logits=return_logits,
+            prompt_logprobs=scored)
+        return (_samples(out)[0] if last else None), logits, (_samples(rows)[:len(following)] if scored else [])
 
     def decode(self, rows: Sequence[DecodeRow | None], return_logits: bool = False
                ) -> tuple[list[Sample | None], jax.Array | None]:

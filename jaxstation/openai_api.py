@@ -1,4 +1,5 @@
-"""The OpenAI-compatible face of a station: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize.
+"""The OpenAI-compatible face of a station: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize
+and /tokenizer_info.
 
 The host side does the text work (tokenizing, chat templating, stop strings, incremental detokenizing, SSE); the
 station stays token-in, token-out: every choice is one `Job` on the station's own scheduler, in the same batch as
@@ -14,13 +15,20 @@ Supported request fields (anything else is a 400 naming the field):
   from the output), `n` (1..8, one lane each), `user` (accepted, ignored), `stream`, `stream_options.include_usage`,
   and the vLLM extras `top_k` (0 or -1 is off), `min_p` and `stop_token_ids`.
 - /v1/completions: `prompt` (a string, a list of strings, a list of token ids or a list of such lists), `logprobs`
-  (0..5: the sampled token's logprob plus that many alternatives), `echo: false`, `best_of` equal to 1 or n.
+  (0..5: the sampled token's logprob plus that many alternatives), `echo`, `best_of` equal to 1 or n.
+  `echo: true` (not with `stream`) puts the prompt before the completion in `text`; with `logprobs` the logprobs cover
+  the prompt's tokens and then the generated ones, the first prompt token null (as vLLM and OpenAI's legacy API), each
+  position's `top_logprobs` holding its own token and the top max(logprobs, 1): the model's top-1 is always there.
+  The prompt's logprobs are computed in prefill on the device (`Job.prompt_logprobs`). `max_tokens: 0` is accepted
+  with echo only: score the prompt, generate nothing.
 - /v1/chat/completions: `messages` (roles system/developer/user/assistant/tool; content a string or text parts),
   `max_completion_tokens`, `logprobs` (bool), `top_logprobs` (0..5).
 - `presence_penalty` / `frequency_penalty` are accepted only as 0; `logit_bias` only empty; unsupported fields sent
   as null are treated as absent.
 
 Logprobs are the model's (log-softmax of the raw logits), before temperature and filters, computed on the device.
+A choice that ends on a stop token (EOS or `stop_token_ids`) lists that token last in its logprobs, as vLLM does (so
+echo with `max_tokens: 1` always has one entry past the prompt); its text is not in the reply nor in completion_tokens.
 Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 validation, 401 a missing or wrong
 key, 503 (with Retry-After) a full queue or a station not ready or draining, 500 a failed step.
 With `MOONSHINE_API_KEY` set, every route except /health and /ready needs `Authorization: Bearer <key>`.
@@ -132,8 +140,6 @@ def _neutral(key: str, value: Any, body: dict) -> bool:
         return is_number(value) and value == 0
     if key == "logit_bias":
         return value == {}
-    if key == "echo":
-        return value is False
     if key == "best_of":
         return is_int(value) and value in (1, body.get("n") or 1)
     return False
@@ -145,7 +151,7 @@ def _check_fields(body: Any, allowed: frozenset[str]) -> dict:
     for key, value in body.items():
         if key not in allowed and value is not None:
             raise OpenAIError(400, f"unsupported field {key!r}", key, "unsupported_parameter")
-        if key in ("presence_penalty", "frequency_penalty", "logit_bias", "echo", "best_of") \
+        if key in ("presence_penalty", "frequency_penalty", "logit_bias", "best_of") \
                 and not _neutral(key, value, body):
             raise OpenAIError(400, f"{key}={value!r} is not supported (only the neutral value is accepted)", key,
                               "unsupported_parameter")
@@ -204,10 +210,12 @@ class _Request:
     logprobs: int | None  # None: off; k: the sampled token plus k alternatives
     stream: bool
     include_usage: bool
+    echo_texts: list[str] | None = None  # per prompt, with echo: the prompt's text, put before the completion
 
 
 def _parse_common(body: dict, chat: bool, prompts: list[list[int]], logprobs: int | None,
-                  max_tokens: int | None, max_request_tokens: int, vocab: int, eos_ids: frozenset[int]) -> _Request:
+                  max_tokens: int | None, max_request_tokens: int, vocab: int, eos_ids: frozenset[int],
+                  echo_texts: list[str] | None = None) -> _Request:
     for i, p in enumerate(prompts):
         if not p:
             raise _bad("messages" if chat else "prompt", f"prompt {i} is empty")
@@ -218,7 +226,7 @@ def _parse_common(body: dict, chat: bool, prompts: list[list[int]], logprobs: in
             want = room if chat else min(16, room)  # OpenAI's defaults: the rest of the context / 16
         else:
             want = max_tokens
-        if want < 1 or len(p) + want > max_request_tokens:
+        if want < (0 if echo_texts is not None else 1) or len(p) + want > max_request_tokens:
             param = "max_tokens" if max_tokens is not None else ("messages" if chat else "prompt")
             raise _bad(param, f"the prompt ({len(p)} tokens) plus max_tokens ({want}) exceeds the station's "
                               f"context of {max_request_tokens} tokens")
@@ -270,16 +278,19 @@ def _parse_common(body: dict, chat: bool, prompts: list[list[int]], logprobs: in
     return _Request(chat=chat, prompts=prompts, n=n, max_tokens=lengths,
                     sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
                     seed=seed, stops=tuple(stops), stop_ids=eos_ids | stop_ids, logprobs=logprobs, stream=stream,
-                    include_usage=include_usage)
+                    include_usage=include_usage, echo_texts=echo_texts)
 
 
 def parse_completion(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: int,
                      eos_ids: frozenset[int]) -> _Request:
     body = _check_fields(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
+    texts: list[str] | None = None
     if isinstance(prompt, str):
+        texts = [prompt]
         prompts = [tok.encode(prompt)]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        texts = list(prompt)
         prompts = [tok.encode(p) for p in prompt]
     elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         prompts = [_token_ids(prompt, vocab, "prompt")]
@@ -289,8 +300,16 @@ def parse_completion(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: 
         raise _bad("prompt", "prompt must be a string, a list of strings, a list of token ids or a list of lists "
                              "of token ids")
     logprobs = _opt_int(body, "logprobs", 0, TOP_LOGPROBS)
-    return _parse_common(body, False, prompts, logprobs, _opt_int(body, "max_tokens", 1), max_request_tokens,
-                         vocab, eos_ids)
+    echo = _opt_bool(body, "echo")
+    if echo and _opt_bool(body, "stream"):
+        raise OpenAIError(400, "echo=true is not supported with stream=true", "echo", "unsupported_parameter")
+    max_tokens = _opt_int(body, "max_tokens", 0)
+    if max_tokens == 0 and not echo:
+        raise _bad("max_tokens", "max_tokens must be >= 1 (0 is allowed only with echo=true, to score the prompt)")
+    echo_texts = None
+    if echo:  # the prompt as sent; token ids are decoded
+        echo_texts = texts if texts is not None else [tok.decode(p) for p in prompts]
+    return _parse_common(body, False, prompts, logprobs, max_tokens, max_request_tokens, vocab, eos_ids, echo_texts)
 
 
 def _chat_messages(value: Any) -> list[dict]:
@@ -377,6 +396,7 @@ class _Choice:
     finish: str | None = None
     logprobs: list[tuple[Sample, int]] = dataclasses.field(default_factory=list)  # (sample, text offset)
     lp_sent: int = 0  # how many logprob entries a stream has sent
+    prompt_logprobs: list[Sample] = dataclasses.field(default_factory=list)  # with echo: prompt tokens 1..
 
 
 @dataclasses.dataclass
@@ -406,6 +426,7 @@ class _Run:
                 index = len(self.choices)
                 job = Job(tokens=prompt, max_new_tokens=max_tokens,
                           sampling=dataclasses.replace(req.sampling, seed=seed), stop_ids=req.stop_ids,
+                          prompt_logprobs=req.echo_texts is not None and req.logprobs is not None,
                           reuse_prefix=self.station.config.reuse_prefix(False), on_token=self._on_token(index))
                 self.choices.append(_Choice(index, p, job, IncrementalDetokenizer(self.tok)))
         try:
@@ -493,7 +514,10 @@ class _Run:
             raise OpenAIError(503, str(e), None, "shutting_down") from None
         except Cancelled as e:
             raise OpenAIError(500, str(e), None, "internal_error") from None
+        c.prompt_logprobs = result.prompt_logprobs
         text = self._advance(c, "", final=True)
+        if result.stop_sample is not None and self.req.logprobs is not None:  # listed, as vLLM does; not in text
+            c.logprobs.append((result.stop_sample, len(c.detok.text)))
         if c.finish is None:
             c.finish = "length" if result.finish_reason == "length" else "stop"
         return _Update(c, text, True)
@@ -521,14 +545,47 @@ class _Run:
         return {"content": [{**one(s.token, s.logprob), "top_logprobs": [one(t, lp) for t, lp in s.top[:k]]}
                             for s, _ in entries]}
 
-    def completion_logprobs(self, entries: list[tuple[Sample, int]]) -> dict:
+    def completion_logprobs(self, entries: list[tuple[Sample | None, int]], tokens: list[int] | None = None) -> dict:
+        """OpenAI's legacy shape. An entry without a Sample (echo's first prompt token) has null logprobs.
+
+        With echo, each position's top_logprobs holds its own token, then the top max(k, 1) (so the model's top-1 is
+        always there and a duplicate text keeps the top one's logprob)."""
         k = self.req.logprobs or 0
+        echo = self.req.echo_texts is not None
+        tokens = tokens if tokens is not None else [s.token for s, _ in entries]
+
+        def top(s: Sample | None) -> dict | None:
+            if s is None:
+                return None
+            alternatives = s.top[:max(k, 1)] if echo else s.top[:k]
+            head = [(s.token, s.logprob)] if echo else []
+            return {self._token_text(t): _finite(lp) for t, lp in head + list(alternatives)}
+
         return {
-            "tokens": [self._token_text(s.token) for s, _ in entries],
-            "token_logprobs": [_finite(s.logprob) for s, _ in entries],
-            "top_logprobs": [{self._token_text(t): _finite(lp) for t, lp in s.top[:k]} for s, _ in entries],
+            "tokens": [self._token_text(t) for t in tokens],
+            "token_logprobs": [None if s is None else _finite(s.logprob) for s, _ in entries],
+            "top_logprobs": [top(s) for s, _ in entries],
             "text_offset": [off for _, off in entries],
         }
+
+    def echo(self, c: _Choice) -> tuple[str, dict | None]:
+        """With echo: the prompt's text and, with logprobs, the logprobs of its tokens then the generated ones.
+
+        A prompt token's text_offset is where it starts in the prompt's decoded text (the prompt as sent, when it
+        decodes back to itself, as byte-level BPE does)."""
+        text = self.req.echo_texts[c.prompt]
+        if self.req.logprobs is None:
+            return text, None
+        prompt = self.req.prompts[c.prompt]
+        detok = IncrementalDetokenizer(self.tok, skip_special_tokens=False)
+        offsets = []
+        for t in prompt:
+            offsets.append(len(detok.text))
+            detok.push(t)
+        shift = len(text)  # generated offsets count from the end of the echoed prompt
+        entries: list[tuple[Sample | None, int]] = list(zip([None, *c.prompt_logprobs], offsets, strict=True))
+        entries += [(s, off + shift) for s, off in c.logprobs]
+        return text, self.completion_logprobs(entries, list(prompt) + [s.token for s, _ in c.logprobs])
 
     def logprobs_since(self, c: _Choice, streaming: bool = False) -> dict | None:
         """The logprobs of the tokens not reported yet (a stream's chunk without new tokens gets null)."""
@@ -562,6 +619,22 @@ def _sse(obj: Any) -> str:
 
 
 # ---- routes ------------------------------------------------------------------------------------------------------
+def tokenizer_config(tok: Tokenizer, max_model_len: int) -> dict:
+    """What vLLM's /tokenizer_info returns (tokenizer_config.json's fields) and lm-eval's RemoteTokenizer reads:
+    the special tokens' texts and ids, whether a BOS is prepended, the chat template and the vocabulary size."""
+    info = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tok.bos_token, "eos_token": tok.eos_token, "pad_token": tok.pad_token, "unk_token": tok.unk_token,
+        "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_ids[0] if tok.eos_ids else None,
+        "pad_token_id": tok.pad_id, "unk_token_id": tok.unk_id,
+        "add_bos_token": tok.add_bos, "add_eos_token": False, "model_max_length": max_model_len,
+        "vocab_size": tok.vocab_size,
+    }
+    if tok.chat_template:
+        info["chat_template"] = tok.chat_template
+    return info
+
+
 def served_model_name(station: Station) -> str:
     """The name /v1/models lists and replies carry: the checkpoint's file stem or directory name."""
     if station.model is not None:
@@ -606,6 +679,7 @@ def openai_routes(station: Station) -> list[Route]:
             run.submit()
         except OpenAIError as e:
             return rejected(e)
+        request.state.token_counts = lambda: (run.usage()["prompt_tokens"], run.usage()["completion_tokens"])
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": ident, "object": "", "created": int(time.time()), "model": served_model_name(station)}
         if req.stream:
@@ -627,7 +701,11 @@ def openai_routes(station: Station) -> list[Route]:
             gone.cancel()
         choices = []
         for c in run.choices:
-            lp = run.logprobs_since(c)
+            if run.req.echo_texts is not None:
+                prefix, lp = run.echo(c)
+                c.text.insert(0, prefix)
+            else:
+                lp = run.logprobs_since(c)
             if run.req.chat:
                 choices.append({"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
                                 "logprobs": lp, "finish_reason": c.finish})
@@ -715,10 +793,18 @@ def openai_routes(station: Station) -> list[Route]:
             return rejected(e)
         return JSONResponse({"prompt": tok.decode(tokens)})
 
+    async def tokenizer_info(request: Request) -> Response:
+        try:
+            tok = tokenizer()
+        except OpenAIError as e:
+            return rejected(e)
+        return JSONResponse(tokenizer_config(tok, station.config.max_request_tokens))
+
     return [
         Route("/v1/completions", text_completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
     ]

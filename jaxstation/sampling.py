@@ -38,19 +38,46 @@ class SampleOut:
     top_logprobs: jax.Array  # [rows, TOP_LOGPROBS] float32
 
 
+def _ordered_keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 keys in the same total order (-inf lowest), so a search can bisect over values."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _smallest_key(keys: jax.Array, holds) -> jax.Array:
+    """Per row, the smallest key v in [min, max] of the row with holds(v) true, for `holds` monotone (false, then
+    true) and true at the row's max. 32 halvings of the uint32 range: exact, no sort. keys: [rows, vocab]."""
+    lo, hi = jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)  # [rows]
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        ok = holds(mid)
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    return jax.lax.fori_loop(0, 32, halve, (lo, hi))[1]
+
+
 def _filter_mask(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
-    """Which tokens survive top-k, top-p and min-p. scaled: [rows, vocab] temperature-scaled logits."""
-    vocab = scaled.shape[-1]
-    desc = -jnp.sort(-scaled, axis=-1)  # [rows, vocab]
-    kth = jnp.take_along_axis(desc, jnp.clip(s.top_k - 1, 0, vocab - 1)[:, None], axis=-1)  # [rows, 1]
-    keep = jnp.where(s.top_k[:, None] > 0, scaled >= kth, True)
-    probs_desc = jax.nn.softmax(desc, axis=-1)
-    exclusive = jnp.cumsum(probs_desc, axis=-1) - probs_desc
-    n_keep = jnp.maximum(jnp.sum(exclusive < s.top_p[:, None], axis=-1), 1)  # [rows]
-    p_cut = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)
-    keep &= jnp.where(s.top_p[:, None] < 1.0, scaled >= p_cut, True)
+    """Which tokens survive top-k, top-p and min-p. scaled: [rows, vocab] temperature-scaled logits.
+
+    Cut-offs are found by bisection over the values' order instead of a vocabulary sort (which XLA's CPU sort makes
+    the costliest part of a wide wave):
+    - top-k keeps values >= the k-th largest, the smallest v with fewer than k values above it;
+    - top-p keeps values >= the smallest v whose strictly-greater mass is below top_p: the shortest prefix of the
+      sorted distribution that reaches top_p, ties at the cut included;
+    - min-p keeps p >= min_p * p_max.
+    """
+    keys = _ordered_keys(scaled)  # [rows, vocab]
+    above = lambda v: keys > v[:, None]  # noqa: E731 - [rows, vocab] for a per-row threshold key v [rows]
+    keep = jnp.ones(scaled.shape, bool)
+    kth = _smallest_key(keys, lambda v: jnp.sum(above(v), axis=-1) < s.top_k)
+    keep &= jnp.where(s.top_k[:, None] > 0, keys >= kth[:, None], True)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    p_cut = _smallest_key(keys, lambda v: jnp.sum(jnp.where(above(v), probs, 0.0), axis=-1) < s.top_p)
+    keep &= jnp.where(s.top_p[:, None] < 1.0, keys >= p_cut[:, None], True)
     # min-p: p >= min_p * p_max  <=>  scaled >= max + log(min_p)
-    m_cut = desc[:, :1] + jnp.log(jnp.maximum(s.min_p[:, None], 1e-30))
+    m_cut = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(jnp.maximum(s.min_p[:, None], 1e-30))
     keep &= jnp.where(s.min_p[:, None] > 0.0, scaled >= m_cut, True)
     return keep
 
@@ -72,6 +99,11 @@ def sample(logits: jax.Array, s: SamplingArrays) -> SampleOut:
                           lambda: jnp.zeros(logits.shape, jnp.float32))
     drawn = jnp.argmax(jnp.where(keep, scaled, -jnp.inf) + gumbel, axis=-1).astype(jnp.int32)
     tokens = jnp.where(sampling, drawn, greedy)
+    return token_logprobs(logprobs, tokens)
+
+
+def token_logprobs(logprobs: jax.Array, tokens: jax.Array) -> SampleOut:
+    """Each row's log-probability of `tokens` [rows] and its TOP_LOGPROBS best tokens. logprobs: [rows, vocab]."""
     top_lp, top_ids = jax.lax.top_k(logprobs, TOP_LOGPROBS)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     return SampleOut(tokens=tokens, logprob=chosen, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)

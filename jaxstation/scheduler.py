@@ -66,8 +66,11 @@ class Cancelled(Exception):
 class Job:
     """One request. `on_token`, if given, is called from the decode thread with each generated Sample.
 
-    reuse_prefix: may start on a lane's cached KV (the tokens are the same either way); False always prefills all.
-    cached_tokens: set when the job takes a lane: how many prompt tokens it reuses from the lane's cached KV.
+    `prompt_logprobs` asks for the log-probability of every prompt token after the first (prefill scores each chunk
+    on the device; the Result carries them). `max_new_tokens` 0 is allowed with it: score the prompt, generate nothing.
+    `reuse_prefix`: may start on a lane's cached KV (the tokens are the same either way); False always prefills all,
+    and so does a `prompt_logprobs` job (every prompt row must be scored).
+    `cached_tokens` is set when the job takes a lane: how many prompt tokens it reuses from the lane's cached KV.
     """
 
     tokens: list[int]
@@ -76,6 +79,7 @@ class Job:
     stop_ids: frozenset[int] = frozenset()
     terminal_prosody: bool = False
     reuse_prefix: bool = True
+    prompt_logprobs: bool = False
     on_token: Callable[[Sample], None] | None = None
     future: Future = dataclasses.field(default_factory=Future, repr=False)
     submitted_at: float = 0.0
@@ -95,6 +99,8 @@ class Result:
     prompt_tokens: int
     samples: list[Sample]
     timing: dict[str, float]  # queue_s, ttft_s, total_s, and cached_tokens (prompt tokens not prefilled)
+    prompt_logprobs: list[Sample] = dataclasses.field(default_factory=list)  # prompt tokens 1.., if the job asked
+    stop_sample: Sample | None = None  # the stop id that ended it, if one did (not in `generated`)
 
 
 @dataclasses.dataclass
@@ -105,6 +111,8 @@ class Lane:
     admitted_at: float
     fed: int = 0  # prompt tokens in the arena (prefilled or reused)
     samples: list[Sample] = dataclasses.field(default_factory=list)
+    scored: list[Sample] = dataclasses.field(default_factory=list)  # prompt tokens 1.. scored so far
+    stop_sample: Sample | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
 
@@ -240,9 +248,10 @@ class Scheduler:
             if not self.pending or not free or (not self.continuous and self.busy_lanes):
                 break
             job = self.pending.popleft()
-            pick = self.prefix_cache.pick(job.tokens, free, self.engine.lane_versions, reuse=job.reuse_prefix)
+            reuse = job.reuse_prefix and not job.prompt_logprobs
+            pick = self.prefix_cache.pick(job.tokens, free, self.engine.lane_versions, reuse=reuse)
             self.prefix_cache.take(pick.lane)
-            if job.reuse_prefix:
+            if reuse:
                 m = self.metrics
                 m.prefix_lookups.inc()
                 if pick.hit:
@@ -278,14 +287,21 @@ class Scheduler:
             i = plan.prefill_lane
             lane = self.lanes[i]
             t0 = time.perf_counter()
-            sample, _ = self.engine.prefill(i, lane.job.tokens, lane.fed, lane.job.sampling)
+            if lane.job.prompt_logprobs:
+                sample, scored = self.engine.prefill_scored(i, lane.job.tokens, lane.fed, lane.job.sampling)
+                lane.scored.extend(scored)
+            else:
+                sample, _ = self.engine.prefill(i, lane.job.tokens, lane.fed, lane.job.sampling)
             self.metrics.step.labels("prefill").observe(time.perf_counter() - t0)
             self.waves += 1
             lane.fed = min(lane.fed + self.engine.chunk, len(lane.job.tokens))
             if sample is not None:
                 self.prefill_order.popleft()
                 self.metrics.prompt_tokens.inc(len(lane.job.tokens) - lane.job.cached_tokens)
-                self.postprocess(i, sample)
+                if lane.job.max_new_tokens > 0:
+                    self.postprocess(i, sample)
+                else:  # scoring only
+                    self._retire(i, "length")
         if any(row is not None for row in plan.decode_rows):
             t0 = time.perf_counter()
             samples, _ = self.engine.decode(plan.decode_rows)
@@ -301,6 +317,7 @@ class Scheduler:
         job = lane.job
         now = time.perf_counter()
         if sample.token in job.stop_ids:
+            lane.stop_sample = sample
             return self._retire(i, "stop")
         lane.samples.append(sample)
         if lane.first_token_at is None:
@@ -333,15 +350,16 @@ class Scheduler:
         self.metrics.requests.labels("ok").inc()
         try:
             job.future.set_result(Result([s.token for s in lane.samples], reason, len(job.tokens), lane.samples,
-                                         timing))
+                                         timing, lane.scored, lane.stop_sample))
         except InvalidStateError:  # its caller cancelled the Future; that must not fail the wave
             pass
 
     def _free(self, i: int) -> Lane:
-        """Free lane i; its prefill-written KV stays behind for reuse."""
+        """Free lane i; its prefill-written KV stays behind for reuse (not a scored prefill's: another program)."""
         lane = self.lanes[i]
         self.lanes[i] = None
-        self.prefix_cache.store(i, lane.job.tokens[:lane.fed], self.engine.lane_versions[i])
+        kept = [] if lane.job.prompt_logprobs else lane.job.tokens[:lane.fed]
+        self.prefix_cache.store(i, kept, self.engine.lane_versions[i])
         if i in self.prefill_order:
             self.prefill_order.remove(i)
         self.metrics.busy_lanes.set(self.busy_lanes)

@@ -23,10 +23,12 @@ import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from jaxstation.access_log import AccessLogMiddleware, configure_logging
 from jaxstation.coldstart import CompileCount, StartupClock, enable_compile_cache
 from jaxstation.engine import SEED_LIMIT, Engine, SamplingParams
 from jaxstation.http_common import RETRY_AFTER_S, BodyError, is_int, is_number, read_json, until_disconnect
@@ -294,6 +296,7 @@ def create_app(station: Station) -> Starlette:
             return ApiError(503, str(e)).response()
         except Cancelled as e:
             return ApiError(500, str(e)).response()
+        request.state.token_counts = lambda: (result.prompt_tokens, len(result.generated))  # for the access line
         return JSONResponse({"generated": result.generated, "finish_reason": result.finish_reason,
                              "prompt_tokens": result.prompt_tokens, "timing": result.timing})
 
@@ -340,7 +343,8 @@ def create_app(station: Station) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),
-    ] + openai_routes(station), lifespan=lifespan, middleware=openai_middleware(station))
+    ] + openai_routes(station), lifespan=lifespan,
+        middleware=[Middleware(AccessLogMiddleware)] + openai_middleware(station))
 
 
 # ---- serving -----------------------------------------------------------------------------------------------------
@@ -374,10 +378,12 @@ class DrainingServer(uvicorn.Server):
 
 def serve(config: StationConfig) -> int:
     """Run the station on uvicorn until SIGTERM/SIGINT. Returns the process exit code."""
+    configure_logging(config.log_format)  # before the first line: the start-up clock logs the import phase
     station = Station(config, clock=StartupClock.from_process_start())
     bind = {"uds": config.uds} if config.uds else {"host": config.host, "port": config.port}
+    json_logs = {"log_config": None} if config.log_format == "json" else {}  # uvicorn's lines go to the root logger
     uv_config = uvicorn.Config(create_app(station), **bind, lifespan="on", log_level="info",
-                               timeout_graceful_shutdown=5, access_log=False)
+                               timeout_graceful_shutdown=5, access_log=False, **json_logs)
     server = DrainingServer(uv_config, station)
 
     def load_failed() -> None:
@@ -393,6 +399,7 @@ def serve(config: StationConfig) -> int:
 
 def warmup_only(config: StationConfig) -> int:
     """Load and compile every step shape as `serve` would (filling the compilation cache, if set), then exit 0."""
+    configure_logging(config.log_format)
     if not config.compile_cache_dir:
         log.warning("no MOONSHINE_COMPILE_CACHE_DIR: the warm-up compiles, but nothing is kept for the next start")
     station = Station(config, clock=StartupClock.from_process_start())

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxstation.access_log import LOG_FORMATS
 from jaxstation.arena import arena_bytes
 from jaxstation.config import ModelConfig
 from jaxstation.engine import ATTENTIONS
@@ -109,6 +110,8 @@ SETTINGS: tuple[_Setting, ...] = (
     _Setting("max_body_bytes", "MOONSHINE_MAX_BODY_BYTES", "--max-body-bytes", _parse_int,
              "largest request body accepted (413 past it)"),
     _Setting("api_key", "MOONSHINE_API_KEY", "--api-key", _parse_str, "API key for the OpenAI-compatible routes"),
+    _Setting("log_format", "MOONSHINE_LOG_FORMAT", "--log-format", _parse_str,
+             "log lines as plain text or as one JSON object per line (Cloud Run's structured logging): text or json"),
     _Setting("compile_cache_dir", "MOONSHINE_COMPILE_CACHE_DIR", "--compile-cache-dir", _parse_str,
              "JAX persistent compilation cache: a local path, a mounted volume or gs://bucket/dir (default off)"),
 )
@@ -142,6 +145,7 @@ class StationConfig:
     drain_s: float = 30.0
     max_body_bytes: int = 1 * MiB
     api_key: str | None = dataclasses.field(default=None, repr=False)
+    log_format: str = "text"
     compile_cache_dir: str | None = None  # None: no persistent compilation cache
 
     def __post_init__(self) -> None:
@@ -161,6 +165,8 @@ class StationConfig:
             if self.max_seq % getattr(self, field):
                 raise ConfigError(f"{_name('max_seq')}={self.max_seq} must be a multiple of "
                                   f"{_name(field)}={getattr(self, field)}")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"{_name('log_format')}={self.log_format!r} must be one of {', '.join(LOG_FORMATS)}")
         if not self.drain_s >= 0:
             raise ConfigError(f"{_name('drain_s')}={self.drain_s} must be >= 0 seconds")
 

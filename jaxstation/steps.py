@@ -1,5 +1,5 @@
 """The compiled steps over the KV arena: `decode_step_batch` (one token for every lane) and `prefill_chunk` (a
-fixed-size chunk of one lane's prompt).
+fixed-size chunk of one lane's prompt, optionally scoring every prompt row for `echo`).
 
 Batch invariance is built in, not tested in:
 - shapes are fixed per station (lanes, chunk, block), so every request goes through the same compiled programs;
@@ -21,7 +21,7 @@ from jaxstation.arena import KVArena
 from jaxstation.config import ModelConfig
 from jaxstation.model import Params, attn_out, embed_tokens, lm_logits, mlp_block, over_layers, qkv_proj
 from jaxstation.quant import precision_for
-from jaxstation.sampling import SampleOut, SamplingArrays, sample
+from jaxstation.sampling import SampleOut, SamplingArrays, sample, token_logprobs
 
 
 def _blocked_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, arena: KVArena, layer: jax.Array,
@@ -125,22 +125,31 @@ def decode_step_batch(cfg: ModelConfig, params: Params, arena: KVArena, position
     return arena, sample(logits, sampling), (logits if return_logits else None)
 
 
-@partial(jax.jit, static_argnames=("cfg", "block", "last", "return_logits"), donate_argnames=("arena",))
+@partial(jax.jit, static_argnames=("cfg", "block", "last", "return_logits", "prompt_logprobs"),
+         donate_argnames=("arena",))
 def prefill_chunk(cfg: ModelConfig, params: Params, arena: KVArena, lane: jax.Array, start: jax.Array,
-                  tokens: jax.Array, n_valid: jax.Array, sampling: SamplingArrays, *, block: int, last: bool,
-                  return_logits: bool = False) -> tuple[KVArena, SampleOut | None, jax.Array | None]:
+                  tokens: jax.Array, n_valid: jax.Array, sampling: SamplingArrays, targets: jax.Array | None = None,
+                  *, block: int, last: bool, return_logits: bool = False, prompt_logprobs: bool = False
+                  ) -> tuple[KVArena, SampleOut | None, jax.Array | None, SampleOut | None]:
     """Write one chunk of a lane's prompt into the arena: tokens [chunk] at positions [start, start + chunk).
 
     Rows past n_valid are padding; their k/v land past the prompt, where they are overwritten before any read.
     With `last`, also sample from the logits of the last valid row (sampling arrays have one row).
+    With `prompt_logprobs`, also score every row: the log-softmax log-probability of targets [chunk] (the next prompt
+    token of each row; the host ignores rows that have none) and the top TOP_LOGPROBS tokens. The [chunk, vocab]
+    logits stay on the device; only [chunk] and [chunk, TOP_LOGPROBS] arrays come back.
     """
     chunk = tokens.shape[0]
     positions = (start + jnp.arange(chunk, dtype=jnp.int32))[None]  # [1, chunk]
     n_blocks = (start + n_valid + block - 1) // block
     x = embed_tokens(params, tokens)[None]  # [1, chunk, d]
     x, arena = _layers(cfg, params, arena, x, positions, lane, n_blocks, block)
+    scored = None
+    if prompt_logprobs:
+        logprobs = jax.nn.log_softmax(lm_logits(cfg, params, x[0]), axis=-1)  # [chunk, vocab], never leaves
+        scored = token_logprobs(logprobs, targets)
     if not last:
-        return arena, None, None
+        return arena, None, None, scored
     h = jax.lax.dynamic_index_in_dim(x[0], n_valid - 1, axis=0, keepdims=True)  # [1, d]
     logits = lm_logits(cfg, params, h)  # [1, vocab]
-    return arena, sample(logits, sampling), (logits if return_logits else None)
+    return arena, sample(logits, sampling), (logits if return_logits else None), scored

@@ -189,6 +189,8 @@ class Tokenizer:
         byte_level: bool,
         bos_token: str | None = None,
         eos_token: str | None = None,
+        pad_id: int | None = None,
+        unk_id: int | None = None,
     ) -> None:
         self._tok = tokenizer
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -216,6 +218,8 @@ class Tokenizer:
         self.eos_token = (
             eos_token if eos_token is not None else self._content(self.eos_ids[0] if self.eos_ids else None)
         )
+        self.pad_id, self.unk_id = pad_id, unk_id
+        self.pad_token, self.unk_token = self._content(pad_id), self._content(unk_id)
         self.terminal_ids: frozenset[int] = self._compute_terminal_ids()
 
     # ----------------------------------------------------------------------------------------------- construction
@@ -241,6 +245,7 @@ class Tokenizer:
         bos_token = _token_content(config.get("bos_token"))
         eos_token = _token_content(config.get("eos_token"))
         bos_id = tok.token_to_id(bos_token) if bos_token is not None else None
+        pad_token, unk_token = _token_content(config.get("pad_token")), _token_content(config.get("unk_token"))
         eos_ids: list[int] = []
         if eos_token is not None and tok.token_to_id(eos_token) is not None:
             eos_ids.append(tok.token_to_id(eos_token))
@@ -270,6 +275,8 @@ class Tokenizer:
             byte_level=byte_level,
             bos_token=bos_token,
             eos_token=eos_token,
+            pad_id=tok.token_to_id(pad_token) if pad_token is not None else None,
+            unk_id=tok.token_to_id(unk_token) if unk_token is not None else None,
         )
 
     @classmethod
@@ -328,6 +335,8 @@ class Tokenizer:
             if (v := _field(reader, key)) is not None
         ]
         add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
+        pad_id = _field(reader, "tokenizer.ggml.padding_token_id")
+        unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
         if add_bos and bos_id is not None:
             bos = tokens[int(bos_id)]
             tok.post_processor = processors.TemplateProcessing(
@@ -342,6 +351,8 @@ class Tokenizer:
             add_bos=add_bos,
             chat_template=_field(reader, "tokenizer.chat_template"),
             byte_level=True,
+            pad_id=None if pad_id is None else int(pad_id),
+            unk_id=None if unk_id is None else int(unk_id),
         )
 
     # ------------------------------------------------------------------------------------------------------- api

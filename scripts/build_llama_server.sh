@@ -29,7 +29,7 @@ done
 mkdir -p "$CACHE_DIR/sdist" "$CACHE_DIR/src"
 if ! compgen -G "$CACHE_DIR/sdist/llama_cpp_python-*.tar.gz" >/dev/null; then
   echo "downloading the $SPEC sdist into $CACHE_DIR/sdist" >&2
-  "$PY" -m pip download --no-deps --no-binary :all: -d "$CACHE_DIR/sdist" "$SPEC" >&2
+  "$PY" -m pip download --no-deps --no-binary llama-cpp-python -d "$CACHE_DIR/sdist" "$SPEC" >&2
 fi
 SDIST="$(ls -t "$CACHE_DIR"/sdist/llama_cpp_python-*.tar.gz | head -n1)"
 NAME="$(basename "$SDIST" .tar.gz)"

@@ -324,7 +324,7 @@ def test_auth_on(default_model: LoadedModel) -> None:
 
 @pytest.mark.parametrize("route, body, param", [
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, "echo"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "logprobs": 6}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "n": 9}, "n"),

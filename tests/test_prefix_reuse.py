@@ -157,3 +157,22 @@ def test_a_rebuilt_arena_is_never_reused(engine):
         assert first.generated == generate(engine, prompt, 5, SamplingParams(), lane=3)
     finally:
         assert sched.drain(10)
+
+
+
+def test_a_prompt_logprobs_job_neither_reuses_nor_leaves_kv(engine):
+    sched = start(engine, continuous=False)  # an empty cache
+    try:
+        prompt = ids(70, 80)
+
+        def scored(tokens: list[int]) -> Result:
+            r = sched.submit(Job(tokens=tokens, max_new_tokens=2, prompt_logprobs=True)).result(TIMEOUT)
+            assert len(r.prompt_logprobs) == len(tokens) - 1
+            return r
+
+        assert scored(prompt).timing["cached_tokens"] == 0
+        assert run(sched, prompt + [9], 2, SamplingParams()).timing["cached_tokens"] == 0  # it left nothing
+        assert scored(prompt + [9, 10]).timing["cached_tokens"] == 0  # 81 tokens are cached now: not reused
+        assert run(sched, prompt + [9, 10], 2, SamplingParams()).timing["cached_tokens"] == 64
+    finally:
+        assert sched.drain(10)
