@@ -219,9 +219,12 @@ def main() -> None:
     if args.quick:
         args.new_tokens, args.reps, args.latency_requests, args.latency_new_tokens = 16, 1, 6, 16
 
+    from bench.common import copy_bandwidth, read_bandwidth
     from jaxstation.default_model import default_model_path
     from jaxstation.loader import load_model
 
+    bandwidth = {"read": read_bandwidth(), "copy": copy_bandwidth()}  # this machine, in this run
+    print(f"read bandwidth {bandwidth['read'] / 1e9:.1f} GB/s, copy {bandwidth['copy'] / 1e9:.1f} GB/s", flush=True)
     gguf = default_model_path()
     model = load_model(gguf)
     tok = model.tokenizer
@@ -323,6 +326,9 @@ def main() -> None:
             if "best_tokens_per_s" in by[name]:
                 ratios[f"jaxstation_best_over_{name}_best"] = by["jaxstation"]["best_tokens_per_s"] / \
                     by[name]["best_tokens_per_s"]
+                k1 = [r["tokens_per_s"].get("1", {}).get("median") for r in (by["jaxstation"], by[name])]
+                if all(k1):
+                    ratios[f"jaxstation_k1_over_{name}_k1"] = k1[0] / k1[1]
 
     ks = args.ks
     print("\n| system | " + " | ".join(f"K={k} tok/s" for k in ks) + " | best | latency e2e p50 / p99 s | "
@@ -336,7 +342,8 @@ def main() -> None:
         ltps = f"{lat['achieved_tokens_per_s']:.1f}" if "achieved_tokens_per_s" in lat else "-"
         print(f"| {r['system']} | " + " | ".join(cells) + f" | {best} | {e2e} | {ltps} | {r['note'] or ''} |")
     print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
-    path = write_result("peers", {"config": dict(vars(args)), "model": str(gguf), "rows": rows, "ratios": ratios})
+    path = write_result("peers", {"config": dict(vars(args)), "model": str(gguf), "bandwidth": bandwidth,
+                                  "rows": rows, "ratios": ratios})
     print(f"wrote {path}")
 
 

@@ -12,6 +12,7 @@ Usage:
   python -m bench.throughput --ks 1 8 --no-http --engine-lanes k   # an engine sized to each K instead
   python -m bench.throughput --url https://canary---svc.a.run.app --ks 1 8 --reps 1   # a running station (burst)
   python -m bench.throughput --shape mistral-7b --ks 1 8 32   # random weights at a real shape, scheduler only
+  python -m bench.throughput --mesh --ks 1 4 8  # also 1, 2, 3 mesh stations, pipelining off/on (bench/mesh.py)
 """
 
 from __future__ import annotations
@@ -213,6 +214,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="K = 1 2, 16 new tokens, 1 rep")
     ap.add_argument("--url", help="measure this running station over HTTP only (no direct run, no subprocess); "
                                   "exit 1 on any failed request or malformed reply. Bearer: $JAXSTATION_BEARER_TOKEN")
+    ap.add_argument("--mesh", action="store_true", help="also meshes of --mesh-stations station processes "
+                                                         "(implies --no-http); writes throughput_mesh-*.json")
+    ap.add_argument("--mesh-stations", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3])
     args = ap.parse_args()
     if args.url:
         args.no_direct, args.no_http = True, False
@@ -230,7 +234,14 @@ def main() -> None:
         prompts = make_prompts(model.tokenizer, max(args.ks), args.prompt_len, seed=args.seed)
     out = {"config": {k: v for k, v in vars(args).items()}, "model": str(model.source)}
     out["direct"] = {"skipped": "--no-direct"} if args.no_direct else direct(args, model, prompts)
-    out["http"] = {"skipped": "--no-http"} if args.no_http else http(args, prompts)
+    out["http"] = {"skipped": "--no-http"} if args.no_http or args.mesh else http(args, prompts)
+    if args.mesh:
+        from bench.mesh import mesh, print_mesh
+
+        out["mesh"] = mesh(args, model, prompts, seq_len(args.prompt_len, args.new_tokens, args.chunk, args.block))
+        out["targets"] = print_mesh(out["direct"], out["mesh"])
+        print(f"wrote {write_result('throughput_mesh', out)}")
+        return
 
     targets = {}
     for name in ("direct", "http"):

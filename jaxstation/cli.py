@@ -1,4 +1,5 @@
-"""`jaxstation generate` runs one prompt on a one-lane engine; `jaxstation serve` runs the station server."""
+"""`jaxstation generate` runs one prompt on a one-lane engine; `jaxstation serve` runs the station server;
+`jaxstation station --layers A:B` and `jaxstation host --stations URL,...` run a model split across a mesh."""
 
 from __future__ import annotations
 
@@ -63,6 +64,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return warmup_only(config) if args.warmup_only else serve(config)
 
 
+def cmd_station(args: argparse.Namespace) -> int:
+    from jaxstation.mesh_station import serve_station
+
+    config = resolve(args)
+    if config.layers is None:
+        raise ConfigError("a mesh station needs its layer range: --layers A:B (MOONSHINE_LAYERS)")
+    config.check_mesh_security()
+    return serve_station(config)
+
+
+def cmd_host(args: argparse.Namespace) -> int:
+    from jaxstation.mesh import create_host_app
+    from jaxstation.server import serve
+
+    config = resolve(args)
+    if not config.station_urls:
+        raise ConfigError("a mesh host needs its stations: --stations URL,URL,... (MOONSHINE_MESH_STATIONS)")
+    config.check_mesh_security()
+    return serve(config, create_host_app(config))
+
+
 _ABOUT = """\
 A batched, batch-invariant LLM serving station for Llama/Mistral-family models.
 
@@ -100,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="load the model and compile every step shape (filling MOONSHINE_COMPILE_CACHE_DIR), then "
                           "exit 0 without serving; run it at image build time or as a deploy step")
     srv.set_defaults(func=cmd_serve)
+
+    for name, func, help_ in (
+            ("station", cmd_station, "run a mesh station holding the layers --layers A:B (/forward, /lm_head)"),
+            ("host", cmd_host, "run the scheduler and every route over mesh stations (--stations URL,URL,...)")):
+        p = sub.add_parser(name, help=help_, description="Flags override the environment variables named in each "
+                                                         "help line.")
+        add_arguments(p)
+        p.set_defaults(func=func)
     return parser
 
 

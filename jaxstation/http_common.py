@@ -32,9 +32,8 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The parsed body, refusing (413) past `limit` bytes by Content-Length or by the bytes actually received, and
-    (400) anything that is not strict JSON (NaN and Infinity included)."""
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refusing (413) past `limit` bytes by Content-Length or by the bytes actually received."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
@@ -47,8 +46,15 @@ async def read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise BodyError(413, f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The parsed body (see `read_body` for the limit), refusing (400) anything that is not strict JSON (NaN and
+    Infinity included)."""
+    body = await read_body(request, limit)
     try:
-        return json.loads(b"".join(chunks), parse_constant=_reject_constant)
+        return json.loads(body, parse_constant=_reject_constant)
     except ValueError as e:  # JSONDecodeError and bad UTF-8 alike
         raise BodyError(400, f"the body is not valid JSON: {e}") from None
 

@@ -509,7 +509,7 @@ class _Run:
         try:
             result: Result = event.result()
         except StepFailed as e:
-            raise OpenAIError(500, str(e), None, "internal_error") from None
+            raise OpenAIError(e.status, str(e), None, "internal_error") from None
         except ShuttingDown as e:
             raise OpenAIError(503, str(e), None, "shutting_down") from None
         except Cancelled as e:

@@ -16,7 +16,7 @@ the arena) voids the entry, so a rebuilt or overwritten lane is never reused.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,26 @@ class _Entry:
     last_used: int  # a logical clock: larger is more recent
 
 
+class LaneVersions:
+    """Per-lane write stamps, kept by a runner (`Engine`, `MeshEngine`) for the prefix cache.
+
+    `touch(lanes)` gives each lane a new stamp whenever its KV may change (a prefill into it, a decode wave it is live
+    in, a reset). An entry stored with a lane's stamp describes the lane's KV while the stamp is unchanged.
+    """
+
+    def __init__(self, lanes: int) -> None:
+        self._writes = 0
+        self._stamps = [0] * lanes
+
+    def touch(self, lanes: Iterable[int]) -> None:
+        self._writes += 1
+        for lane in lanes:
+            self._stamps[lane] = self._writes
+
+    def __getitem__(self, lane: int) -> int:
+        return self._stamps[lane]
+
+
 def common_prefix(a: tuple[int, ...], b: tuple[int, ...], step: int = 64) -> int:
     """Length of the common prefix of a and b; compares `step`-long slices at C speed, then single tokens."""
     n = min(len(a), len(b))
@@ -58,7 +78,8 @@ class PrefixCache:
         self._entries: list[_Entry | None] = [None] * lanes
         self._clock = 0
 
-    def pick(self, prompt: Sequence[int], free: Sequence[int], versions: Sequence[int], reuse: bool = True) -> Pick:
+    def pick(self, prompt: Sequence[int], free: Sequence[int], versions: Sequence[int] | LaneVersions,
+             reuse: bool = True) -> Pick:
         """Choose a lane among `free` for `prompt`. `versions` are the engine's current lane stamps.
 
         The last prompt token is always prefilled (its logits give the first token), so at most len(prompt) - 1

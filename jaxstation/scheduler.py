@@ -39,9 +39,10 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 
-from jaxstation.engine import DecodeRow, Engine, Sample, SamplingParams
+from jaxstation.engine import DecodeRow, Sample, SamplingParams
 from jaxstation.metrics import StationMetrics
 from jaxstation.prefix_cache import PrefixCache
+from jaxstation.runner import Runner
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,12 @@ class ShuttingDown(Exception):
 
 
 class StepFailed(Exception):
-    """A compiled step raised; the jobs in flight are failed with its message."""
+    """A compiled step raised; the jobs in flight are failed with its message. `status` is the HTTP status to
+    answer with: the step error's own `http_status` (a mesh station that is down: 502), else 500."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class Cancelled(Exception):
@@ -130,7 +136,7 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, *, continuous: bool, max_queue: int, terminal_ids: frozenset[int],
+    def __init__(self, engine: Runner, *, continuous: bool, max_queue: int, terminal_ids: frozenset[int],
                  metrics: StationMetrics | None = None) -> None:
         self.engine = engine
         self.continuous = continuous
@@ -231,7 +237,7 @@ class Scheduler:
                 self._execute(plan)
             except Exception as e:  # a failed step: fail the lanes in flight, rebuild, keep serving
                 log.exception("step failed")
-                self._fail_lanes(StepFailed(f"step failed: {type(e).__name__}: {e}"))
+                self._fail_lanes(StepFailed(f"step failed: {type(e).__name__}: {e}", getattr(e, "http_status", 500)))
                 self.engine.reset()
                 self.prefix_cache.clear()
             with self.cond:

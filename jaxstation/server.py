@@ -35,6 +35,7 @@ from jaxstation.http_common import RETRY_AFTER_S, BodyError, is_int, is_number, 
 from jaxstation.loader import LoadedModel, load_model
 from jaxstation.metrics import StationMetrics
 from jaxstation.openai_api import OpenAIError, openai_middleware, openai_routes
+from jaxstation.runner import Runner
 from jaxstation.scheduler import Cancelled, Job, QueueFull, Result, Scheduler, ShuttingDown, StepFailed
 from jaxstation.settings import StationConfig, check_memory
 
@@ -48,18 +49,21 @@ class Station:
     """One serving station: config, model, engine, scheduler, metrics, and whether it is ready.
 
     model: an already loaded model (tests, or a caller that loaded it); None loads `config.model` in `start`.
+    engine_factory: builds the engine from the loaded model (default: a local `Engine`; a mesh host passes its own).
     before_warmup: called in the loading thread right before the warm-up compiles (a test hook to observe /ready 503).
     clock: where start-up phase times go (logged, and gauges on /metrics); default: one counting from here.
     """
 
     def __init__(self, config: StationConfig, *, model: LoadedModel | None = None,
-                 before_warmup: Callable[[], None] | None = None, clock: StartupClock | None = None) -> None:
+                 before_warmup: Callable[[], None] | None = None, clock: StartupClock | None = None,
+                 engine_factory: Callable[[LoadedModel, StationConfig], Runner] | None = None) -> None:
         self.config = config
         self.model = model
         self.metrics = StationMetrics()
         self.clock = clock or StartupClock()  # serve() passes one that counts from process start
         self.clock.add_sink(lambda phase, seconds: self.metrics.startup.labels(phase).set(seconds))
-        self.engine: Engine | None = None
+        self.engine: Runner | None = None
+        self._engine_factory = engine_factory or local_engine
         self.scheduler: Scheduler | None = None
         self.ready = threading.Event()
         self.load_error: str | None = None
@@ -86,11 +90,8 @@ class Station:
                 with clock.phase("weight_load"):
                     self.model = load_model(c.model, c.weights, c.loop)
                 log.info("loaded %s", self.model.source)
-            check_memory(self.model.cfg, c, weights_resident=True)
             with clock.phase("arena_alloc"):
-                self.engine = Engine(self.model, lanes=c.lanes, max_seq=c.max_seq, chunk=c.prefill_chunk,
-                                     block=c.kv_block, attention=c.attention_for(self.model.cfg))
-                jax.block_until_ready(self.engine.arena)
+                self.engine = self._engine_factory(self.model, c)
             if self._before_warmup is not None:
                 self._before_warmup()
             for name, run in self.engine.warmup_steps():
@@ -144,6 +145,15 @@ class Station:
     def eos_ids(self) -> frozenset[int]:
         tok = self.model.tokenizer if self.model is not None else None
         return frozenset(tok.eos_ids) if tok is not None else frozenset()
+
+
+def local_engine(model: LoadedModel, c: StationConfig) -> Engine:
+    """The station's own engine, once its arena is known to fit, with the arena allocated."""
+    check_memory(model.cfg, c, weights_resident=True)
+    engine = Engine(model, lanes=c.lanes, max_seq=c.max_seq, chunk=c.prefill_chunk, block=c.kv_block,
+                    attention=c.attention_for(model.cfg))
+    jax.block_until_ready(engine.arena)
+    return engine
 
 
 class ApiError(Exception):
@@ -291,7 +301,7 @@ def create_app(station: Station) -> Starlette:
         try:
             result: Result = result_fut.result()
         except StepFailed as e:
-            return ApiError(500, str(e)).response()
+            return ApiError(e.status, str(e)).response()
         except ShuttingDown as e:
             return ApiError(503, str(e)).response()
         except Cancelled as e:
@@ -376,15 +386,27 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(config: StationConfig) -> int:
-    """Run the station on uvicorn until SIGTERM/SIGINT. Returns the process exit code."""
+def serve(config: StationConfig, app_and_station: tuple[Starlette, Station] | None = None) -> int:
+    """Run the station (or a given app and its Station, e.g. a mesh host) on uvicorn until SIGTERM/SIGINT.
+    Returns the process exit code."""
     configure_logging(config.log_format)  # before the first line: the start-up clock logs the import phase
-    station = Station(config, clock=StartupClock.from_process_start())
+    if app_and_station is None:
+        station = Station(config, clock=StartupClock.from_process_start())
+        app_and_station = create_app(station), station
+    app, station = app_and_station
+    return run_server(DrainingServer(uvicorn_config(config, app), station), station)
+
+
+def uvicorn_config(config: StationConfig, app: Starlette) -> uvicorn.Config:
     bind = {"uds": config.uds} if config.uds else {"host": config.host, "port": config.port}
     json_logs = {"log_config": None} if config.log_format == "json" else {}  # uvicorn's lines go to the root logger
-    uv_config = uvicorn.Config(create_app(station), **bind, lifespan="on", log_level="info",
-                               timeout_graceful_shutdown=5, access_log=False, **json_logs)
-    server = DrainingServer(uv_config, station)
+    return uvicorn.Config(app, **bind, lifespan="on", log_level="info", timeout_graceful_shutdown=5, access_log=False,
+                          **json_logs)
+
+
+def run_server(server: uvicorn.Server, station: Any) -> int:
+    """Serve until told to stop, or until `station` (anything with `on_load_failed` and `load_error`) fails to
+    load. Returns the exit code: 0, 1 (failed to load) or 3 (never started, e.g. the port was taken)."""
 
     def load_failed() -> None:
         server.should_exit = True

@@ -22,6 +22,7 @@ from jaxstation.arena import arena_bytes
 from jaxstation.config import ModelConfig
 from jaxstation.engine import ATTENTIONS
 from jaxstation.model import LAYER_LOOPS, WEIGHT_DTYPES, compute_dtype
+from jaxstation.stage import LayerRange
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,8 @@ SETTINGS: tuple[_Setting, ...] = (
              "decode attention: blocked (online softmax over KV blocks), xla or cudnn "
              "(jax.nn.dot_product_attention with per-lane lengths); auto is cudnn on a GPU, blocked on CPU"),
     _Setting("layer_loop", "MOONSHINE_LAYER_LOOP", "--layer-loop", _parse_str,
-             "scan (stacked layer weights in one loop) or unroll (one weight buffer per layer); auto is unroll on "
-             "a GPU, scan on CPU"),
+             "scan (stacked layer weights in one loop) or unroll (one weight buffer per layer); auto is unroll, "
+             "except scan for int8 on CPU"),
     _Setting("host", "MOONSHINE_HOST", "--host", _parse_str, "TCP bind address"),
     _Setting("port", "PORT", "--port", _parse_int, "TCP port (PORT is honoured, as Cloud Run sets it)"),
     _Setting("uds", "MOONSHINE_UDS", "--uds", _parse_str, "listen on this Unix socket instead of TCP"),
@@ -114,6 +115,19 @@ SETTINGS: tuple[_Setting, ...] = (
              "log lines as plain text or as one JSON object per line (Cloud Run's structured logging): text or json"),
     _Setting("compile_cache_dir", "MOONSHINE_COMPILE_CACHE_DIR", "--compile-cache-dir", _parse_str,
              "JAX persistent compilation cache: a local path, a mounted volume or gs://bucket/dir (default off)"),
+    _Setting("layers", "MOONSHINE_LAYERS", "--layers", _parse_str, "mesh station: the layer range A:B it holds"),
+    _Setting("stations", "MOONSHINE_MESH_STATIONS", "--stations", _parse_str,
+             "mesh host: the stations' base URLs, comma-separated"),
+    _Setting("mesh_token", "MOONSHINE_MESH_TOKEN", "--mesh-token", _parse_str,
+             "the bearer token stations require on /forward, /lm_head and /info (keep it secret)"),
+    _Setting("insecure_mesh", "MOONSHINE_INSECURE_MESH", "--insecure-mesh", parse_bool,
+             "allow a mesh without a token (a trusted network only)"),
+    _Setting("mesh_recover_s", "MOONSHINE_MESH_RECOVER_S", "--mesh-recover-s", _parse_float,
+             "mesh host: seconds to wait for a lost station before failing the requests in flight"),
+    _Setting("mesh_hop_timeout_s", "MOONSHINE_MESH_HOP_TIMEOUT_S", "--mesh-hop-timeout-s", _parse_float,
+             "mesh host: timeout of one request to one station"),
+    _Setting("mesh_pipeline", "MOONSHINE_MESH_PIPELINE", "--mesh-pipeline", parse_bool,
+             "mesh host: split the lanes into one group per station and overlap the groups' waves"),
 )
 _BY_FIELD = {s.field: s for s in SETTINGS}
 
@@ -147,6 +161,13 @@ class StationConfig:
     api_key: str | None = dataclasses.field(default=None, repr=False)
     log_format: str = "text"
     compile_cache_dir: str | None = None  # None: no persistent compilation cache
+    layers: str | None = None  # station mode: "A:B"
+    stations: str | None = None  # host mode: "URL,URL,..."
+    mesh_token: str | None = dataclasses.field(default=None, repr=False)
+    insecure_mesh: bool = False
+    mesh_recover_s: float = 60.0
+    mesh_hop_timeout_s: float = 30.0
+    mesh_pipeline: bool = False
 
     def __post_init__(self) -> None:
         for field, choices in (("dtype", DTYPES), ("attention", ATTENTION_CHOICES),
@@ -169,6 +190,33 @@ class StationConfig:
             raise ConfigError(f"{_name('log_format')}={self.log_format!r} must be one of {', '.join(LOG_FORMATS)}")
         if not self.drain_s >= 0:
             raise ConfigError(f"{_name('drain_s')}={self.drain_s} must be >= 0 seconds")
+        if not self.mesh_recover_s >= 0:
+            raise ConfigError(f"{_name('mesh_recover_s')}={self.mesh_recover_s} must be >= 0 seconds")
+        if not self.mesh_hop_timeout_s > 0:
+            raise ConfigError(f"{_name('mesh_hop_timeout_s')}={self.mesh_hop_timeout_s} must be > 0 seconds")
+        if self.layers is not None:
+            try:
+                LayerRange.parse(self.layers)
+            except ValueError as e:
+                raise ConfigError(f"{_name('layers')}={self.layers!r}: {e}") from None
+        for url in self.station_urls:
+            if not url.startswith(("http://", "https://")) or url.count("://") != 1:
+                raise ConfigError(f"{_name('stations')} holds {url!r}, which is not an http(s):// URL")
+
+    @property
+    def layer_range(self) -> LayerRange | None:
+        return LayerRange.parse(self.layers) if self.layers is not None else None
+
+    @property
+    def station_urls(self) -> list[str]:
+        """The mesh host's stations, in the order given, without trailing slashes."""
+        return [u.strip().rstrip("/") for u in (self.stations or "").split(",") if u.strip()]
+
+    def check_mesh_security(self) -> None:
+        """A mesh station or host needs the shared token, unless told the network is trusted."""
+        if not self.mesh_token and not self.insecure_mesh:
+            raise ConfigError(f"{_name('mesh_token')} is not set: stations and host need the shared mesh token "
+                              f"(or {_BY_FIELD['insecure_mesh'].flag} on a trusted network)")
 
     def reuse_prefix(self, resume: bool) -> bool:
         """Whether a request (with its `resume` flag; False on the OpenAI routes) may start on cached KV."""
@@ -181,7 +229,11 @@ class StationConfig:
 
     @property
     def loop(self) -> str:
-        return self.layer_loop if self.layer_loop != "auto" else ("unroll" if on_gpu() else "scan")
+        """The layer walk: the setting, or unroll, except for int8 on CPU, whose per-layer int8 -> float32 converts
+        XLA's CPU backend materializes outside a loop (bench/levers.py: 4-6x slower unrolled, 1.6x stacked)."""
+        if self.layer_loop != "auto":
+            return self.layer_loop
+        return "scan" if self.weights == "int8" and not on_gpu() else "unroll"
 
     def attention_for(self, cfg: ModelConfig) -> str:
         """The decode attention: the setting, or cuDNN on a GPU unless the model's sliding window would be cut."""

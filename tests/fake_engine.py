@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from jaxstation.engine import DecodeRow, Sample, SamplingParams
+from jaxstation.prefix_cache import LaneVersions
 
 VOCAB = 1000
 
@@ -71,9 +72,8 @@ class FakeEngine:
         self.calls: list[tuple] = []
         self.errors: list[str] = []
         self.resets = 0
-        self.lane_versions = [0] * lanes
+        self.lane_versions = LaneVersions(lanes)
         self.admissions: list[tuple[int, int, tuple[int, ...]]] = []  # (lane, start, prompt) of each new prompt
-        self._writes = 0
         self.fail_next_prefill = False
         self.fail_next_decode = False
         self.on_step: Callable[[str], None] | None = None
@@ -139,14 +139,9 @@ class FakeEngine:
             time.sleep(self.step_delay)
 
     # ---- the Engine surface -------------------------------------------------------------------------------
-    def _touch(self, lanes: Sequence[int]) -> None:
-        self._writes += 1
-        for lane in lanes:
-            self.lane_versions[lane] = self._writes
-
     def reset(self) -> None:
         self.resets += 1
-        self._touch(range(self.lanes))
+        self.lane_versions.touch(range(self.lanes))
         self._state = [None] * self.lanes
 
     def prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
@@ -157,7 +152,7 @@ class FakeEngine:
         if self.fail_next_prefill:
             self.fail_next_prefill = False
             raise RuntimeError("boom")
-        self._touch([lane])
+        self.lane_versions.touch([lane])
         if start % self.chunk:
             self.errors.append(f"prefill start {start} not a multiple of {self.chunk}")
         st = self._state[lane]
@@ -182,7 +177,7 @@ class FakeEngine:
             self.errors.append(f"decode got {len(rows)} rows for {self.lanes} lanes")
         live = tuple((i, self._state[i].prompt if self._state[i] else ()) for i, r in enumerate(rows) if r)
         self.calls.append(("decode", live))
-        self._touch([i for i, r in enumerate(rows) if r])
+        self.lane_versions.touch([i for i, r in enumerate(rows) if r])
         if self.fail_next_decode:
             self.fail_next_decode = False
             raise RuntimeError("boom")

@@ -1,0 +1,184 @@
+"""Station mode: one layer range of the model behind HTTP, for a mesh host to drive (`jaxstation station`).
+
+Routes: `GET /health` (open) says whether the station is up and its epoch; `GET /info` tells a host what the
+station holds (layers, model fingerprint, lane geometry, dtype); `POST /forward` runs one wave through the range;
+`POST /lm_head` (last station only) samples; `POST /score` (last station only) gives a prefill chunk's prompt
+logprobs. All but /health need the mesh token as a bearer token, compared in constant time. Payloads are
+`jaxstation.wire` binary; a payload that does not fit the station's settings gets a 400 JSON error naming the field.
+
+The epoch is a random id chosen when the station starts (and again whenever its arena is rebuilt), sent with every
+reply (`X-Mesh-Epoch` and the binary header's meta): a host that sees it change knows the station's KV is gone.
+Steps run one at a time on a worker thread; the event loop only moves bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from jaxstation.access_log import configure_logging
+from jaxstation.coldstart import enable_compile_cache
+from jaxstation.http_common import BodyError, read_body
+from jaxstation.loader import LoadedModel, load_model
+from jaxstation.server import run_server, uvicorn_config
+from jaxstation.settings import StationConfig, check_memory
+from jaxstation.stage import Stage
+from jaxstation.wire import CONTENT_TYPE, MAX_HEADER_BYTES, WireError, decode, encode
+
+log = logging.getLogger(__name__)
+EPOCH_HEADER = "X-Mesh-Epoch"
+
+
+class MeshStation:
+    """The station's state: its Stage once loaded, its epoch, and the lock that lets one step run at a time."""
+
+    def __init__(self, config: StationConfig, *, model: LoadedModel | None = None) -> None:
+        if config.layer_range is None:
+            raise ValueError("a mesh station needs its layer range (MOONSHINE_LAYERS / --layers A:B)")
+        self.config = config
+        self.model = model
+        self.epoch = secrets.token_hex(8)
+        self.stage: Stage | None = None
+        self.ready = threading.Event()
+        self.load_error: str | None = None
+        self.on_load_failed: Callable[[], None] | None = None
+        self.step_lock = threading.Lock()
+
+    def start(self) -> None:
+        threading.Thread(target=self._load, name="jaxstation-station-load", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            c, layers = self.config, self.config.layer_range
+            enable_compile_cache(c.compile_cache_dir)
+            model = self.model or load_model(c.model, c.weights, c.loop)
+            if layers.stop > model.cfg.num_layers:
+                raise ValueError(f"MOONSHINE_LAYERS={layers} reaches past the model's {model.cfg.num_layers} layers")
+            check_memory(dataclasses.replace(model.cfg, num_layers=layers.stop - layers.start), c,
+                         weights_resident=True)
+            stage = Stage(model, layers, c.lanes, c.max_seq, c.prefill_chunk, c.kv_block,
+                          attention=c.attention_for(model.cfg))
+            self.model = None  # the whole model's weights go; the stage keeps its range
+            t0 = time.perf_counter()
+            stage.warmup()
+            self.stage = stage
+            self.ready.set()
+            log.info("station %s ready (warm-up %.1f s), epoch %s", layers, time.perf_counter() - t0, self.epoch)
+        except Exception as e:
+            log.exception("station failed to start")
+            self.load_error = f"{type(e).__name__}: {e}"
+            if self.on_load_failed is not None:
+                self.on_load_failed()
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest valid payload: a header plus the biggest residual block (a prefill chunk or a full wave)."""
+        s = self.stage
+        rows = max(s.lanes, s.chunk)
+        return MAX_HEADER_BYTES + rows * (s.cfg.hidden_size * 4 + 64)
+
+    def run(self, step: Callable[[Stage], dict]) -> dict:
+        """Run a step alone. A step that raises leaves a fresh arena and a new epoch (the KV is gone)."""
+        with self.step_lock:
+            try:
+                return step(self.stage)
+            except Exception:
+                self.stage.reset()
+                self.epoch = secrets.token_hex(8)
+                raise
+
+
+def _error(status: int, message: str, field: str | None, epoch: str, **headers: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "field": field}, "epoch": epoch}, status,
+                        headers={EPOCH_HEADER: epoch, **headers})
+
+
+def create_station_app(station: MeshStation) -> Starlette:
+    token = (station.config.mesh_token or "").encode()
+
+    def guarded(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def route(request: Request) -> Response:
+            if token:
+                scheme, _, given = request.headers.get("authorization", "").partition(" ")
+                if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token):
+                    return _error(401, "this station needs the mesh token: 'Authorization: Bearer "
+                                       "<MOONSHINE_MESH_TOKEN>'", "authorization", station.epoch,
+                                  **{"WWW-Authenticate": "Bearer"})
+            if station.load_error:
+                return _error(503, f"the station failed to start: {station.load_error}", None, station.epoch)
+            if not station.ready.is_set():
+                return _error(503, "the station is loading", None, station.epoch, **{"Retry-After": "1"})
+            return await handler(request)
+        return route
+
+    async def health(request: Request) -> Response:
+        status = "failed" if station.load_error else ("ok" if station.ready.is_set() else "loading")
+        return JSONResponse({"status": status, "epoch": station.epoch, "layers": station.config.layers},
+                            200 if status == "ok" else 503, headers={EPOCH_HEADER: station.epoch})
+
+    async def info(request: Request) -> Response:
+        return JSONResponse({**station.stage.info(), "epoch": station.epoch, "auth": bool(token)},
+                            headers={EPOCH_HEADER: station.epoch})
+
+    def binary_step(check: str, run: Callable[[Stage, dict, dict], dict]) -> Callable[[Request], Awaitable[Response]]:
+        async def route(request: Request) -> Response:
+            try:
+                body = await read_body(request, station.max_body_bytes)
+                meta, arrays = decode(body)
+                args = getattr(station.stage, check)(meta, arrays)
+            except BodyError as e:
+                return _error(e.status, e.message, "body", station.epoch)
+            except WireError as e:
+                return _error(400, e.message, e.field, station.epoch)
+            t0 = time.perf_counter()
+            try:
+                out = await asyncio.to_thread(station.run, lambda stage: run(stage, meta, args))
+            except Exception as e:  # the arena was rebuilt and the epoch changed: the host will replay
+                log.exception("step failed")
+                return _error(500, f"step failed: {type(e).__name__}: {e}", None, station.epoch)
+            reply = {"epoch": station.epoch, "compute_ms": (time.perf_counter() - t0) * 1e3}
+            return Response(encode(reply, out), media_type=CONTENT_TYPE, headers={EPOCH_HEADER: station.epoch})
+        return route
+
+    def forward(stage: Stage, meta: dict, args: tuple) -> dict:
+        inputs, positions, lane0, n_blocks = args
+        return {"x": stage.forward(meta["wave"], inputs, positions, lane0, n_blocks)}
+
+    def lm_head(stage: Stage, meta: dict, args: tuple) -> dict:
+        x, sampling, logits = args
+        return stage.lm_head(meta["wave"], x, sampling, logits)
+
+    def score(stage: Stage, meta: dict, args: tuple) -> dict:
+        return stage.score(*args)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        station.start()
+        yield
+
+    return Starlette(routes=[
+        Route("/health", health, methods=["GET"]),
+        Route("/info", guarded(info), methods=["GET"]),
+        Route("/forward", guarded(binary_step("check_forward", forward)), methods=["POST"]),
+        Route("/lm_head", guarded(binary_step("check_lm_head", lm_head)), methods=["POST"]),
+        Route("/score", guarded(binary_step("check_score", score)), methods=["POST"]),
+    ], lifespan=lifespan)
+
+
+def serve_station(config: StationConfig) -> int:
+    """Run a mesh station on uvicorn until SIGTERM/SIGINT. Returns the process exit code."""
+    configure_logging(config.log_format)
+    station = MeshStation(config)
+    return run_server(uvicorn.Server(uvicorn_config(config, create_station_app(station))), station)

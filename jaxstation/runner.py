@@ -1,0 +1,44 @@
+"""What the scheduler needs of an engine, as a Protocol: the local `Engine` and the mesh's `MeshEngine` both fit it.
+
+The scheduler only ever reads the lane geometry and calls these four methods from its one decode thread, so it
+cannot tell whether the layers run in this process or across stations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from jaxstation.engine import DecodeRow, Sample, SamplingParams
+from jaxstation.prefix_cache import LaneVersions
+
+
+class Runner(Protocol):
+    lanes: int
+    max_seq: int
+    chunk: int  # prompt tokens per prefill step
+    block: int  # positions per attention KV block
+    scratch_pos: int  # the arena slot idle lanes write to; no request ever uses it
+    arena: Any  # device state a caller may wait on (None when the KV lives elsewhere, e.g. on mesh stations)
+    lane_versions: LaneVersions  # a new stamp per lane whenever its KV may change: what the prefix cache trusts
+
+    def prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
+                return_logits: bool = False) -> tuple[Sample | None, Any]:
+        """Feed prompt[start:start + chunk] into `lane`; at the prompt's end, sample its first token."""
+
+    def prefill_scored(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams
+                       ) -> tuple[Sample | None, list[Sample]]:
+        """`prefill`, plus the log-probability of each prompt token in the chunk given the tokens before it."""
+
+    def decode(self, rows: Sequence[DecodeRow | None], return_logits: bool = False
+               ) -> tuple[list[Sample | None], Any]:
+        """One wave: rows[i] feeds lane i (None = idle). One sample per live lane."""
+
+    def reset(self) -> None:
+        """Forget every lane's state after a failed step."""
+
+    def warmup_steps(self) -> list[tuple[str, Callable[[], object]]]:
+        """The warm-up as (name, run it once) steps, for start-up phase timing."""
+
+    def warmup(self) -> None:
+        """Compile and run every step the runner uses, leaving no request state behind."""
