@@ -6,6 +6,9 @@ TTFT (submit to first token), inter-token gaps (from `Job.on_token` timestamps) 
 p50/p95/p99 of each, achieved throughput and the rejected count (QueueFull). Through the Scheduler directly, and with
 --http also against a station subprocess (TTFT/queue from the reply's timing; no per-token gaps).
 
+Prefix reuse is off here (the same prompts repeat at every rate and rep): this measures fresh prefill. See
+bench.prefix for reuse.
+
 Scenario: 4 lanes decoding, then a 512-token prompt arrives. For each prefill chunk size (a separate Engine) it
 reports the decoding lanes' inter-token gap p50 and p99 (and p99/p50, target <= 2.5) and the long prompt's TTFT.
 
@@ -64,7 +67,7 @@ def load_direct(sched, prompts, arrivals, new_tokens: int) -> dict:
         delay = t0 + at - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        job = Job(tokens=prompt, max_new_tokens=new_tokens, stop_ids=frozenset(),
+        job = Job(tokens=prompt, max_new_tokens=new_tokens, stop_ids=frozenset(), reuse_prefix=False,
                   on_token=lambda s, ts=stamps[i]: ts.append(time.perf_counter()))
         try:
             sched.submit(job)
@@ -126,15 +129,15 @@ def scenario(sched, chunk: int, decoders: int, long_len: int, base_tokens: int, 
     long_prompt = make_prompts(tokenizer, 1, long_len, seed=seed + 1)[0]
     new = base_tokens + math.ceil(long_len / chunk) + tail_tokens
     stamps: list[list[float]] = [[] for _ in range(decoders)]
-    long_job = Job(tokens=long_prompt, max_new_tokens=4, stop_ids=frozenset())
+    long_job = Job(tokens=long_prompt, max_new_tokens=4, stop_ids=frozenset(), reuse_prefix=False)
 
     def on_token(_s, i: int) -> None:
         stamps[i].append(time.perf_counter())
         if i == 0 and len(stamps[0]) == base_tokens:
             sched.submit(long_job)
 
-    jobs = [Job(tokens=p, max_new_tokens=new, stop_ids=frozenset(), on_token=lambda s, i=i: on_token(s, i))
-            for i, p in enumerate(short)]
+    jobs = [Job(tokens=p, max_new_tokens=new, stop_ids=frozenset(), reuse_prefix=False,
+                on_token=lambda s, i=i: on_token(s, i)) for i, p in enumerate(short)]
     for j in jobs:
         sched.submit(j)
     for j in jobs:

@@ -101,7 +101,7 @@ class DirectStation(System):
         from jaxstation.scheduler import Job
 
         t0 = time.perf_counter()
-        r = self.sched.submit(Job(tokens=tokens, max_new_tokens=new, stop_ids=frozenset())).result()
+        r = self.sched.submit(Job(tokens=tokens, max_new_tokens=new, stop_ids=frozenset(), reuse_prefix=False)).result()
         return {"client_s": time.perf_counter() - t0, "n_generated": len(r.generated),
                 "server_ttft_s": r.timing["ttft_s"]}
 

@@ -69,7 +69,7 @@ def direct(args, model, prompts) -> dict:
         sched, timer = station(k)
         timer.reset()
         waves0 = sched.waves
-        jobs = [Job(tokens=prompts[i], max_new_tokens=new, stop_ids=frozenset()) for i in range(k)]
+        jobs = [Job(tokens=prompts[i], max_new_tokens=new, stop_ids=frozenset(), reuse_prefix=False) for i in range(k)]
         t0 = time.perf_counter()
         futures = [sched.submit(j) for j in jobs]
         results = [f.result() for f in futures]

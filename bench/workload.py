@@ -165,10 +165,12 @@ def station_available() -> str | None:
 
 
 def station_cmd(port: int, lanes: int, max_seq: int, chunk: int = 32, block: int = 128,
-                max_queue: int = 256, dtype: str = "float32") -> list[str]:
+                max_queue: int = 256, dtype: str = "float32", prefix_reuse: str = "off") -> list[str]:
+    """A station subprocess. Prefix reuse is off by default: the benches repeat their prompts and measure fresh
+    prefill (bench.prefix measures reuse)."""
     return [sys.executable, "-m", "jaxstation", "serve", "--port", str(port), "--lanes", str(lanes),
             "--continuous-batch", "--max-seq", str(max_seq), "--prefill-chunk", str(chunk), "--kv-block", str(block),
-            "--max-queue", str(max_queue), "--dtype", dtype]
+            "--max-queue", str(max_queue), "--dtype", dtype, "--prefix-reuse", prefix_reuse]
 
 
 def reply_problems(reply: object, prompt_tokens: int, max_new: int) -> list[str]:

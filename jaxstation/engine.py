@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxstation.arena import allocate_arena
 from jaxstation.loader import LoadedModel
+from jaxstation.prefix_cache import LaneVersions
 from jaxstation.sampling import SampleOut, SamplingArrays
 from jaxstation.steps import decode_step_batch, prefill_chunk
 
@@ -104,6 +105,7 @@ class Engine:
         self.attention = attention
         self.scratch_pos = max_seq - 1  # never holds a request's k/v: prompt + new tokens <= max_seq - 1 fed
         self.arena = None
+        self.lane_versions = LaneVersions(lanes)
         self.reset()
 
     @property
@@ -112,6 +114,7 @@ class Engine:
 
     def reset(self) -> None:
         """(Re)allocate the arena, e.g. after a failed step left donated buffers unusable."""
+        self.lane_versions.touch(range(self.lanes))
         self.arena = None
         self.arena = allocate_arena(self.cfg, self.lanes, self.max_seq, self.params.dtype)
 
@@ -144,6 +147,7 @@ class Engine:
             following = list(prompt[start + 1:start + 1 + self.chunk])  # row r's next prompt token
             targets = np.zeros(self.chunk, np.int32)
             targets[:len(following)] = following
+        self.lane_versions.touch([lane])
         self.arena, out, logits, rows = prefill_chunk(
             self.cfg, self.params, self.arena, np.int32(lane), np.int32(start), tokens, np.int32(len(piece)),
             _sampling_arrays([(sampling, 0)]), targets, block=self.block, last=last, return_logits=return_logits,
@@ -162,6 +166,7 @@ class Engine:
         tokens = np.array([r.token if r else 0 for r in rows], np.int32)
         n_blocks = np.int32(max(live) // self.block + 1)
         sampling = _sampling_arrays([(r.sampling, r.counter) if r else None for r in rows])
+        self.lane_versions.touch([i for i, r in enumerate(rows) if r is not None])  # idle lanes: the scratch slot
         self.arena, out, logits = decode_step_batch(self.cfg, self.params, self.arena, positions, tokens, n_blocks,
                                                     sampling, block=self.block, attention=self.attention,
                                                     return_logits=return_logits)

@@ -47,6 +47,7 @@ from jaxstation.config import ModelConfig
 from jaxstation.engine import DecodeRow, Sample, SamplingParams, _samples, _sampling_arrays
 from jaxstation.loader import LoadedModel
 from jaxstation.model import compute_dtype
+from jaxstation.prefix_cache import LaneVersions
 from jaxstation.sampling import SampleOut
 from jaxstation.server import Station, create_app
 from jaxstation.settings import StationConfig
@@ -202,6 +203,7 @@ class MeshEngine:
         self.group_size = lanes // groups
         self._pool = ThreadPoolExecutor(groups, thread_name_prefix="jaxstation-mesh") if groups > 1 else None
         self.history: list[list[_Entry]] = [[] for _ in range(lanes)]
+        self.lane_versions = LaneVersions(lanes)
         self._stale: int | None = None  # replay through stations [0, _stale] before the next step
 
     @classmethod
@@ -256,6 +258,7 @@ class MeshEngine:
             samples, logits = self._head("prefill", x[0, len(piece) - 1][None], [(sampling, 0)], return_logits)
             return samples[0], logits, rows[:len(following)]
 
+        self.lane_versions.touch([lane])
         out = self._step(step)
         self._record(lane, _Entry(start, "prefill", piece))
         return out
@@ -268,6 +271,7 @@ class MeshEngine:
             return [None] * self.lanes, None
         fed = [(r.token, r.position) if r else None for r in rows]
         sampling = [(r.sampling, r.counter) if r else None for r in rows]
+        self.lane_versions.touch([i for i, r in enumerate(rows) if r is not None])
         samples, logits = self._step(lambda: self._decode_wave(fed, sampling, self.clients, return_logits))
         for i, r in enumerate(rows):
             if r is not None:
@@ -277,6 +281,7 @@ class MeshEngine:
     def reset(self) -> None:
         """The lanes' requests were failed: forget their histories (a station's KV is overwritten before use)."""
         self.history = [[] for _ in range(self.lanes)]
+        self.lane_versions.touch(range(self.lanes))
 
     def warmup_steps(self) -> list[tuple[str, Callable[[], object]]]:
         """The warm-up as one named step (the stations compiled their own shapes when they started)."""

@@ -21,8 +21,17 @@ class StationMetrics:
         self.step = Histogram("jaxstation_step_seconds", "Compiled step wall time", ["kind"], registry=r,
                               buckets=_LATENCY_BUCKETS)
         self.generated_tokens = Counter("jaxstation_generated_tokens", "Tokens generated", registry=r)
-        self.prompt_tokens = Counter("jaxstation_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.prompt_tokens = Counter("jaxstation_prompt_tokens", "Prompt tokens prefilled (not reused)", registry=r)
         self.startup = Gauge("jaxstation_startup_seconds", "Start-up phase durations; phase=ready counts from process "
                              "start to ready", ["phase"], registry=r)
         self.startup_programs = Gauge("jaxstation_startup_programs", "Programs the start-up compiled or read from the "
                                       "persistent compilation cache", ["source"], registry=r)
+        self.prefix_lookups = Counter("jaxstation_prefix_cache_lookups", "Requests that looked for a cached prefix",
+                                      registry=r)
+        self.prefix_hits = Counter("jaxstation_prefix_cache_hits", "Lookups that reused at least one chunk of KV",
+                                   registry=r)
+        self.prefix_reused_tokens = Counter("jaxstation_prefix_cache_reused_tokens",
+                                            "Prompt tokens of hits found in a lane's prefill-written KV", registry=r)
+        self.prefix_saved_tokens = Counter("jaxstation_prefix_cache_prefill_saved_tokens",
+                                           "Prompt tokens not prefilled: the match rounded down to a chunk boundary",
+                                           registry=r)

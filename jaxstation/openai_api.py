@@ -427,7 +427,7 @@ class _Run:
                 job = Job(tokens=prompt, max_new_tokens=max_tokens,
                           sampling=dataclasses.replace(req.sampling, seed=seed), stop_ids=req.stop_ids,
                           prompt_logprobs=req.echo_texts is not None and req.logprobs is not None,
-                          on_token=self._on_token(index))
+                          reuse_prefix=self.station.config.reuse_prefix(False), on_token=self._on_token(index))
                 self.choices.append(_Choice(index, p, job, IncrementalDetokenizer(self.tok)))
         try:
             for choice in self.choices:
@@ -523,9 +523,13 @@ class _Run:
         return _Update(c, text, True)
 
     def usage(self) -> dict:
+        """OpenAI's usage. Each prompt counts once; its cached tokens are the most any of its choices reused."""
         prompt = sum(len(p) for p in self.req.prompts)
         completion = sum(c.tokens for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(max(c.job.cached_tokens for c in self.choices if c.prompt == p)
+                     for p in range(len(self.req.prompts)))
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     # ---- logprobs in OpenAI's two shapes ----
     def _token_text(self, token: int) -> str:

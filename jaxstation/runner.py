@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from jaxstation.engine import DecodeRow, Sample, SamplingParams
+from jaxstation.prefix_cache import LaneVersions
 
 
 class Runner(Protocol):
@@ -19,6 +20,7 @@ class Runner(Protocol):
     block: int  # positions per attention KV block
     scratch_pos: int  # the arena slot idle lanes write to; no request ever uses it
     arena: Any  # device state a caller may wait on (None when the KV lives elsewhere, e.g. on mesh stations)
+    lane_versions: LaneVersions  # a new stamp per lane whenever its KV may change: what the prefix cache trusts
 
     def prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
                 return_logits: bool = False) -> tuple[Sample | None, Any]:

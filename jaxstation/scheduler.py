@@ -12,6 +12,10 @@ With no live lane and nothing pending the thread waits on the condition variable
 Backpressure. The queue holds at most `max_queue` jobs; `submit` past that raises QueueFull (the server answers 503
 with Retry-After) instead of letting latency grow without bound. Once `drain` starts, `submit` raises ShuttingDown.
 
+Prefix reuse. A freed lane keeps its KV; `PrefixCache` (jaxstation/prefix_cache.py) remembers the token ids its
+prefill wrote. `_fill` gives a job the free lane with the longest reusable prefix (ties and victims least recently
+used) and starts its prefill at the last chunk boundary at or below the match, so its tokens equal a fresh run's.
+
 Prefill interleaving. A long prompt enters chunk by chunk, one chunk per wave, so running lanes stall by at most one
 chunk's time per token.
 
@@ -21,8 +25,8 @@ for its whole prefill and decode, as the old station's lock did, through the sam
 Invariance. The engine's steps have fixed shapes and never mix rows, and each request samples with its own seed and
 counter, so a job's tokens are the same whichever lane it gets, whatever runs beside it, and in either mode.
 
-Failure. An exception inside a step fails every job in a lane with StepFailed, rebuilds the arena and goes on;
-queued jobs are served next.
+Failure. An exception inside a step fails every job in a lane with StepFailed, rebuilds the arena, drops every
+cached prefix and goes on; queued jobs are served next.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from concurrent.futures import Future, InvalidStateError
 
 from jaxstation.engine import DecodeRow, Sample, SamplingParams
 from jaxstation.metrics import StationMetrics
+from jaxstation.prefix_cache import PrefixCache
 from jaxstation.runner import Runner
 
 log = logging.getLogger(__name__)
@@ -69,6 +74,9 @@ class Job:
 
     `prompt_logprobs` asks for the log-probability of every prompt token after the first (prefill scores each chunk
     on the device; the Result carries them). `max_new_tokens` 0 is allowed with it: score the prompt, generate nothing.
+    `reuse_prefix`: may start on a lane's cached KV (the tokens are the same either way); False always prefills all,
+    and so does a `prompt_logprobs` job (every prompt row must be scored).
+    `cached_tokens` is set when the job takes a lane: how many prompt tokens it reuses from the lane's cached KV.
     """
 
     tokens: list[int]
@@ -76,12 +84,14 @@ class Job:
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     stop_ids: frozenset[int] = frozenset()
     terminal_prosody: bool = False
+    reuse_prefix: bool = True
     prompt_logprobs: bool = False
     on_token: Callable[[Sample], None] | None = None
     future: Future = dataclasses.field(default_factory=Future, repr=False)
     submitted_at: float = 0.0
     cancelled: bool = False
     stop_requested: bool = False
+    cached_tokens: int = 0
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this job; its lane is freed within one wave."""
@@ -94,7 +104,7 @@ class Result:
     finish_reason: str  # "stop" | "length" | "terminal_prosody"
     prompt_tokens: int
     samples: list[Sample]
-    timing: dict[str, float]
+    timing: dict[str, float]  # queue_s, ttft_s, total_s, and cached_tokens (prompt tokens not prefilled)
     prompt_logprobs: list[Sample] = dataclasses.field(default_factory=list)  # prompt tokens 1.., if the job asked
     stop_sample: Sample | None = None  # the stop id that ended it, if one did (not in `generated`)
 
@@ -105,7 +115,7 @@ class Lane:
 
     job: Job
     admitted_at: float
-    fed: int = 0  # prompt tokens prefilled
+    fed: int = 0  # prompt tokens in the arena (prefilled or reused)
     samples: list[Sample] = dataclasses.field(default_factory=list)
     scored: list[Sample] = dataclasses.field(default_factory=list)  # prompt tokens 1.. scored so far
     stop_sample: Sample | None = None
@@ -138,6 +148,7 @@ class Scheduler:
         self.cond = threading.Condition()
         self.waves = 0  # loop turns that ran a step; flat while idle
         self.prefill_order: deque[int] = deque()  # lanes waiting for prefill, oldest first
+        self.prefix_cache = PrefixCache(engine.lanes, engine.chunk)
         self._accepting = True
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -228,21 +239,34 @@ class Scheduler:
                 log.exception("step failed")
                 self._fail_lanes(StepFailed(f"step failed: {type(e).__name__}: {e}", getattr(e, "http_status", 500)))
                 self.engine.reset()
+                self.prefix_cache.clear()
             with self.cond:
                 self.cond.notify_all()  # wake a drain waiting for the last job
 
     def _fill(self) -> None:
-        """Move pending jobs into free lanes (in serialize-all mode only when every lane is free). Holds cond."""
+        """Move pending jobs into free lanes (in serialize-all mode only when every lane is free), each into the
+        lane with the longest reusable prefix. Holds cond."""
         now = time.perf_counter()
-        for i in range(len(self.lanes)):
+        while True:
             while self.pending and self.pending[0].cancelled:  # a cancelled job never takes (or skips) a lane
                 self._finish_cancelled(self.pending.popleft())
-            if not self.pending or (not self.continuous and self.busy_lanes):
+            free = [i for i, lane in enumerate(self.lanes) if lane is None]
+            if not self.pending or not free or (not self.continuous and self.busy_lanes):
                 break
-            if self.lanes[i] is None:
-                job = self.pending.popleft()
-                self.lanes[i] = Lane(job=job, admitted_at=now)
-                self.prefill_order.append(i)
+            job = self.pending.popleft()
+            reuse = job.reuse_prefix and not job.prompt_logprobs
+            pick = self.prefix_cache.pick(job.tokens, free, self.engine.lane_versions, reuse=reuse)
+            self.prefix_cache.take(pick.lane)
+            if reuse:
+                m = self.metrics
+                m.prefix_lookups.inc()
+                if pick.hit:
+                    m.prefix_hits.inc()
+                    m.prefix_reused_tokens.inc(pick.matched)
+                    m.prefix_saved_tokens.inc(pick.reused)
+            job.cached_tokens = pick.reused
+            self.lanes[pick.lane] = Lane(job=job, admitted_at=now, fed=pick.reused)
+            self.prefill_order.append(pick.lane)
         self.metrics.queue_depth.set(len(self.pending))
         self.metrics.busy_lanes.set(self.busy_lanes)
 
@@ -279,7 +303,7 @@ class Scheduler:
             lane.fed = min(lane.fed + self.engine.chunk, len(lane.job.tokens))
             if sample is not None:
                 self.prefill_order.popleft()
-                self.metrics.prompt_tokens.inc(len(lane.job.tokens))
+                self.metrics.prompt_tokens.inc(len(lane.job.tokens) - lane.job.cached_tokens)
                 if lane.job.max_new_tokens > 0:
                     self.postprocess(i, sample)
                 else:  # scoring only
@@ -327,6 +351,7 @@ class Scheduler:
             "queue_s": lane.admitted_at - job.submitted_at,
             "ttft_s": (lane.first_token_at or now) - job.submitted_at,
             "total_s": now - job.submitted_at,
+            "cached_tokens": job.cached_tokens,
         }
         self.metrics.requests.labels("ok").inc()
         try:
@@ -336,8 +361,11 @@ class Scheduler:
             pass
 
     def _free(self, i: int) -> Lane:
+        """Free lane i; its prefill-written KV stays behind for reuse (not a scored prefill's: another program)."""
         lane = self.lanes[i]
         self.lanes[i] = None
+        kept = [] if lane.job.prompt_logprobs else lane.job.tokens[:lane.fed]
+        self.prefix_cache.store(i, kept, self.engine.lane_versions[i])
         if i in self.prefill_order:
             self.prefill_order.remove(i)
         self.metrics.busy_lanes.set(self.busy_lanes)

@@ -180,10 +180,12 @@ def _token_list(body: dict, field: str, vocab: int, *, allow_empty: bool) -> lis
     return value
 
 
-def parse_generate(body: Any, vocab: int, max_request_tokens: int, eos_ids: frozenset[int]) -> Job:
+def parse_generate(body: Any, vocab: int, max_request_tokens: int, eos_ids: frozenset[int],
+                   reuse_prefix: Callable[[bool], bool]) -> Job:
     """Validate a /generate body into a Job, or raise ApiError naming the offending field.
 
     Limits: token ids in [0, vocab); len(tokens) + max_new_tokens <= max_request_tokens (the station's max_seq).
+    reuse_prefix: whether a request with this `resume` flag may start on cached KV (`StationConfig.reuse_prefix`).
     """
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", "body")
@@ -239,10 +241,10 @@ def parse_generate(body: Any, vocab: int, max_request_tokens: int, eos_ids: froz
     for key in ("terminal_prosody", "resume"):
         if not isinstance(body.get(key, False), bool):
             raise ApiError(422, f"{key} must be a boolean", key)
-    # `resume` is accepted and runs fresh: the caller sends the whole conversation, so the output is the same.
     return Job(tokens=tokens, max_new_tokens=max_new,
                sampling=SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p), seed=seed),
-               stop_ids=eos_ids | frozenset(stop), terminal_prosody=body.get("terminal_prosody", False))
+               stop_ids=eos_ids | frozenset(stop), terminal_prosody=body.get("terminal_prosody", False),
+               reuse_prefix=reuse_prefix(body.get("resume", False)))
 
 
 def _retrieve(fut: asyncio.Future) -> None:
@@ -272,7 +274,7 @@ def create_app(station: Station) -> Starlette:
             except BodyError as e:
                 raise ApiError(e.status, e.message, "body") from None
             job = parse_generate(body, station.model.cfg.vocab_size, station.config.max_request_tokens,
-                                 station.eos_ids)
+                                 station.eos_ids, station.config.reuse_prefix)
             future = scheduler.submit(job)
         except ApiError as e:
             return rejected(e)

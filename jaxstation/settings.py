@@ -32,6 +32,7 @@ DTYPES = WEIGHT_DTYPES
 ATTENTION_CHOICES = ("auto", *ATTENTIONS)
 LAYER_LOOP_CHOICES = ("auto", *LAYER_LOOPS)
 GPU_MEM_FRACTION = "0.92"  # of the card, for weights + arena + XLA's scratch; JAX's own default is 0.75
+PREFIX_REUSE = ("auto", "resume", "off")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -101,6 +102,8 @@ SETTINGS: tuple[_Setting, ...] = (
     _Setting("continuous", "MOONSHINE_CONTINUOUS_BATCH", "--continuous-batch", parse_bool,
              "continuous batching: on batches concurrent requests into each decode wave; off serves one request at a "
              "time, as the original station did"),
+    _Setting("prefix_reuse", "MOONSHINE_PREFIX_REUSE", "--prefix-reuse", _parse_str,
+             "reuse cached prompt KV: auto (every request), resume (only /generate with resume: true) or off"),
     _Setting("max_queue", "MOONSHINE_MAX_QUEUE", "--max-queue", _parse_int,
              "jobs waiting for a lane before new ones get 503"),
     _Setting("drain_s", "MOONSHINE_DRAIN_S", "--drain-s", _parse_float,
@@ -151,6 +154,7 @@ class StationConfig:
     prefill_chunk: int = 32
     kv_block: int = 128
     continuous: bool = False
+    prefix_reuse: str = "auto"
     max_queue: int = 64
     drain_s: float = 30.0
     max_body_bytes: int = 1 * MiB
@@ -171,6 +175,8 @@ class StationConfig:
             value = getattr(self, field)
             if value is not None and value not in choices:
                 raise ConfigError(f"{_name(field)}={value!r} must be one of {', '.join(choices)}")
+        if self.prefix_reuse not in PREFIX_REUSE:
+            raise ConfigError(f"{_name('prefix_reuse')}={self.prefix_reuse!r} must be one of {', '.join(PREFIX_REUSE)}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"{_name('port')}={self.port} must be a TCP port in [0, 65535]")
         for field in ("lanes", "max_seq", "prefill_chunk", "kv_block", "max_queue", "max_body_bytes"):
@@ -211,6 +217,10 @@ class StationConfig:
         if not self.mesh_token and not self.insecure_mesh:
             raise ConfigError(f"{_name('mesh_token')} is not set: stations and host need the shared mesh token "
                               f"(or {_BY_FIELD['insecure_mesh'].flag} on a trusted network)")
+
+    def reuse_prefix(self, resume: bool) -> bool:
+        """Whether a request (with its `resume` flag; False on the OpenAI routes) may start on cached KV."""
+        return self.prefix_reuse == "auto" or (self.prefix_reuse == "resume" and resume)
 
     @property
     def weights(self) -> str:

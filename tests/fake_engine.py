@@ -3,6 +3,12 @@
 Tokens. A prompt's first token is `(sum(prompt) + seed) % vocab`; feeding token t at position p gives
 `(t + p + 1) % vocab`. `expected(prompt, n, seed)` writes out the first n tokens of a request run alone.
 
+KV. Each lane records, per position, who wrote it: ("prefill", token) or ("decode", token). The first token is
+computed from the lane's KV, not from the prompt argument, so a request that starts on stale KV gets wrong tokens.
+A prefill at `start` > 0 that is not the next chunk of the lane's prompt is a prefix reuse: it is legal only if the
+lane's positions [0, start) hold prefill-written KV of exactly prompt[:start] (else an entry in `errors`).
+`lane_versions` follows the Engine's contract (a new stamp per write to the lane and on reset).
+
 Recording. `calls` lists every step in order: `("prefill", lane, start, prompt)` or `("decode", ((lane, prompt),
 ...))` with the prompts of the live rows. `errors` collects protocol violations (chunks out of order, a decode row
 whose position, token or counter disagrees with what the lane holds); tests assert it stays empty.
@@ -20,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from jaxstation.engine import DecodeRow, Sample, SamplingParams
+from jaxstation.prefix_cache import LaneVersions
 
 VOCAB = 1000
 
@@ -45,12 +52,15 @@ def _sample(token: int) -> Sample:
 
 
 class _LaneState:
-    def __init__(self, prompt: tuple[int, ...]) -> None:
+    def __init__(self, prompt: tuple[int, ...], kv: list[tuple[str, int]]) -> None:
         self.prompt = prompt
-        self.fed = 0  # prompt tokens fed
-        self.length = 0  # positions written
+        self.kv = kv  # per position: (writer, token)
         self.generated = 0
         self.last: int | None = None
+
+    @property
+    def length(self) -> int:  # positions written
+        return len(self.kv)
 
 
 class FakeEngine:
@@ -62,6 +72,8 @@ class FakeEngine:
         self.calls: list[tuple] = []
         self.errors: list[str] = []
         self.resets = 0
+        self.lane_versions = LaneVersions(lanes)
+        self.admissions: list[tuple[int, int, tuple[int, ...]]] = []  # (lane, start, prompt) of each new prompt
         self.fail_next_prefill = False
         self.fail_next_decode = False
         self.on_step: Callable[[str], None] | None = None
@@ -80,8 +92,12 @@ class FakeEngine:
         return [c[1] for c in self.calls if c[0] == "decode"]
 
     def lanes_of(self, prompt: Sequence[int]) -> list[int]:
-        """The lanes in which `prompt` started a prefill, in order."""
-        return [lane for lane, start, p in self.prefills if start == 0 and p == tuple(prompt)]
+        """The lanes in which `prompt` started a prefill (fresh or on a reused prefix), in order."""
+        return [lane for lane, _, p in self.admissions if p == tuple(prompt)]
+
+    def starts_of(self, prompt: Sequence[int]) -> list[int]:
+        """Where each prefill of `prompt` started: 0 fresh, > 0 on a reused prefix."""
+        return [start for _, start, p in self.admissions if p == tuple(prompt)]
 
     # ---- pausing ------------------------------------------------------------------------------------------
     def hold(self) -> None:
@@ -125,6 +141,7 @@ class FakeEngine:
     # ---- the Engine surface -------------------------------------------------------------------------------
     def reset(self) -> None:
         self.resets += 1
+        self.lane_versions.touch(range(self.lanes))
         self._state = [None] * self.lanes
 
     def prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
@@ -135,20 +152,22 @@ class FakeEngine:
         if self.fail_next_prefill:
             self.fail_next_prefill = False
             raise RuntimeError("boom")
+        self.lane_versions.touch([lane])
         if start % self.chunk:
             self.errors.append(f"prefill start {start} not a multiple of {self.chunk}")
-        if start == 0:
-            self._state[lane] = _LaneState(prompt)
         st = self._state[lane]
-        if st is None or st.prompt != prompt or st.fed != start:
-            self.errors.append(f"prefill of lane {lane} at {start} out of order")
-            return None, None
+        if st is None or st.prompt != prompt or st.length != start or start >= len(prompt):  # a new prompt
+            kv = st.kv if st is not None else []
+            if kv[:start] != [("prefill", t) for t in prompt[:start]]:
+                self.errors.append(f"prefill of lane {lane} at {start} on a prefix the lane does not hold")
+                return None, None
+            st = self._state[lane] = _LaneState(prompt, kv[:start])
+            self.admissions.append((lane, start, prompt))
         piece = prompt[start:start + self.chunk]
-        st.fed += len(piece)
-        st.length += len(piece)
-        if st.fed < len(prompt):
+        st.kv[start:] = [("prefill", t) for t in piece]
+        if st.length < len(prompt):
             return None, None
-        st.last = first_token(prompt, sampling.seed, self.vocab)
+        st.last = first_token([t for _, t in st.kv], sampling.seed, self.vocab)
         return _sample(st.last), None
 
     def decode(self, rows: Sequence[DecodeRow | None], return_logits: bool = False
@@ -158,6 +177,7 @@ class FakeEngine:
             self.errors.append(f"decode got {len(rows)} rows for {self.lanes} lanes")
         live = tuple((i, self._state[i].prompt if self._state[i] else ()) for i, r in enumerate(rows) if r)
         self.calls.append(("decode", live))
+        self.lane_versions.touch([i for i, r in enumerate(rows) if r])
         if self.fail_next_decode:
             self.fail_next_decode = False
             raise RuntimeError("boom")
@@ -167,13 +187,14 @@ class FakeEngine:
                 out.append(None)
                 continue
             st = self._state[i]
-            if st is None or st.fed < len(st.prompt):
+            if st is None or st.length < len(st.prompt):
                 self.errors.append(f"decode of lane {i} before its prefill finished")
             elif (row.position, row.token, row.counter) != (st.length, st.last, st.generated + 1):
                 self.errors.append(f"lane {i}: row {row} but the lane holds length {st.length}, last {st.last}, "
                                    f"generated {st.generated + 1}")
             token = next_token(row.token, row.position, self.vocab)
             if st is not None:
-                st.length, st.last, st.generated = row.position + 1, token, st.generated + 1
+                st.kv[row.position:] = [("decode", row.token)]
+                st.last, st.generated = token, st.generated + 1
             out.append(_sample(token))
         return out, None

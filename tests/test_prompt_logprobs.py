@@ -86,7 +86,8 @@ def check_against_oracle(reply: dict, ids: list[int], lp: np.ndarray, prompt_tex
     logprobs = choice["logprobs"]
     n = len(ids)
     assert len(logprobs["tokens"]) == n + 1 and reply["usage"] == {
-        "prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1}
+        "prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1,
+        "prompt_tokens_details": {"cached_tokens": 0}}  # scored prompts never reuse KV
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
     ours = np.array(logprobs["token_logprobs"][1:], np.float64)
     expected = np.concatenate([lp[np.arange(n - 1), ids[1:]], [lp[-1].max()]])  # the prompt, then greedy's pick
@@ -159,7 +160,8 @@ def test_echo_score_only_list_of_prompts_in_order(station, default_model) -> Non
         got = choice["logprobs"]["token_logprobs"]
         assert len(got) == len(ids) and got[0] is None
         np.testing.assert_allclose(got[1:], lp[np.arange(len(ids) - 1), ids[1:]], rtol=0, atol=ORACLE_ATOL)
-    assert reply["usage"] == {"prompt_tokens": total, "completion_tokens": 0, "total_tokens": total}
+    assert reply["usage"] == {"prompt_tokens": total, "completion_tokens": 0, "total_tokens": total,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
     # echo without logprobs: the text only; with generation, prompt then completion
     plain = http.post("/v1/completions", json={"prompt": prompts[0], "echo": True, "max_tokens": 3,
                                                "temperature": 0}).json()

@@ -39,19 +39,24 @@ class Spec:
 
 
 class RecordingEngine:
-    """Forwards to an Engine, logging which lane each prompt was prefilled in and how many lanes each wave held."""
+    """Forwards to an Engine, logging which lane each prompt was prefilled in and how many lanes each wave held.
+
+    A prefill that is not the next chunk of the lane's previous one starts a prompt (at 0, or on a reused prefix).
+    """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.admissions: list[tuple[int, tuple[int, ...]]] = []
         self.wave_sizes: list[int] = []
+        self._next: dict[int, tuple[tuple[int, ...], int]] = {}  # lane -> (prompt, start of its next chunk)
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
     def prefill(self, lane, prompt, start, sampling, return_logits=False):
-        if start == 0:
+        if self._next.get(lane) != (tuple(prompt), start):
             self.admissions.append((lane, tuple(prompt)))
+        self._next[lane] = (tuple(prompt), start + self.engine.chunk)
         return self.engine.prefill(lane, prompt, start, sampling, return_logits)
 
     def decode(self, rows, return_logits=False):

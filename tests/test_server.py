@@ -149,7 +149,8 @@ def test_serves_after_bad_input_and_matches_serial(any_station, reference) -> No
     assert reply["generated"] == reference(body)
     assert reply["prompt_tokens"] == len(body["tokens"])
     assert reply["finish_reason"] in ("stop", "length")
-    assert set(reply["timing"]) == {"queue_s", "ttft_s", "total_s"}
+    assert set(reply["timing"]) == {"queue_s", "ttft_s", "total_s", "cached_tokens"}
+    assert reply["timing"]["cached_tokens"] == 0  # shorter than a prefill chunk: nothing to reuse
 
 
 def test_prompt_plus_max_new_equal_to_max_seq_is_served(tcp, reference) -> None:

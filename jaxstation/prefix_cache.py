@@ -1,0 +1,114 @@
+"""Exact prefix reuse over the arena's lanes, decided on the host.
+
+A lane keeps its KV after its request retires. The part of it another request may reuse, bit for bit, is what
+prefill wrote: every prefill chunk has the same shape (`[chunk]` rows at a chunk-aligned start) and a row never reads
+later rows, so the KV a prefill wrote at positions [0, n) is exactly what a fresh prefill of any sequence starting
+with those n tokens writes there. Decode writes the same positions with a different shape (`[lanes]` rows), and its
+bits differ, so generated tokens are never reused. A reusing request restarts prefill at the last chunk boundary at
+or below the matched length: every position from there on is written by the same chunks, at the same starts, as in
+a fresh run, and its tokens are bit-identical to a fresh run's.
+
+The cache is host bookkeeping only: per lane, the token ids prefill wrote and the engine's `lane_versions` stamp
+taken when the lane was freed. A stamp that changed since (another caller wrote the lane, or `Engine.reset` rebuilt
+the arena) voids the entry, so a rebuilt or overwritten lane is never reused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Pick:
+    """The lane a new request takes and what of its cached KV it reuses."""
+
+    lane: int
+    matched: int  # prompt tokens equal to the lane's prefill-written prefix (at most len(prompt) - 1)
+    reused: int  # matched, rounded down to a chunk boundary: prefill restarts here
+
+    @property
+    def hit(self) -> bool:
+        return self.reused > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    tokens: tuple[int, ...]  # the ids prefill wrote at positions [0, len(tokens))
+    version: int  # the lane's Engine.lane_versions stamp when it was freed
+    last_used: int  # a logical clock: larger is more recent
+
+
+class LaneVersions:
+    """Per-lane write stamps, kept by a runner (`Engine`, `MeshEngine`) for the prefix cache.
+
+    `touch(lanes)` gives each lane a new stamp whenever its KV may change (a prefill into it, a decode wave it is live
+    in, a reset). An entry stored with a lane's stamp describes the lane's KV while the stamp is unchanged.
+    """
+
+    def __init__(self, lanes: int) -> None:
+        self._writes = 0
+        self._stamps = [0] * lanes
+
+    def touch(self, lanes: Iterable[int]) -> None:
+        self._writes += 1
+        for lane in lanes:
+            self._stamps[lane] = self._writes
+
+    def __getitem__(self, lane: int) -> int:
+        return self._stamps[lane]
+
+
+def common_prefix(a: tuple[int, ...], b: tuple[int, ...], step: int = 64) -> int:
+    """Length of the common prefix of a and b; compares `step`-long slices at C speed, then single tokens."""
+    n = min(len(a), len(b))
+    i = 0
+    while i + step <= n and a[i:i + step] == b[i:i + step]:
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PrefixCache:
+    """Which free lane a request takes, by the longest reusable prefix; ties and victims least recently used."""
+
+    def __init__(self, lanes: int, chunk: int) -> None:
+        self.chunk = chunk
+        self._entries: list[_Entry | None] = [None] * lanes
+        self._clock = 0
+
+    def pick(self, prompt: Sequence[int], free: Sequence[int], versions: Sequence[int] | LaneVersions,
+             reuse: bool = True) -> Pick:
+        """Choose a lane among `free` for `prompt`. `versions` are the engine's current lane stamps.
+
+        The last prompt token is always prefilled (its logits give the first token), so at most len(prompt) - 1
+        tokens match. With reuse off, the choice is the least recently used lane and nothing is reused.
+        """
+        if not free:
+            raise ValueError("no free lane to pick")
+        prompt = tuple(prompt)
+        best: tuple[tuple[int, int, int], Pick] | None = None
+        for lane in free:
+            entry = self._entries[lane]
+            if entry is not None and entry.version != versions[lane]:
+                entry = self._entries[lane] = None  # the lane's KV changed under us
+            matched = min(common_prefix(entry.tokens, prompt), len(prompt) - 1) if reuse and entry else 0
+            reused = matched // self.chunk * self.chunk
+            key = (-reused, entry.last_used if entry else -1, lane)
+            if best is None or key < best[0]:
+                best = (key, Pick(lane, matched if reused else 0, reused))
+        return best[1]
+
+    def take(self, lane: int) -> None:
+        """The lane now runs a request: its cached entry no longer describes it."""
+        self._entries[lane] = None
+
+    def store(self, lane: int, tokens: Sequence[int], version: int) -> None:
+        """The lane was freed holding prefill-written KV for `tokens` (positions [0, len(tokens)))."""
+        self._clock += 1
+        self._entries[lane] = _Entry(tuple(tokens), version, self._clock) if tokens else None
+
+    def clear(self) -> None:
+        """Drop every entry (the arena was rebuilt)."""
+        self._entries = [None] * len(self._entries)
