@@ -154,7 +154,7 @@ def plot_roofline(plt, data: dict, out: Path) -> Path:
 
 
 def plot_peers(plt, data: dict, out: Path) -> Path | None:
-    rows = [r for r in data["rows"] if "tokens_per_s" in r]
+    rows = [r for r in data["rows"] if r.get("tokens_per_s")]
     if not rows:
         return None
     ks = sorted({int(k) for r in rows for k in r["tokens_per_s"]})
@@ -251,7 +251,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     data = {kind: newest(args.results, kind) for kind in KINDS}
-    data["throughput"] = newest_of_each(args.results, "throughput")
+    data["throughput"] = newest_of_each(args.results, "throughput_lanes")
     data["peers"] = merge_peers(newest_of_each(args.results, "peers"))
     drawn = []
     if data["throughput"]:

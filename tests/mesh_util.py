@@ -16,7 +16,8 @@ from server_util import free_port
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "test-mesh-token"
 # The mesh tests' station shape: small, so that several stations share 2 cores.
-SHAPE = {"lanes": 4, "max_seq": 256, "prefill_chunk": 32, "kv_block": 128}
+# layer_loop: the session's default model (conftest) is stacked, so the local references run the same programs
+SHAPE = {"lanes": 4, "max_seq": 256, "prefill_chunk": 32, "kv_block": 128, "layer_loop": "scan"}
 
 
 class StationProcess:
@@ -41,7 +42,7 @@ class StationProcess:
         args = [sys.executable, "-m", "jaxstation", "station", "--layers", self.layers, "--port", str(self.port),
                 "--lanes", str(self.shape["lanes"]), "--max-seq", str(self.shape["max_seq"]),
                 "--prefill-chunk", str(self.shape["prefill_chunk"]), "--kv-block", str(self.shape["kv_block"]),
-                *self.extra]
+                "--layer-loop", self.shape.get("layer_loop", "auto"), *self.extra]
         self.log = tempfile.TemporaryFile()  # not a pipe: a full pipe would block the station
         self.proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
         return self
