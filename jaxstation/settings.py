@@ -86,7 +86,7 @@ SETTINGS: tuple[_Setting, ...] = (
              "arena stay float32 on CPU, bfloat16 on a GPU) (default: float32 on CPU, bfloat16 on a GPU)"),
     _Setting("attention", "MOONSHINE_ATTENTION", "--attention", _parse_str,
              "decode attention: blocked (online softmax over KV blocks), xla or cudnn "
-             "(jax.nn.dot_product_attention with per-lane lengths); auto is cudnn on a GPU, blocked on CPU"),
+             "(jax.nn.dot_product_attention with per-lane lengths); auto is cudnn on a GPU for bfloat16, else blocked"),
     _Setting("layer_loop", "MOONSHINE_LAYER_LOOP", "--layer-loop", _parse_str,
              "scan (stacked layer weights in one loop) or unroll (one weight buffer per layer); auto is unroll, "
              "except scan for int8 on CPU"),
@@ -236,11 +236,14 @@ class StationConfig:
         return "scan" if self.weights == "int8" and not on_gpu() else "unroll"
 
     def attention_for(self, cfg: ModelConfig) -> str:
-        """The decode attention: the setting, or cuDNN on a GPU unless the model's sliding window would be cut."""
+        """The decode attention: the setting, or cuDNN on a GPU for bfloat16 activations (cuDNN's flash attention has
+        no float32; float32 keeps the blocked walk at highest precision) unless the model's sliding window would be
+        cut."""
         if self.attention != "auto":
             return self.attention
         windowed = cfg.sliding_window is not None and self.max_seq > cfg.sliding_window
-        return "cudnn" if on_gpu() and not windowed else "blocked"
+        half = compute_dtype(self.weights) == jnp.bfloat16
+        return "cudnn" if on_gpu() and half and not windowed else "blocked"
 
     @property
     def max_request_tokens(self) -> int:
