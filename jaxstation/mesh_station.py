@@ -32,7 +32,7 @@ from jaxstation.access_log import configure_logging
 from jaxstation.coldstart import enable_compile_cache
 from jaxstation.http_common import BodyError, read_body
 from jaxstation.loader import LoadedModel, load_model
-from jaxstation.server import run_server, uvicorn_config
+from jaxstation.server import run_server, start_failed, uvicorn_config
 from jaxstation.settings import StationConfig, check_memory
 from jaxstation.stage import Stage
 from jaxstation.wire import CONTENT_TYPE, MAX_HEADER_BYTES, WireError, decode, encode
@@ -77,10 +77,7 @@ class MeshStation:
             self.ready.set()
             log.info("station %s ready (warm-up %.1f s), epoch %s", layers, time.perf_counter() - t0, self.epoch)
         except Exception as e:
-            log.exception("station failed to start")
-            self.load_error = f"{type(e).__name__}: {e}"
-            if self.on_load_failed is not None:
-                self.on_load_failed()
+            start_failed(self, e)
 
     @property
     def max_body_bytes(self) -> int:

@@ -115,10 +115,7 @@ class Station:
             self.ready.set()
             log.info("ready: %d lanes x %d positions, continuous=%s", c.lanes, c.max_seq, c.continuous)
         except Exception as e:
-            log.exception("station failed to start")
-            self.load_error = f"{type(e).__name__}: {e}"
-            if self.on_load_failed is not None:
-                self.on_load_failed()
+            start_failed(self, e)
 
     @property
     def draining(self) -> bool:
@@ -154,6 +151,15 @@ def local_engine(model: LoadedModel, c: StationConfig) -> Engine:
                     attention=c.attention_for(model.cfg))
     jax.block_until_ready(engine.arena)
     return engine
+
+
+def start_failed(station: Any, error: Exception) -> None:
+    """A Station's or MeshStation's loading thread failed: log it, keep the message for /health and /ready, and
+    tell the server."""
+    log.exception("station failed to start")
+    station.load_error = f"{type(error).__name__}: {error}"
+    if station.on_load_failed is not None:
+        station.on_load_failed()
 
 
 class ApiError(Exception):
