@@ -75,12 +75,13 @@ def summary(samples: list[float]) -> dict:
 
 
 def add_model_args(ap) -> None:
-    """--shape / --dtype / --layer-loop / --attention: which model a bench runs, and how."""
+    """--shape / --dtype / --layer-loop / --matmul / --attention: which model a bench runs, and how."""
     ap.add_argument("--shape", default=None,
                     help="a named architecture with random weights (smollm2-135m, mistral-7b, llama3-8b) instead of "
                          "the default model; needs no checkpoint")
     ap.add_argument("--dtype", default=None, help="float32, bfloat16 or int8 (default: the backend's)")
     ap.add_argument("--layer-loop", default="auto", help="scan, unroll or auto (the backend's)")
+    ap.add_argument("--matmul", default="auto", help="kernel, xla or auto (the backend's)")
     ap.add_argument("--attention", default="auto", help="blocked, xla, cudnn or auto (the backend's)")
 
 
@@ -90,11 +91,12 @@ def bench_model(args, max_seq: int):
     from jaxstation.settings import StationConfig
     from jaxstation.shapes import random_model
 
-    station = StationConfig(dtype=args.dtype, layer_loop=args.layer_loop, attention=args.attention, max_seq=max_seq,
-                            prefill_chunk=1, kv_block=1)
+    station = StationConfig(dtype=args.dtype, layer_loop=args.layer_loop, matmul=args.matmul, attention=args.attention,
+                            max_seq=max_seq, prefill_chunk=1, kv_block=1)
     if args.shape:
-        model = random_model(args.shape, station.weights, station.loop)
+        model = random_model(args.shape, station.weights, station.loop, matmul=station.matmul_impl)
     else:
-        model = load_model(dtype=station.weights, layer_loop=station.loop)
-    args.dtype, args.layer_loop, args.attention = station.weights, station.loop, station.attention_for(model.cfg)
+        model = load_model(dtype=station.weights, layer_loop=station.loop, matmul=station.matmul_impl)
+    args.dtype, args.layer_loop, args.matmul = station.weights, station.loop, station.matmul_impl
+    args.attention = station.attention_for(model.cfg)
     return model, {"attention": args.attention}

@@ -26,7 +26,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     station = StationConfig(dtype=args.dtype)  # the backend's defaults for what generate does not expose
-    model = load_model(args.model, station.weights, station.loop)
+    model = load_model(args.model, station.weights, station.loop, station.matmul_impl)
     tok = model.tokenizer
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)

@@ -74,7 +74,7 @@ def _map_name(name: str, globals_: Mapping[str, str], layer_re: re.Pattern, laye
 
 
 def _assemble(cfg: ModelConfig, tensors: Mapping[tuple[int | None, str], np.ndarray], names: Mapping, weights: str,
-              layer_loop: str, source: str) -> Params:
+              layer_loop: str, source: str, matmul: str) -> Params:
     """Check every tensor's presence and shape, then pack them (`model.pack_params`)."""
     shapes = _expected_shapes(cfg)
     required = [(None, "embed"), (None, "final_norm")] + [(i, s) for i in range(cfg.num_layers) for s in _LAYER_SLOTS]
@@ -89,10 +89,11 @@ def _assemble(cfg: ModelConfig, tensors: Mapping[tuple[int | None, str], np.ndar
                 f"tensor {names[key]!r} in {source} has shape {tuple(arr.shape)}, expected {shapes[key[1]]}"
             )
 
-    return pack_params(cfg, lambda layer, slot: tensors[layer, slot], weights, layer_loop)
+    return pack_params(cfg, lambda layer, slot: tensors[layer, slot], weights, layer_loop, matmul)
 
 
-def load_hf_dir(path: Path, dtype: str = "float32", layer_loop: str = "scan") -> tuple[ModelConfig, Params]:
+def load_hf_dir(path: Path, dtype: str = "float32", layer_loop: str = "scan", matmul: str = "xla"
+                ) -> tuple[ModelConfig, Params]:
     """An HF directory: config.json plus model.safetensors, or shards listed in model.safetensors.index.json."""
     from safetensors import safe_open
 
@@ -127,7 +128,7 @@ def load_hf_dir(path: Path, dtype: str = "float32", layer_loop: str = "scan") ->
             raise CheckpointError(f"cannot read safetensors file {fpath}: {e}") from e
     if cfg.tie_word_embeddings:
         tensors.pop((None, "lm_head"), None)
-    return cfg, _assemble(cfg, tensors, names, dtype, layer_loop, str(path))
+    return cfg, _assemble(cfg, tensors, names, dtype, layer_loop, str(path), matmul)
 
 
 def _all_keys(cfg: ModelConfig) -> list[tuple[int | None, str]]:
@@ -169,7 +170,7 @@ def open_gguf(path: Path):
         raise CheckpointError(f"cannot read GGUF file {path}: {e}") from e
 
 
-def load_gguf(path: Path, dtype: str = "float32", reader=None, layer_loop: str = "scan"
+def load_gguf(path: Path, dtype: str = "float32", reader=None, layer_loop: str = "scan", matmul: str = "xla"
               ) -> tuple[ModelConfig, Params]:
     """A GGUF file: config from metadata, tensors dequantized with the gguf package."""
     from gguf import GGMLQuantizationType, dequantize
@@ -194,24 +195,26 @@ def load_gguf(path: Path, dtype: str = "float32", reader=None, layer_loop: str =
         if key[1] in ("q", "k") and arr.shape == _expected_shapes(cfg)[key[1]]:
             arr = _unpermute_rope(arr, cfg.num_heads if key[1] == "q" else cfg.num_kv_heads)
         tensors[key] = arr
-    return cfg, _assemble(cfg, tensors, names, dtype, layer_loop, str(path))
+    return cfg, _assemble(cfg, tensors, names, dtype, layer_loop, str(path), matmul)
 
 
-def load_model(path: str | Path | None = None, dtype: str = "float32", layer_loop: str = "scan") -> LoadedModel:
+def load_model(path: str | Path | None = None, dtype: str = "float32", layer_loop: str = "scan",
+               matmul: str = "xla") -> LoadedModel:
     """Load a model and its tokenizer: an HF directory, a .gguf file, or (None) the embedded default model.
 
     dtype: the weights' dtype, one of `model.WEIGHT_DTYPES` (int8 quantizes every projection at load);
-    layer_loop: the per-layer weight layout, one of `model.LAYER_LOOPS`.
+    layer_loop: the per-layer weight layout, one of `model.LAYER_LOOPS`;
+    matmul: "xla" or "kernel" (the CPU kernel, `quant.MATMULS`).
     """
     if dtype not in WEIGHT_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(WEIGHT_DTYPES)}, got {dtype!r}")
     source = model_source(path)
     if source.is_dir():
-        cfg, params = load_hf_dir(source, dtype, layer_loop)
+        cfg, params = load_hf_dir(source, dtype, layer_loop, matmul)
         tokenizer = Tokenizer.from_hf_dir(source)
     else:
         reader = open_gguf(source)
-        cfg, params = load_gguf(source, dtype, reader, layer_loop)
+        cfg, params = load_gguf(source, dtype, reader, layer_loop, matmul)
         tokenizer = Tokenizer.from_gguf(reader)
     return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, source=source)
 

@@ -63,7 +63,7 @@ class MeshStation:
         try:
             c, layers = self.config, self.config.layer_range
             enable_compile_cache(c.compile_cache_dir)
-            model = self.model or load_model(c.model, c.weights, c.loop)
+            model = self.model or load_model(c.model, c.weights, c.loop, c.matmul_impl)
             if layers.stop > model.cfg.num_layers:
                 raise ValueError(f"MOONSHINE_LAYERS={layers} reaches past the model's {model.cfg.num_layers} layers")
             check_memory(dataclasses.replace(model.cfg, num_layers=layers.stop - layers.start), c,

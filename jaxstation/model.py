@@ -25,7 +25,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxstation.config import ModelConfig
-from jaxstation.quant import Weight, matmul, matmul_transposed, precision_for, quantize, take_rows
+from jaxstation.quant import (
+    MATMULS,
+    KernelWeight,
+    Weight,
+    compute_dtype,
+    matmul,
+    matmul_transposed,
+    precision_for,
+    prepare,
+    prepare_embedding,
+    take_rows,
+)
 
 LAYER_LOOPS = ("scan", "unroll")
 Carry = TypeVar("Carry")
@@ -63,6 +74,15 @@ class Params:
         return self.final_norm.dtype
 
     @property
+    def row_invariant(self) -> bool:
+        """Every matmul runs on the CPU kernel, whose rows do not depend on how many rows a call has: a wave may then
+        run narrower than the arena without changing any row's bits (XLA's dot computes one row differently)."""
+        heads = [self.embed if self.lm_head is None else self.lm_head]
+        layers = self.layers if isinstance(self.layers, tuple) else (self.layers,)
+        projections = [w for layer in layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+        return all(isinstance(w, KernelWeight) for w in heads + projections)
+
+    @property
     def layer_loop(self) -> str:
         return "unroll" if isinstance(self.layers, tuple) else "scan"
 
@@ -70,25 +90,21 @@ class Params:
 WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
 
 
-def compute_dtype(weights: str) -> jnp.dtype:
-    """Activations, norms and the arena: the weights' float dtype; for int8, bfloat16 on a GPU and float32 on CPU."""
-    if weights == "int8":
-        return jnp.dtype(jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
-    return jnp.dtype(weights)
-
-
 def pack_params(cfg: ModelConfig, tensor: Callable[[int | None, str], np.ndarray | jax.Array], weights: str = "float32",
-                layer_loop: str = "scan") -> Params:
+                layer_loop: str = "scan", matmul: str = "xla") -> Params:
     """Build Params from checkpoint-oriented tensors ([out, in], HF slot names via `tensor(layer, slot)`): fuse q/k/v
-    and gate/up, transpose to [in, out], cast or quantize, and lay the layers out for `layer_loop`."""
+    and gate/up, transpose to [in, out], cast or quantize, and lay the layers out for `layer_loop`.
+    matmul "kernel" lays float32 and int8 projections out for the CPU kernel (`quant.KernelWeight`)."""
     if weights not in WEIGHT_DTYPES:
         raise ValueError(f"weights must be one of {WEIGHT_DTYPES}, got {weights!r}")
     if layer_loop not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
+    if matmul not in MATMULS:
+        raise ValueError(f"matmul must be one of {MATMULS}, got {matmul!r}")
     dtype = compute_dtype(weights)
 
     def proj(w) -> Weight:  # [in, out], or [layers, in, out]
-        return quantize(w, reduce_axis=-2) if weights == "int8" else jnp.asarray(w, dtype)
+        return prepare(w, weights, matmul)
 
     def layer_arrays(i: int) -> dict[str, np.ndarray]:
         t = functools.partial(tensor, i)
@@ -105,11 +121,7 @@ def pack_params(cfg: ModelConfig, tensor: Callable[[int | None, str], np.ndarray
     else:
         per_layer = [layer_arrays(i) for i in range(cfg.num_layers)]
         layers = build({k: np.stack([a[k] for a in per_layer]) for k in per_layer[0]})
-    embed = tensor(None, "embed")  # [vocab, d]: with a tied head, its rows are the head's output channels
-    if cfg.tie_word_embeddings and weights == "int8":
-        embed_w: Weight = quantize(embed, reduce_axis=-1)
-    else:
-        embed_w = jnp.asarray(embed, dtype)
+    embed_w = prepare_embedding(tensor(None, "embed"), weights, matmul, cfg.tie_word_embeddings)
     lm_head = None if cfg.tie_word_embeddings else proj(np.asarray(tensor(None, "lm_head")).T)
     return Params(embed=embed_w, layers=layers, final_norm=jnp.asarray(tensor(None, "final_norm"), dtype),
                   lm_head=lm_head)

@@ -88,7 +88,7 @@ class Station:
             programs = CompileCount()
             if self.model is None:
                 with clock.phase("weight_load"):
-                    self.model = load_model(c.model, c.weights, c.loop)
+                    self.model = load_model(c.model, c.weights, c.loop, c.matmul_impl)
                 log.info("loaded %s", self.model.source)
             with clock.phase("arena_alloc"):
                 self.engine = self._engine_factory(self.model, c)

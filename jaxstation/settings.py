@@ -17,11 +17,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxstation import cpu_kernel
 from jaxstation.access_log import LOG_FORMATS
 from jaxstation.arena import arena_bytes
 from jaxstation.config import ModelConfig
 from jaxstation.engine import ATTENTIONS
 from jaxstation.model import LAYER_LOOPS, WEIGHT_DTYPES, compute_dtype
+from jaxstation.quant import MATMULS
 from jaxstation.stage import LayerRange
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ GiB = 1 << 30
 DTYPES = WEIGHT_DTYPES
 ATTENTION_CHOICES = ("auto", *ATTENTIONS)
 LAYER_LOOP_CHOICES = ("auto", *LAYER_LOOPS)
+MATMUL_CHOICES = ("auto", *MATMULS)
 GPU_MEM_FRACTION = "0.92"  # of the card, for weights + arena + XLA's scratch; JAX's own default is 0.75
 PREFIX_REUSE = ("auto", "resume", "off")
 _TRUE = ("1", "true", "yes", "on")
@@ -89,7 +92,11 @@ SETTINGS: tuple[_Setting, ...] = (
              "(jax.nn.dot_product_attention with per-lane lengths); auto is cudnn on a GPU for bfloat16, else blocked"),
     _Setting("layer_loop", "MOONSHINE_LAYER_LOOP", "--layer-loop", _parse_str,
              "scan (stacked layer weights in one loop) or unroll (one weight buffer per layer); auto is unroll, "
-             "except scan for int8 on CPU"),
+             "except scan for int8 on CPU with XLA's dot"),
+    _Setting("matmul", "MOONSHINE_MATMUL", "--matmul", _parse_str,
+             "projections: kernel (the CPU kernel: int8 read as int8, rows independent of the wave's width, built with "
+             "the system C++ compiler at first use), xla (XLA's dot); auto is kernel on CPU for float32 and int8 "
+             "when it builds, else xla"),
     _Setting("host", "MOONSHINE_HOST", "--host", _parse_str, "TCP bind address"),
     _Setting("port", "PORT", "--port", _parse_int, "TCP port (PORT is honoured, as Cloud Run sets it)"),
     _Setting("uds", "MOONSHINE_UDS", "--uds", _parse_str, "listen on this Unix socket instead of TCP"),
@@ -146,6 +153,7 @@ class StationConfig:
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on a GPU
     attention: str = "auto"
     layer_loop: str = "auto"
+    matmul: str = "auto"
     host: str = "127.0.0.1"
     port: int = 8000
     uds: str | None = None
@@ -171,7 +179,7 @@ class StationConfig:
 
     def __post_init__(self) -> None:
         for field, choices in (("dtype", DTYPES), ("attention", ATTENTION_CHOICES),
-                               ("layer_loop", LAYER_LOOP_CHOICES)):
+                               ("layer_loop", LAYER_LOOP_CHOICES), ("matmul", MATMUL_CHOICES)):
             value = getattr(self, field)
             if value is not None and value not in choices:
                 raise ConfigError(f"{_name(field)}={value!r} must be one of {', '.join(choices)}")
@@ -228,12 +236,29 @@ class StationConfig:
         return self.dtype or ("bfloat16" if on_gpu() else "float32")
 
     @property
+    def matmul_impl(self) -> str:
+        """How projections multiply: the setting, or the CPU kernel on CPU for float32 and int8 weights when it builds
+        here. Raises ConfigError if the kernel is asked for and cannot run."""
+        kernel_dtypes = ("float32", "int8")
+        if self.matmul == "kernel":
+            if self.weights not in kernel_dtypes:
+                raise ConfigError(f"{_name('matmul')}=kernel takes float32 or int8 weights, not {self.weights}")
+            try:
+                cpu_kernel.require()
+            except cpu_kernel.KernelUnavailable as e:
+                raise ConfigError(f"{_name('matmul')}=kernel: {e}") from None
+            return "kernel"
+        if self.matmul == "auto" and not on_gpu() and self.weights in kernel_dtypes and cpu_kernel.available():
+            return "kernel"
+        return "xla"
+
+    @property
     def loop(self) -> str:
-        """The layer walk: the setting, or unroll, except for int8 on CPU, whose per-layer int8 -> float32 converts
-        XLA's CPU backend materializes outside a loop (bench/levers.py: 4-6x slower unrolled, 1.6x stacked)."""
+        """The layer walk: the setting, or unroll, except for int8 on CPU with XLA's dot, whose per-layer int8 ->
+        float32 converts XLA's CPU backend materializes outside a loop (bench/levers.py: 4-6x slower unrolled)."""
         if self.layer_loop != "auto":
             return self.layer_loop
-        return "scan" if self.weights == "int8" and not on_gpu() else "unroll"
+        return "scan" if self.weights == "int8" and not on_gpu() and self.matmul_impl == "xla" else "unroll"
 
     def attention_for(self, cfg: ModelConfig) -> str:
         """The decode attention: the setting, or cuDNN on a GPU for bfloat16 activations (cuDNN's flash attention has

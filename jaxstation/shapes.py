@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxstation.config import ModelConfig
 from jaxstation.loader import LoadedModel
 from jaxstation.model import LayerParams, Params, compute_dtype
-from jaxstation.quant import quantize
+from jaxstation.quant import prepare, prepare_embedding
 
 ARCHITECTURES: dict[str, ModelConfig] = {
     "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
@@ -29,7 +29,8 @@ ARCHITECTURES: dict[str, ModelConfig] = {
 }
 
 
-def random_params(cfg: ModelConfig, weights: str = "bfloat16", layer_loop: str = "scan", seed: int = 0) -> Params:
+def random_params(cfg: ModelConfig, weights: str = "bfloat16", layer_loop: str = "scan", seed: int = 0,
+                  matmul: str = "xla") -> Params:
     """N(0, 0.02) weights and unit norms at cfg's shapes, drawn on the default device."""
     dtype = compute_dtype(weights)
     d, f = cfg.hidden_size, cfg.intermediate_size
@@ -39,8 +40,7 @@ def random_params(cfg: ModelConfig, weights: str = "bfloat16", layer_loop: str =
         return (0.02 * jax.random.normal(next(key), shape, jnp.float32)).astype(dtype)
 
     def proj(shape: tuple[int, ...]):  # [..., in, out]
-        w = normal(shape)
-        return quantize(w, reduce_axis=-2) if weights == "int8" else w
+        return prepare(normal(shape), weights, matmul)
 
     def layer(lead: tuple[int, ...]) -> LayerParams:
         return LayerParams(attn_norm=jnp.ones((*lead, d), dtype), wqkv=proj((*lead, d, cfg.qkv_size)),
@@ -49,17 +49,16 @@ def random_params(cfg: ModelConfig, weights: str = "bfloat16", layer_loop: str =
 
     layers = (tuple(layer(()) for _ in range(cfg.num_layers)) if layer_loop == "unroll"
               else layer((cfg.num_layers,)))
-    embed = normal((cfg.vocab_size, d))
-    if cfg.tie_word_embeddings and weights == "int8":
-        embed = quantize(embed, reduce_axis=-1)
+    embed = prepare_embedding(normal((cfg.vocab_size, d)), weights, matmul, cfg.tie_word_embeddings)
     lm_head = None if cfg.tie_word_embeddings else proj((d, cfg.vocab_size))
     return Params(embed=embed, layers=layers, final_norm=jnp.ones((d,), dtype), lm_head=lm_head)
 
 
-def random_model(name: str, weights: str = "bfloat16", layer_loop: str = "scan", seed: int = 0) -> LoadedModel:
+def random_model(name: str, weights: str = "bfloat16", layer_loop: str = "scan", seed: int = 0,
+                 matmul: str = "xla") -> LoadedModel:
     """A LoadedModel (no tokenizer) of the named architecture with random weights."""
     if name not in ARCHITECTURES:
         raise ValueError(f"unknown shape {name!r}; known: {', '.join(ARCHITECTURES)}")
     cfg = ARCHITECTURES[name]
-    return LoadedModel(cfg=cfg, params=random_params(cfg, weights, layer_loop, seed), tokenizer=None,
+    return LoadedModel(cfg=cfg, params=random_params(cfg, weights, layer_loop, seed, matmul), tokenizer=None,
                        source=Path(f"random:{name}"))

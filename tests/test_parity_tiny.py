@@ -17,11 +17,13 @@ from jaxstation.loader import load_model
 from jaxstation.model import forward_full
 
 NAMES = ("tiny-llama3", "tiny-mistral")
-# (fixture, weights, layer loop, decode attention): the CPU default, the GPU layout with the dense attention the GPU
-# runs (its `xla` implementation; tiny-mistral's 16-token window rules the dense attention out at max_seq 64), int8.
-VARIANTS = [(n, "float32", "scan", "blocked") for n in NAMES] + [
-    ("tiny-llama3", "float32", "unroll", "xla"), ("tiny-mistral", "float32", "unroll", "blocked"),
-    ("tiny-llama3", "int8", "scan", "blocked"), ("tiny-mistral", "int8", "unroll", "blocked")]
+# (fixture, weights, layer loop, decode attention, matmul): the CPU default (unrolled, the CPU kernel), the stacked
+# walk on XLA's dot, the GPU layout with the dense attention the GPU runs (its `xla` implementation; tiny-mistral's
+# 16-token window rules the dense attention out at max_seq 64), int8 on XLA's dot and on the kernel.
+VARIANTS = [(n, "float32", "unroll", "blocked", "kernel") for n in NAMES] + [
+    (n, "float32", "scan", "blocked", "xla") for n in NAMES] + [
+    ("tiny-llama3", "float32", "unroll", "xla", "xla"), ("tiny-mistral", "float32", "unroll", "blocked", "xla"),
+    ("tiny-llama3", "int8", "scan", "blocked", "xla"), ("tiny-mistral", "int8", "unroll", "blocked", "kernel")]
 # Prompt lengths to prefill before feeding the rest of the 48 reference ids one by one through decode.
 # None is a multiple of the chunk (8). With the 16-token window: 5 and 13 decode across positions 16 and 32;
 # 20 prefills across 16 and decodes across 32; 37 and 47 prefill across both.
@@ -30,8 +32,9 @@ PREFILL_LENGTHS = (5, 13, 20, 37, 47)
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=lambda v: "-".join(v))
 def tiny(request):
-    name, weights, loop, attention = request.param
-    model = tiny_model(name, weights, loop)
+    name, weights, loop, attention, matmul = request.param
+    model = tiny_model(name, weights, loop, matmul)
+    assert model.params.row_invariant == (matmul == "kernel")  # every tiny shape fits the kernel
     ref = tiny_reference(name)
     full = np.asarray(forward_full(model.cfg, model.params, jnp.asarray(ref["input_ids"])))
     engine = Engine(model, lanes=3, max_seq=64, chunk=8, block=16, attention=attention)

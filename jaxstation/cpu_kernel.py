@@ -1,0 +1,131 @@
+"""The CPU matmul kernel (jaxstation/kernels/rowwise_matmul.cc): build it once, register it with XLA, call it.
+
+XLA's CPU dot has two problems for a decode step. With int8 weights it converts them to float32 in memory before the
+dot, so a step moves more bytes than with float32 weights. And it picks a different algorithm for one row than for
+several, so a row's bits depend on how many rows share the call. The kernel reads int8 (or float32) weights straight
+from their buffers, and computes each output with one fixed sequence of operations whatever the number of rows.
+
+It is compiled at first use with the system C++ compiler against the jaxlib headers (`jax.ffi.include_dir()`), for
+this machine's CPU (`-march=native`), and cached under ~/.cache/jaxstation/kernels keyed by source, flags, compiler
+and jaxlib. Without a compiler, or off x86-64 with AVX2 and FMA, `available()` says why and the station keeps XLA's dot.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels") / "rowwise_matmul.cc"
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
+TARGETS = {"int8": ("jaxstation_rowwise_matmul_s8", "RowwiseMatmulS8"),
+           "float32": ("jaxstation_rowwise_matmul_f32", "RowwiseMatmulF32")}
+K_MULTIPLE, N_MULTIPLE = 32, 4  # the kernel's shape contract
+
+
+class KernelUnavailable(RuntimeError):
+    pass
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def _cache_dir() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxstation" / "kernels"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        if os.access(base, os.W_OK):
+            return base
+    except OSError:
+        pass
+    fallback = Path(tempfile.gettempdir()) / f"jaxstation-kernels-{os.getuid()}"
+    fallback.mkdir(parents=True, exist_ok=True)
+    return fallback
+
+
+def _build() -> Path:
+    """The shared library for this machine, compiled if the cache does not hold it. Raises KernelUnavailable."""
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= _cpu_flags():
+        raise KernelUnavailable(f"needs x86-64 with AVX2 and FMA (this is {platform.machine()})")
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        raise KernelUnavailable("no C++ compiler found (set CXX, or install g++)")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    model = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")), "")
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, jaxlib.__version__, model,
+                                    " ".join(sorted(_cpu_flags()))]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"rowwise_matmul-{key}.so"
+    if target.exists():
+        return target
+    tmp = target.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        tmp.unlink(missing_ok=True)
+        raise KernelUnavailable(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
+    os.replace(tmp, target)  # atomic: concurrent builds (mesh stations starting together) each land a whole file
+    return target
+
+
+@functools.cache
+def _load() -> str | None:
+    """Build, load and register the kernel once per process. Returns None, or why it is unavailable."""
+    try:
+        library = ctypes.cdll.LoadLibrary(str(_build()))
+    except (KernelUnavailable, OSError) as e:
+        log.warning("CPU matmul kernel unavailable, using XLA's dot: %s", e)
+        return str(e)
+    for name, symbol in TARGETS.values():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    return None
+
+
+def available() -> bool:
+    """Whether the kernel can run here: the default backend is the CPU and the library builds and loads."""
+    return jax.default_backend() == "cpu" and _load() is None
+
+
+def require() -> None:
+    """Raise KernelUnavailable, with the reason, unless the kernel can run here."""
+    if jax.default_backend() != "cpu":
+        raise KernelUnavailable(f"the CPU kernel needs the CPU backend, not {jax.default_backend()}")
+    reason = _load()
+    if reason is not None:
+        raise KernelUnavailable(reason)
+
+
+def fits(in_features: int, out_features: int) -> bool:
+    return in_features % K_MULTIPLE == 0 and out_features % N_MULTIPLE == 0
+
+
+def rowwise_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> jax.Array:
+    """x [..., K] float32 times w [N, K] (int8 with scale [N], or float32 without) -> [..., N] float32."""
+    require()
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = w.shape[0]
+    rows = x.reshape(-1, k).astype(jnp.float32)
+    out = jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32)
+    if scale is None:
+        y = jax.ffi.ffi_call(TARGETS["float32"][0], out)(rows, w)
+    else:
+        y = jax.ffi.ffi_call(TARGETS["int8"][0], out)(rows, w, scale)
+    return y.reshape(*lead, n)

@@ -1,0 +1,193 @@
+// Row-invariant matmul for XLA's CPU backend: y[m, n] = scale[n] * dot(x[m, :], w[n, :]).
+//
+// Weights are stored out-major, w [N, K], as int8 (with one float32 scale per output channel) or float32. The int8
+// values are widened in registers, so a step reads one byte per weight instead of the four that XLA's CPU dot reads
+// after it materializes the converted weights.
+//
+// Every output element is computed by one fixed sequence of operations: two vector accumulators (16 float32 lanes with
+// AVX-512, else 8), one over the even and one over the odd vector-wide column groups of K, fused multiply-adds in K
+// order, then one fixed horizontal sum.
+// How many rows a call has, which rows share a register tile and which thread takes a channel range never change that
+// sequence, so a row's result does not depend on the other rows in the call: batch invariance by construction, at
+// any wave width. Requires K % 32 == 0 and N % 4 == 0 (the Python side checks and otherwise uses XLA's dot).
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// One vector of float32 lanes: 16 with AVX-512, else 8 (AVX2 + FMA).
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int64_t kLanes = 16;
+inline Vec Zero() { return _mm512_setzero_ps(); }
+inline Vec LoadX(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec LoadW(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec LoadW(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline __m256 Half(Vec s) {  // lanes i + (i + 8)
+  return _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+}
+inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+#else
+using Vec = __m256;
+constexpr int64_t kLanes = 8;
+inline Vec Zero() { return _mm256_setzero_ps(); }
+inline Vec LoadX(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec LoadW(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec LoadW(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline __m256 Half(Vec s) { return s; }
+inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+#endif
+constexpr int64_t kStep = 2 * kLanes;  // K columns per iteration: one vector into each accumulator
+
+// The one horizontal sum every output uses.
+inline float Finish(Vec even, Vec odd) {
+  const __m256 s = Half(Add(even, odd));
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));  // lanes i + (i + 4)
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));                                         // + lanes 2, 3
+  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));                                     // + lane 1
+  return _mm_cvtss_f32(h);
+}
+
+// R rows x C channels, the whole K: R * C * 2 accumulators in registers.
+template <int R, int C, typename W>
+inline void Tile(const float* x, const W* w, const float* scale, float* y, int64_t K, int64_t N, int64_t m0,
+                 int64_t n0) {
+  Vec acc[R][C][2];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = Zero();
+  for (int64_t k = 0; k < K; k += kStep) {
+    Vec w0[C], w1[C];
+    for (int c = 0; c < C; ++c) {
+      w0[c] = LoadW(w + (n0 + c) * K + k);
+      w1[c] = LoadW(w + (n0 + c) * K + k + kLanes);
+    }
+    for (int r = 0; r < R; ++r) {
+      const Vec x0 = LoadX(x + (m0 + r) * K + k);
+      const Vec x1 = LoadX(x + (m0 + r) * K + k + kLanes);
+      for (int c = 0; c < C; ++c) {
+        acc[r][c][0] = Fma(x0, w0[c], acc[r][c][0]);
+        acc[r][c][1] = Fma(x1, w1[c], acc[r][c][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      const float s = Finish(acc[r][c][0], acc[r][c][1]);
+      y[(m0 + r) * N + n0 + c] = scale ? s * scale[n0 + c] : s;
+    }
+}
+
+// Channels [n_begin, n_end) of every row, in blocks of kBlock channels that stay in L2 while every row tile passes
+// over them: rows in tiles of 4 down to 1, channels in pairs (fours for a lone row).
+constexpr int64_t kBlock = 64;
+
+template <typename W>
+void Channels(const float* x, const W* w, const float* scale, float* y, int64_t M, int64_t K, int64_t N,
+              int64_t n_begin, int64_t n_end) {
+  for (int64_t b = n_begin; b < n_end; b += kBlock) {
+    const int64_t b_end = std::min(n_end, b + kBlock);
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4)
+      for (int64_t n = b; n < b_end; n += 2) Tile<4, 2>(x, w, scale, y, K, N, m, n);
+    switch (M - m) {
+      case 3:
+        for (int64_t n = b; n < b_end; n += 2) Tile<3, 2>(x, w, scale, y, K, N, m, n);
+        break;
+      case 2:
+        for (int64_t n = b; n < b_end; n += 2) Tile<2, 2>(x, w, scale, y, K, N, m, n);
+        break;
+      case 1:
+        for (int64_t n = b; n < b_end; n += 4) Tile<1, 4>(x, w, scale, y, K, N, m, n);
+        break;
+    }
+  }
+}
+
+// Runs task(i) for i in [0, n) on the caller and the intra-op pool. Work is claimed from a shared counter, so the
+// caller never waits on a task that has not started: it only waits for items other threads are running.
+template <typename F>
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, const F& task) {
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  if (helpers <= 0) {
+    for (int64_t i = 0; i < n; ++i) task(i);
+    return;
+  }
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto work = [state, n, &task] {
+    for (int64_t i; (i = state->next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+      task(i);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  // A helper that starts after every item is claimed touches only `state`, which it co-owns.
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work] { work(); });
+  work();
+  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+template <typename W>
+ffi::Error Run(ffi::ThreadPool pool, const float* x, const W* w, const float* scale, float* y, int64_t M, int64_t K,
+               int64_t N) {
+  if (K % kStep || N % 4) return ffi::Error::InvalidArgument("rowwise_matmul needs K % 32 == 0 and N % 4 == 0");
+  // Channel ranges of a multiple of 4, about 4 per thread, at least 32 channels each.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per = std::max<int64_t>(32, (N / (4 * threads) + 3) / 4 * 4);
+  const int64_t items = (N + per - 1) / per;
+  ParallelFor(pool, items, [&](int64_t i) {
+    Channels(x, w, scale, y, M, K, N, i * per, std::min(N, (i + 1) * per));
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error MatmulS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                    ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || scale.element_count() != size_t(wd[0]))
+    return ffi::Error::InvalidArgument("rowwise_matmul_s8: x [M, K], w [N, K], scale [N]");
+  return Run(pool, x.typed_data(), w.typed_data(), scale.typed_data(), y->typed_data(), xd[0], xd[1], wd[0]);
+}
+
+ffi::Error MatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
+    return ffi::Error::InvalidArgument("rowwise_matmul_f32: x [M, K], w [N, K]");
+  return Run<float>(pool, x.typed_data(), w.typed_data(), nullptr, y->typed_data(), xd[0], xd[1], wd[0]);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RowwiseMatmulS8, MatmulS8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RowwiseMatmulF32, MatmulF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

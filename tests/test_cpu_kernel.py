@@ -1,0 +1,126 @@
+"""The CPU matmul kernel (jaxstation/cpu_kernel.py): it builds here, it computes x @ w.T (* scale), every row's bits
+are independent of the other rows in the call, and the station picks it by default on CPU for float32 and int8."""
+
+from __future__ import annotations
+
+import platform
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import prefill_all
+
+from jaxstation import cpu_kernel
+from jaxstation.engine import DecodeRow, Engine, SamplingParams
+from jaxstation.loader import LoadedModel, load_model
+from jaxstation.quant import KernelWeight, QuantWeight, kernel_weight, matmul, prepare
+from jaxstation.settings import ConfigError, StationConfig
+
+SHAPES = [(576, 960), (1536, 576), (64, 4)]  # [in, out]: the default model's, and a small one
+
+
+def _flags() -> set[str]:
+    return cpu_kernel._cpu_flags()
+
+
+def test_the_kernel_builds_and_is_the_cpu_default() -> None:
+    # CI's machine is x86-64 with AVX2 and a compiler: a kernel that silently failed to build would fail here
+    assert platform.machine() == "x86_64" and {"avx2", "fma"} <= _flags()
+    assert cpu_kernel.available()
+    assert StationConfig().matmul_impl == "kernel"
+    assert StationConfig(dtype="int8").matmul_impl == "kernel"
+    assert StationConfig(dtype="int8").loop == "unroll"  # the kernel reads each layer's int8 weights in place
+    assert StationConfig(dtype="bfloat16").matmul_impl == "xla"
+    assert StationConfig(matmul="xla").matmul_impl == "xla"
+    assert StationConfig(dtype="int8", matmul="xla").loop == "scan"
+    with pytest.raises(ConfigError, match="MOONSHINE_MATMUL=kernel takes float32 or int8 weights, not bfloat16"):
+        _ = StationConfig(dtype="bfloat16", matmul="kernel").matmul_impl
+    with pytest.raises(ConfigError, match="MOONSHINE_MATMUL='fast' must be one of auto, xla, kernel"):
+        StationConfig(matmul="fast")
+
+
+def _weights(n_in: int, n_out: int, weights: str, seed: int = 0) -> tuple[KernelWeight, np.ndarray]:
+    """A kernel weight and the float64 [in, out] matrix it stands for."""
+    w = np.random.default_rng(seed).standard_normal((n_in, n_out)).astype(np.float32)
+    kw = prepare(w, weights, "kernel")
+    assert isinstance(kw, KernelWeight) and kw.w.shape == (n_out, n_in)
+    dense = np.asarray(kw.w, np.float64).T
+    return kw, dense if kw.scale is None else dense * np.asarray(kw.scale, np.float64)
+
+
+@pytest.mark.parametrize("weights", ["float32", "int8"])
+@pytest.mark.parametrize("n_in,n_out", SHAPES)
+def test_kernel_computes_the_product(weights: str, n_in: int, n_out: int) -> None:
+    kw, dense = _weights(n_in, n_out, weights)
+    x = np.random.default_rng(1).standard_normal((2, 5, n_in)).astype(np.float32)  # leading dims are rows
+    got = np.asarray(jax.jit(matmul)(jnp.asarray(x), kw))
+    assert got.shape == (2, 5, n_out) and got.dtype == np.float32
+    np.testing.assert_allclose(got, x.astype(np.float64) @ dense, rtol=1e-4, atol=1e-4 * np.sqrt(n_in))
+
+
+@pytest.mark.parametrize("weights", ["float32", "int8"])
+@pytest.mark.parametrize("n_in,n_out", SHAPES[:2])
+def test_a_rows_bits_do_not_depend_on_the_other_rows(weights: str, n_in: int, n_out: int) -> None:
+    kw, _ = _weights(n_in, n_out, weights, seed=2)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((33, n_in)).astype(np.float32)
+    f = jax.jit(matmul)
+    full = np.asarray(f(jnp.asarray(x), kw))
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 32):  # every register-tile remainder
+        assert np.array_equal(np.asarray(f(jnp.asarray(x[:rows]), kw)), full[:rows]), rows
+    perm = rng.permutation(33)
+    assert np.array_equal(np.asarray(f(jnp.asarray(x[perm]), kw)), full[perm])
+    others = x.copy()
+    others[1:] = rng.standard_normal((32, n_in)).astype(np.float32) * 1e3
+    assert np.array_equal(np.asarray(f(jnp.asarray(others), kw))[0], full[0])
+
+
+def test_shapes_the_kernel_cannot_take_stay_on_xla() -> None:
+    assert cpu_kernel.fits(576, 960) and not cpu_kernel.fits(48, 64) and not cpu_kernel.fits(64, 6)
+    w = np.ones((48, 64), np.float32)
+    assert isinstance(prepare(w, "int8", "kernel"), QuantWeight)
+    assert isinstance(prepare(w, "float32", "kernel"), jax.Array)
+    with pytest.raises(ValueError, match="the CPU kernel takes float32 or int8 weights, not bfloat16"):
+        kernel_weight(np.ones((64, 64), np.float32), "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def xla_model() -> LoadedModel:
+    return load_model(matmul="xla")
+
+
+def _logits(model: LoadedModel, prompt: list[int], steps: int) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and logits of `prompt` then `steps` decode waves, in lane 1 of a 2-lane engine."""
+    engine = Engine(model, lanes=2, max_seq=128, chunk=32, block=128)
+    sample, first = prefill_all(engine, 1, prompt, SamplingParams(), return_logits=True)
+    tokens, logits = [sample.token], [np.asarray(first)[0]]
+    for i in range(steps):
+        rows = [None, DecodeRow(tokens[-1], len(prompt) + i, SamplingParams(), 0)]
+        samples, wave = engine.decode(rows, return_logits=True)
+        tokens.append(samples[1].token)
+        logits.append(np.asarray(wave)[1])
+    return tokens, np.stack(logits)
+
+
+def test_default_model_on_the_kernel_matches_xla(default_model: LoadedModel, xla_model: LoadedModel) -> None:
+    assert default_model.params.row_invariant and not xla_model.params.row_invariant
+    prompt = list(range(100, 140))
+    tokens, logits = _logits(default_model, prompt, 8)
+    ref_tokens, ref_logits = _logits(xla_model, prompt, 8)
+    assert tokens == ref_tokens
+    assert np.abs(logits - ref_logits).max() < 2e-3  # float32, two summation orders
+
+
+def test_int8_on_the_kernel_matches_int8_on_xla() -> None:
+    kernel = load_model(dtype="int8", layer_loop="unroll", matmul="kernel")
+    xla = load_model(dtype="int8", layer_loop="unroll", matmul="xla")
+    p = kernel.params
+    for w in (p.embed, *(w for layer in p.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))):
+        assert isinstance(w, KernelWeight) and w.w.dtype == jnp.int8 and w.scale.dtype == jnp.float32
+    assert p.nbytes == xla.params.nbytes  # the same int8 values and scales, laid out out-major
+    prompt = list(range(200, 230))
+    tokens, logits = _logits(kernel, prompt, 6)
+    ref_tokens, ref_logits = _logits(xla, prompt, 6)
+    assert tokens == ref_tokens
+    assert np.abs(logits - ref_logits).max() < 2e-3
