@@ -1,8 +1,10 @@
 """The runner: owns the weights, the KV arena and the compiled steps, and speaks in host-side lanes and tokens.
 
 Only one thread may call an Engine (the scheduler's decode thread, or a caller holding the serialize lock).
-Every call runs one of three compiled programs whose shapes depend only on the station's settings (lanes, chunk,
-block), never on how many lanes are busy: that is what keeps a request's tokens independent of its neighbours.
+Every call runs one of a fixed set of compiled programs whose shapes depend only on the station's settings (lanes,
+chunk, block, wave widths): that is what keeps a request's tokens independent of its neighbours. A decode wave runs
+at the narrowest of the engine's `widths` that holds its live lanes. Narrower widths than the arena exist only when
+every matmul runs on the CPU kernel, which computes a row alike at any width; otherwise every wave is full width.
 """
 
 from __future__ import annotations
@@ -86,11 +88,23 @@ def _samples(out: SampleOut) -> list[Sample]:
     ]
 
 
+def wave_widths(lanes: int) -> tuple[int, ...]:
+    """The default decode widths of a row-invariant engine: 1, 4, 16, ... below `lanes`, then `lanes` (a lone
+    request runs a 1-row step; each width is one more compiled program)."""
+    widths, w = [], 1
+    while w < lanes:
+        widths.append(w)
+        w *= 4
+    return (*widths, lanes)
+
+
 class Engine:
     """Lanes over one KV arena. `prefill` fills a lane chunk by chunk; `decode` advances every live lane by one."""
 
     def __init__(self, model: LoadedModel, lanes: int, max_seq: int, chunk: int, block: int,
-                 attention: str = "blocked") -> None:
+                 attention: str = "blocked", widths: Sequence[int] | None = None) -> None:
+        """widths: the decode wave widths (default: `wave_widths` when the model's matmuls are row-invariant and the
+        attention is blocked, else only `lanes`)."""
         if max_seq % chunk or max_seq % block:
             raise ValueError(f"max_seq ({max_seq}) must be a multiple of the prefill chunk ({chunk}) "
                              f"and of the KV block ({block})")
@@ -99,6 +113,16 @@ class Engine:
         if attention != "blocked" and model.cfg.sliding_window is not None and max_seq > model.cfg.sliding_window:
             raise ValueError(f"attention={attention!r} does not window; with a sliding window of "
                              f"{model.cfg.sliding_window} it needs max_seq <= the window, got {max_seq}")
+        narrow_ok = model.params.row_invariant and attention == "blocked"
+        if widths is None:
+            widths = wave_widths(lanes) if narrow_ok else (lanes,)
+        widths = tuple(sorted(set(widths)))
+        if widths[-1] != lanes or widths[0] < 1:
+            raise ValueError(f"decode widths must lie in [1, lanes] and include lanes ({lanes}), got {widths}")
+        if len(widths) > 1 and not narrow_ok:
+            raise ValueError("decode waves narrower than the arena need every matmul on the CPU kernel and the "
+                             f"blocked attention (matmul kernel: {model.params.row_invariant}, attention {attention})")
+        self.widths = widths
         self.model = model
         self.cfg = model.cfg
         self.lanes, self.max_seq, self.chunk, self.block = lanes, max_seq, chunk, block
@@ -156,22 +180,41 @@ class Engine:
 
     def decode(self, rows: Sequence[DecodeRow | None], return_logits: bool = False
                ) -> tuple[list[Sample | None], jax.Array | None]:
-        """One wave: rows[i] feeds lane i (None = idle lane). Returns one sample per live lane."""
+        """One wave: rows[i] feeds lane i (None = idle lane). Returns one sample per live lane and, if asked, the
+        logits [lanes, vocab] (zeros for idle lanes)."""
         if len(rows) != self.lanes:
             raise ValueError(f"decode needs one row per lane ({self.lanes}), got {len(rows)}")
-        live = [r.position for r in rows if r is not None]
+        live = [i for i, r in enumerate(rows) if r is not None]
         if not live:
             return [None] * self.lanes, None
-        positions = np.array([r.position if r else self.scratch_pos for r in rows], np.int32)
-        tokens = np.array([r.token if r else 0 for r in rows], np.int32)
-        n_blocks = np.int32(max(live) // self.block + 1)
-        sampling = _sampling_arrays([(r.sampling, r.counter) if r else None for r in rows])
-        self.lane_versions.touch([i for i, r in enumerate(rows) if r is not None])  # idle lanes: the scratch slot
-        self.arena, out, logits = decode_step_batch(self.cfg, self.params, self.arena, positions, tokens, n_blocks,
-                                                    sampling, block=self.block, attention=self.attention,
-                                                    return_logits=return_logits)
-        samples = _samples(out)
-        return [s if r is not None else None for s, r in zip(samples, rows, strict=True)], logits
+        return self._wave(rows, next(w for w in self.widths if w >= len(live)), return_logits)
+
+    def _wave(self, rows: Sequence[DecodeRow | None], width: int, return_logits: bool
+              ) -> tuple[list[Sample | None], jax.Array | None]:
+        """Run `rows` as one `width`-row step: the live lanes first, then idle lanes at their scratch slot."""
+        live = [i for i, r in enumerate(rows) if r is not None]
+        if not 0 < len(live) <= width or width not in self.widths:
+            raise ValueError(f"{len(live)} live lanes cannot run as a wave of width {width} (widths {self.widths})")
+        full = width == self.lanes
+        order = list(range(self.lanes)) if full else live + [i for i, r in enumerate(rows) if r is None]
+        order = order[:width]
+        wave = [rows[i] for i in order]
+        positions = np.array([r.position if r else self.scratch_pos for r in wave], np.int32)
+        tokens = np.array([r.token if r else 0 for r in wave], np.int32)
+        n_blocks = np.int32(max(rows[i].position for i in live) // self.block + 1)
+        sampling = _sampling_arrays([(r.sampling, r.counter) if r else None for r in wave])
+        self.lane_versions.touch(live)  # idle rows write only the scratch slot
+        self.arena, out, logits = decode_step_batch(
+            self.cfg, self.params, self.arena, positions, tokens, n_blocks, sampling,
+            None if full else np.array(order, np.int32), block=self.block, attention=self.attention,
+            return_logits=return_logits)
+        samples: list[Sample | None] = [None] * self.lanes
+        for lane, sample, r in zip(order, _samples(out), wave, strict=True):
+            if r is not None:
+                samples[lane] = sample
+        if logits is not None and not full:
+            logits = jax.numpy.zeros((self.lanes, logits.shape[1]), logits.dtype).at[np.array(order)].set(logits)
+        return samples, logits
 
     def warmup_steps(self) -> list[tuple[str, Callable[[], object]]]:
         """Every step shape the station runs, as (name, run it once on lane 0); the first run of each compiles it."""
@@ -179,11 +222,14 @@ class Engine:
         idle: list[DecodeRow | None] = [None] * (self.lanes - 1)
         sampled = [DecodeRow(0, len(prompt), SamplingParams(temperature=1.0, top_p=0.9), 0)] + idle
         greedy = [DecodeRow(0, len(prompt), SamplingParams(), 0)] + idle
-        return [
+        steps: list[tuple[str, Callable[[], object]]] = [
             ("prefill", lambda: self.prefill(0, prompt, 0, SamplingParams())),  # a middle chunk
             ("prefill_last", lambda: self.prefill(0, prompt, self.chunk, SamplingParams())),  # a last chunk: samples
-            ("decode", lambda: (self.decode(sampled), self.decode(greedy))),
         ]
+        for w in self.widths:
+            name = "decode" if w == self.lanes else f"decode_{w}"
+            steps.append((name, lambda w=w: (self._wave(sampled, w, False), self._wave(greedy, w, False))))
+        return steps
 
     def warmup(self) -> None:
         """Compile and run every step the station uses, on lane 0, leaving no request state behind."""

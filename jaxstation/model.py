@@ -37,6 +37,7 @@ from jaxstation.quant import (
     prepare_embedding,
     take_rows,
 )
+from jaxstation.rowwise import row_sum
 
 LAYER_LOOPS = ("scan", "unroll")
 Carry = TypeVar("Carry")
@@ -150,7 +151,7 @@ def embed_tokens(params: Params, tokens: jax.Array) -> jax.Array:
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """HF's LlamaRMSNorm: normalise in float32, cast back, then scale."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = xf * jax.lax.rsqrt(row_sum(xf * xf)[..., None] / x.shape[-1] + eps)
     return weight * xf.astype(x.dtype)
 
 

@@ -1,7 +1,8 @@
 """Per-lane sampling on the device: greedy, temperature, top-k, top-p and min-p, with seeded Gumbel-max.
 
 Each row is sampled from its own logits and its own key (seed folded with the lane's generated-token count), so a
-lane's token never depends on the other rows. Filters and noise run under `lax.cond` on wave-wide predicates; a row
+lane's token never depends on the other rows; float sums are `rowwise.row_sum`, so neither does it depend on how many
+rows the wave has. Filters and noise run under `lax.cond` on wave-wide predicates; a row
 that asks for neither gets the same bits from either branch (an all-true mask, zero noise it never reads).
 """
 
@@ -12,6 +13,8 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+
+from jaxstation.rowwise import log_softmax, row_sum, softmax
 
 TOP_LOGPROBS = 5  # how many alternatives a step returns per row
 
@@ -73,8 +76,8 @@ def _filter_mask(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
     keep = jnp.ones(scaled.shape, bool)
     kth = _smallest_key(keys, lambda v: jnp.sum(above(v), axis=-1) < s.top_k)
     keep &= jnp.where(s.top_k[:, None] > 0, keys >= kth[:, None], True)
-    probs = jax.nn.softmax(scaled, axis=-1)
-    p_cut = _smallest_key(keys, lambda v: jnp.sum(jnp.where(above(v), probs, 0.0), axis=-1) < s.top_p)
+    probs = softmax(scaled)
+    p_cut = _smallest_key(keys, lambda v: row_sum(jnp.where(above(v), probs, 0.0)) < s.top_p)
     keep &= jnp.where(s.top_p[:, None] < 1.0, keys >= p_cut[:, None], True)
     # min-p: p >= min_p * p_max  <=>  scaled >= max + log(min_p)
     m_cut = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(jnp.maximum(s.min_p[:, None], 1e-30))
@@ -82,10 +85,19 @@ def _filter_mask(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
     return keep
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax` over the last axis (the first index of the maximum) as two plain reductions, which XLA's CPU
+    backend vectorizes; its variadic arg-reduce is several times slower on a [rows, vocab] array. -> [...] int32."""
+    n = x.shape[-1]
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    first = jnp.min(jnp.where(x == jnp.max(x, axis=-1, keepdims=True), iota, n), axis=-1)
+    return jnp.minimum(first, n - 1)  # a row of NaNs has no maximum: its last index
+
+
 def sample(logits: jax.Array, s: SamplingArrays) -> SampleOut:
     """logits: [rows, vocab] float32 -> one token per row plus log-probabilities."""
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logprobs = log_softmax(logits)
+    greedy = first_argmax(logits)
     sampling = s.temperature > 0.0
     scaled = logits / jnp.where(sampling, s.temperature, 1.0)[:, None]
     filtered = (s.top_k > 0) | (s.top_p < 1.0) | (s.min_p > 0.0)
@@ -95,10 +107,11 @@ def sample(logits: jax.Array, s: SamplingArrays) -> SampleOut:
         key = jax.random.fold_in(jax.random.PRNGKey(seed), counter)
         return jax.random.gumbel(key, (logits.shape[-1],), jnp.float32)
 
-    gumbel = jax.lax.cond(jnp.any(sampling), lambda: jax.vmap(noise)(s.seed, s.counter),
-                          lambda: jnp.zeros(logits.shape, jnp.float32))
-    drawn = jnp.argmax(jnp.where(keep, scaled, -jnp.inf) + gumbel, axis=-1).astype(jnp.int32)
-    tokens = jnp.where(sampling, drawn, greedy)
+    def draw() -> jax.Array:
+        gumbel = jax.vmap(noise)(s.seed, s.counter)  # [rows, vocab]
+        return jnp.where(sampling, first_argmax(jnp.where(keep, scaled, -jnp.inf) + gumbel), greedy)
+
+    tokens = jax.lax.cond(jnp.any(sampling), draw, lambda: greedy)
     return token_logprobs(logprobs, tokens)
 
 

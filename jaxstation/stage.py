@@ -24,6 +24,7 @@ from jaxstation.arena import KVArena, allocate_arena
 from jaxstation.config import ModelConfig
 from jaxstation.loader import LoadedModel
 from jaxstation.model import Params, embed_tokens, layer_at, lm_logits
+from jaxstation.rowwise import log_softmax
 from jaxstation.sampling import SampleOut, SamplingArrays, sample, token_logprobs
 from jaxstation.steps import _layers
 from jaxstation.wire import DTYPES, WireError
@@ -91,7 +92,8 @@ def forward_step(cfg: ModelConfig, params: Params, arena: KVArena, inputs: jax.A
     """inputs: token ids [K, Q] int32 (first station) or residuals [K, Q, d]; positions [K, Q] -> residuals.
     attention: the decode attention (a prefill chunk always walks KV blocks)."""
     x = embed_tokens(params, inputs) if inputs.dtype == jnp.int32 else inputs
-    return _layers(cfg, params, arena, x, positions, lane0, n_blocks, block, attention=attention)
+    lanes = lane0 + jnp.arange(x.shape[0], dtype=jnp.int32)  # rows sit on consecutive lanes
+    return _layers(cfg, params, arena, x, positions, lanes, n_blocks, block, attention=attention)
 
 
 @partial(jax.jit, static_argnames=("cfg", "return_logits"))
@@ -105,7 +107,7 @@ def head_step(cfg: ModelConfig, params: Params, x: jax.Array, sampling: Sampling
 @partial(jax.jit, static_argnames=("cfg",))
 def score_step(cfg: ModelConfig, params: Params, x: jax.Array, targets: jax.Array) -> SampleOut:
     """x: [chunk, d] -> each row's log-probability of targets [chunk] and its top tokens (prompt logprobs)."""
-    return token_logprobs(jax.nn.log_softmax(lm_logits(cfg, params, x), axis=-1), targets)
+    return token_logprobs(log_softmax(lm_logits(cfg, params, x)), targets)
 
 
 class Stage:

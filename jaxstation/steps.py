@@ -6,8 +6,11 @@ Batch invariance is built in, not tested in:
 - rows never mix: matmuls, norms and sampling are row-wise and attention reads only the row's own lane;
 - attention walks fixed-size KV blocks with an online softmax. The number of blocks follows the longest live lane,
   and a block that is fully masked for a row leaves that row's running state untouched (`where`, not arithmetic),
-  so how many blocks a wave runs never changes a row's bits.
-A lane not in the wave is pointed at the arena's last slot (`scratch_pos`), which no request ever uses.
+  so how many blocks a wave runs never changes a row's bits;
+- a decode wave may run narrower than the arena (a few rows gathered from chosen lanes) only when every matmul runs
+  on the CPU kernel, whose rows are computed alike at any width (jaxstation/cpu_kernel.py); the other row-wise
+  operations do not depend on the row count.
+An idle row is pointed at the arena's last slot (`scratch_pos`), which no request ever uses.
 """
 
 from __future__ import annotations
@@ -21,14 +24,15 @@ from jaxstation.arena import KVArena
 from jaxstation.config import ModelConfig
 from jaxstation.model import Params, attn_out, embed_tokens, lm_logits, mlp_block, over_layers, qkv_proj
 from jaxstation.quant import precision_for
+from jaxstation.rowwise import log_softmax, row_sum
 from jaxstation.sampling import SampleOut, SamplingArrays, sample, token_logprobs
 
 
 def _blocked_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, arena: KVArena, layer: jax.Array,
-                       lane0: jax.Array, n_blocks: jax.Array, block: int) -> jax.Array:
-    """Online-softmax attention of q over arena lanes [lane0, lane0 + rows), block by block.
+                       lanes: jax.Array, n_blocks: jax.Array, block: int) -> jax.Array:
+    """Online-softmax attention of q over each row's arena lane, block by block.
 
-    q: [rows, Q, kv_heads, group, head_dim]; q_pos: [rows, Q] -> [rows, Q, heads * head_dim].
+    q: [rows, Q, kv_heads, group, head_dim]; q_pos: [rows, Q]; lanes: [rows] -> [rows, Q, heads * head_dim].
     """
     rows, nq = q.shape[:2]
     kvh, hd = cfg.num_kv_heads, cfg.head_dim
@@ -38,11 +42,10 @@ def _blocked_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, arena: 
 
     def body(b, carry):
         m, denom, acc = carry  # [rows, Q, kvh, group], same, [rows, Q, kvh, group, hd]
-        start = (layer, lane0, b * block, 0, 0)
-        kb = jax.lax.dynamic_slice(arena.k, start, (1, rows, block, kvh, hd))[0]  # [rows, block, kvh, hd]
-        vb = jax.lax.dynamic_slice(arena.v, start, (1, rows, block, kvh, hd))[0]
-        s = jnp.einsum("rqkgd,rbkd->rqkgb", q, kb, preferred_element_type=jnp.float32, precision=precision) * scale
         k_pos = b * block + jnp.arange(block, dtype=jnp.int32)
+        kb = arena.k[layer, lanes[:, None], k_pos[None, :]]  # [rows, block, kvh, hd]
+        vb = arena.v[layer, lanes[:, None], k_pos[None, :]]
+        s = jnp.einsum("rqkgd,rbkd->rqkgb", q, kb, preferred_element_type=jnp.float32, precision=precision) * scale
         mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [rows, Q, block]
         if cfg.sliding_window is not None:
             mask &= k_pos[None, None, :] > q_pos[:, :, None] - cfg.sliding_window
@@ -50,7 +53,7 @@ def _blocked_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, arena: 
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[..., None])
-        denom_new = alpha * denom + jnp.sum(p, axis=-1)
+        denom_new = alpha * denom + row_sum(p)
         acc_new = alpha[..., None] * acc + jnp.einsum("rqkgb,rbkd->rqkgd", p.astype(vb.dtype), vb,
                                                       preferred_element_type=jnp.float32, precision=precision)
         live = jnp.any(mask, axis=-1)[:, :, None, None]  # [rows, Q, 1, 1]
@@ -76,12 +79,13 @@ def _dense_decode_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, k:
 
 
 def _layers(cfg: ModelConfig, params: Params, arena: KVArena, x: jax.Array, positions: jax.Array,
-            lane0: jax.Array, n_blocks: jax.Array, block: int, *, attention: str = "blocked"
+            lanes: jax.Array, n_blocks: jax.Array, block: int, *, attention: str = "blocked"
             ) -> tuple[jax.Array, KVArena]:
-    """Run every layer over rows of lanes [lane0, lane0 + rows): write their k/v at `positions`, attend, MLP.
+    """Run every layer over rows of arena `lanes`: write their k/v at `positions`, attend, MLP.
 
-    x: [rows, Q, d]; positions: [rows, Q] int32 (consecutive within a row). attention: "blocked" (the online-softmax
-    block walk) or, for decode waves only, a `jax.nn.dot_product_attention` implementation ("xla" or "cudnn").
+    x: [rows, Q, d]; positions: [rows, Q] int32 (consecutive within a row); lanes: [rows] int32 (one lane for a
+    prefill chunk). attention: "blocked" (the online-softmax block walk) or, for full-width decode waves only (row r
+    is lane r), a `jax.nn.dot_product_attention` implementation ("xla" or "cudnn").
     """
     rows, nq = x.shape[:2]
     inv_freq = jnp.asarray(cfg.inv_freq())
@@ -90,18 +94,17 @@ def _layers(cfg: ModelConfig, params: Params, arena: KVArena, x: jax.Array, posi
         x, k_all, v_all = carry
         q, k, v = qkv_proj(cfg, layer, x, positions, inv_freq)  # [rows, Q, heads|kvh, hd]
         if nq == 1:  # decode: one position per lane, scattered
-            lanes = lane0 + jnp.arange(rows)
             k_all = k_all.at[i, lanes, positions[:, 0]].set(k[:, 0].astype(k_all.dtype))
             v_all = v_all.at[i, lanes, positions[:, 0]].set(v[:, 0].astype(v_all.dtype))
         else:  # prefill: one lane, a contiguous run of positions
-            start = (i, lane0, positions[0, 0], 0, 0)
+            start = (i, lanes[0], positions[0, 0], 0, 0)
             k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
             v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
         if nq == 1 and attention != "blocked":
             o = _dense_decode_attention(cfg, q[:, 0], positions[:, 0], k_all[i], v_all[i], attention)[:, None]
         else:
             q = q.reshape(rows, nq, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
-            o = _blocked_attention(cfg, q, positions, KVArena(k_all, v_all), i, lane0, n_blocks, block)
+            o = _blocked_attention(cfg, q, positions, KVArena(k_all, v_all), i, lanes, n_blocks, block)
         return mlp_block(cfg, layer, attn_out(layer, x, o)), k_all, v_all
 
     x, k_all, v_all = over_layers(params, body, (x, arena.k, arena.v))
@@ -110,18 +113,24 @@ def _layers(cfg: ModelConfig, params: Params, arena: KVArena, x: jax.Array, posi
 
 @partial(jax.jit, static_argnames=("cfg", "block", "attention", "return_logits"), donate_argnames=("arena",))
 def decode_step_batch(cfg: ModelConfig, params: Params, arena: KVArena, positions: jax.Array, tokens: jax.Array,
-                      n_blocks: jax.Array, sampling: SamplingArrays, *, block: int, attention: str = "blocked",
-                      return_logits: bool = False) -> tuple[KVArena, SampleOut, jax.Array | None]:
-    """Advance every lane by one token with one read of the weights.
+                      n_blocks: jax.Array, sampling: SamplingArrays, lanes: jax.Array | None = None, *, block: int,
+                      attention: str = "blocked", return_logits: bool = False
+                      ) -> tuple[KVArena, SampleOut, jax.Array | None]:
+    """Advance every row's lane by one token with one read of the weights.
 
-    positions, tokens: [lanes] int32 (an idle lane sits at the scratch slot); n_blocks: KV blocks covering the
-    longest live lane (unused by the dense attentions). Returns the updated arena, one sample per lane and, if
-    asked, the logits [lanes, vocab].
+    positions, tokens: [rows] int32 (an idle row sits at the scratch slot); n_blocks: KV blocks covering the
+    longest live row (unused by the dense attentions); lanes: [rows] int32, the arena lane of each row, or None for
+    a full-width wave (row r is lane r). Returns the updated arena, one sample per row and, if asked, the logits
+    [rows, vocab].
     """
-    x = embed_tokens(params, tokens)[:, None, :]  # [lanes, 1, d]
-    x, arena = _layers(cfg, params, arena, x, positions[:, None], jnp.int32(0), n_blocks, block,
-                       attention=attention)
-    logits = lm_logits(cfg, params, x[:, 0])  # [lanes, vocab]
+    rows = tokens.shape[0]
+    if lanes is None:
+        lanes = jnp.arange(rows, dtype=jnp.int32)
+    elif attention != "blocked":
+        raise ValueError(f"attention={attention!r} runs full-width waves only")
+    x = embed_tokens(params, tokens)[:, None, :]  # [rows, 1, d]
+    x, arena = _layers(cfg, params, arena, x, positions[:, None], lanes, n_blocks, block, attention=attention)
+    logits = lm_logits(cfg, params, x[:, 0])  # [rows, vocab]
     return arena, sample(logits, sampling), (logits if return_logits else None)
 
 
@@ -143,10 +152,10 @@ def prefill_chunk(cfg: ModelConfig, params: Params, arena: KVArena, lane: jax.Ar
     positions = (start + jnp.arange(chunk, dtype=jnp.int32))[None]  # [1, chunk]
     n_blocks = (start + n_valid + block - 1) // block
     x = embed_tokens(params, tokens)[None]  # [1, chunk, d]
-    x, arena = _layers(cfg, params, arena, x, positions, lane, n_blocks, block)
+    x, arena = _layers(cfg, params, arena, x, positions, jnp.reshape(lane, (1,)), n_blocks, block)
     scored = None
     if prompt_logprobs:
-        logprobs = jax.nn.log_softmax(lm_logits(cfg, params, x[0]), axis=-1)  # [chunk, vocab], never leaves
+        logprobs = log_softmax(lm_logits(cfg, params, x[0]))  # [chunk, vocab], never leaves
         scored = token_logprobs(logprobs, targets)
     if not last:
         return arena, None, None, scored

@@ -1,0 +1,35 @@
+"""Row-invariant reductions: a row's result never depends on how many rows the array has.
+
+XLA's CPU backend picks how to vectorize a reduce from the whole shape, so `jnp.sum` over a row adds in one order
+for a 1-row array and in another for a 16-row one: the last bits differ. A decode wave that may run at several widths
+(jaxstation/engine.py) needs every float reduction of a row to be the same at every width. Max, min, argmax and
+integer counts are exact in any order; float sums go through `row_sum`, which spells the order out as elementwise adds
+of halves, which XLA does not reorder.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def row_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis by pairwise halves (an odd length gains a zero): [..., n] -> [...]."""
+    while x.shape[-1] > 1:
+        if x.shape[-1] % 2:
+            x = jnp.concatenate([x, jnp.zeros((*x.shape[:-1], 1), x.dtype)], axis=-1)
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
+def log_softmax(x: jax.Array) -> jax.Array:
+    """`jax.nn.log_softmax` over the last axis with a row-invariant sum."""
+    shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+    return shifted - jnp.log(row_sum(jnp.exp(shifted)))[..., None]
+
+
+def softmax(x: jax.Array) -> jax.Array:
+    """`jax.nn.softmax` over the last axis with a row-invariant sum."""
+    e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))
+    return e / row_sum(e)[..., None]

@@ -1,0 +1,102 @@
+"""Narrow decode waves: a row-invariant engine runs a wave at the narrowest width that holds its live lanes, and a
+request's tokens and logits are bit-equal at every width, in any lane, beside any neighbours."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import prefill_all, tiny_model
+from test_batch_invariance import TARGET, run_wave
+
+from jaxstation.engine import DecodeRow, Engine, SamplingParams, wave_widths
+from jaxstation.loader import LoadedModel, load_model
+
+STEPS = 4
+SAMPLINGS = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.02, seed=77)]
+
+
+def test_default_widths() -> None:
+    assert wave_widths(1) == (1,)
+    assert wave_widths(4) == (1, 4)
+    assert wave_widths(8) == (1, 4, 8)
+    assert wave_widths(32) == (1, 4, 16, 32)
+
+
+def test_narrow_waves_need_the_kernel_and_the_blocked_attention(default_model: LoadedModel) -> None:
+    assert Engine(default_model, lanes=8, max_seq=128, chunk=32, block=128).widths == (1, 4, 8)
+    xla = tiny_model("tiny-llama3", "float32", "unroll", matmul="xla")
+    assert Engine(xla, lanes=8, max_seq=64, chunk=8, block=16).widths == (8,)
+    with pytest.raises(ValueError, match="need every matmul on the CPU kernel"):
+        Engine(xla, lanes=8, max_seq=64, chunk=8, block=16, widths=(1, 8))
+    kernel = tiny_model("tiny-llama3", "float32", "unroll", matmul="kernel")
+    assert Engine(kernel, lanes=8, max_seq=64, chunk=8, block=16, attention="xla").widths == (8,)
+    with pytest.raises(ValueError, match=r"include lanes \(8\)"):
+        Engine(kernel, lanes=8, max_seq=64, chunk=8, block=16, widths=(1, 4))
+
+
+def _widths_seen(engine: Engine, lanes: dict, steps: int) -> tuple[dict, list[int]]:
+    """run_wave, recording the width of every decode wave."""
+    seen: list[int] = []
+    wave = engine._wave
+
+    def recording(rows, width, return_logits):
+        seen.append(width)
+        return wave(rows, width, return_logits)
+
+    engine._wave = recording
+    try:
+        return run_wave(engine, lanes, steps), seen
+    finally:
+        del engine._wave
+
+
+def _neighbours(engine: Engine, target_lane: int, n: int, rng: np.random.Generator) -> dict:
+    others = [i for i in range(engine.lanes) if i != target_lane]
+    rng.shuffle(others)
+    lanes = {}
+    for other in others[:n]:
+        prompt = rng.integers(3, engine.cfg.vocab_size, int(rng.integers(2, 150))).tolist()
+        sp = SamplingParams(temperature=1.0, top_p=0.8, seed=int(rng.integers(1 << 31))) if other % 2 else \
+            SamplingParams()
+        lanes[other] = (prompt, sp)
+    return lanes
+
+
+@pytest.mark.parametrize("weights", ["float32", "int8"])
+def test_bits_are_equal_at_every_width(weights: str) -> None:
+    model = load_model(dtype=weights, layer_loop="unroll", matmul="kernel")
+    engine = Engine(model, lanes=16, max_seq=384, chunk=32, block=128)
+    assert engine.widths == (1, 4, 16)
+    rng = np.random.default_rng(5)
+    for sp in SAMPLINGS:
+        ref, seen = _widths_seen(engine, {0: (TARGET, sp)}, STEPS)
+        assert set(seen) == {1}
+        for lane, n_others, width in [(7, 2, 4), (15, 3, 4), (3, 9, 16), (12, 15, 16)]:
+            lanes = {lane: (TARGET, sp), **_neighbours(engine, lane, n_others, rng)}
+            got, seen = _widths_seen(engine, lanes, STEPS)
+            assert set(seen) == {width}
+            assert got[lane][0] == ref[0][0], f"{weights} {sp}: tokens differ at width {width}"
+            for step, (a, b) in enumerate(zip(got[lane][1], ref[0][1], strict=True)):
+                assert np.array_equal(a, b), f"{weights} width {width} step {step}: max abs {np.abs(a - b).max()}"
+
+
+def test_a_wave_narrows_as_lanes_retire(default_model: LoadedModel) -> None:
+    """Continuous batching: as neighbours finish, the same request moves to narrower waves and keeps its bits."""
+    engine = Engine(default_model, lanes=8, max_seq=256, chunk=32, block=128)
+    ref = run_wave(engine, {2: (TARGET, SamplingParams())}, 8)[2]
+    rng = np.random.default_rng(9)
+    others = {lane: rng.integers(3, 49152, 40).tolist() for lane in (0, 1, 3, 4, 5, 6)}
+    sample, _ = prefill_all(engine, 2, TARGET, SamplingParams())
+    for lane, prompt in others.items():
+        prefill_all(engine, lane, prompt, SamplingParams())
+    tokens, widths = [sample.token], []
+    for step in range(8):
+        rows = [None] * engine.lanes
+        rows[2] = DecodeRow(tokens[-1], len(TARGET) + step, SamplingParams(), step + 1)
+        for lane, prompt in list(others.items())[:max(0, 6 - step)]:  # one neighbour retires per wave
+            rows[lane] = DecodeRow(1, len(prompt) + step, SamplingParams(), step + 1)
+        live = sum(r is not None for r in rows)
+        widths.append(next(w for w in engine.widths if w >= live))
+        tokens.append(engine.decode(rows)[0][2].token)
+    assert tokens == ref[0]
+    assert widths[0] == 8 and widths[-1] == 1 and 4 in widths
