@@ -88,10 +88,14 @@ class DirectStation(System):
     name = "jaxstation"
     serves_http = False
 
-    def __init__(self, model, lanes: int, max_seq: int) -> None:
+    def __init__(self, dtype: str, lanes: int, max_seq: int) -> None:
         from jaxstation.engine import Engine
+        from jaxstation.loader import load_model
         from jaxstation.scheduler import Scheduler
+        from jaxstation.settings import StationConfig
 
+        station = StationConfig(dtype=dtype)
+        model = load_model(dtype=station.weights, layer_loop=station.loop, matmul=station.matmul_impl)
         engine = Engine(model, lanes=lanes, max_seq=max_seq, chunk=32, block=128)
         engine.warmup()
         self.sched = Scheduler(engine, continuous=True, max_queue=256, terminal_ids=frozenset())
@@ -210,6 +214,8 @@ def main() -> None:
     ap.add_argument("--latency-new-tokens", type=int, default=64)
     ap.add_argument("--no-latency", action="store_true")
     ap.add_argument("--slots", type=int, default=8, help="llama-server -np and jaxstation --lanes")
+    ap.add_argument("--dtype", default="float32", help="jaxstation's weights: float32 or int8 (llama.cpp reads the "
+                                                       "GGUF's Q4_1 as it is)")
     ap.add_argument("--llama-server", help="path of the llama-server binary (default: the build cache, then PATH)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--seed", type=int, default=0)
@@ -250,12 +256,13 @@ def main() -> None:
             if why is None:
                 port = free_port()
                 base = f"http://127.0.0.1:{port}"
-                serve("jaxstation", station_cmd(port, args.slots, ctx), f"{base}/ready", lambda b=base: Station(b))
+                serve("jaxstation", station_cmd(port, args.slots, ctx, dtype=args.dtype), f"{base}/ready",
+                      lambda b=base: Station(b))
             else:
                 notes["jaxstation"] = why
             if not any(s.name == "jaxstation" for s in systems):
                 notes["jaxstation"] = notes.get("jaxstation", "") + "; ran the Scheduler in-process instead"
-                systems.append(DirectStation(model, args.slots, ctx))
+                systems.append(DirectStation(args.dtype, args.slots, ctx))
         if "llama-server" in args.only:
             binary = find_llama_server(args.llama_server)
             if binary is None:

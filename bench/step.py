@@ -28,7 +28,8 @@ def main() -> None:
 
     model, engine_kw = bench_model(args, args.max_seq)
     weight_bytes = model.params.nbytes
-    print(f"{model.source}: {args.dtype}, layer loop {args.layer_loop}, matmul {args.matmul}, attention {args.attention}")
+    print(f"{model.source}: {args.dtype}, layer loop {args.layer_loop}, matmul {args.matmul}, "
+          f"attention {args.attention}")
     copy_bw, read_bw = copy_bandwidth(), read_bandwidth()
     # the roofline: a decode step only has to read its bytes (on an accelerator, from its own memory)
     bandwidth = max(copy_bw, read_bw) if jax.default_backend() == "cpu" else read_bw
