@@ -16,8 +16,8 @@ from server_util import free_port
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "test-mesh-token"
 # The mesh tests' station shape: small, so that several stations share 2 cores.
-# layer_loop: the session's default model (conftest) is stacked, so the local references run the same programs
-SHAPE = {"lanes": 4, "max_seq": 256, "prefill_chunk": 32, "kv_block": 128, "layer_loop": "scan"}
+# layer_loop: the session's default model (conftest) is unrolled, so the local references run the same programs
+SHAPE = {"lanes": 4, "max_seq": 256, "prefill_chunk": 32, "kv_block": 128, "layer_loop": "unroll"}
 
 
 class StationProcess:

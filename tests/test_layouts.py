@@ -123,7 +123,7 @@ def test_mistral_7b_bf16_fits_an_l4_with_8_lanes_of_4096() -> None:
 
 
 def test_random_model_matches_a_loaded_one_in_layout_and_bytes(default_model: LoadedModel) -> None:
-    random = random_model("smollm2-135m", "float32")
+    random = random_model("smollm2-135m", "float32", default_model.params.layer_loop, matmul="kernel")
     assert random.cfg == dataclasses.replace(default_model.cfg, rms_norm_eps=1e-5)  # GGUF stores it as float32
     assert random.params.nbytes == default_model.params.nbytes == weight_bytes(random.cfg, "float32")
     shapes = [x.shape for x in jax.tree_util.tree_leaves(random.params)]

@@ -30,7 +30,7 @@ def full_logits(default_model, smollm_reference):
 
 
 def test_default_model_is_float32(default_model):
-    assert default_model.params.embed.dtype == jnp.float32
+    assert default_model.params.dtype == jnp.float32 and default_model.params.embed.w.dtype == jnp.float32
     assert EOS in default_model.tokenizer.eos_ids
 
 
