@@ -89,12 +89,12 @@ def _samples(out: SampleOut) -> list[Sample]:
 
 
 def wave_widths(lanes: int) -> tuple[int, ...]:
-    """The default decode widths of a row-invariant engine: 1, 4, 16, ... below `lanes`, then `lanes` (a lone
+    """The default decode widths of a row-invariant engine: 1, 2, 4, ... below `lanes`, then `lanes` (a lone
     request runs a 1-row step; each width is one more compiled program)."""
     widths, w = [], 1
     while w < lanes:
         widths.append(w)
-        w *= 4
+        w *= 2
     return (*widths, lanes)
 
 

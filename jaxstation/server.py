@@ -148,7 +148,7 @@ def local_engine(model: LoadedModel, c: StationConfig) -> Engine:
     """The station's own engine, once its arena is known to fit, with the arena allocated."""
     check_memory(model.cfg, c, weights_resident=True)
     engine = Engine(model, lanes=c.lanes, max_seq=c.max_seq, chunk=c.prefill_chunk, block=c.kv_block,
-                    attention=c.attention_for(model.cfg))
+                    attention=c.attention_for(model.cfg), widths=c.decode_widths)
     jax.block_until_ready(engine.arena)
     return engine
 

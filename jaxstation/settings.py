@@ -101,6 +101,10 @@ SETTINGS: tuple[_Setting, ...] = (
     _Setting("port", "PORT", "--port", _parse_int, "TCP port (PORT is honoured, as Cloud Run sets it)"),
     _Setting("uds", "MOONSHINE_UDS", "--uds", _parse_str, "listen on this Unix socket instead of TCP"),
     _Setting("lanes", "MOONSHINE_BATCH_LANES", "--lanes", _parse_int, "decode lanes, i.e. max concurrent requests"),
+    _Setting("wave_widths", "MOONSHINE_WAVE_WIDTHS", "--wave-widths", _parse_str,
+             "decode wave widths: auto (1, 2, 4, ... up to the lanes when every matmul runs on the CPU kernel, else "
+             "only the lanes), full (every wave runs all lanes) or a list such as 1,4,16 (the lanes are added); a wave "
+             "runs at the narrowest width that holds its live lanes, and each width is one more compiled program"),
     _Setting("max_seq", "MOONSHINE_MAX_SEQ", "--max-seq", _parse_int,
              "positions per lane: prompt + max_new_tokens <= max_seq"),
     _Setting("prefill_chunk", "MOONSHINE_PREFILL_CHUNK", "--prefill-chunk", _parse_int,
@@ -158,6 +162,7 @@ class StationConfig:
     port: int = 8000
     uds: str | None = None
     lanes: int = 8
+    wave_widths: str = "auto"
     max_seq: int = 2048
     prefill_chunk: int = 32
     kv_block: int = 128
@@ -190,6 +195,15 @@ class StationConfig:
         for field in ("lanes", "max_seq", "prefill_chunk", "kv_block", "max_queue", "max_body_bytes"):
             if getattr(self, field) < 1:
                 raise ConfigError(f"{_name(field)}={getattr(self, field)} must be >= 1")
+        if self.wave_widths not in ("auto", "full"):
+            try:
+                widths = [int(w) for w in self.wave_widths.split(",")]
+            except ValueError:
+                raise ConfigError(f"{_name('wave_widths')}={self.wave_widths!r} must be auto, full or a "
+                                  "comma-separated list of widths such as 1,4,16") from None
+            if not all(1 <= w <= self.lanes for w in widths):
+                raise ConfigError(f"{_name('wave_widths')}={self.wave_widths!r}: every width must lie in [1, "
+                                  f"{_name('lanes')}={self.lanes}]")
         for field in ("prefill_chunk", "kv_block"):
             if self.max_seq % getattr(self, field):
                 raise ConfigError(f"{_name('max_seq')}={self.max_seq} must be a multiple of "
@@ -234,6 +248,15 @@ class StationConfig:
     def weights(self) -> str:
         """The weight dtype: the setting, or the backend's default."""
         return self.dtype or ("bfloat16" if on_gpu() else "float32")
+
+    @property
+    def decode_widths(self) -> tuple[int, ...] | None:
+        """The engine's decode widths: None lets the engine choose (auto), else the setting with the lanes added."""
+        if self.wave_widths == "auto":
+            return None
+        if self.wave_widths == "full":
+            return (self.lanes,)
+        return tuple(sorted({int(w) for w in self.wave_widths.split(",")} | {self.lanes}))
 
     @property
     def matmul_impl(self) -> str:

@@ -10,6 +10,7 @@ from test_batch_invariance import TARGET, run_wave
 
 from jaxstation.engine import DecodeRow, Engine, SamplingParams, wave_widths
 from jaxstation.loader import LoadedModel, load_model
+from jaxstation.settings import ConfigError, StationConfig
 
 STEPS = 4
 SAMPLINGS = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.02, seed=77)]
@@ -17,13 +18,21 @@ SAMPLINGS = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, top_k=
 
 def test_default_widths() -> None:
     assert wave_widths(1) == (1,)
-    assert wave_widths(4) == (1, 4)
-    assert wave_widths(8) == (1, 4, 8)
-    assert wave_widths(32) == (1, 4, 16, 32)
+    assert wave_widths(4) == (1, 2, 4)
+    assert wave_widths(6) == (1, 2, 4, 6)
+    assert wave_widths(32) == (1, 2, 4, 8, 16, 32)
+    assert StationConfig(lanes=32).decode_widths is None  # auto: the engine's choice
+    assert StationConfig(lanes=32, wave_widths="full").decode_widths == (32,)
+    assert StationConfig(lanes=32, wave_widths="16, 1,4").decode_widths == (1, 4, 16, 32)
+    with pytest.raises(ConfigError, match=r"MOONSHINE_WAVE_WIDTHS='1,64': every width must lie in \[1, "
+                                          r"MOONSHINE_BATCH_LANES=32\]"):
+        StationConfig(lanes=32, wave_widths="1,64")
+    with pytest.raises(ConfigError, match="must be auto, full or a comma-separated list"):
+        StationConfig(wave_widths="narrow")
 
 
 def test_narrow_waves_need_the_kernel_and_the_blocked_attention(default_model: LoadedModel) -> None:
-    assert Engine(default_model, lanes=8, max_seq=128, chunk=32, block=128).widths == (1, 4, 8)
+    assert Engine(default_model, lanes=8, max_seq=128, chunk=32, block=128).widths == (1, 2, 4, 8)
     xla = tiny_model("tiny-llama3", "float32", "unroll", matmul="xla")
     assert Engine(xla, lanes=8, max_seq=64, chunk=8, block=16).widths == (8,)
     with pytest.raises(ValueError, match="need every matmul on the CPU kernel"):
@@ -70,8 +79,7 @@ def int8_model() -> LoadedModel:
 @pytest.mark.parametrize("weights", ["float32", "int8"])
 def test_bits_are_equal_at_every_width(weights: str, default_model: LoadedModel, request) -> None:
     model = default_model if weights == "float32" else request.getfixturevalue("int8_model")
-    engine = Engine(model, lanes=16, max_seq=384, chunk=32, block=128)
-    assert engine.widths == (1, 4, 16)
+    engine = Engine(model, lanes=16, max_seq=384, chunk=32, block=128, widths=(1, 4, 16))  # 3 programs, not 5
     rng = np.random.default_rng(5)
     for sp in SAMPLINGS:
         ref, seen = _widths_seen(engine, {0: (TARGET, sp)}, STEPS)
@@ -87,7 +95,7 @@ def test_bits_are_equal_at_every_width(weights: str, default_model: LoadedModel,
 
 def test_a_wave_narrows_as_lanes_retire(engine: Engine) -> None:
     """Continuous batching: as neighbours finish, the same request moves to a narrower wave and keeps its bits."""
-    assert engine.widths == (1, 4)
+    assert engine.widths == (1, 2, 4)
     ref = run_wave(engine, {2: (TARGET, SamplingParams())}, 6)[2]
     rng = np.random.default_rng(9)
     others = {lane: rng.integers(3, 49152, 40).tolist() for lane in (0, 1, 3)}
@@ -104,4 +112,4 @@ def test_a_wave_narrows_as_lanes_retire(engine: Engine) -> None:
         widths.append(next(w for w in engine.widths if w >= live))
         tokens.append(engine.decode(rows)[0][2].token)
     assert tokens == ref[0]
-    assert widths == [4, 4, 4, 1, 1, 1]
+    assert widths == [4, 4, 2, 1, 1, 1]
