@@ -1,7 +1,7 @@
 """The CPU levers side by side, in one process with interleaved repetitions (so the ratios hold on a busy machine):
-weights float32 or int8, the layer walk scan or unroll, and the sampling filter (top-p by a vocabulary sort, as
-before, or by bisection, as now) at 1, 8 and 32 lanes. XLA flags need a process of their own: run it again with
-XLA_FLAGS set and --name.
+weights float32 or int8, the layer walk scan or unroll, the matmul (XLA's dot or the CPU kernel), and the sampling
+filter (top-p by a vocabulary sort, as before, or by bisection, as now) at 1, 8 and 32 lanes. Each decode runs a
+full-width wave of `lanes` rows. XLA flags need a process of their own: run it again with XLA_FLAGS set and --name.
 
 Usage:
   python -m bench.levers
@@ -47,22 +47,23 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--name", default="levers")
     args = ap.parse_args()
-    models = {(w, loop): load_model(dtype=w, layer_loop=loop) for w in ("float32", "int8") for loop in
-              ("scan", "unroll")}
+    combos = [("float32", "scan", "xla"), ("float32", "unroll", "xla"), ("float32", "unroll", "kernel"),
+              ("int8", "scan", "xla"), ("int8", "unroll", "kernel")]
+    models = {c: load_model(dtype=c[0], layer_loop=c[1], matmul=c[2]) for c in combos}
     rows = []
     for lanes in args.lanes:
         variants: dict[str, object] = {}
         wave = [DecodeRow(1, args.live - 1, SamplingParams(), 0)] * lanes
         t_compile = {}
-        for (w, loop), model in models.items():
-            if loop == "unroll" and lanes not in args.unroll_lanes:
+        for (w, loop, matmul), model in models.items():
+            if loop == "unroll" and matmul == "xla" and lanes not in args.unroll_lanes:
                 continue
             t0 = time.perf_counter()
             engine = Engine(model, lanes=lanes, max_seq=512, chunk=32, block=128)
             engine.decode(wave)
-            t_compile[f"{w} {loop}"] = time.perf_counter() - t0
-            variants[f"{w} {loop}"] = lambda e=engine, rows=wave: e.decode(rows)
-        cfg = models["float32", "scan"].cfg
+            t_compile[f"{w} {loop} {matmul}"] = time.perf_counter() - t0
+            variants[f"{w} {loop} {matmul}"] = lambda e=engine, rows=wave: e.decode(rows)
+        cfg = models["float32", "scan", "xla"].cfg
         scaled = jnp.asarray(np.random.default_rng(0).standard_normal((lanes, cfg.vocab_size)), jnp.float32)
         s = jax.tree_util.tree_map(jnp.asarray, _sampling_arrays(
             [(SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1), 0)] * lanes))
@@ -76,15 +77,18 @@ def main() -> None:
                 t0 = time.perf_counter()
                 fn()
                 times[k].append(time.perf_counter() - t0)
-        base = float(np.median(times["float32 scan"]))
+        base = float(np.median(times["float32 scan xla"]))
         for k, ts in times.items():
             s_ = summary(ts)
             row = {"lanes": lanes, "variant": k, "ms": 1e3 * s_["median"],
-                   "spread_ms": [1e3 * s_["min"], 1e3 * s_["max"]], "over_float32_scan": s_["median"] / base,
+                   "spread_ms": [1e3 * s_["min"], 1e3 * s_["max"]], "over_float32_scan_xla": s_["median"] / base,
                    "first_call_s": t_compile.get(k)}
             rows.append(row)
-            print(f"lanes {lanes:2d} {k:20s} {row['ms']:8.1f} ms  x{row['over_float32_scan']:.2f} of float32 scan"
-                  + (f"  (first call {row['first_call_s']:.0f} s)" if row["first_call_s"] else ""), flush=True)
+            print(f"lanes {lanes:2d} {k:24s} {row['ms']:8.1f} ms  x{row['over_float32_scan_xla']:.2f} of float32 scan "
+                  "xla" + (f"  (first call {row['first_call_s']:.0f} s)" if row["first_call_s"] else ""), flush=True)
+        ms = {r["variant"]: r["ms"] for r in rows if r["lanes"] == lanes}
+        best_float = min(v for k, v in ms.items() if k.startswith("float32"))
+        print(f"lanes {lanes:2d} int8 unroll kernel / best float32: {ms['int8 unroll kernel'] / best_float:.2f}")
     path = write_result(args.name, {"config": vars(args), "xla_flags": os.environ.get("XLA_FLAGS", ""),
                                     "rows": rows})
     print(f"wrote {path}")

@@ -220,6 +220,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--server-timeout", type=float, default=300.0)
+    ap.add_argument("--name", default="peers", help="result file name (e.g. peers_int8 for an --dtype int8 run)")
     ap.add_argument("--quick", action="store_true", help="16 new tokens, 1 rep, 6 latency requests of 16 tokens")
     args = ap.parse_args()
     if args.quick:
@@ -349,7 +350,7 @@ def main() -> None:
         ltps = f"{lat['achieved_tokens_per_s']:.1f}" if "achieved_tokens_per_s" in lat else "-"
         print(f"| {r['system']} | " + " | ".join(cells) + f" | {best} | {e2e} | {ltps} | {r['note'] or ''} |")
     print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
-    path = write_result("peers", {"config": dict(vars(args)), "model": str(gguf), "bandwidth": bandwidth,
+    path = write_result(args.name, {"config": dict(vars(args)), "model": str(gguf), "bandwidth": bandwidth,
                                   "rows": rows, "ratios": ratios})
     print(f"wrote {path}")
 

@@ -57,7 +57,7 @@ def parts(engine: Engine, live: int, reps: int) -> dict:
     def attention(arena):
         def one(i):
             if engine.attention == "blocked":
-                return _blocked_attention(cfg, q, positions, arena, i, jnp.int32(0), n_blocks, engine.block)
+                return _blocked_attention(cfg, q, positions, arena, i, jnp.arange(lanes), n_blocks, engine.block)
             return _dense_decode_attention(cfg, q.reshape(lanes, cfg.num_heads, -1), positions[:, 0], arena.k[i],
                                            arena.v[i], engine.attention)
         return sum(one(i) for i in range(cfg.num_layers))

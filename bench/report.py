@@ -43,8 +43,10 @@ def merge_peers(runs: list[dict]) -> dict | None:
         return None
     rows: dict[str, dict] = {}
     for run in runs:
+        dtype = run["config"].get("dtype", "float32")
         for r in run["rows"]:
-            row = rows.setdefault(r["system"], {"system": r["system"], "tokens_per_s": {}, "note": r.get("note")})
+            system = f"jaxstation {dtype}" if r["system"] == "jaxstation" else r["system"]
+            row = rows.setdefault(system, {"system": system, "tokens_per_s": {}, "note": r.get("note")})
             row["tokens_per_s"].update(r.get("tokens_per_s", {}))
             if r.get("latency"):
                 row["latency"] = r["latency"]
