@@ -1,9 +1,11 @@
-"""The CPU matmul kernel (jaxstation/kernels/rowwise_matmul.cc): build it once, register it with XLA, call it.
+"""The CPU kernels (jaxstation/kernels/cpu_kernels.cc): build them once, register them with XLA, call them.
 
 XLA's CPU dot has two problems for a decode step. With int8 weights it converts them to float32 in memory before the
 dot, so a step moves more bytes than with float32 weights. And it picks a different algorithm for one row than for
-several, so a row's bits depend on how many rows share the call. The kernel reads int8 (or float32) weights straight
-from their buffers, and computes each output with one fixed sequence of operations whatever the number of rows.
+several, so a row's bits depend on how many rows share the call. The matmul kernel reads int8 (or float32) weights
+straight from their buffers, and computes each output with one fixed sequence of operations whatever the number of
+rows. The decode attention kernel reads each row's own lane of the KV arena in place, only the positions the row
+attends to, with no per-block loop; a row's result again depends on nothing else.
 
 It is compiled at first use with the system C++ compiler against the jaxlib headers (`jax.ffi.include_dir()`), for
 this machine's CPU (`-march=native`), and cached under ~/.cache/jaxstation/kernels keyed by source, flags, compiler
@@ -26,13 +28,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "rowwise_matmul.cc"
+SOURCE = Path(__file__).with_name("kernels") / "cpu_kernels.cc"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
 TARGETS = {"int8": ("jaxstation_rowwise_matmul_s8", "RowwiseMatmulS8"),
-           "float32": ("jaxstation_rowwise_matmul_f32", "RowwiseMatmulF32")}
+           "float32": ("jaxstation_rowwise_matmul_f32", "RowwiseMatmulF32"),
+           "attention": ("jaxstation_decode_attention", "DecodeAttention")}
 K_MULTIPLE, N_MULTIPLE = 32, 4  # the kernel's shape contract
 
 
@@ -73,7 +77,7 @@ def _build() -> Path:
     model = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")), "")
     key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, jaxlib.__version__, model,
                                     " ".join(sorted(_cpu_flags()))]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"rowwise_matmul-{key}.so"
+    target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     tmp = target.with_suffix(f".{os.getpid()}.tmp")
@@ -111,6 +115,22 @@ def require() -> None:
     reason = _load()
     if reason is not None:
         raise KernelUnavailable(reason)
+
+
+def attention_fits(head_dim: int, group_size: int) -> bool:
+    return head_dim % 16 == 0 and head_dim <= 256 and group_size <= 8
+
+
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array | int, lanes: jax.Array,
+                     positions: jax.Array, window: int | None) -> jax.Array:
+    """One query per row over its own arena lane: q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd]
+    float32; lanes, positions [rows] -> [rows, heads, hd]. A row attends to positions (positions - window,
+    positions] of its lane (from 0 without a window), softmax over exactly those."""
+    require()
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call(TARGETS["attention"][0], out)(
+        q.astype(jnp.float32), k, v, jnp.asarray(layer, jnp.int32), lanes.astype(jnp.int32),
+        positions.astype(jnp.int32), window=np.int64(window or 0), scale=np.float32(q.shape[-1] ** -0.5))
 
 
 def fits(in_features: int, out_features: int) -> bool:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from jaxstation import cpu_kernel
 from jaxstation.arena import allocate_arena
 from jaxstation.loader import LoadedModel
 from jaxstation.prefix_cache import LaneVersions
@@ -22,9 +23,11 @@ from jaxstation.sampling import SampleOut, SamplingArrays
 from jaxstation.steps import decode_step_batch, prefill_chunk
 
 SEED_LIMIT = 1 << 32  # seeds are 32-bit on the device
-# Decode attention: the blocked online-softmax walk, or jax.nn.dot_product_attention ("xla" or "cudnn") over each
-# lane's whole slab with per-lane lengths (no per-block loop; cuDNN skips what lies past a lane's length).
-ATTENTIONS = ("blocked", "xla", "cudnn")
+# Decode attention: the blocked online-softmax walk, the CPU decode attention kernel (each row's own positions, read in
+# place), or jax.nn.dot_product_attention ("xla" or "cudnn") over each lane's whole slab with per-lane lengths (no
+# per-block loop; cuDNN skips what lies past a lane's length).
+ATTENTIONS = ("blocked", "kernel", "xla", "cudnn")
+ROW_ATTENTIONS = ("blocked", "kernel")  # those that take any subset of lanes, so waves may run narrow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,22 +101,33 @@ def wave_widths(lanes: int) -> tuple[int, ...]:
     return (*widths, lanes)
 
 
+def kernel_attention_fits(model: LoadedModel) -> bool:
+    """Whether the CPU decode attention kernel can serve this model here."""
+    cfg = model.cfg
+    return (model.params.dtype == jax.numpy.float32 and cpu_kernel.attention_fits(cfg.head_dim, cfg.group_size)
+            and cpu_kernel.available())
+
+
 class Engine:
     """Lanes over one KV arena. `prefill` fills a lane chunk by chunk; `decode` advances every live lane by one."""
 
     def __init__(self, model: LoadedModel, lanes: int, max_seq: int, chunk: int, block: int,
                  attention: str = "blocked", widths: Sequence[int] | None = None) -> None:
         """widths: the decode wave widths (default: `wave_widths` when the model's matmuls are row-invariant and the
-        attention is blocked, else only `lanes`)."""
+        attention is blocked or the kernel, else only `lanes`)."""
         if max_seq % chunk or max_seq % block:
             raise ValueError(f"max_seq ({max_seq}) must be a multiple of the prefill chunk ({chunk}) "
                              f"and of the KV block ({block})")
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
-        if attention != "blocked" and model.cfg.sliding_window is not None and max_seq > model.cfg.sliding_window:
+        if attention == "kernel" and not kernel_attention_fits(model):
+            raise ValueError("attention='kernel' needs float32 activations, head_dim a multiple of 16 (up to 256), at "
+                             "most 8 query heads per kv head, and the CPU kernel built here")
+        window = model.cfg.sliding_window
+        if attention in ("xla", "cudnn") and window is not None and max_seq > window:
             raise ValueError(f"attention={attention!r} does not window; with a sliding window of "
                              f"{model.cfg.sliding_window} it needs max_seq <= the window, got {max_seq}")
-        narrow_ok = model.params.row_invariant and attention == "blocked"
+        narrow_ok = model.params.row_invariant and attention in ROW_ATTENTIONS
         if widths is None:
             widths = wave_widths(lanes) if narrow_ok else (lanes,)
         widths = tuple(sorted(set(widths)))
@@ -121,7 +135,8 @@ class Engine:
             raise ValueError(f"decode widths must lie in [1, lanes] and include lanes ({lanes}), got {widths}")
         if len(widths) > 1 and not narrow_ok:
             raise ValueError("decode waves narrower than the arena need every matmul on the CPU kernel and the "
-                             f"blocked attention (matmul kernel: {model.params.row_invariant}, attention {attention})")
+                             f"blocked or kernel attention (matmul kernel: {model.params.row_invariant}, attention "
+                             f"{attention})")
         self.widths = widths
         self.model = model
         self.cfg = model.cfg

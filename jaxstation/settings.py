@@ -88,8 +88,9 @@ SETTINGS: tuple[_Setting, ...] = (
              "weight dtype: float32, bfloat16 or int8 (weight-only, per output channel; activations and the KV "
              "arena stay float32 on CPU, bfloat16 on a GPU) (default: float32 on CPU, bfloat16 on a GPU)"),
     _Setting("attention", "MOONSHINE_ATTENTION", "--attention", _parse_str,
-             "decode attention: blocked (online softmax over KV blocks), xla or cudnn "
-             "(jax.nn.dot_product_attention with per-lane lengths); auto is cudnn on a GPU for bfloat16, else blocked"),
+             "decode attention: blocked (online softmax over KV blocks), kernel (the CPU decode attention kernel), xla "
+             "or cudnn (jax.nn.dot_product_attention with per-lane lengths); auto is cudnn on a GPU for bfloat16, "
+             "kernel on CPU for float32 activations when it builds, else blocked"),
     _Setting("layer_loop", "MOONSHINE_LAYER_LOOP", "--layer-loop", _parse_str,
              "scan (stacked layer weights in one loop) or unroll (one weight buffer per layer); auto is unroll, "
              "except scan for int8 on CPU with XLA's dot"),
@@ -286,12 +287,15 @@ class StationConfig:
     def attention_for(self, cfg: ModelConfig) -> str:
         """The decode attention: the setting, or cuDNN on a GPU for bfloat16 activations (cuDNN's flash attention has
         no float32; float32 keeps the blocked walk at highest precision) unless the model's sliding window would be
-        cut."""
+        cut; on CPU the decode attention kernel for float32 activations when it builds and fits the heads."""
         if self.attention != "auto":
             return self.attention
         windowed = cfg.sliding_window is not None and self.max_seq > cfg.sliding_window
         half = compute_dtype(self.weights) == jnp.bfloat16
-        return "cudnn" if on_gpu() and half and not windowed else "blocked"
+        if on_gpu():
+            return "cudnn" if half and not windowed else "blocked"
+        fits = cpu_kernel.attention_fits(cfg.head_dim, cfg.group_size) and not half
+        return "kernel" if fits and cpu_kernel.available() else "blocked"
 
     @property
     def max_request_tokens(self) -> int:

@@ -20,6 +20,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jaxstation import cpu_kernel
 from jaxstation.arena import KVArena
 from jaxstation.config import ModelConfig
 from jaxstation.model import Params, attn_out, embed_tokens, lm_logits, mlp_block, over_layers, qkv_proj
@@ -84,8 +85,9 @@ def _layers(cfg: ModelConfig, params: Params, arena: KVArena, x: jax.Array, posi
     """Run every layer over rows of arena `lanes`: write their k/v at `positions`, attend, MLP.
 
     x: [rows, Q, d]; positions: [rows, Q] int32 (consecutive within a row); lanes: [rows] int32 (one lane for a
-    prefill chunk). attention: "blocked" (the online-softmax block walk) or, for full-width decode waves only (row r
-    is lane r), a `jax.nn.dot_product_attention` implementation ("xla" or "cudnn").
+    prefill chunk). attention: "blocked" (the online-softmax block walk), or for decode waves "kernel" (the CPU
+    decode attention kernel, jaxstation/cpu_kernel.py) or, for full-width waves only (row r is lane r), a
+    `jax.nn.dot_product_attention` implementation ("xla" or "cudnn").
     """
     rows, nq = x.shape[:2]
     inv_freq = jnp.asarray(cfg.inv_freq())
@@ -100,7 +102,10 @@ def _layers(cfg: ModelConfig, params: Params, arena: KVArena, x: jax.Array, posi
             start = (i, lanes[0], positions[0, 0], 0, 0)
             k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
             v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
-        if nq == 1 and attention != "blocked":
+        if nq == 1 and attention == "kernel":
+            o = cpu_kernel.decode_attention(q[:, 0], k_all, v_all, i, lanes, positions[:, 0], cfg.sliding_window)
+            o = o.reshape(rows, 1, cfg.num_heads * cfg.head_dim)
+        elif nq == 1 and attention != "blocked":
             o = _dense_decode_attention(cfg, q[:, 0], positions[:, 0], k_all[i], v_all[i], attention)[:, None]
         else:
             q = q.reshape(rows, nq, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
@@ -126,7 +131,7 @@ def decode_step_batch(cfg: ModelConfig, params: Params, arena: KVArena, position
     rows = tokens.shape[0]
     if lanes is None:
         lanes = jnp.arange(rows, dtype=jnp.int32)
-    elif attention != "blocked":
+    elif attention not in ("blocked", "kernel"):
         raise ValueError(f"attention={attention!r} runs full-width waves only")
     x = embed_tokens(params, tokens)[:, None, :]  # [rows, 1, d]
     x, arena = _layers(cfg, params, arena, x, positions[:, None], lanes, n_blocks, block, attention=attention)

@@ -32,7 +32,7 @@ def default_model() -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def engine(default_model: LoadedModel) -> Engine:
-    return Engine(default_model, **ENGINE_SHAPE)
+    return Engine(default_model, **ENGINE_SHAPE, attention=StationConfig().attention_for(default_model.cfg))
 
 
 @pytest.fixture(scope="session")

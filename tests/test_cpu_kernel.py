@@ -109,3 +109,30 @@ def test_int8_on_the_kernel_matches_int8_on_xla() -> None:
     got, ref = _full_logits(kernel, PROMPT), _full_logits(xla, PROMPT)
     assert np.array_equal(got.argmax(-1), ref.argmax(-1))
     assert np.abs(got - ref).max() < 2e-3
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_attention_kernel(window: int | None) -> None:
+    """Against a float64 softmax over each row's own positions; a row's bits do not depend on the other rows."""
+    rng = np.random.default_rng(4)
+    layers, lanes, seq, kvh, group, hd = 2, 5, 40, 2, 3, 32
+    k = rng.standard_normal((layers, lanes, seq, kvh, hd)).astype(np.float32)
+    v = rng.standard_normal((layers, lanes, seq, kvh, hd)).astype(np.float32)
+    q = rng.standard_normal((4, kvh * group, hd)).astype(np.float32)
+    row_lanes = np.array([3, 0, 4, 1], np.int32)
+    positions = np.array([0, 17, 39, 8], np.int32)
+    f = jax.jit(lambda q, lanes, pos: cpu_kernel.decode_attention(q, jnp.asarray(k), jnp.asarray(v), 1, lanes, pos,
+                                                                  window))
+    got = np.asarray(f(q, row_lanes, positions))
+    for r, (lane, pos) in enumerate(zip(row_lanes, positions, strict=True)):
+        lo = 0 if window is None else max(0, pos - window + 1)
+        for h in range(kvh * group):
+            keys, vals = k[1, lane, lo:pos + 1, h // group], v[1, lane, lo:pos + 1, h // group]
+            s = keys.astype(np.float64) @ q[r, h] / np.sqrt(hd)
+            p = np.exp(s - s.max())
+            np.testing.assert_allclose(got[r, h], (p / p.sum()) @ vals, rtol=1e-5, atol=1e-5)
+    for rows in ([2], [3, 1], [0, 1, 2]):
+        part = np.asarray(f(q[rows], row_lanes[rows], positions[rows]))
+        assert np.array_equal(part, got[rows])
+    with pytest.raises(Exception, match="lane or position out of range"):
+        f(q[:1], np.array([5], np.int32), np.array([0], np.int32)).block_until_ready()

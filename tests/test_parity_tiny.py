@@ -17,13 +17,15 @@ from jaxstation.loader import load_model
 from jaxstation.model import forward_full
 
 NAMES = ("tiny-llama3", "tiny-mistral")
-# (fixture, weights, layer loop, decode attention, matmul): the CPU default (unrolled, the CPU kernel), the stacked
-# walk on XLA's dot, the GPU layout with the dense attention the GPU runs (its `xla` implementation; tiny-mistral's
+# (fixture, weights, layer loop, decode attention, matmul): the CPU default (unrolled, the CPU kernels for matmuls and
+# decode attention; tiny-mistral's window is 16), the blocked attention on the matmul kernel, the stacked walk on XLA's
+# dot, the GPU layout with the dense attention the GPU runs (its `xla` implementation; tiny-mistral's
 # 16-token window rules the dense attention out at max_seq 64), int8 on XLA's dot and on the kernel.
-VARIANTS = [(n, "float32", "unroll", "blocked", "kernel") for n in NAMES] + [
-    (n, "float32", "scan", "blocked", "xla") for n in NAMES] + [
+VARIANTS = [(n, "float32", "unroll", "kernel", "kernel") for n in NAMES] + [
+    ("tiny-llama3", "float32", "unroll", "blocked", "kernel"), ("tiny-mistral", "int8", "unroll", "kernel", "kernel"),
+    *((n, "float32", "scan", "blocked", "xla") for n in NAMES),
     ("tiny-llama3", "float32", "unroll", "xla", "xla"), ("tiny-mistral", "float32", "unroll", "blocked", "xla"),
-    ("tiny-llama3", "int8", "scan", "blocked", "xla"), ("tiny-mistral", "int8", "unroll", "blocked", "kernel")]
+    ("tiny-llama3", "int8", "scan", "blocked", "xla")]
 # Prompt lengths to prefill before feeding the rest of the 48 reference ids one by one through decode.
 # None is a multiple of the chunk (8). With the 16-token window: 5 and 13 decode across positions 16 and 32;
 # 20 prefills across 16 and decodes across 32; 37 and 47 prefill across both.

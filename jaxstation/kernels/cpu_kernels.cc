@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -40,6 +41,15 @@ inline __m256 Half(Vec s) {  // lanes i + (i + 8)
   return _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
 }
 inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec Set1(float a) { return _mm512_set1_ps(a); }
+inline void Store(float* p, Vec a) { _mm512_storeu_ps(p, a); }
+inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec Sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec Max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline Vec Round(Vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec Pow2(Vec n) {  // 2^n for integral n in [-126, 127]
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
 #else
 using Vec = __m256;
 constexpr int64_t kLanes = 8;
@@ -52,7 +62,33 @@ inline Vec LoadW(const int8_t* p) {
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline __m256 Half(Vec s) { return s; }
 inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec Set1(float a) { return _mm256_set1_ps(a); }
+inline void Store(float* p, Vec a) { _mm256_storeu_ps(p, a); }
+inline Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec Sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec Max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline Vec Round(Vec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec Pow2(Vec n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
 #endif
+
+// e^x for x <= 0 (a score minus the row's maximum): Cody-Waite reduction and a degree-6 polynomial, ~2 ulp; x below
+// -87 gives e^-87 (1.6e-38), as good as zero beside the maximum's 1.
+inline Vec ExpNonPositive(Vec x) {
+  x = Max(x, Set1(-87.0f));
+  const Vec n = Round(Mul(x, Set1(1.44269504088896341f)));
+  Vec r = Fma(n, Set1(-0.693359375f), x);
+  r = Fma(n, Set1(2.12194440e-4f), r);
+  Vec p = Set1(1.0f / 720);
+  p = Fma(p, r, Set1(1.0f / 120));
+  p = Fma(p, r, Set1(1.0f / 24));
+  p = Fma(p, r, Set1(1.0f / 6));
+  p = Fma(p, r, Set1(0.5f));
+  p = Fma(p, r, Set1(1.0f));
+  p = Fma(p, r, Set1(1.0f));
+  return Mul(p, Pow2(n));
+}
 constexpr int64_t kStep = 2 * kLanes;  // K columns per iteration: one vector into each accumulator
 
 // The one horizontal sum every output uses.
@@ -175,7 +211,103 @@ ffi::Error MatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   return Run<float>(pool, x.typed_data(), w.typed_data(), nullptr, y->typed_data(), xd[0], xd[1], wd[0]);
 }
 
+// Decode attention of one query row per arena lane over that lane's own positions: for row r and kv head h, the
+// group's query heads attend to k/v[layer, lanes[r], lo..positions[r], h] with lo = positions[r] - window + 1 (or 0),
+// softmax over exactly those positions (scores by the same two-accumulator dot as the matmul, exp by one polynomial,
+// sums and the weighted sum of v in position order). Each (row, kv head) is one task with one fixed order of operations, so a
+// row's result depends on nothing but its own lane. q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd].
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lanes,
+                               ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out, int64_t window,
+                               float scale) {
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 3 || kd.size() != 5 || v.element_count() != k.element_count() || qd[2] != kd[4] ||
+      qd[1] % kd[3])
+    return ffi::Error::InvalidArgument("decode_attention: q [rows, heads, hd], k and v [layers, lanes, seq, kvh, hd]");
+  const int64_t rows = qd[0], heads = qd[1], hd = qd[2], n_layers = kd[0], n_lanes = kd[1], seq = kd[2];
+  const int64_t kvh = kd[3], group = heads / kvh, nv = hd / kLanes;  // nv: vectors per head
+  if (hd % kLanes || hd > 256 || group > 8)
+    return ffi::Error::InvalidArgument("decode_attention: head_dim a multiple of 16 up to 256, group <= 8");
+  const int64_t l = layer.typed_data()[0];
+  const int32_t* lane = lanes.typed_data();
+  const int32_t* pos = positions.typed_data();
+  if (l < 0 || l >= n_layers) return ffi::Error::InvalidArgument("decode_attention: layer out of range");
+  for (int64_t r = 0; r < rows; ++r)
+    if (lane[r] < 0 || lane[r] >= n_lanes || pos[r] < 0 || pos[r] >= seq)
+      return ffi::Error::InvalidArgument("decode_attention: lane or position out of range");
+  const float* qp = q.typed_data();
+  const float* kp = k.typed_data();
+  const float* vp = v.typed_data();
+  float* op = out->typed_data();
+  ParallelFor(pool, rows * kvh, [&](int64_t item) {
+    const int64_t r = item / kvh, h = item % kvh;
+    const int64_t hi = pos[r], lo = window > 0 ? std::max<int64_t>(0, hi - window + 1) : 0, n = hi - lo + 1;
+    const int64_t stride = kvh * hd;  // floats between consecutive positions
+    const int64_t base = ((l * n_lanes + lane[r]) * seq + lo) * stride + h * hd;
+    std::vector<float> scores(group * n);
+    // scores[g][i] = scale * q_g . k_(lo + i), each dot in the matmul kernel's order
+    for (int64_t i = 0; i < n; ++i) {
+      const float* kr = kp + base + i * stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qr = qp + (r * heads + h * group + g) * hd;
+        Vec even = Zero(), odd = Zero();
+        for (int64_t c = 0; c < nv; c += 2) {
+          even = Fma(LoadX(qr + c * kLanes), LoadX(kr + c * kLanes), even);
+          if (c + 1 < nv) odd = Fma(LoadX(qr + (c + 1) * kLanes), LoadX(kr + (c + 1) * kLanes), odd);
+        }
+        scores[g * n + i] = Finish(even, odd) * scale;
+      }
+    }
+    float denom[8];
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = scores.data() + g * n;
+      float m = sg[0];
+      for (int64_t i = 1; i < n; ++i) m = std::max(m, sg[i]);
+      const Vec mv = Set1(m);
+      int64_t i = 0;
+      for (; i + kLanes <= n; i += kLanes) Store(sg + i, ExpNonPositive(Sub(LoadX(sg + i), mv)));
+      if (i < n) {  // the tail through a padded vector, so every score takes the same exp
+        float tail[kLanes];
+        for (int64_t j = 0; j < kLanes; ++j) tail[j] = i + j < n ? sg[i + j] - m : 0.0f;
+        Store(tail, ExpNonPositive(LoadX(tail)));
+        for (int64_t j = 0; i + j < n; ++j) sg[i + j] = tail[j];
+      }
+      float sum = 0.0f;
+      for (int64_t j = 0; j < n; ++j) sum += sg[j];
+      denom[g] = sum;
+    }
+    // out_g = sum_i p_gi v_i / denom_g, positions in order
+    for (int64_t g = 0; g < group; ++g) {
+      Vec acc[32];  // up to head_dim 256
+      for (int64_t c = 0; c < nv; ++c) acc[c] = Zero();
+      const float* pg = scores.data() + g * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const float* vr = vp + base + i * stride;
+        const Vec w = Set1(pg[i]);
+        for (int64_t c = 0; c < nv; ++c) acc[c] = Fma(w, LoadX(vr + c * kLanes), acc[c]);
+      }
+      const Vec inv = Set1(1.0f / denom[g]);
+      float* o = op + (r * heads + h * group + g) * hd;
+      for (int64_t c = 0; c < nv; ++c) Store(o + c * kLanes, Mul(acc[c], inv));
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, DecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RowwiseMatmulS8, MatmulS8,
                               ffi::Ffi::Bind()
