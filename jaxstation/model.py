@@ -1,12 +1,12 @@
 """The Llama-family decoder in functional JAX: parameter pytree, layer pieces and the full-sequence oracle.
 
 Weights are stored [in, out] so activations multiply on the left; q/k/v and gate/up are fused so that each layer
-reads its weights in three matmuls plus the output projections. A projection is a float array or an int8
-`QuantWeight` (jaxstation/quant.py); `quant.matmul` handles both.
+reads its weights in three matmuls plus the output projections. A projection is a float array, an int8
+`QuantWeight`, or a `KernelWeight` laid out for the CPU kernel (jaxstation/quant.py); `quant.matmul` handles each.
 
 Two layouts of the per-layer weights, chosen at load (`layer_loop`):
 - "scan": every leaf stacked on a leading layer axis, walked by `fori_loop` (one compiled layer body: quick to
-  compile, and what int8 needs on CPU);
+  compile, and what int8 needs on XLA's CPU dot);
 - "unroll": a tuple with one `LayerParams` per layer, walked by a Python loop, so that each matmul reads its own
   weight buffer in place (on a GPU, indexing a stacked weight inside a loop copies it before the GEMM; on CPU it
   measured as fast or faster for float weights, bench/levers.py).

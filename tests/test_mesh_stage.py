@@ -14,8 +14,8 @@ from jaxstation.stage import LayerRange, Stage, slice_params
 from jaxstation.wire import DTYPES, decode, encode
 
 
-def _stages(model, splits: list[str]) -> list[Stage]:
-    return [Stage(model, LayerRange.parse(s), **SHAPE) for s in splits]
+def _stages(model, splits: list[str], attention: str = "blocked") -> list[Stage]:
+    return [Stage(model, LayerRange.parse(s), **SHAPE, attention=attention) for s in splits]
 
 
 def _forward(stages: list[Stage], wave: str, inputs: np.ndarray, positions: np.ndarray, lane0: int,
@@ -30,7 +30,7 @@ def _forward(stages: list[Stage], wave: str, inputs: np.ndarray, positions: np.n
 
 def _check_split(engine: Engine, splits: list[str], sampling: SamplingParams) -> None:
     model = engine.model
-    stages = _stages(model, splits)
+    stages = _stages(model, splits, engine.attention)
     lanes, chunk, block, scratch = SHAPE["lanes"], SHAPE["chunk"], SHAPE["block"], SHAPE["max_seq"] - 1
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(0, model.cfg.vocab_size, 45)]
