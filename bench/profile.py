@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import add_model_args, bench_model, summary, timed, write_result
+from jaxstation import cpu_kernel
 from jaxstation.engine import DecodeRow, Engine, SamplingParams, _sampling_arrays
 from jaxstation.model import attn_out, lm_logits, mlp_block, over_layers, qkv_proj
 from jaxstation.sampling import sample
@@ -58,6 +59,9 @@ def parts(engine: Engine, live: int, reps: int) -> dict:
         def one(i):
             if engine.attention == "blocked":
                 return _blocked_attention(cfg, q, positions, arena, i, jnp.arange(lanes), n_blocks, engine.block)
+            if engine.attention == "kernel":
+                return cpu_kernel.decode_attention(q.reshape(lanes, cfg.num_heads, -1), arena.k, arena.v, i,
+                                                   jnp.arange(lanes), positions[:, 0], cfg.sliding_window)
             return _dense_decode_attention(cfg, q.reshape(lanes, cfg.num_heads, -1), positions[:, 0], arena.k[i],
                                            arena.v[i], engine.attention)
         return sum(one(i) for i in range(cfg.num_layers))
