@@ -22,8 +22,9 @@ chunk's time per token.
 Serialize-all (continuous=False). The same loop admits a job only when no lane is busy: one request holds the engine
 for its whole prefill and decode, as the old station's lock did, through the same compiled shapes.
 
-Invariance. The engine's steps have fixed shapes and never mix rows, and each request samples with its own seed and
-counter, so a job's tokens are the same whichever lane it gets, whatever runs beside it, and in either mode.
+Invariance. The engine's steps come from a fixed set of shapes and never mix rows (a narrow wave is one only where a
+row computes alike at every width: the CPU kernels), and each request samples with its own seed and counter, so a
+job's tokens are the same whichever lane it gets, whatever runs beside it, and in either mode.
 
 Failure. An exception inside a step fails every job in a lane with StepFailed, rebuilds the arena, drops every
 cached prefix and goes on; queued jobs are served next.

@@ -256,8 +256,9 @@ class Stage:
 
     # ---- steps ------------------------------------------------------------------------------------------------
     def _pad(self, rows: np.ndarray, lane0: int, fill: np.ndarray) -> np.ndarray:
-        """A decode wave always runs all lanes, as the local engine's does: `rows` sit at lane0, idle rows elsewhere.
-        (XLA may round a row differently in a program of another batch size, so a group never gets its own shape.)"""
+        """A station's decode wave always runs all lanes: `rows` sit at lane0, idle rows elsewhere. (Off the CPU
+        kernels XLA may round a row differently in a program of another batch size, so a group never gets its own
+        shape; on them the local engine's narrow waves give the same bits.)"""
         full = np.broadcast_to(fill, (self.lanes, *rows.shape[1:])).copy()
         full[lane0:lane0 + rows.shape[0]] = rows
         return full
