@@ -22,6 +22,7 @@ from bench.common import write_result
 from jaxstation.engine import Engine, SamplingParams, generate
 from jaxstation.loader import load_model
 from jaxstation.model import forward_full
+from jaxstation.settings import StationConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "tests" / "reference" / "smollm2_hf_reference.npz"
@@ -41,9 +42,16 @@ def perplexity(model, ids: list[int]) -> float:
     return float(np.exp(nll / n))
 
 
+def station_model(dtype: str):
+    """The model as a station on this machine loads it (weights, layer walk, matmul)."""
+    station = StationConfig(dtype=dtype)
+    return load_model(dtype=station.weights, layer_loop=station.loop, matmul=station.matmul_impl)
+
+
 def greedy_noeos(model, prompt: list[int]) -> list[int]:
-    """NEW greedy tokens with no stop id."""
-    engine = Engine(model, lanes=1, max_seq=256, chunk=32, block=128)
+    """NEW greedy tokens with no stop id, with the station's decode attention."""
+    attention = StationConfig(dtype="float32").attention_for(model.cfg)
+    engine = Engine(model, lanes=1, max_seq=256, chunk=32, block=128, attention=attention)
     return generate(engine, prompt, NEW, SamplingParams())
 
 
@@ -52,7 +60,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="int8")
     args = ap.parse_args()
     ref = np.load(REFERENCE)
-    base, quant = load_model(dtype="float32"), load_model(dtype=args.dtype)
+    base, quant = station_model("float32"), station_model(args.dtype)
     text_ids = base.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
     rows = []
     for p in ("p0", "p1", "p2"):
