@@ -44,13 +44,15 @@ class KernelUnavailable(RuntimeError):
     pass
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpu() -> tuple[str, frozenset[str]]:
+    """(model name, feature flags) of this CPU, from /proc/cpuinfo (empty where there is none)."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+        return "", frozenset()
+    field = lambda name: next((ln.partition(":")[2] for ln in lines if ln.startswith(name)), "")  # noqa: E731
+    return field("model name").strip(), frozenset(field("flags").split())
 
 
 def _cache_dir() -> Path:
@@ -68,15 +70,15 @@ def _cache_dir() -> Path:
 
 def _build() -> Path:
     """The shared library for this machine, compiled if the cache does not hold it. Raises KernelUnavailable."""
-    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= _cpu_flags():
+    model, flags = _cpu()
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= flags:
         raise KernelUnavailable(f"needs x86-64 with AVX2 and FMA (this is {platform.machine()})")
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx:
         raise KernelUnavailable("no C++ compiler found (set CXX, or install g++)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    model = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")), "")
     key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, jaxlib.__version__, model,
-                                    " ".join(sorted(_cpu_flags()))]).encode()).hexdigest()[:16]
+                                    " ".join(sorted(flags))]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
@@ -96,7 +98,7 @@ def _load() -> str | None:
     try:
         library = ctypes.cdll.LoadLibrary(str(_build()))
     except (KernelUnavailable, OSError) as e:
-        log.warning("CPU matmul kernel unavailable, using XLA's dot: %s", e)
+        log.warning("CPU kernels unavailable, using XLA's dot, the blocked attention and full-width waves: %s", e)
         return str(e)
     for name, symbol in TARGETS.values():
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
@@ -105,7 +107,11 @@ def _load() -> str | None:
 
 def available() -> bool:
     """Whether the kernel can run here: the default backend is the CPU and the library builds and loads."""
-    return jax.default_backend() == "cpu" and _load() is None
+    try:
+        require()
+    except KernelUnavailable:
+        return False
+    return True
 
 
 def require() -> None:
@@ -117,8 +123,11 @@ def require() -> None:
         raise KernelUnavailable(reason)
 
 
-def attention_fits(head_dim: int, group_size: int) -> bool:
-    return head_dim % 16 == 0 and head_dim <= 256 and group_size <= 8
+def attention_serves(head_dim: int, group_size: int, dtype: jnp.dtype) -> bool:
+    """Whether the decode attention kernel can serve these heads here: float32 activations, head_dim a multiple of 16
+    up to 256, at most 8 query heads per kv head, and the kernels built."""
+    return (dtype == jnp.float32 and head_dim % 16 == 0 and head_dim <= 256 and group_size <= 8
+            and available())
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array | int, lanes: jax.Array,

@@ -101,13 +101,6 @@ def wave_widths(lanes: int) -> tuple[int, ...]:
     return (*widths, lanes)
 
 
-def kernel_attention_fits(model: LoadedModel) -> bool:
-    """Whether the CPU decode attention kernel can serve this model here."""
-    cfg = model.cfg
-    return (model.params.dtype == jax.numpy.float32 and cpu_kernel.attention_fits(cfg.head_dim, cfg.group_size)
-            and cpu_kernel.available())
-
-
 class Engine:
     """Lanes over one KV arena. `prefill` fills a lane chunk by chunk; `decode` advances every live lane by one."""
 
@@ -120,7 +113,8 @@ class Engine:
                              f"and of the KV block ({block})")
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
-        if attention == "kernel" and not kernel_attention_fits(model):
+        if attention == "kernel" and not cpu_kernel.attention_serves(model.cfg.head_dim, model.cfg.group_size,
+                                                                     model.params.dtype):
             raise ValueError("attention='kernel' needs float32 activations, head_dim a multiple of 16 (up to 256), at "
                              "most 8 query heads per kv head, and the CPU kernel built here")
         window = model.cfg.sliding_window

@@ -290,12 +290,11 @@ class StationConfig:
         cut; on CPU the decode attention kernel for float32 activations when it builds and fits the heads."""
         if self.attention != "auto":
             return self.attention
-        windowed = cfg.sliding_window is not None and self.max_seq > cfg.sliding_window
-        half = compute_dtype(self.weights) == jnp.bfloat16
+        dtype = compute_dtype(self.weights)
         if on_gpu():
-            return "cudnn" if half and not windowed else "blocked"
-        fits = cpu_kernel.attention_fits(cfg.head_dim, cfg.group_size) and not half
-        return "kernel" if fits and cpu_kernel.available() else "blocked"
+            windowed = cfg.sliding_window is not None and self.max_seq > cfg.sliding_window
+            return "cudnn" if dtype == jnp.bfloat16 and not windowed else "blocked"
+        return "kernel" if cpu_kernel.attention_serves(cfg.head_dim, cfg.group_size, dtype) else "blocked"
 
     @property
     def max_request_tokens(self) -> int:
