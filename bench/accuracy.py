@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import write_result
-from jaxstation.engine import Engine, SamplingParams, generate
-from jaxstation.loader import load_model
-from jaxstation.model import forward_full
-from jaxstation.settings import StationConfig
+from jaxstation.engine.engine import Engine, SamplingParams, generate
+from jaxstation.model.layers import forward_full
+from jaxstation.model.loader import load_model
+from jaxstation.serving.settings import StationConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "tests" / "reference" / "smollm2_hf_reference.npz"

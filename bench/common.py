@@ -87,9 +87,9 @@ def add_model_args(ap) -> None:
 
 def bench_model(args, max_seq: int):
     """(LoadedModel, Engine keyword arguments) for the model args, resolved as a station with max_seq would."""
-    from jaxstation.loader import load_model
-    from jaxstation.settings import StationConfig
-    from jaxstation.shapes import random_model
+    from jaxstation.model.loader import load_model
+    from jaxstation.model.shapes import random_model
+    from jaxstation.serving.settings import StationConfig
 
     station = StationConfig(dtype=args.dtype, layer_loop=args.layer_loop, matmul=args.matmul, attention=args.attention,
                             max_seq=max_seq, prefill_chunk=1, kv_block=1)

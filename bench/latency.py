@@ -46,8 +46,8 @@ BLOCK = 128
 
 
 def new_station(model, lanes: int, max_seq: int, chunk: int, max_queue: int):
-    from jaxstation.engine import Engine
-    from jaxstation.scheduler import Scheduler
+    from jaxstation.engine.engine import Engine
+    from jaxstation.engine.scheduler import Scheduler
 
     engine = Engine(model, lanes=lanes, max_seq=max_seq, chunk=chunk, block=BLOCK)
     engine.warmup()
@@ -58,7 +58,7 @@ def new_station(model, lanes: int, max_seq: int, chunk: int, max_queue: int):
 
 def load_direct(sched, prompts, arrivals, new_tokens: int) -> dict:
     """Open-loop run: submit prompts[i] at arrivals[i] (seconds from start); wait for all; per-request figures."""
-    from jaxstation.scheduler import Job, QueueFull
+    from jaxstation.engine.scheduler import Job, QueueFull
 
     stamps: list[list[float]] = [[] for _ in prompts]
     jobs, rejected = [], 0
@@ -123,7 +123,7 @@ def load_http(base: str, prompts, arrivals, new_tokens: int) -> dict:
 def scenario(sched, chunk: int, decoders: int, long_len: int, base_tokens: int, tail_tokens: int, tokenizer,
              seed: int) -> dict:
     """`decoders` lanes decode; once lane 0 has base_tokens, a long_len prompt arrives. Gaps and the long TTFT."""
-    from jaxstation.scheduler import Job
+    from jaxstation.engine.scheduler import Job
 
     short = make_prompts(tokenizer, decoders, 32, seed=seed)
     long_prompt = make_prompts(tokenizer, 1, long_len, seed=seed + 1)[0]
@@ -187,7 +187,7 @@ def main() -> None:
         if args.max_seq % c or args.max_seq % BLOCK:
             ap.error(f"--max-seq {args.max_seq} must be a multiple of every chunk and of {BLOCK}")
 
-    from jaxstation.loader import load_model
+    from jaxstation.model.loader import load_model
 
     model = load_model(dtype=args.dtype)
     tok = model.tokenizer
@@ -243,7 +243,7 @@ def main() -> None:
         base, tail = (8, 8) if args.quick else (16, 16)
         for chunk in args.scenario_chunks:
             if reuse is not None and reuse.chunk == chunk and reuse.lanes == lanes:
-                from jaxstation.scheduler import Scheduler
+                from jaxstation.engine.scheduler import Scheduler
 
                 sched = Scheduler(reuse, continuous=True, max_queue=args.max_queue, terminal_ids=frozenset())
                 sched.start()

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import summary, write_result
-from jaxstation.engine import DecodeRow, Engine, SamplingParams, _sampling_arrays
-from jaxstation.loader import load_model
-from jaxstation.sampling import _filter_mask
+from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams, _sampling_arrays
+from jaxstation.engine.sampling import _filter_mask
+from jaxstation.model.loader import load_model
 
 
 def sort_filter(scaled: jax.Array, s) -> jax.Array:

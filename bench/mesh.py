@@ -30,10 +30,10 @@ def _station_cmd(port: int, layers: str, lanes: int, max_seq: int, args) -> list
 
 
 def _one_mesh(args, model, prompts, urls: list[str], lanes: int, max_seq: int, pipeline: bool) -> dict:
-    from jaxstation.mesh import MeshEngine
-    from jaxstation.scheduler import Job, Scheduler
-    from jaxstation.settings import StationConfig
-    from jaxstation.stage import fingerprint
+    from jaxstation.engine.scheduler import Job, Scheduler
+    from jaxstation.mesh.host import MeshEngine
+    from jaxstation.mesh.stage import fingerprint
+    from jaxstation.serving.settings import StationConfig
 
     config = StationConfig(stations=",".join(urls), mesh_token=TOKEN, lanes=lanes, max_seq=max_seq,
                            prefill_chunk=args.chunk, kv_block=args.block, dtype=args.dtype, layer_loop=args.layer_loop,

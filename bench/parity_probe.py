@@ -34,8 +34,8 @@ CHUNK, BLOCK = 32, 128  # the station's defaults (MOONSHINE_PREFILL_CHUNK, MOONS
 
 
 def make(model_path: str | None, dtype: str, out: Path) -> dict:
-    from jaxstation.engine import Engine, SamplingParams, generate
-    from jaxstation.loader import load_model
+    from jaxstation.engine.engine import Engine, SamplingParams, generate
+    from jaxstation.model.loader import load_model
 
     model = load_model(model_path, dtype)
     tok = model.tokenizer

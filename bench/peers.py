@@ -89,10 +89,10 @@ class DirectStation(System):
     serves_http = False
 
     def __init__(self, dtype: str, lanes: int, max_seq: int) -> None:
-        from jaxstation.engine import Engine
-        from jaxstation.loader import load_model
-        from jaxstation.scheduler import Scheduler
-        from jaxstation.settings import StationConfig
+        from jaxstation.engine.engine import Engine
+        from jaxstation.engine.scheduler import Scheduler
+        from jaxstation.model.loader import load_model
+        from jaxstation.serving.settings import StationConfig
 
         station = StationConfig(dtype=dtype)
         model = load_model(dtype=station.weights, layer_loop=station.loop, matmul=station.matmul_impl)
@@ -102,7 +102,7 @@ class DirectStation(System):
         self.sched.start()
 
     def call(self, client, tokens, new):
-        from jaxstation.scheduler import Job
+        from jaxstation.engine.scheduler import Job
 
         t0 = time.perf_counter()
         r = self.sched.submit(Job(tokens=tokens, max_new_tokens=new, stop_ids=frozenset(), reuse_prefix=False)).result()
@@ -227,8 +227,8 @@ def main() -> None:
         args.new_tokens, args.reps, args.latency_requests, args.latency_new_tokens = 16, 1, 6, 16
 
     from bench.common import copy_bandwidth, read_bandwidth
-    from jaxstation.default_model import default_model_path
-    from jaxstation.loader import load_model
+    from jaxstation.model.default_model import default_model_path
+    from jaxstation.model.loader import load_model
 
     bandwidth = {"read": read_bandwidth(), "copy": copy_bandwidth()}  # this machine, in this run
     print(f"read bandwidth {bandwidth['read'] / 1e9:.1f} GB/s, copy {bandwidth['copy'] / 1e9:.1f} GB/s", flush=True)

@@ -29,7 +29,7 @@ BLOCK = 128
 
 
 def new_scheduler(engine):
-    from jaxstation.scheduler import Scheduler
+    from jaxstation.engine.scheduler import Scheduler
 
     sched = Scheduler(engine, continuous=True, max_queue=256, terminal_ids=frozenset())
     sched.start()
@@ -37,7 +37,7 @@ def new_scheduler(engine):
 
 
 def run_one(sched, prompt: list[int], new: int, reuse: bool):
-    from jaxstation.scheduler import Job
+    from jaxstation.engine.scheduler import Job
 
     return sched.submit(Job(tokens=prompt, max_new_tokens=new, stop_ids=frozenset(), reuse_prefix=reuse)).result()
 
@@ -64,7 +64,7 @@ def chat(sched, tokenizer, args, seed: int) -> list[dict]:
 
 
 def shared_system(engine, tokenizer, args, reuse: bool) -> dict:
-    from jaxstation.scheduler import Job
+    from jaxstation.engine.scheduler import Job
 
     system = make_prompts(tokenizer, 1, args.system_len, seed=args.seed + 100)[0]
     users = make_prompts(tokenizer, args.requests, [24 + (7 * i) % 40 for i in range(args.requests)],
@@ -114,8 +114,8 @@ def main() -> None:
     if args.max_seq % args.chunk or args.max_seq % BLOCK:
         ap.error(f"--max-seq must be a multiple of --chunk and of {BLOCK}")
 
-    from jaxstation.engine import Engine
-    from jaxstation.loader import load_model
+    from jaxstation.engine.engine import Engine
+    from jaxstation.model.loader import load_model
 
     model = load_model(dtype=args.dtype)
     tok = model.tokenizer

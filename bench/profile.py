@@ -25,11 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import add_model_args, bench_model, summary, timed, write_result
-from jaxstation import cpu_kernel
-from jaxstation.engine import DecodeRow, Engine, SamplingParams, _sampling_arrays
-from jaxstation.model import attn_out, lm_logits, mlp_block, over_layers, qkv_proj
-from jaxstation.sampling import sample
-from jaxstation.steps import _blocked_attention, _dense_decode_attention, decode_step_batch
+from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams, _sampling_arrays
+from jaxstation.engine.sampling import sample
+from jaxstation.engine.steps import _blocked_attention, _dense_decode_attention, decode_step_batch
+from jaxstation.kernels import cpu_kernel
+from jaxstation.model.layers import attn_out, lm_logits, mlp_block, over_layers, qkv_proj
 
 
 def _median_ms(fn, reps: int) -> dict:

@@ -44,7 +44,7 @@ def step_flops(cfg, lanes: int, live: int) -> float:
 
 
 def measured_steps(model, lanes_list, live_list, reps: int) -> list[dict]:
-    from jaxstation.engine import DecodeRow, Engine, SamplingParams
+    from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams
 
     rows = []
     max_seq = 128 * math.ceil((max(live_list) + 1) / 128)
@@ -84,7 +84,7 @@ def main() -> None:
 
     import jax.numpy as jnp
 
-    from jaxstation.loader import load_model
+    from jaxstation.model.loader import load_model
 
     model = load_model(dtype=args.dtype)
     cfg = model.cfg

@@ -12,8 +12,15 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from jaxstation import __version__
-from jaxstation.loader import CheckpointError
-from jaxstation.settings import DTYPES, ConfigError, StationConfig, add_arguments, resolve, use_gpu_memory_fraction
+from jaxstation.model.loader import CheckpointError
+from jaxstation.serving.settings import (
+    DTYPES,
+    ConfigError,
+    StationConfig,
+    add_arguments,
+    resolve,
+    use_gpu_memory_fraction,
+)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -21,8 +28,8 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from jaxstation.engine import Engine, SamplingParams, generate
-    from jaxstation.loader import load_model
+    from jaxstation.engine.engine import Engine, SamplingParams, generate
+    from jaxstation.model.loader import load_model
 
     t0 = time.perf_counter()
     station = StationConfig(dtype=args.dtype)  # the backend's defaults for what generate does not expose
@@ -56,8 +63,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from jaxstation.loader import model_source
-    from jaxstation.server import serve, warmup_only
+    from jaxstation.model.loader import model_source
+    from jaxstation.serving.server import serve, warmup_only
 
     config = resolve(args)
     model_source(config.model)  # a bad path is refused here, before the server announces that it listens
@@ -65,7 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_station(args: argparse.Namespace) -> int:
-    from jaxstation.mesh_station import serve_station
+    from jaxstation.mesh.station import serve_station
 
     config = resolve(args)
     if config.layers is None:
@@ -75,8 +82,8 @@ def cmd_station(args: argparse.Namespace) -> int:
 
 
 def cmd_host(args: argparse.Namespace) -> int:
-    from jaxstation.mesh import create_host_app
-    from jaxstation.server import serve
+    from jaxstation.mesh.host import create_host_app
+    from jaxstation.serving.server import serve
 
     config = resolve(args)
     if not config.station_urls:

@@ -29,7 +29,7 @@ if [[ ! -x "$VENV/bin/lm_eval" ]]; then
   "$VENV/bin/pip" install "lm-eval[api]==0.4.13" "torch==2.13.0" transformers gguf accelerate
 fi
 
-GGUF="$("$PY" -c 'from jaxstation.default_model import default_model_path; print(default_model_path())')"
+GGUF="$("$PY" -c 'from jaxstation.model.default_model import default_model_path; print(default_model_path())')"
 MODEL="$(basename "$GGUF" .gguf)"
 
 if [[ -z "${STATION_URL:-}" ]]; then

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxstation.engine import Engine
-from jaxstation.loader import LoadedModel, load_hf_dir, load_model
-from jaxstation.settings import StationConfig
+from jaxstation.engine.engine import Engine
+from jaxstation.model.loader import LoadedModel, load_hf_dir, load_model
+from jaxstation.serving.settings import StationConfig
 
 TESTS = Path(__file__).resolve().parent
 FIXTURES = TESTS / "fixtures"

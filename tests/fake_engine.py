@@ -25,8 +25,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from jaxstation.engine import DecodeRow, Sample, SamplingParams
-from jaxstation.prefix_cache import LaneVersions
+from jaxstation.engine.engine import DecodeRow, Sample, SamplingParams
+from jaxstation.engine.prefix_cache import LaneVersions
 
 VOCAB = 1000
 

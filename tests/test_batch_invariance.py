@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import prefill_all
 
-from jaxstation.engine import DecodeRow, Engine, SamplingParams, generate
+from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams, generate
 
 TARGET = [504, 3575, 282, 4649, 314, 7042, 30, 198, 1780, 314, 260, 2988, 282]  # 13 tokens: one block
 STEPS = 6

@@ -24,9 +24,9 @@ import httpx
 import pytest
 from server_util import ServerThread, free_port, metric, station_process, wait_for
 
-from jaxstation.loader import LoadedModel
-from jaxstation.server import Station, create_app
-from jaxstation.settings import ConfigError, StationConfig
+from jaxstation.model.loader import LoadedModel
+from jaxstation.serving.server import Station, create_app
+from jaxstation.serving.settings import ConfigError, StationConfig
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "scripts" / "deploy_cloudrun.sh"
@@ -90,7 +90,7 @@ def test_dockerfile_build_args_choose_the_model() -> None:
 
 def test_dockerignore_sends_the_package_and_keeps_the_rest_out(tmp_path: Path) -> None:
     sent = set(dockerfile_steps.copy_context(REPO, tmp_path))
-    assert {"pyproject.toml", "README.md", "jaxstation/server.py", "jaxstation/cli.py"} <= sent
+    assert {"pyproject.toml", "README.md", "jaxstation/serving/server.py", "jaxstation/cli.py"} <= sent
     for kept_out in ("tests/", "bench/", "scripts/", ".git", ".ci/", "__pycache__"):
         assert not any(s.startswith(kept_out) or f"/{kept_out}" in s for s in sent), kept_out
     assert not any(s.endswith(".pyc") for s in sent)
@@ -168,7 +168,7 @@ def test_warm_compile_cache_compiles_nothing(tmp_path: Path) -> None:
 
 
 def test_non_local_cache_needs_the_gcs_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    from jaxstation.coldstart import enable_compile_cache
+    from jaxstation.serving.coldstart import enable_compile_cache
 
     monkeypatch.setitem(sys.modules, "etils.epath", None)  # as if etils were not installed
     with pytest.raises(ConfigError, match="MOONSHINE_COMPILE_CACHE_DIR='gs://bucket/cache'.*gcs"):
@@ -177,7 +177,7 @@ def test_non_local_cache_needs_the_gcs_extra(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_compile_cache_setting_resolves() -> None:
     from jaxstation.cli import build_parser
-    from jaxstation.settings import resolve
+    from jaxstation.serving.settings import resolve
 
     env = {"MOONSHINE_COMPILE_CACHE_DIR": "/cache/a"}
     assert resolve(None, env).compile_cache_dir == "/cache/a"

@@ -1,5 +1,6 @@
-"""The CPU matmul kernel (jaxstation/cpu_kernel.py): it builds here, it computes x @ w.T (* scale), every row's bits
-are independent of the other rows in the call, and the station picks it by default on CPU for float32 and int8."""
+"""The CPU matmul kernel (jaxstation/kernels/cpu_kernel.py): it builds here, it computes x @ w.T (* scale), every
+row's bits are independent of the other rows in the call, and the station picks it by default on CPU for float32
+and int8."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxstation import cpu_kernel
-from jaxstation.loader import LoadedModel, load_model
-from jaxstation.model import forward_full
-from jaxstation.quant import KernelWeight, QuantWeight, kernel_weight, matmul, prepare
-from jaxstation.settings import ConfigError, StationConfig
+from jaxstation.kernels import cpu_kernel
+from jaxstation.model.layers import forward_full
+from jaxstation.model.loader import LoadedModel, load_model
+from jaxstation.model.quant import KernelWeight, QuantWeight, kernel_weight, matmul, prepare
+from jaxstation.serving.settings import ConfigError, StationConfig
 
 SHAPES = [(576, 960), (1536, 576), (64, 4)]  # [in, out]: the default model's, and a small one
 

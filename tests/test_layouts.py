@@ -14,12 +14,12 @@ import pytest
 from conftest import ENGINE_SHAPE, tiny_model
 from test_batch_invariance import TARGET, run_wave
 
-from jaxstation.engine import Engine, SamplingParams, _sampling_arrays
-from jaxstation.loader import LoadedModel, load_model
-from jaxstation.quant import QuantWeight, matmul, quantize
-from jaxstation.settings import ConfigError, StationConfig, check_memory, weight_bytes
-from jaxstation.shapes import ARCHITECTURES, random_model
-from jaxstation.steps import decode_step_batch
+from jaxstation.engine.engine import Engine, SamplingParams, _sampling_arrays
+from jaxstation.engine.steps import decode_step_batch
+from jaxstation.model.loader import LoadedModel, load_model
+from jaxstation.model.quant import QuantWeight, matmul, quantize
+from jaxstation.model.shapes import ARCHITECTURES, random_model
+from jaxstation.serving.settings import ConfigError, StationConfig, check_memory, weight_bytes
 
 STEPS = 5
 SEEDED = SamplingParams(temperature=0.9, top_k=20, seed=42)

@@ -17,7 +17,7 @@ from conftest import FIXTURES
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file, save_file
 
-from jaxstation.loader import CheckpointError, load_gguf, load_hf_dir, load_model
+from jaxstation.model.loader import CheckpointError, load_gguf, load_hf_dir, load_model
 
 # ----------------------------------------------------------------------------------------------------- HF dirs
 

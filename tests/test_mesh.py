@@ -25,13 +25,13 @@ from mesh_util import SHAPE, TOKEN, StationProcess, start_mesh
 from server_util import ServerThread, metric, wait_for
 
 from jaxstation import cli
-from jaxstation.engine import Engine, SamplingParams, generate
-from jaxstation.mesh import MeshEngine, MeshError, create_host_app
-from jaxstation.mesh_station import MeshStation, create_station_app
-from jaxstation.scheduler import Job, Scheduler
-from jaxstation.settings import ConfigError, StationConfig
-from jaxstation.stage import fingerprint
-from jaxstation.wire import CONTENT_TYPE, DTYPES, decode, encode
+from jaxstation.engine.engine import Engine, SamplingParams, generate
+from jaxstation.engine.scheduler import Job, Scheduler
+from jaxstation.mesh.host import MeshEngine, MeshError, create_host_app
+from jaxstation.mesh.stage import fingerprint
+from jaxstation.mesh.station import MeshStation, create_station_app
+from jaxstation.mesh.wire import CONTENT_TYPE, DTYPES, decode, encode
+from jaxstation.serving.settings import ConfigError, StationConfig
 
 SPLIT3 = ["0:7", "7:19", "19:30"]
 SPLIT2 = ["0:13", "13:30"]

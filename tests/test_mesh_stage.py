@@ -9,9 +9,10 @@ import pytest
 from conftest import ENGINE_SHAPE as SHAPE  # the session engine's shape, so its compiled steps are reused
 from conftest import tiny_model
 
-from jaxstation.engine import DecodeRow, Engine, SamplingParams, _sampling_arrays
-from jaxstation.stage import LayerRange, Stage, slice_params
-from jaxstation.wire import DTYPES, decode, encode
+from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams, _sampling_arrays
+from jaxstation.mesh.stage import Stage, slice_params
+from jaxstation.mesh.wire import DTYPES, decode, encode
+from jaxstation.model.config import LayerRange
 
 
 def _stages(model, splits: list[str], attention: str = "blocked") -> list[Stage]:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from conftest import prefill_all
 
-from jaxstation.engine import DecodeRow, SamplingParams, generate
-from jaxstation.model import forward_full
+from jaxstation.engine.engine import DecodeRow, SamplingParams, generate
+from jaxstation.model.layers import forward_full
 
 PROMPTS = ("p0", "p1", "p2")
 ATOL = 1e-3

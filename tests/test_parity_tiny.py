@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from conftest import FIXTURES, prefill_all, tiny_model, tiny_reference
 
-from jaxstation.engine import DecodeRow, Engine, SamplingParams, generate
-from jaxstation.loader import load_model
-from jaxstation.model import forward_full
+from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams, generate
+from jaxstation.model.layers import forward_full
+from jaxstation.model.loader import load_model
 
 NAMES = ("tiny-llama3", "tiny-mistral")
 # (fixture, weights, layer loop, decode attention, matmul): the CPU default (unrolled, the CPU kernels for matmuls and

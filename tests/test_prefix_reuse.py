@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from conftest import prefill_all
 
-from jaxstation.engine import DecodeRow, Engine, SamplingParams, generate
-from jaxstation.scheduler import Job, Result, Scheduler
+from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams, generate
+from jaxstation.engine.scheduler import Job, Result, Scheduler
 
 CHUNK = 32
 SEEDED = SamplingParams(temperature=0.9, top_k=50, seed=4321)

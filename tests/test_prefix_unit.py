@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 from fake_engine import FakeEngine, expected
 
-from jaxstation.engine import SamplingParams
-from jaxstation.prefix_cache import Pick, PrefixCache, common_prefix
-from jaxstation.scheduler import Cancelled, Job, Scheduler, StepFailed
+from jaxstation.engine.engine import SamplingParams
+from jaxstation.engine.prefix_cache import Pick, PrefixCache, common_prefix
+from jaxstation.engine.scheduler import Cancelled, Job, Scheduler, StepFailed
 
 TIMEOUT = 5.0
 CHUNK = 4

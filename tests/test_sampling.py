@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxstation.sampling import SamplingArrays, _filter_mask
+from jaxstation.engine.sampling import SamplingArrays, _filter_mask
 
 
 def reference_keep(scaled: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:

@@ -4,7 +4,7 @@
 (real text and random ids), max_new_tokens 1..24, greedy and seeded temperature sampling (some with top_k / top_p),
 the model's EOS plus an explicit stop id found by a serial greedy run, and terminal_prosody. Each job's tokens and
 finish_reason must equal its run through a serialize-all (continuous=False) Scheduler on the same engine (flag on ==
-flag off), and greedy jobs must also equal `jaxstation.engine.generate`, token for token.
+flag off), and greedy jobs must also equal `jaxstation.engine.engine.generate`, token for token.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from jaxstation.engine import Engine, SamplingParams, generate
-from jaxstation.scheduler import Job, Scheduler
+from jaxstation.engine.engine import Engine, SamplingParams, generate
+from jaxstation.engine.scheduler import Job, Scheduler
 
 LANES = 4
 SHAPE = {"lanes": LANES, "max_seq": 512, "chunk": 32, "block": 128}

@@ -14,8 +14,8 @@ import time
 import pytest
 from fake_engine import FakeEngine, expected
 
-from jaxstation.engine import SamplingParams
-from jaxstation.scheduler import Cancelled, Job, QueueFull, Scheduler, ShuttingDown, StepFailed
+from jaxstation.engine.engine import SamplingParams
+from jaxstation.engine.scheduler import Cancelled, Job, QueueFull, Scheduler, ShuttingDown, StepFailed
 
 TIMEOUT = 5.0
 

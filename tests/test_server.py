@@ -20,10 +20,10 @@ import httpx
 import pytest
 from server_util import ServerThread, free_port, metric, queue_held_full, raw_post, station_process, wait_for
 
-from jaxstation.engine import Engine, SamplingParams, generate
-from jaxstation.loader import LoadedModel
-from jaxstation.server import Station, create_app
-from jaxstation.settings import StationConfig
+from jaxstation.engine.engine import Engine, SamplingParams, generate
+from jaxstation.model.loader import LoadedModel
+from jaxstation.serving.server import Station, create_app
+from jaxstation.serving.settings import StationConfig
 
 SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
 BODY_LIMIT = 8192
@@ -293,7 +293,7 @@ def test_sigterm_drains_in_flight_then_exits_0(tmp_path: Path) -> None:
 # ---- settings and CLI (no model run) -----------------------------------------------------------------------------
 def test_settings_resolve_flags_over_env_over_defaults() -> None:
     from jaxstation.cli import build_parser
-    from jaxstation.settings import resolve
+    from jaxstation.serving.settings import resolve
 
     assert resolve(None, {}) == StationConfig()
     env = {"PORT": "9000", "MOONSHINE_BATCH_LANES": "2", "MOONSHINE_CONTINUOUS_BATCH": "yes",
@@ -313,14 +313,14 @@ def test_settings_resolve_flags_over_env_over_defaults() -> None:
     ({"MOONSHINE_DTYPE": "float16"}, "MOONSHINE_DTYPE='float16' must be one of float32, bfloat16"),
 ])
 def test_settings_errors_name_the_variable(env: dict, message: str) -> None:
-    from jaxstation.settings import ConfigError, resolve
+    from jaxstation.serving.settings import ConfigError, resolve
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         resolve(None, env)
 
 
 def test_memory_check_names_what_to_lower(default_model: LoadedModel) -> None:
-    from jaxstation.settings import ConfigError, check_memory
+    from jaxstation.serving.settings import ConfigError, check_memory
 
     cfg = default_model.cfg
     check_memory(cfg, StationConfig(**SHAPE), available=1 << 40)

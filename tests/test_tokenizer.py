@@ -1,4 +1,4 @@
-"""Tests for jaxstation.tokenizer against the HF reference data in tests/reference/."""
+"""Tests for jaxstation.model.tokenizer against the HF reference data in tests/reference/."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import gguf
 import numpy as np
 import pytest
 
-from jaxstation.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxstation.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 REFERENCE = Path(__file__).resolve().parent / "reference"
 
 
 @pytest.fixture(scope="module")
 def reader():
-    from jaxstation.default_model import default_model_path
+    from jaxstation.model.default_model import default_model_path
 
     return gguf.GGUFReader(default_model_path())
 
@@ -218,7 +218,7 @@ def _is_utf8(data: bytes) -> bool:
 def test_incremental_detokenizer_emoji_bytes(tok):
     # "😀" is four bytes; feed it as single-byte tokens: three pushes give "", the fourth the emoji.
     vocab = tok.backend.get_vocab()
-    from jaxstation.tokenizer import _bytes_to_unicode
+    from jaxstation.model.tokenizer import _bytes_to_unicode
 
     spell = _bytes_to_unicode()
     byte_ids = [vocab[spell[b]] for b in "😀".encode()]
@@ -303,7 +303,7 @@ def test_gguf_gpt2_pre_tokenizer(reader):
 
 def test_tiny_written_gguf(tmp_path):
     """A tiny byte-level vocabulary written with gguf.GGUFWriter and read back."""
-    from jaxstation.tokenizer import _bytes_to_unicode
+    from jaxstation.model.tokenizer import _bytes_to_unicode
 
     spell = _bytes_to_unicode()
     tokens = ["<s>", "</s>"] + [spell[b] for b in range(256)] + ["ab", "Ġab", "Ġab."]

@@ -8,9 +8,9 @@ import pytest
 from conftest import prefill_all, tiny_model
 from test_batch_invariance import TARGET, run_wave
 
-from jaxstation.engine import DecodeRow, Engine, SamplingParams, wave_widths
-from jaxstation.loader import LoadedModel, load_model
-from jaxstation.settings import ConfigError, StationConfig
+from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams, wave_widths
+from jaxstation.model.loader import LoadedModel, load_model
+from jaxstation.serving.settings import ConfigError, StationConfig
 
 STEPS = 4
 SAMPLINGS = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.02, seed=77)]

@@ -43,16 +43,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from jaxstation.config import ModelConfig
-from jaxstation.engine import DecodeRow, Sample, SamplingParams, _samples, _sampling_arrays
-from jaxstation.loader import LoadedModel
-from jaxstation.model import compute_dtype
-from jaxstation.prefix_cache import LaneVersions
-from jaxstation.sampling import SampleOut
-from jaxstation.server import Station, create_app
-from jaxstation.settings import StationConfig
-from jaxstation.stage import SAMPLING_FIELDS, LayerRange, fingerprint
-from jaxstation.wire import CONTENT_TYPE, WireError, decode, encode
+from jaxstation.engine.engine import DecodeRow, Sample, SamplingParams, _samples, _sampling_arrays
+from jaxstation.engine.prefix_cache import LaneVersions
+from jaxstation.engine.sampling import SampleOut
+from jaxstation.mesh.stage import SAMPLING_FIELDS, fingerprint
+from jaxstation.mesh.wire import CONTENT_TYPE, WireError, decode, encode
+from jaxstation.model.config import LayerRange, ModelConfig
+from jaxstation.model.layers import compute_dtype
+from jaxstation.model.loader import LoadedModel
+from jaxstation.serving.server import Station, create_app
+from jaxstation.serving.settings import StationConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -2,7 +2,7 @@
 
 XLA's CPU backend picks how to vectorize a reduce from the whole shape, so `jnp.sum` over a row adds in one order
 for a 1-row array and in another for a 16-row one: the last bits differ. A decode wave that may run at several widths
-(jaxstation/engine.py) needs every float reduction of a row to be the same at every width. Max, min, argmax and
+(jaxstation/engine/engine.py) needs every float reduction of a row to be the same at every width. Max, min, argmax and
 integer counts are exact in any order; float sums go through `row_sum`, which spells the order out as elementwise adds
 of halves, which XLA does not reorder.
 """

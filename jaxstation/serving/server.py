@@ -28,16 +28,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from jaxstation.access_log import AccessLogMiddleware, configure_logging
-from jaxstation.coldstart import CompileCount, StartupClock, enable_compile_cache
-from jaxstation.engine import SEED_LIMIT, Engine, SamplingParams
-from jaxstation.http_common import RETRY_AFTER_S, BodyError, is_int, is_number, read_json, until_disconnect
-from jaxstation.loader import LoadedModel, load_model
-from jaxstation.metrics import StationMetrics
-from jaxstation.openai_api import OpenAIError, openai_middleware, openai_routes
-from jaxstation.runner import Runner
-from jaxstation.scheduler import Cancelled, Job, QueueFull, Result, Scheduler, ShuttingDown, StepFailed
-from jaxstation.settings import StationConfig, check_memory
+from jaxstation.engine.engine import SEED_LIMIT, Engine, SamplingParams
+from jaxstation.engine.runner import Runner
+from jaxstation.engine.scheduler import Cancelled, Job, QueueFull, Result, Scheduler, ShuttingDown, StepFailed
+from jaxstation.model.loader import LoadedModel, load_model
+from jaxstation.openai.api import OpenAIError, openai_middleware, openai_routes
+from jaxstation.serving.access_log import AccessLogMiddleware, configure_logging
+from jaxstation.serving.coldstart import CompileCount, StartupClock, enable_compile_cache
+from jaxstation.serving.http_common import RETRY_AFTER_S, BodyError, is_int, is_number, read_json, until_disconnect
+from jaxstation.serving.metrics import StationMetrics
+from jaxstation.serving.settings import StationConfig, check_memory
 
 log = logging.getLogger(__name__)
 

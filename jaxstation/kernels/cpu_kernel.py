@@ -32,7 +32,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "cpu_kernels.cc"
+SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
 TARGETS = {"int8": ("jaxstation_rowwise_matmul_s8", "RowwiseMatmulS8"),
            "float32": ("jaxstation_rowwise_matmul_f32", "RowwiseMatmulF32"),

@@ -14,7 +14,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxstation.rowwise import log_softmax, row_sum, softmax
+from jaxstation.kernels.rowwise import log_softmax, row_sum, softmax
 
 TOP_LOGPROBS = 5  # how many alternatives a step returns per row
 

@@ -4,7 +4,7 @@ Routes: `GET /health` (open) says whether the station is up and its epoch; `GET 
 station holds (layers, model fingerprint, lane geometry, dtype); `POST /forward` runs one wave through the range;
 `POST /lm_head` (last station only) samples; `POST /score` (last station only) gives a prefill chunk's prompt
 logprobs. All but /health need the mesh token as a bearer token, compared in constant time. Payloads are
-`jaxstation.wire` binary; a payload that does not fit the station's settings gets a 400 JSON error naming the field.
+`mesh.wire` binary; a payload that does not fit the station's settings gets a 400 JSON error naming the field.
 
 The epoch is a random id chosen when the station starts (and again whenever its arena is rebuilt), sent with every
 reply (`X-Mesh-Epoch` and the binary header's meta): a host that sees it change knows the station's KV is gone.
@@ -28,14 +28,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from jaxstation.access_log import configure_logging
-from jaxstation.coldstart import enable_compile_cache
-from jaxstation.http_common import BodyError, read_body
-from jaxstation.loader import LoadedModel, load_model
-from jaxstation.server import run_server, start_failed, uvicorn_config
-from jaxstation.settings import StationConfig, check_memory
-from jaxstation.stage import Stage
-from jaxstation.wire import CONTENT_TYPE, MAX_HEADER_BYTES, WireError, decode, encode
+from jaxstation.mesh.stage import Stage
+from jaxstation.mesh.wire import CONTENT_TYPE, MAX_HEADER_BYTES, WireError, decode, encode
+from jaxstation.model.loader import LoadedModel, load_model
+from jaxstation.serving.access_log import configure_logging
+from jaxstation.serving.coldstart import enable_compile_cache
+from jaxstation.serving.http_common import BodyError, read_body
+from jaxstation.serving.server import run_server, start_failed, uvicorn_config
+from jaxstation.serving.settings import StationConfig, check_memory
 
 log = logging.getLogger(__name__)
 EPOCH_HEADER = "X-Mesh-Epoch"

@@ -8,7 +8,7 @@ Batch invariance is built in, not tested in:
   and a block that is fully masked for a row leaves that row's running state untouched (`where`, not arithmetic),
   so how many blocks a wave runs never changes a row's bits;
 - a decode wave may run narrower than the arena (a few rows gathered from chosen lanes) only when every matmul runs
-  on the CPU kernel, whose rows are computed alike at any width (jaxstation/cpu_kernel.py); the other row-wise
+  on the CPU kernel, whose rows are computed alike at any width (jaxstation/kernels/cpu_kernel.py); the other row-wise
   operations do not depend on the row count.
 An idle row is pointed at the arena's last slot (`scratch_pos`), which no request ever uses.
 """
@@ -20,13 +20,13 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxstation import cpu_kernel
-from jaxstation.arena import KVArena
-from jaxstation.config import ModelConfig
-from jaxstation.model import Params, attn_out, embed_tokens, lm_logits, mlp_block, over_layers, qkv_proj
-from jaxstation.quant import precision_for
-from jaxstation.rowwise import log_softmax, row_sum
-from jaxstation.sampling import SampleOut, SamplingArrays, sample, token_logprobs
+from jaxstation.engine.arena import KVArena
+from jaxstation.engine.sampling import SampleOut, SamplingArrays, sample, token_logprobs
+from jaxstation.kernels import cpu_kernel
+from jaxstation.kernels.rowwise import log_softmax, row_sum
+from jaxstation.model.config import ModelConfig
+from jaxstation.model.layers import Params, attn_out, embed_tokens, lm_logits, mlp_block, over_layers, qkv_proj
+from jaxstation.model.quant import precision_for
 
 
 def _blocked_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, arena: KVArena, layer: jax.Array,
@@ -86,7 +86,7 @@ def _layers(cfg: ModelConfig, params: Params, arena: KVArena, x: jax.Array, posi
 
     x: [rows, Q, d]; positions: [rows, Q] int32 (consecutive within a row); lanes: [rows] int32 (one lane for a
     prefill chunk). attention: "blocked" (the online-softmax block walk), or for decode waves "kernel" (the CPU
-    decode attention kernel, jaxstation/cpu_kernel.py) or, for full-width waves only (row r is lane r), a
+    decode attention kernel, jaxstation/kernels/cpu_kernel.py) or, for full-width waves only (row r is lane r), a
     `jax.nn.dot_product_attention` implementation ("xla" or "cudnn").
     """
     rows, nq = x.shape[:2]

@@ -15,12 +15,12 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from jaxstation import cpu_kernel
-from jaxstation.arena import allocate_arena
-from jaxstation.loader import LoadedModel
-from jaxstation.prefix_cache import LaneVersions
-from jaxstation.sampling import SampleOut, SamplingArrays
-from jaxstation.steps import decode_step_batch, prefill_chunk
+from jaxstation.engine.arena import allocate_arena
+from jaxstation.engine.prefix_cache import LaneVersions
+from jaxstation.engine.sampling import SampleOut, SamplingArrays
+from jaxstation.engine.steps import decode_step_batch, prefill_chunk
+from jaxstation.kernels import cpu_kernel
+from jaxstation.model.loader import LoadedModel
 
 SEED_LIMIT = 1 << 32  # seeds are 32-bit on the device
 # Decode attention: the blocked online-softmax walk, the CPU decode attention kernel (each row's own positions, read in

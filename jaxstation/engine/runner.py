@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from jaxstation.engine import DecodeRow, Sample, SamplingParams
-from jaxstation.prefix_cache import LaneVersions
+from jaxstation.engine.engine import DecodeRow, Sample, SamplingParams
+from jaxstation.engine.prefix_cache import LaneVersions
 
 
 class Runner(Protocol):

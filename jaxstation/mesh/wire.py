@@ -30,7 +30,7 @@ DTYPES: dict[str, np.dtype] = {
 _NAMES = {dt: name for name, dt in DTYPES.items()}
 
 if sys.byteorder != "little":  # the wire is little-endian and arrays are sent as their memory
-    raise ImportError("jaxstation.wire needs a little-endian host")
+    raise ImportError("jaxstation.mesh.wire needs a little-endian host")
 
 
 class WireError(ValueError):

@@ -17,14 +17,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxstation import cpu_kernel
-from jaxstation.access_log import LOG_FORMATS
-from jaxstation.arena import arena_bytes
-from jaxstation.config import ModelConfig
-from jaxstation.engine import ATTENTIONS
-from jaxstation.model import LAYER_LOOPS, WEIGHT_DTYPES, compute_dtype
-from jaxstation.quant import MATMULS
-from jaxstation.stage import LayerRange
+from jaxstation.engine.arena import arena_bytes
+from jaxstation.engine.engine import ATTENTIONS
+from jaxstation.kernels import cpu_kernel
+from jaxstation.model.config import LayerRange, ModelConfig
+from jaxstation.model.layers import LAYER_LOOPS, WEIGHT_DTYPES, compute_dtype
+from jaxstation.model.quant import MATMULS
+from jaxstation.serving.access_log import LOG_FORMATS
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Weights are stored [in, out] so activations multiply on the left; q/k/v and gate/up are fused so that each layer
 reads its weights in three matmuls plus the output projections. A projection is a float array, an int8
-`QuantWeight`, or a `KernelWeight` laid out for the CPU kernel (jaxstation/quant.py); `quant.matmul` handles each.
+`QuantWeight`, or a `KernelWeight` laid out for the CPU kernel (jaxstation/model/quant.py); `quant.matmul` handles each.
 
 Two layouts of the per-layer weights, chosen at load (`layer_loop`):
 - "scan": every leaf stacked on a leading layer axis, walked by `fori_loop` (one compiled layer body: quick to
@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxstation.config import ModelConfig
-from jaxstation.quant import (
+from jaxstation.kernels.rowwise import row_sum
+from jaxstation.model.config import ModelConfig
+from jaxstation.model.quant import (
     MATMULS,
     KernelWeight,
     Weight,
@@ -37,7 +38,6 @@ from jaxstation.quant import (
     prepare_embedding,
     take_rows,
 )
-from jaxstation.rowwise import row_sum
 
 LAYER_LOOPS = ("scan", "unroll")
 Carry = TypeVar("Carry")

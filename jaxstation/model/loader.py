@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxstation.config import ModelConfig
-from jaxstation.default_model import default_model_path
-from jaxstation.model import WEIGHT_DTYPES, Params, pack_params
-from jaxstation.tokenizer import Tokenizer
+from jaxstation.model.config import ModelConfig
+from jaxstation.model.default_model import default_model_path
+from jaxstation.model.layers import WEIGHT_DTYPES, Params, pack_params
+from jaxstation.model.tokenizer import Tokenizer
 
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 _LAYER_SLOTS = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")

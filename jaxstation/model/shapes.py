@@ -11,10 +11,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxstation.config import ModelConfig
-from jaxstation.loader import LoadedModel
-from jaxstation.model import LayerParams, Params, compute_dtype
-from jaxstation.quant import prepare, prepare_embedding
+from jaxstation.model.config import ModelConfig
+from jaxstation.model.layers import LayerParams, Params, compute_dtype
+from jaxstation.model.loader import LoadedModel
+from jaxstation.model.quant import prepare, prepare_embedding
 
 ARCHITECTURES: dict[str, ModelConfig] = {
     "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,

@@ -12,7 +12,7 @@ With no live lane and nothing pending the thread waits on the condition variable
 Backpressure. The queue holds at most `max_queue` jobs; `submit` past that raises QueueFull (the server answers 503
 with Retry-After) instead of letting latency grow without bound. Once `drain` starts, `submit` raises ShuttingDown.
 
-Prefix reuse. A freed lane keeps its KV; `PrefixCache` (jaxstation/prefix_cache.py) remembers the token ids its
+Prefix reuse. A freed lane keeps its KV; `PrefixCache` (jaxstation/engine/prefix_cache.py) remembers the token ids its
 prefill wrote. `_fill` gives a job the free lane with the longest reusable prefix (ties and victims least recently
 used) and starts its prefill at the last chunk boundary at or below the match, so its tokens equal a fresh run's.
 
@@ -40,10 +40,10 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 
-from jaxstation.engine import DecodeRow, Sample, SamplingParams
-from jaxstation.metrics import StationMetrics
-from jaxstation.prefix_cache import PrefixCache
-from jaxstation.runner import Runner
+from jaxstation.engine.engine import DecodeRow, Sample, SamplingParams
+from jaxstation.engine.prefix_cache import PrefixCache
+from jaxstation.engine.runner import Runner
+from jaxstation.serving.metrics import StationMetrics
 
 log = logging.getLogger(__name__)
 

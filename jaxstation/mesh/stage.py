@@ -20,38 +20,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxstation.arena import KVArena, allocate_arena
-from jaxstation.config import ModelConfig
-from jaxstation.loader import LoadedModel
-from jaxstation.model import Params, embed_tokens, layer_at, lm_logits
-from jaxstation.rowwise import log_softmax
-from jaxstation.sampling import SampleOut, SamplingArrays, sample, token_logprobs
-from jaxstation.steps import _layers
-from jaxstation.wire import DTYPES, WireError
+from jaxstation.engine.arena import KVArena, allocate_arena
+from jaxstation.engine.sampling import SampleOut, SamplingArrays, sample, token_logprobs
+from jaxstation.engine.steps import _layers
+from jaxstation.kernels.rowwise import log_softmax
+from jaxstation.mesh.wire import DTYPES, WireError
+from jaxstation.model.config import LayerRange, ModelConfig
+from jaxstation.model.layers import Params, embed_tokens, layer_at, lm_logits
+from jaxstation.model.loader import LoadedModel
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingArrays))
 _SAMPLING_DTYPES = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32,
                     "seed": np.uint32, "counter": np.int32}
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerRange:
-    start: int
-    stop: int
-
-    @classmethod
-    def parse(cls, text: str) -> LayerRange:
-        """'A:B' -> layers [A, B)."""
-        a, sep, b = text.partition(":")
-        if not sep or not a.strip().isdigit() or not b.strip().isdigit():
-            raise ValueError(f"a layer range is 'A:B' with integers 0 <= A < B, got {text!r}")
-        r = cls(int(a), int(b))
-        if r.start >= r.stop:
-            raise ValueError(f"a layer range is 'A:B' with A < B, got {text!r}")
-        return r
-
-    def __str__(self) -> str:
-        return f"{self.start}:{self.stop}"
 
 
 def fingerprint(model: LoadedModel) -> str:

@@ -55,15 +55,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from jaxstation.default_model import DEFAULT_GGUF_NAME
-from jaxstation.engine import SEED_LIMIT, Sample, SamplingParams
-from jaxstation.http_common import RETRY_AFTER_S, BodyError, is_int, is_number, read_json, until_disconnect
-from jaxstation.sampling import TOP_LOGPROBS
-from jaxstation.scheduler import Cancelled, Job, QueueFull, Result, ShuttingDown, StepFailed
-from jaxstation.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxstation.engine.engine import SEED_LIMIT, Sample, SamplingParams
+from jaxstation.engine.sampling import TOP_LOGPROBS
+from jaxstation.engine.scheduler import Cancelled, Job, QueueFull, Result, ShuttingDown, StepFailed
+from jaxstation.model.default_model import DEFAULT_GGUF_NAME
+from jaxstation.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxstation.serving.http_common import RETRY_AFTER_S, BodyError, is_int, is_number, read_json, until_disconnect
 
 if TYPE_CHECKING:
-    from jaxstation.server import Station
+    from jaxstation.serving.server import Station
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A `QuantWeight` holds int8 values and one scale per output channel. `matmul` con
 activation dtype inside the compiled step and applies the scales to the product, `(x @ q) * scale`, which equals
 `x @ (q * scale)` up to rounding and lets the compiler fuse the convert into the matmul where it can (a GPU's does).
 
-A `KernelWeight` is a float32 or int8 weight laid out out-major for the CPU kernel (jaxstation/cpu_kernel.py), which
+A `KernelWeight` is a float32 or int8 weight laid out out-major for the CPU kernel (kernels/cpu_kernel.py), which
 reads int8 without converting it in memory and gives each row the same bits whatever the other rows are.
 """
 
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxstation import cpu_kernel
+from jaxstation.kernels import cpu_kernel
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["q", "scale"], meta_fields=[])

@@ -1,0 +1,2 @@
+"""The OpenAI face of a station: `/v1/completions`, `/v1/chat/completions`, `/v1/models` and vLLM's tokenizer
+routes, declared as pydantic models in `protocol`, over the station's scheduler."""
