@@ -25,9 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import add_model_args, bench_model, summary, timed, write_result
+from jaxstation.engine.attention import blocked_attention, dense_decode_attention
 from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams, _sampling_arrays
 from jaxstation.engine.sampling import sample
-from jaxstation.engine.steps import _blocked_attention, _dense_decode_attention, decode_step_batch
+from jaxstation.engine.steps import decode_step_batch
 from jaxstation.kernels import cpu_kernel
 from jaxstation.model.layers import attn_out, lm_logits, mlp_block, over_layers, qkv_proj
 
@@ -58,11 +59,11 @@ def parts(engine: Engine, live: int, reps: int) -> dict:
     def attention(arena):
         def one(i):
             if engine.attention == "blocked":
-                return _blocked_attention(cfg, q, positions, arena, i, jnp.arange(lanes), n_blocks, engine.block)
+                return blocked_attention(cfg, q, positions, arena, i, jnp.arange(lanes), n_blocks, engine.block)
             if engine.attention == "kernel":
                 return cpu_kernel.decode_attention(q.reshape(lanes, cfg.num_heads, -1), arena.k, arena.v, i,
                                                    jnp.arange(lanes), positions[:, 0], cfg.sliding_window)
-            return _dense_decode_attention(cfg, q.reshape(lanes, cfg.num_heads, -1), positions[:, 0], arena.k[i],
+            return dense_decode_attention(cfg, q.reshape(lanes, cfg.num_heads, -1), positions[:, 0], arena.k[i],
                                            arena.v[i], engine.attention)
         return sum(one(i) for i in range(cfg.num_layers))
 

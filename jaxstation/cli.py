@@ -63,12 +63,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from jaxstation.app import station_and_app
     from jaxstation.model.loader import model_source
     from jaxstation.serving.server import serve, warmup_only
 
     config = resolve(args)
     model_source(config.model)  # a bad path is refused here, before the server announces that it listens
-    return warmup_only(config) if args.warmup_only else serve(config)
+    return warmup_only(config) if args.warmup_only else serve(config, station_and_app)
 
 
 def cmd_station(args: argparse.Namespace) -> int:
@@ -89,7 +90,7 @@ def cmd_host(args: argparse.Namespace) -> int:
     if not config.station_urls:
         raise ConfigError("a mesh host needs its stations: --stations URL,URL,... (MOONSHINE_MESH_STATIONS)")
     config.check_mesh_security()
-    return serve(config, create_host_app(config))
+    return serve(config, create_host_app)
 
 
 _ABOUT = """\

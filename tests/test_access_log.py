@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 from server_util import ServerThread, free_port, station_process, wait_for
 
+from jaxstation.app import create_app
 from jaxstation.model.loader import LoadedModel
 from jaxstation.serving.access_log import JsonFormatter
-from jaxstation.serving.server import Station, create_app
 from jaxstation.serving.settings import ConfigError, StationConfig, resolve
+from jaxstation.serving.station import Station
 
 SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
 SECRET_PROMPT = "The orange submarine whispers"

@@ -27,7 +27,8 @@ from server_util import ServerThread, metric, wait_for
 from jaxstation import cli
 from jaxstation.engine.engine import Engine, SamplingParams, generate
 from jaxstation.engine.scheduler import Job, Scheduler
-from jaxstation.mesh.host import MeshEngine, MeshError, create_host_app
+from jaxstation.mesh.client import MeshError
+from jaxstation.mesh.host import MeshEngine, create_host_app
 from jaxstation.mesh.stage import fingerprint
 from jaxstation.mesh.station import MeshStation, create_station_app
 from jaxstation.mesh.wire import CONTENT_TYPE, DTYPES, decode, encode
@@ -384,6 +385,33 @@ def test_stations_refuse_bad_tokens_and_payloads_naming_the_field(stations):
         assert r.status_code == 400 and r.json()["error"]["field"] == field, r.text
     r = _post(middle.url, "/forward", b"\0" * (16 << 20))
     assert r.status_code == 413
+
+
+def test_stations_answer_ready_metrics_and_json_404_405(stations):
+    """/ready is open (a start-up probe), /metrics counts steps and needs the token, unknown routes answer JSON."""
+    middle = stations["3"][1]
+    ready = httpx.get(middle.url + "/ready")
+    assert ready.status_code == 200 and ready.json()["status"] == "ready" and ready.json()["layers"] == "7:19"
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    assert httpx.get(middle.url + "/metrics").status_code == 401
+
+    def forwards() -> tuple[float, float]:
+        text = httpx.get(middle.url + "/metrics", headers=auth).text
+        return (metric(text, "jaxstation_station_requests_total", {"route": "forward", "outcome": "ok"}),
+                metric(text, "jaxstation_station_step_seconds_count", {"route": "forward"}))
+
+    before = forwards()
+    meta, arrays = _decode_wave(False)
+    assert _post(middle.url, "/forward", encode(meta, arrays)).status_code == 200
+    assert _post(middle.url, "/forward", encode({"wave": "decode"}, arrays)).status_code == 400
+    assert forwards() == (before[0] + 1, before[1] + 1)
+    text = httpx.get(middle.url + "/metrics", headers=auth).text
+    assert metric(text, "jaxstation_station_requests_total", {"route": "forward", "outcome": "invalid"}) >= 1
+
+    missing = httpx.get(middle.url + "/nowhere", headers=auth)
+    assert missing.status_code == 404 and missing.json()["error"]["message"] == "no route GET /nowhere"
+    wrong = httpx.get(middle.url + "/forward", headers=auth)
+    assert wrong.status_code == 405 and "POST" in wrong.json()["error"]["message"]
 
 
 def test_prompt_logprobs_through_the_mesh_equal_the_local_engine(stations, default_model, local):

@@ -14,10 +14,11 @@ import openai
 import pytest
 from server_util import ServerThread, metric, queue_held_full, raw_post, wait_for
 
+from jaxstation.app import create_app
 from jaxstation.model.loader import LoadedModel
-from jaxstation.openai.api import render_chat
-from jaxstation.serving.server import Station, create_app
+from jaxstation.openai.parse import render_chat
 from jaxstation.serving.settings import StationConfig
+from jaxstation.serving.station import Station
 
 SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
 READY_S = 120

@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 from server_util import ServerThread, wait_for
 
+from jaxstation.app import create_app
 from jaxstation.engine.engine import SamplingParams
 from jaxstation.model.layers import forward_full
 from jaxstation.model.loader import LoadedModel
-from jaxstation.serving.server import Station, create_app
 from jaxstation.serving.settings import StationConfig
+from jaxstation.serving.station import Station
 
 SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
 MODEL = "SmolLM2-135M-Instruct.Q4_1"

@@ -20,10 +20,11 @@ import httpx
 import pytest
 from server_util import ServerThread, free_port, metric, queue_held_full, raw_post, station_process, wait_for
 
+from jaxstation.app import create_app
 from jaxstation.engine.engine import Engine, SamplingParams, generate
 from jaxstation.model.loader import LoadedModel
-from jaxstation.serving.server import Station, create_app
 from jaxstation.serving.settings import StationConfig
+from jaxstation.serving.station import Station
 
 SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
 BODY_LIMIT = 8192

@@ -11,7 +11,8 @@ import gguf
 import numpy as np
 import pytest
 
-from jaxstation.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxstation.model.detokenizer import IncrementalDetokenizer
+from jaxstation.model.tokenizer import Tokenizer
 
 REFERENCE = Path(__file__).resolve().parent / "reference"
 

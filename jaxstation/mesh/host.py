@@ -26,158 +26,36 @@ shape, so pipelining changes timing, never bits.
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
-import socket
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 import httpx
-import jax.numpy as jnp
 import numpy as np
+from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from jaxstation.engine.engine import DecodeRow, Sample, SamplingParams, _samples, _sampling_arrays
 from jaxstation.engine.prefix_cache import LaneVersions
 from jaxstation.engine.sampling import SampleOut
+from jaxstation.mesh.client import MeshError, StationClient, StationLost, check_mesh, describe_field, wait_info
 from jaxstation.mesh.stage import SAMPLING_FIELDS, fingerprint
-from jaxstation.mesh.wire import CONTENT_TYPE, WireError, decode, encode
 from jaxstation.model.config import LayerRange, ModelConfig
-from jaxstation.model.layers import compute_dtype
 from jaxstation.model.loader import LoadedModel
-from jaxstation.serving.server import Station, create_app
+from jaxstation.openai.routes import openai_endpoints
+from jaxstation.serving.openapi import Endpoint
+from jaxstation.serving.protocol import ErrorResponse
+from jaxstation.serving.routes import station_app, station_endpoints
 from jaxstation.serving.settings import StationConfig
+from jaxstation.serving.station import Station
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_RETRY_S = 0.25  # between probes of a lost station
-
-
-class MeshError(Exception):
-    """The mesh cannot serve as configured; the message names the station. Answered as 502 Bad Gateway."""
-
-    http_status = 502
-
-
-class StationDown(MeshError):
-    """A station stopped answering and did not come back within mesh_recover_s."""
-
-
-class StationLost(Exception):
-    """A hop failed in a way a restart of the station can fix (refused, reset, timed out, 5xx, new epoch)."""
-
-    def __init__(self, station: StationClient, reason: str) -> None:
-        super().__init__(f"{station.name}: {reason}")
-        self.station, self.reason = station, reason
-
-
-@dataclasses.dataclass(frozen=True)
-class Hop:
-    """One request to one station, as the bench reads them."""
-
-    station: int
-    path: str
-    wave: str  # "prefill" | "decode"
-    ms: float  # wall time at the host
-    compute_ms: float  # the station's own time in the step
-    sent: int  # body bytes each way
-    received: int
-
-
-class StationClient:
-    """One station: a keep-alive httpx client with TCP_NODELAY, the station's /info and the epoch last seen."""
-
-    def __init__(self, index: int, url: str, token: str | None, timeout_s: float) -> None:
-        self.index, self.url = index, url
-        transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.http = httpx.Client(base_url=url, transport=transport, timeout=timeout_s, headers=headers)
-        self.info: dict[str, Any] = {}
-        self.epoch: str | None = None
-        self.hops: collections.deque[Hop] = collections.deque(maxlen=100_000)
-
-    @property
-    def name(self) -> str:
-        layers = self.info.get("layers")
-        return f"station {self.url}" + (f" (layers {layers})" if layers else "")
-
-    def _check(self, r: httpx.Response, what: str) -> None:
-        if r.status_code == 200:
-            return
-        try:
-            message = r.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = r.text[:200]
-        if r.status_code >= 500:
-            raise StationLost(self, f"{what}: HTTP {r.status_code}: {message}")
-        raise MeshError(f"{self.name} refused {what}: HTTP {r.status_code}: {message}")
-
-    def get_info(self) -> dict[str, Any]:
-        try:
-            r = self.http.get("/info")
-        except httpx.TransportError as e:
-            raise StationLost(self, f"unreachable: {type(e).__name__}: {e}") from None
-        self._check(r, "/info")
-        return r.json()
-
-    def post(self, path: str, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        body = encode(meta, arrays)
-        t0 = time.perf_counter()
-        try:
-            r = self.http.post(path, content=body, headers={"Content-Type": CONTENT_TYPE})
-        except httpx.TransportError as e:
-            raise StationLost(self, f"{path}: {type(e).__name__}: {e}") from None
-        self._check(r, path)
-        ms = (time.perf_counter() - t0) * 1e3
-        try:
-            reply, out = decode(r.content)
-        except WireError as e:
-            raise MeshError(f"{self.name} sent an unreadable {path} reply: {e}") from None
-        if reply.get("epoch") != self.epoch:
-            raise StationLost(self, "restarted (its epoch changed), so its KV is gone")
-        self.hops.append(Hop(self.index, path, meta["wave"], ms, float(reply.get("compute_ms", 0.0)), len(body),
-                             len(r.content)))
-        return out
-
-    def close(self) -> None:
-        self.http.close()
-
-
-def _describe(info: dict[str, Any], name: str) -> str:
-    return f"{name}={info.get(name)!r}"
-
-
-def check_mesh(clients: Sequence[StationClient], config: StationConfig, cfg: ModelConfig, model_fp: str) -> None:
-    """Refuse a mesh that cannot serve the host's model exactly: raises MeshError naming the station."""
-    want = {"lanes": config.lanes, "max_seq": config.max_seq, "chunk": config.prefill_chunk,
-            "block": config.kv_block, "dtype": jnp.dtype(compute_dtype(config.weights)).name,
-            "layer_loop": config.loop, "attention": config.attention_for(cfg), "total_layers": cfg.num_layers}
-    for c in clients:
-        if not c.info.get("auth") and not config.insecure_mesh:
-            raise MeshError(f"{c.name} takes requests without a token; give it MOONSHINE_MESH_TOKEN, or start the "
-                            f"host with --insecure-mesh on a trusted network")
-        if c.info.get("fingerprint") != model_fp:
-            raise MeshError(f"{c.name} serves a different model: fingerprint {c.info.get('fingerprint')}, the "
-                            f"host's model is {model_fp}")
-        for key, value in want.items():
-            if c.info.get(key) != value:
-                raise MeshError(f"{c.name} has {_describe(c.info, key)} but the host has {key}={value!r}")
-    covered = 0
-    for c in sorted(clients, key=lambda c: LayerRange.parse(c.info["layers"]).start):
-        r = LayerRange.parse(c.info["layers"])
-        if r.start > covered:
-            raise MeshError(f"layer gap: no station holds layers {covered}:{r.start} (the next is {c.name})")
-        if r.start < covered:
-            raise MeshError(f"layer overlap: {c.name} holds layers {r.start}:{min(covered, r.stop)} again")
-        covered = r.stop
-    if covered < cfg.num_layers:
-        raise MeshError(f"layer gap: no station holds layers {covered}:{cfg.num_layers}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +94,7 @@ class MeshEngine:
         clients = [StationClient(i, url, config.mesh_token, config.mesh_hop_timeout_s) for i, url in enumerate(urls)]
         deadline = time.monotonic() + config.mesh_recover_s
         for c in clients:
-            c.info = _wait_info(c, deadline, config.mesh_recover_s)
+            c.info = wait_info(c, deadline, config.mesh_recover_s)
             c.epoch = c.info["epoch"]
         check_mesh(clients, config, cfg, model_fp)
         clients.sort(key=lambda c: LayerRange.parse(c.info["layers"]).start)
@@ -386,11 +264,12 @@ class MeshEngine:
     def _await(self, lost: StationLost, deadline: float) -> None:
         c = lost.station
         log.warning("%s lost (%s); waiting up to %.0f s for it", c.name, lost.reason, self.recover_s)
-        info = _wait_info(c, deadline, self.recover_s)
+        info = wait_info(c, deadline, self.recover_s)
         for key in ("layers", "fingerprint", "lanes", "max_seq", "chunk", "block", "dtype", "layer_loop", "attention",
                     "auth"):
             if info.get(key) != c.info.get(key):
-                raise MeshError(f"{c.name} came back with {_describe(info, key)}, it had {_describe(c.info, key)}")
+                raise MeshError(f"{c.name} came back with {describe_field(info, key)}, "
+                                f"it had {describe_field(c.info, key)}")
         if info["epoch"] != c.epoch:
             log.warning("%s restarted (epoch %s -> %s): replaying %d lanes' history", c.name, c.epoch,
                         info["epoch"], sum(bool(h) for h in self.history))
@@ -422,19 +301,22 @@ def _sample_out(arrays: dict[str, np.ndarray]) -> SampleOut:
                      top_logprobs=arrays["top_logprobs"])
 
 
-def _wait_info(c: StationClient, deadline: float, budget_s: float) -> dict[str, Any]:
-    """The station's /info once it answers, polling until `deadline`; StationDown past it, MeshError on a 4xx."""
-    while True:
-        try:
-            return c.get_info()
-        except StationLost as e:
-            if time.monotonic() >= deadline:
-                raise StationDown(f"{c.name} is down ({e.reason}) and did not come back within {budget_s:g} s "
-                                  f"(MOONSHINE_MESH_RECOVER_S)") from None
-        time.sleep(_RETRY_S)
-
-
 # ---- the host app ------------------------------------------------------------------------------------------------
+class StationState(BaseModel):
+    url: str
+    up: bool
+    status: str | None
+    layers: str | None = None
+    epoch: str | None = None
+
+
+class HostHealthResponse(BaseModel):
+    status: str
+    stations: list[StationState]
+    down: list[str]
+    error: str | None = None
+
+
 def create_host_app(config: StationConfig, *, model: LoadedModel | None = None) -> tuple[Starlette, Station]:
     """The station app (the scheduler, /generate, the OpenAI routes) over a MeshEngine, and its Station. /health also
     names each station and whether it answers."""
@@ -445,7 +327,6 @@ def create_host_app(config: StationConfig, *, model: LoadedModel | None = None) 
         return MeshEngine.connect(c, loaded.cfg, model_fp)
 
     station = Station(config, model=model, engine_factory=engine_factory)
-    app = create_app(station)
     probe = httpx.Client(timeout=2.0)
 
     def stations_state() -> list[dict[str, Any]]:
@@ -474,5 +355,7 @@ def create_host_app(config: StationConfig, *, model: LoadedModel | None = None) 
             body["error"] = station.load_error
         return JSONResponse(body, code)
 
-    app.router.routes.insert(0, Route("/health", health, methods=["GET"]))
-    return app, station
+    host_health = Endpoint("/health", "GET", health, "Whether the host is up, and each station", HostHealthResponse,
+                           ErrorResponse, statuses=(), ok_statuses=(200, 503))
+    endpoints = [host_health] + [e for e in station_endpoints(station) if e.path != "/health"]
+    return station_app(station, endpoints + openai_endpoints(station), title="jaxstation mesh host"), station

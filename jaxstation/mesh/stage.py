@@ -3,7 +3,7 @@
 `forward` runs the range's layers over K contiguous lanes (a decode wave, Q = 1) or one lane's prefill chunk
 (K = 1, Q = chunk) and returns the residual stream; the first station embeds token ids, later ones take the previous
 station's residuals. `lm_head` (last station only) applies the final norm and the head and samples each row with its
-own settings. Both reuse the local engine's pieces (`steps._layers`, `model.lm_logits`, `sampling.sample`) on a
+own settings. Both reuse the local engine's pieces (`steps.run_layers`, `model.lm_logits`, `sampling.sample`) on a
 `Params` cut down to the range by `slice_params`, so a split model computes what the whole one does, bit for bit.
 
 Every input is checked against the station's settings before it reaches the device (`check_forward`,
@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxstation.engine.arena import KVArena, allocate_arena
 from jaxstation.engine.sampling import SampleOut, SamplingArrays, sample, token_logprobs
-from jaxstation.engine.steps import _layers
+from jaxstation.engine.steps import run_layers
 from jaxstation.kernels.rowwise import log_softmax
 from jaxstation.mesh.wire import DTYPES, WireError
 from jaxstation.model.config import LayerRange, ModelConfig
@@ -73,7 +73,7 @@ def forward_step(cfg: ModelConfig, params: Params, arena: KVArena, inputs: jax.A
     attention: the decode attention (a prefill chunk always walks KV blocks)."""
     x = embed_tokens(params, inputs) if inputs.dtype == jnp.int32 else inputs
     lanes = lane0 + jnp.arange(x.shape[0], dtype=jnp.int32)  # rows sit on consecutive lanes
-    return _layers(cfg, params, arena, x, positions, lanes, n_blocks, block, attention=attention)
+    return run_layers(cfg, params, arena, x, positions, lanes, n_blocks, block, attention=attention)
 
 
 @partial(jax.jit, static_argnames=("cfg", "return_logits"))

@@ -1,10 +1,12 @@
 """Station mode: one layer range of the model behind HTTP, for a mesh host to drive (`jaxstation station`).
 
-Routes: `GET /health` (open) says whether the station is up and its epoch; `GET /info` tells a host what the
-station holds (layers, model fingerprint, lane geometry, dtype); `POST /forward` runs one wave through the range;
-`POST /lm_head` (last station only) samples; `POST /score` (last station only) gives a prefill chunk's prompt
-logprobs. All but /health need the mesh token as a bearer token, compared in constant time. Payloads are
-`mesh.wire` binary; a payload that does not fit the station's settings gets a 400 JSON error naming the field.
+Routes: `GET /health` (open) says whether the station is up and its epoch; `GET /ready` (open) is 200 only once
+the station can serve (a start-up probe); `GET /metrics` gives request counts and step times; `GET /info` tells a
+host what the station holds (layers, model fingerprint, lane geometry, dtype); `POST /forward` runs one wave through
+the range; `POST /lm_head` (last station only) samples; `POST /score` (last station only) gives a prefill chunk's
+prompt logprobs. All but /health and /ready need the mesh token as a bearer token, compared in constant time.
+Payloads are `mesh.wire` binary; a payload that does not fit the station's settings gets a 400 JSON error naming the
+field, and an unknown route or method a JSON 404 or 405.
 
 The epoch is a random id chosen when the station starts (and again whenever its arena is rebuilt), sent with every
 reply (`X-Mesh-Epoch` and the binary header's meta): a host that sees it change knows the station's KV is gone.
@@ -23,7 +25,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -34,8 +38,11 @@ from jaxstation.model.loader import LoadedModel, load_model
 from jaxstation.serving.access_log import configure_logging
 from jaxstation.serving.coldstart import enable_compile_cache
 from jaxstation.serving.http_common import BodyError, read_body
-from jaxstation.serving.server import run_server, start_failed, uvicorn_config
+from jaxstation.serving.metrics import MeshStationMetrics
+from jaxstation.serving.routes import json_http_error
+from jaxstation.serving.server import run_server, uvicorn_config
 from jaxstation.serving.settings import StationConfig, check_memory
+from jaxstation.serving.station import start_failed
 
 log = logging.getLogger(__name__)
 EPOCH_HEADER = "X-Mesh-Epoch"
@@ -55,6 +62,7 @@ class MeshStation:
         self.load_error: str | None = None
         self.on_load_failed: Callable[[], None] | None = None
         self.step_lock = threading.Lock()
+        self.metrics = MeshStationMetrics()
 
     def start(self) -> None:
         threading.Thread(target=self._load, name="jaxstation-station-load", daemon=True).start()
@@ -105,14 +113,21 @@ def _error(status: int, message: str, field: str | None, epoch: str, **headers: 
 def create_station_app(station: MeshStation) -> Starlette:
     token = (station.config.mesh_token or "").encode()
 
+    def refused(request: Request) -> Response | None:
+        """401 without the mesh token (when the station has one), else None."""
+        if token:
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token):
+                return _error(401, "this station needs the mesh token: 'Authorization: Bearer "
+                                   "<MOONSHINE_MESH_TOKEN>'", "authorization", station.epoch,
+                              **{"WWW-Authenticate": "Bearer"})
+        return None
+
     def guarded(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         async def route(request: Request) -> Response:
-            if token:
-                scheme, _, given = request.headers.get("authorization", "").partition(" ")
-                if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token):
-                    return _error(401, "this station needs the mesh token: 'Authorization: Bearer "
-                                       "<MOONSHINE_MESH_TOKEN>'", "authorization", station.epoch,
-                                  **{"WWW-Authenticate": "Bearer"})
+            denied = refused(request)
+            if denied is not None:
+                return denied
             if station.load_error:
                 return _error(503, f"the station failed to start: {station.load_error}", None, station.epoch)
             if not station.ready.is_set():
@@ -120,32 +135,53 @@ def create_station_app(station: MeshStation) -> Starlette:
             return await handler(request)
         return route
 
-    async def health(request: Request) -> Response:
-        status = "failed" if station.load_error else ("ok" if station.ready.is_set() else "loading")
+    def state(up: str) -> Response:
+        status = "failed" if station.load_error else (up if station.ready.is_set() else "loading")
         return JSONResponse({"status": status, "epoch": station.epoch, "layers": station.config.layers},
-                            200 if status == "ok" else 503, headers={EPOCH_HEADER: station.epoch})
+                            200 if status == up else 503, headers={EPOCH_HEADER: station.epoch})
+
+    async def health(request: Request) -> Response:
+        return state("ok")
+
+    async def ready(request: Request) -> Response:
+        return state("ready")
+
+    async def metrics(request: Request) -> Response:
+        denied = refused(request)
+        if denied is not None:
+            return denied
+        return Response(generate_latest(station.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def info(request: Request) -> Response:
         return JSONResponse({**station.stage.info(), "epoch": station.epoch, "auth": bool(token)},
                             headers={EPOCH_HEADER: station.epoch})
 
-    def binary_step(check: str, run: Callable[[Stage, dict, dict], dict]) -> Callable[[Request], Awaitable[Response]]:
+    def binary_step(name: str, check: str, run: Callable[[Stage, dict, dict], dict]
+                    ) -> Callable[[Request], Awaitable[Response]]:
+        requests = station.metrics.requests
+
         async def route(request: Request) -> Response:
             try:
                 body = await read_body(request, station.max_body_bytes)
                 meta, arrays = decode(body)
                 args = getattr(station.stage, check)(meta, arrays)
             except BodyError as e:
+                requests.labels(name, "invalid").inc()
                 return _error(e.status, e.message, "body", station.epoch)
             except WireError as e:
+                requests.labels(name, "invalid").inc()
                 return _error(400, e.message, e.field, station.epoch)
             t0 = time.perf_counter()
             try:
                 out = await asyncio.to_thread(station.run, lambda stage: run(stage, meta, args))
             except Exception as e:  # the arena was rebuilt and the epoch changed: the host will replay
                 log.exception("step failed")
+                requests.labels(name, "failed").inc()
                 return _error(500, f"step failed: {type(e).__name__}: {e}", None, station.epoch)
-            reply = {"epoch": station.epoch, "compute_ms": (time.perf_counter() - t0) * 1e3}
+            seconds = time.perf_counter() - t0
+            station.metrics.step.labels(name).observe(seconds)
+            requests.labels(name, "ok").inc()
+            reply = {"epoch": station.epoch, "compute_ms": seconds * 1e3}
             return Response(encode(reply, out), media_type=CONTENT_TYPE, headers={EPOCH_HEADER: station.epoch})
         return route
 
@@ -165,12 +201,14 @@ def create_station_app(station: MeshStation) -> Starlette:
         station.start()
         yield
 
-    return Starlette(routes=[
+    return Starlette(exception_handlers={HTTPException: json_http_error}, routes=[
         Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
         Route("/info", guarded(info), methods=["GET"]),
-        Route("/forward", guarded(binary_step("check_forward", forward)), methods=["POST"]),
-        Route("/lm_head", guarded(binary_step("check_lm_head", lm_head)), methods=["POST"]),
-        Route("/score", guarded(binary_step("check_score", score)), methods=["POST"]),
+        Route("/forward", guarded(binary_step("forward", "check_forward", forward)), methods=["POST"]),
+        Route("/lm_head", guarded(binary_step("lm_head", "check_lm_head", lm_head)), methods=["POST"]),
+        Route("/score", guarded(binary_step("score", "check_score", score)), methods=["POST"]),
     ], lifespan=lifespan)
 
 

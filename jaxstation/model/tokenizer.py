@@ -3,8 +3,7 @@
 A `Tokenizer` is built either from a Hugging Face model directory (`tokenizer.json` and friends) or from the
 metadata of a GGUF file (byte-level BPE, `tokenizer.ggml.model == "gpt2"`), the way transformers' GGUF converter and
 llama.cpp build it. It also renders chat templates as transformers does, knows the raw bytes of every token, and
-precomputes which tokens end a sentence (`terminal_ids`). `IncrementalDetokenizer` turns a stream of token ids into
-text without ever emitting half a UTF-8 character.
+precomputes which tokens end a sentence (`terminal_ids`).
 """
 
 from __future__ import annotations
@@ -12,23 +11,18 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
-from jinja2 import nodes
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.models import BPE
 
+from jaxstation.model.chat_template import compile_template
+
 if TYPE_CHECKING:
     import gguf
-
-__all__ = ["IncrementalDetokenizer", "Tokenizer"]
 
 # GGUF token types (llama.cpp's `LLAMA_TOKEN_TYPE_*`).
 _TOKEN_TYPE_CONTROL = 3
@@ -138,41 +132,6 @@ def _token_content(token: Any) -> str | None:
     if isinstance(token, dict):
         return token.get("content")
     return str(token)
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """Accept transformers' `{% generation %}...{% endgeneration %}` markers, rendering their body unchanged."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> list[nodes.Node]:
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
-) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=16)
-def _compile_template(source: str) -> jinja2.Template:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
 
 
 class Tokenizer:
@@ -383,7 +342,7 @@ class Tokenizer:
             raise ValueError("this tokenizer has no chat template; cannot apply one")
         context: dict[str, Any] = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
         context.update(kwargs)
-        return _compile_template(self.chat_template).render(
+        return compile_template(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **context
         )
 
@@ -421,67 +380,3 @@ def _is_byte_level_json(spec: dict[str, Any]) -> bool:
         return False
 
     return has_byte_level(spec.get("decoder")) or has_byte_level(spec.get("pre_tokenizer"))
-
-
-def _incomplete_tail(buf: bytes | bytearray) -> int:
-    """Length of a trailing, possibly-valid but unfinished UTF-8 sequence at the end of `buf` (0 if none)."""
-    n = len(buf)
-    for back in range(1, min(3, n) + 1):
-        b = buf[n - back]
-        if b & 0xC0 == 0x80:  # continuation byte: keep looking for the lead
-            continue
-        if b >= 0xF0:
-            need = 4 if b <= 0xF4 else 1
-        elif b >= 0xE0:
-            need = 3
-        elif b >= 0xC2:
-            need = 2
-        else:
-            need = 1  # ASCII or an invalid lead: nothing to wait for
-        return back if back < need else 0
-    return 0
-
-
-class IncrementalDetokenizer:
-    """Streams text from token ids, O(1) amortised per token, never emitting a partial UTF-8 character."""
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self._pending = bytearray()
-        self._pieces: list[str] = []
-        self._text_cache: str | None = ""
-
-    @property
-    def text(self) -> str:
-        """Everything emitted so far."""
-        if self._text_cache is None:
-            self._text_cache = "".join(self._pieces)
-            self._pieces = [self._text_cache]
-        return self._text_cache
-
-    def _emit(self, piece: str) -> str:
-        if piece:
-            self._pieces.append(piece)
-            self._text_cache = None
-        return piece
-
-    def push(self, token_id: int) -> str:
-        """Feed one token; return the new text it completes ("" while a character is still incomplete)."""
-        tok = self.tokenizer
-        if tok.is_special(token_id) and self.skip_special_tokens:
-            return ""
-        self._pending += tok.token_bytes(token_id)
-        keep = _incomplete_tail(self._pending)
-        cut = len(self._pending) - keep
-        if cut == 0:
-            return ""
-        piece = self._pending[:cut].decode("utf-8", errors="replace")
-        del self._pending[:cut]
-        return self._emit(piece)
-
-    def flush(self) -> str:
-        """Whatever is left at the end, incomplete bytes decoded with errors="replace"."""
-        piece = self._pending.decode("utf-8", errors="replace")
-        self._pending.clear()
-        return self._emit(piece)

@@ -1,10 +1,9 @@
-"""Request plumbing shared by the station's /generate route and the OpenAI routes: bounded JSON bodies, type checks
-and disconnect detection. Each API maps `BodyError` into its own error shape."""
+"""Request plumbing shared by the station's /generate route and the OpenAI routes: bounded JSON bodies and
+disconnect detection. Each API maps `BodyError` into its own error shape."""
 
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 from starlette.requests import Request
@@ -18,14 +17,6 @@ class BodyError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status, self.message = status, message
-
-
-def is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _reject_constant(name: str) -> None:
@@ -57,6 +48,8 @@ async def read_json(request: Request, limit: int) -> Any:
         return json.loads(body, parse_constant=_reject_constant)
     except ValueError as e:  # JSONDecodeError and bad UTF-8 alike
         raise BodyError(400, f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BodyError(400, "the body is nested too deeply") from None
 
 
 async def until_disconnect(request: Request) -> None:

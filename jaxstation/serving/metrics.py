@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
 class StationMetrics:
@@ -15,11 +15,11 @@ class StationMetrics:
         self.queue_depth = Gauge("jaxstation_queue_depth", "Jobs waiting for a lane", registry=r)
         self.busy_lanes = Gauge("jaxstation_busy_lanes", "Lanes holding a request", registry=r)
         self.ttft = Histogram("jaxstation_time_to_first_token_seconds", "Submit to first token", registry=r,
-                              buckets=_LATENCY_BUCKETS)
+                              buckets=LATENCY_BUCKETS)
         self.itl = Histogram("jaxstation_inter_token_latency_seconds", "Gap between a request's tokens", registry=r,
-                             buckets=_LATENCY_BUCKETS)
+                             buckets=LATENCY_BUCKETS)
         self.step = Histogram("jaxstation_step_seconds", "Compiled step wall time", ["kind"], registry=r,
-                              buckets=_LATENCY_BUCKETS)
+                              buckets=LATENCY_BUCKETS)
         self.generated_tokens = Counter("jaxstation_generated_tokens", "Tokens generated", registry=r)
         self.prompt_tokens = Counter("jaxstation_prompt_tokens", "Prompt tokens prefilled (not reused)", registry=r)
         self.startup = Gauge("jaxstation_startup_seconds", "Start-up phase durations; phase=ready counts from process "
@@ -35,3 +35,15 @@ class StationMetrics:
         self.prefix_saved_tokens = Counter("jaxstation_prefix_cache_prefill_saved_tokens",
                                            "Prompt tokens not prefilled: the match rounded down to a chunk boundary",
                                            registry=r)
+
+
+class MeshStationMetrics:
+    """A mesh station's metrics: requests by route and outcome, and step wall times by route."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("jaxstation_station_requests", "Mesh station requests by route and outcome",
+                                ["route", "outcome"], registry=self.registry)
+        self.step = Histogram("jaxstation_station_step_seconds", "Mesh station step wall time by route", ["route"],
+                              registry=self.registry, buckets=LATENCY_BUCKETS)
+

@@ -1,0 +1,23 @@
+"""The whole HTTP app of a station: its own routes (`serving`) with the OpenAI face (`openai`) on top, and
+`/openapi.json` for both. It sits above both packages, so neither imports the other's app."""
+
+from __future__ import annotations
+
+from starlette.applications import Starlette
+
+from jaxstation.openai.routes import openai_endpoints
+from jaxstation.serving.coldstart import StartupClock
+from jaxstation.serving.routes import station_app, station_endpoints
+from jaxstation.serving.settings import StationConfig
+from jaxstation.serving.station import Station
+
+
+def create_app(station: Station) -> Starlette:
+    """The Starlette app for `station`. Its lifespan starts the station and drains it on shutdown."""
+    return station_app(station, station_endpoints(station) + openai_endpoints(station))
+
+
+def station_and_app(config: StationConfig) -> tuple[Starlette, Station]:
+    """A station of `config`, its start-up timed from process start, and its app (what `serve` runs)."""
+    station = Station(config, clock=StartupClock.from_process_start())
+    return create_app(station), station

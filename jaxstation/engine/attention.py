@@ -1,0 +1,91 @@
+"""The attentions a step can run, each one function over the KV arena, and `attend`, which picks one.
+
+- `blocked_attention`: online softmax over fixed-size KV blocks; any number of query rows (prefill chunks and decode
+  waves), any wave width. A block fully masked for a row leaves that row's running state untouched (`where`, not
+  arithmetic), so how many blocks a wave runs never changes a row's bits.
+- `kernel_decode_attention`: the CPU decode attention kernel (kernels/cpu_kernel.py), each row reading its own lane's
+  positions in place; any wave width.
+- `dense_decode_attention`: `jax.nn.dot_product_attention` ("xla" or "cudnn") over each lane's whole slab, masked to
+  its length; full-width decode waves only (row r is lane r).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxstation.engine.arena import KVArena
+from jaxstation.kernels import cpu_kernel
+from jaxstation.kernels.rowwise import row_sum
+from jaxstation.model.config import ModelConfig
+from jaxstation.model.quant import precision_for
+
+
+def blocked_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, arena: KVArena, layer: jax.Array,
+                       lanes: jax.Array, n_blocks: jax.Array, block: int) -> jax.Array:
+    """Online-softmax attention of q over each row's arena lane, block by block.
+
+    q: [rows, Q, kv_heads, group, head_dim]; q_pos: [rows, Q]; lanes: [rows] -> [rows, Q, heads * head_dim].
+    """
+    rows, nq = q.shape[:2]
+    kvh, hd = cfg.num_kv_heads, cfg.head_dim
+    scale = 1.0 / jnp.sqrt(jnp.float32(hd))
+    stat_shape = (rows, nq, kvh, cfg.group_size)
+    precision = precision_for(q.dtype)
+
+    def body(b, carry):
+        m, denom, acc = carry  # [rows, Q, kvh, group], same, [rows, Q, kvh, group, hd]
+        k_pos = b * block + jnp.arange(block, dtype=jnp.int32)
+        kb = arena.k[layer, lanes[:, None], k_pos[None, :]]  # [rows, block, kvh, hd]
+        vb = arena.v[layer, lanes[:, None], k_pos[None, :]]
+        s = jnp.einsum("rqkgd,rbkd->rqkgb", q, kb, preferred_element_type=jnp.float32, precision=precision) * scale
+        mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [rows, Q, block]
+        if cfg.sliding_window is not None:
+            mask &= k_pos[None, None, :] > q_pos[:, :, None] - cfg.sliding_window
+        s = jnp.where(mask[:, :, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        denom_new = alpha * denom + row_sum(p)
+        acc_new = alpha[..., None] * acc + jnp.einsum("rqkgb,rbkd->rqkgd", p.astype(vb.dtype), vb,
+                                                      preferred_element_type=jnp.float32, precision=precision)
+        live = jnp.any(mask, axis=-1)[:, :, None, None]  # [rows, Q, 1, 1]
+        return (jnp.where(live, m_new, m), jnp.where(live, denom_new, denom), jnp.where(live[..., None], acc_new, acc))
+
+    init = (jnp.full(stat_shape, -jnp.inf, jnp.float32), jnp.zeros(stat_shape, jnp.float32),
+            jnp.zeros((*stat_shape, hd), jnp.float32))
+    _, denom, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out.astype(q.dtype).reshape(rows, nq, cfg.num_heads * hd)
+
+
+def dense_decode_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
+                            implementation: str) -> jax.Array:
+    """One query per lane over that lane's whole slab, masked to its own length, in one fused call.
+
+    q: [lanes, heads, hd]; q_pos: [lanes]; k, v: [lanes, max_seq, kv_heads, hd] -> [lanes, heads * hd]. The
+    shapes never change, so neither do a lane's bits; what lies past a lane's length is masked, never read into it.
+    """
+    out = jax.nn.dot_product_attention(q[:, None], k, v, scale=1.0 / cfg.head_dim ** 0.5,
+                                       key_value_seq_lengths=q_pos + 1, implementation=implementation)
+    return out.reshape(q.shape[0], cfg.num_heads * cfg.head_dim)
+
+
+def kernel_decode_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, arena: KVArena, layer: jax.Array,
+                            lanes: jax.Array) -> jax.Array:
+    """q: [rows, heads, hd]; q_pos, lanes: [rows] -> [rows, heads * hd], each row over its own lane in place."""
+    o = cpu_kernel.decode_attention(q, arena.k, arena.v, layer, lanes, q_pos, cfg.sliding_window)
+    return o.reshape(q.shape[0], cfg.num_heads * cfg.head_dim)
+
+
+def attend(cfg: ModelConfig, attention: str, q: jax.Array, positions: jax.Array, arena: KVArena, layer: jax.Array,
+           lanes: jax.Array, n_blocks: jax.Array, block: int) -> jax.Array:
+    """q: [rows, Q, heads, hd]; positions: [rows, Q] -> [rows, Q, heads * hd]. A prefill chunk (Q > 1) always walks
+    KV blocks; a decode wave runs `attention` ("blocked", "kernel", or a dense implementation, "xla" or "cudnn")."""
+    rows, nq = q.shape[:2]
+    if nq == 1 and attention == "kernel":
+        return kernel_decode_attention(cfg, q[:, 0], positions[:, 0], arena, layer, lanes)[:, None]
+    if nq == 1 and attention != "blocked":
+        return dense_decode_attention(cfg, q[:, 0], positions[:, 0], arena.k[layer], arena.v[layer], attention)[:, None]
+    q = q.reshape(rows, nq, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
+    return blocked_attention(cfg, q, positions, arena, layer, lanes, n_blocks, block)

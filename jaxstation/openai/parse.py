@@ -1,0 +1,180 @@
+"""From a request body to what the station runs: validate against `openai.protocol`, render chat messages through
+the model's template, tokenize, and check what the types cannot (token ids, the context, rules between fields).
+Every refusal is an `OpenAIError` naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from jaxstation.engine.engine import SamplingParams
+from jaxstation.model.tokenizer import Tokenizer
+from jaxstation.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+from jaxstation.serving.errors import OpenAIError, describe
+
+M = TypeVar("M", bound=BaseModel)
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+_NEUTRAL_ONLY = ("presence_penalty", "frequency_penalty", "logit_bias")
+
+
+def bad(param: str, message: str) -> OpenAIError:
+    return OpenAIError(400, message, param, "invalid_value")
+
+
+def unsupported(param: str, message: str) -> OpenAIError:
+    return OpenAIError(400, message, param, "unsupported_parameter")
+
+
+def validate(model: type[M], body: Any) -> M:
+    """`body` as `model`, or a 400 naming the first field that does not fit."""
+    if not isinstance(body, dict):
+        raise bad("body", "the body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        field, message, kind = describe(e)
+        raise (unsupported(field, message) if kind == "unknown" else bad(field, message)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRequest:
+    """A validated request: what to run, and how to shape the reply."""
+
+    chat: bool
+    prompts: list[list[int]]
+    n: int
+    max_tokens: list[int]  # per prompt
+    sampling: SamplingParams
+    seed: int | None
+    stops: tuple[str, ...]
+    stop_ids: frozenset[int]
+    logprobs: int | None  # None: off; k: the sampled token plus k alternatives
+    stream: bool
+    include_usage: bool
+    echo_texts: list[str] | None = None  # per prompt, with echo: the prompt's text, put before the completion
+
+
+def check_token_ids(tokens: list[int], vocab: int, param: str) -> list[int]:
+    for t in tokens:
+        if t >= vocab:
+            raise bad(param, f"{param} holds token id {t}, outside the vocabulary [0, {vocab})")
+    return tokens
+
+
+def _common(req: SamplingFields, chat: bool, prompts: list[list[int]], logprobs: int | None, max_tokens: int | None,
+            max_request_tokens: int, vocab: int, eos_ids: frozenset[int],
+            echo_texts: list[str] | None = None) -> RunRequest:
+    for key in _NEUTRAL_ONLY:
+        value = getattr(req, key)
+        if value:  # 0, 0.0 and {} ask for nothing
+            raise unsupported(key, f"{key}={value!r} is not supported (only the neutral value is accepted)")
+    prompt_param = "messages" if chat else "prompt"
+    lengths = []
+    for i, p in enumerate(prompts):
+        if not p:
+            raise bad(prompt_param, f"prompt {i} is empty")
+        room = max_request_tokens - len(p)
+        if max_tokens is None:
+            if room < 1:
+                raise bad(prompt_param, f"the prompt ({len(p)} tokens) leaves no room to generate in the station's "
+                                        f"context of {max_request_tokens} tokens")
+            lengths.append(room if chat else min(16, room))  # OpenAI's defaults: the rest of the context / 16
+        elif len(p) + max_tokens > max_request_tokens:
+            raise bad("max_tokens", f"the prompt ({len(p)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                                    f"station's context of {max_request_tokens} tokens")
+        else:
+            lengths.append(max_tokens)
+    if req.stream_options is not None and not req.stream:
+        raise bad("stream_options", "stream_options is only allowed with stream=true")
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+    if any(not s for s in stops):
+        raise bad("stop", "stop strings must not be empty")
+    stop_ids = frozenset(check_token_ids(req.stop_token_ids or [], vocab, "stop_token_ids"))
+    sampling = SamplingParams(temperature=float(1.0 if req.temperature is None else req.temperature),
+                              top_k=0 if req.top_k in (None, -1) else req.top_k,
+                              top_p=float(1.0 if req.top_p is None else req.top_p),
+                              min_p=float(req.min_p or 0.0))
+    return RunRequest(chat=chat, prompts=prompts, n=req.n or 1, max_tokens=lengths, sampling=sampling, seed=req.seed,
+                      stops=tuple(stops), stop_ids=eos_ids | stop_ids, logprobs=logprobs, stream=bool(req.stream),
+                      include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                      echo_texts=echo_texts)
+
+
+def parse_completion(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: int,
+                     eos_ids: frozenset[int]) -> RunRequest:
+    req = validate(CompletionRequest, body)
+    if req.best_of is not None and req.best_of not in (1, req.n or 1):
+        raise unsupported("best_of", f"best_of={req.best_of!r} is not supported (only 1 or n is accepted)")
+    texts: list[str] | None = None
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        texts, prompts = [prompt], [tok.encode(prompt)]
+    elif isinstance(prompt[0], str):
+        texts, prompts = list(prompt), [tok.encode(p) for p in prompt]
+    elif isinstance(prompt[0], int):
+        prompts = [check_token_ids(prompt, vocab, "prompt")]
+    else:
+        prompts = [check_token_ids(p, vocab, "prompt") for p in prompt]
+    if req.echo and req.stream:
+        raise unsupported("echo", "echo=true is not supported with stream=true")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad("max_tokens", "max_tokens must be >= 1 (0 is allowed only with echo=true, to score the prompt)")
+    echo_texts = None
+    if req.echo:  # the prompt as sent; token ids are decoded
+        echo_texts = texts if texts is not None else [tok.decode(p) for p in prompts]
+    return _common(req, False, prompts, req.logprobs, req.max_tokens, max_request_tokens, vocab, eos_ids, echo_texts)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as the chat template reads them: roles mapped (developer is system), text parts joined."""
+    out = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or ())
+        msg = {"role": _ROLES[m.role], "content": content}
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def render_chat(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """The chat template's text for `messages`, tokenized (the template writes its own special tokens)."""
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # the template's raise_exception, or no template at all
+        raise bad("messages", f"the chat template failed: {e}") from None
+    return tok.encode(text, add_special_tokens=False)
+
+
+def parse_chat(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: int, eos_ids: frozenset[int]) -> RunRequest:
+    req = validate(ChatCompletionRequest, body)
+    prompt = render_chat(tok, chat_messages(req.messages))
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad("top_logprobs", "top_logprobs needs logprobs=true")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return _common(req, True, [prompt], (req.top_logprobs or 0) if req.logprobs else None, max_tokens,
+                   max_request_tokens, vocab, eos_ids)
+
+
+def parse_tokenize(body: Any, tok: Tokenizer) -> list[int]:
+    """/tokenize: a prompt (tokenized as a completion's is) or chat messages (rendered through the template)."""
+    if isinstance(body, dict) and "messages" in body:
+        chat = validate(TokenizeChatRequest, body)
+        gen = True if chat.add_generation_prompt is None else chat.add_generation_prompt
+        return render_chat(tok, chat_messages(chat.messages), gen)
+    req = validate(TokenizeCompletionRequest, body)
+    return tok.encode(req.prompt, add_special_tokens=True if req.add_special_tokens is None else req.add_special_tokens)
+
+
+def parse_detokenize(body: Any, vocab: int) -> list[int]:
+    return check_token_ids(validate(DetokenizeRequest, body).tokens, vocab, "tokens")

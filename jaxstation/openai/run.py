@@ -1,0 +1,259 @@
+"""Running one OpenAI request's choices: each choice is one `Job` on the station's scheduler, and the host does the
+text work on its tokens (incremental detokenizing, stop strings across token boundaries, logprobs in OpenAI's shapes).
+
+Each job's `on_token` callback runs on the decode thread and hands its `Sample` to the request's event loop with
+`loop.call_soon_threadsafe` into an `asyncio.Queue`; the job's Future does the same when it resolves. Non-streaming
+and streaming replies are built from the same events, so their text is the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import secrets
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from jaxstation.engine.engine import SEED_LIMIT, Sample
+from jaxstation.engine.scheduler import Cancelled, Job, QueueFull, Result, ShuttingDown, StepFailed
+from jaxstation.model.detokenizer import IncrementalDetokenizer
+from jaxstation.model.tokenizer import Tokenizer
+from jaxstation.openai.parse import RunRequest
+from jaxstation.serving.errors import OpenAIError
+from jaxstation.serving.http_common import RETRY_AFTER_S
+from jaxstation.serving.station import Station
+
+
+def busy(message: str) -> OpenAIError:
+    return OpenAIError(503, message, None, "overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def _holdback(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0
+
+
+@dataclasses.dataclass
+class Choice:
+    index: int
+    prompt: int  # which prompt it continues
+    job: Job
+    detok: IncrementalDetokenizer
+    held: str = ""  # detokenized text held back: it could be the start of a stop string
+    text: list[str] = dataclasses.field(default_factory=list)
+    tokens: int = 0
+    finish: str | None = None
+    logprobs: list[tuple[Sample, int]] = dataclasses.field(default_factory=list)  # (sample, text offset)
+    lp_sent: int = 0  # how many logprob entries a stream has sent
+    prompt_logprobs: list[Sample] = dataclasses.field(default_factory=list)  # with echo: prompt tokens 1..
+
+
+@dataclasses.dataclass
+class _Update:
+    choice: Choice
+    text: str
+    finished: bool
+
+
+class Run:
+    """The jobs of one request and the host-side text work on their tokens, driven by the request's event loop."""
+
+    def __init__(self, station: Station, req: RunRequest) -> None:
+        self.station, self.req = station, req
+        self.scheduler = station.scheduler
+        self.tok: Tokenizer = station.model.tokenizer
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.choices: list[Choice] = []
+        self.error: OpenAIError | None = None
+
+    def submit(self) -> None:
+        req = self.req
+        for p, (prompt, max_tokens) in enumerate(zip(req.prompts, req.max_tokens, strict=True)):
+            for j in range(req.n):
+                seed = (req.seed + j) % SEED_LIMIT if req.seed is not None else secrets.randbelow(SEED_LIMIT)
+                index = len(self.choices)
+                job = Job(tokens=prompt, max_new_tokens=max_tokens,
+                          sampling=dataclasses.replace(req.sampling, seed=seed), stop_ids=req.stop_ids,
+                          prompt_logprobs=req.echo_texts is not None and req.logprobs is not None,
+                          reuse_prefix=self.station.config.reuse_prefix(False), on_token=self._on_token(index))
+                self.choices.append(Choice(index, p, job, IncrementalDetokenizer(self.tok)))
+        try:
+            for choice in self.choices:
+                future = self.scheduler.submit(choice.job)
+                future.add_done_callback(self._on_done(choice.index))
+        except (QueueFull, ShuttingDown) as e:
+            self.cancel_all()
+            raise busy(str(e)) from None
+
+    def _on_token(self, index: int) -> Callable[[Sample], None]:
+        def on_token(sample: Sample) -> None:  # the decode thread
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, sample))
+        return on_token
+
+    def _on_done(self, index: int) -> Callable[[Future], None]:
+        def on_done(future: Future) -> None:  # the decode thread (or here, if already done)
+            try:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, future))
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+        return on_done
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish is not None for c in self.choices)
+
+    def cancel_all(self) -> None:
+        """Cancel the jobs still running. A choice that already ended on a stop string is left to `finish_early`,
+        which retires it as "stop"."""
+        for c in self.choices:
+            if c.finish is None and not c.job.future.done():
+                self.scheduler.cancel(c.job)
+
+    def _advance(self, c: Choice, piece: str, final: bool) -> str:
+        """Fold new text into the choice; return what may be shown now (stop strings trimmed, their starts held)."""
+        pending = c.held + piece
+        if final:
+            pending += c.detok.flush()
+        stops = self.req.stops
+        cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
+        if cut >= 0:
+            out, c.held, c.finish = pending[:cut], "", "stop"
+            self.scheduler.finish_early(c.job)  # the station retires it as "stop" within one wave
+        elif final:
+            out, c.held = pending, ""
+        else:
+            keep = _holdback(pending, stops) if stops else 0
+            out, c.held = pending[:len(pending) - keep], pending[len(pending) - keep:]
+        if out:
+            c.text.append(out)
+        return out
+
+    async def next(self, disconnected: asyncio.Future | None = None) -> _Update | None:
+        """Wait for the next event and return what it changes (None when it changes nothing visible)."""
+        get = asyncio.ensure_future(self.queue.get())
+        try:
+            while True:
+                waits = {get} if disconnected is None else {get, disconnected}
+                done, _ = await asyncio.wait(waits, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                if get in done:
+                    break
+                if disconnected is not None and disconnected in done:
+                    raise Disconnected
+                if not self.scheduler.alive and not all(c.job.future.done() for c in self.choices):
+                    raise OpenAIError(500, "the decode thread has died", None, "internal_error")
+        finally:
+            if not get.done():
+                get.cancel()
+        index, event = get.result()
+        c = self.choices[index]
+        if c.finish is not None:  # already ended by a stop string; late tokens and its result are dropped
+            return None
+        if isinstance(event, Sample):
+            c.tokens += 1
+            offset = len(c.detok.text)
+            if self.req.logprobs is not None:
+                c.logprobs.append((event, offset))
+            return _Update(c, self._advance(c, c.detok.push(event.token), final=False), c.finish is not None)
+        try:
+            result: Result = event.result()
+        except StepFailed as e:
+            raise OpenAIError(e.status, str(e), None, "internal_error") from None
+        except ShuttingDown as e:
+            raise OpenAIError(503, str(e), None, "shutting_down") from None
+        except Cancelled as e:
+            raise OpenAIError(500, str(e), None, "internal_error") from None
+        c.prompt_logprobs = result.prompt_logprobs
+        text = self._advance(c, "", final=True)
+        if result.stop_sample is not None and self.req.logprobs is not None:  # listed, as vLLM does; not in text
+            c.logprobs.append((result.stop_sample, len(c.detok.text)))
+        if c.finish is None:
+            c.finish = "length" if result.finish_reason == "length" else "stop"
+        return _Update(c, text, True)
+
+    def usage(self) -> dict:
+        """OpenAI's usage. Each prompt counts once; its cached tokens are the most any of its choices reused."""
+        prompt = sum(len(p) for p in self.req.prompts)
+        completion = sum(c.tokens for c in self.choices)
+        cached = sum(max(c.job.cached_tokens for c in self.choices if c.prompt == p)
+                     for p in range(len(self.req.prompts)))
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    # ---- logprobs in OpenAI's two shapes ----
+    def _token_text(self, token: int) -> str:
+        return self.tok.token_bytes(token).decode("utf-8", errors="replace")
+
+    def chat_logprobs(self, entries: list[tuple[Sample, int]]) -> dict:
+        k = self.req.logprobs or 0
+
+        def one(token: int, lp: float) -> dict:
+            raw = self.tok.token_bytes(token)
+            return {"token": raw.decode("utf-8", errors="replace"), "logprob": _finite(lp), "bytes": list(raw)}
+
+        return {"content": [{**one(s.token, s.logprob), "top_logprobs": [one(t, lp) for t, lp in s.top[:k]]}
+                            for s, _ in entries]}
+
+    def completion_logprobs(self, entries: list[tuple[Sample | None, int]], tokens: list[int] | None = None) -> dict:
+        """OpenAI's legacy shape. An entry without a Sample (echo's first prompt token) has null logprobs.
+
+        With echo, each position's top_logprobs holds its own token, then the top max(k, 1) (so the model's top-1 is
+        always there and a duplicate text keeps the top one's logprob)."""
+        k = self.req.logprobs or 0
+        echo = self.req.echo_texts is not None
+        tokens = tokens if tokens is not None else [s.token for s, _ in entries]
+
+        def top(s: Sample | None) -> dict | None:
+            if s is None:
+                return None
+            alternatives = s.top[:max(k, 1)] if echo else s.top[:k]
+            head = [(s.token, s.logprob)] if echo else []
+            return {self._token_text(t): _finite(lp) for t, lp in head + list(alternatives)}
+
+        return {
+            "tokens": [self._token_text(t) for t in tokens],
+            "token_logprobs": [None if s is None else _finite(s.logprob) for s, _ in entries],
+            "top_logprobs": [top(s) for s, _ in entries],
+            "text_offset": [off for _, off in entries],
+        }
+
+    def echo(self, c: Choice) -> tuple[str, dict | None]:
+        """With echo: the prompt's text and, with logprobs, the logprobs of its tokens then the generated ones.
+
+        A prompt token's text_offset is where it starts in the prompt's decoded text (the prompt as sent, when it
+        decodes back to itself, as byte-level BPE does)."""
+        text = self.req.echo_texts[c.prompt]
+        if self.req.logprobs is None:
+            return text, None
+        prompt = self.req.prompts[c.prompt]
+        detok = IncrementalDetokenizer(self.tok, skip_special_tokens=False)
+        offsets = []
+        for t in prompt:
+            offsets.append(len(detok.text))
+            detok.push(t)
+        shift = len(text)  # generated offsets count from the end of the echoed prompt
+        entries: list[tuple[Sample | None, int]] = list(zip([None, *c.prompt_logprobs], offsets, strict=True))
+        entries += [(s, off + shift) for s, off in c.logprobs]
+        return text, self.completion_logprobs(entries, list(prompt) + [s.token for s, _ in c.logprobs])
+
+    def logprobs_since(self, c: Choice, streaming: bool = False) -> dict | None:
+        """The logprobs of the tokens not reported yet (a stream's chunk without new tokens gets null)."""
+        if self.req.logprobs is None or (streaming and c.lp_sent == len(c.logprobs)):
+            return None
+        entries, c.lp_sent = c.logprobs[c.lp_sent:], len(c.logprobs)
+        return self.chat_logprobs(entries) if self.req.chat else self.completion_logprobs(entries)
+
+
+class Disconnected(Exception):
+    """The client went away before the reply was complete."""

@@ -1,0 +1,93 @@
+"""The station's two error shapes, and how a pydantic validation error becomes one that names the field.
+
+Under `/v1/` and on vLLM's tokenizer routes, errors take OpenAI's shape, `{"error": {"message", "type", "param",
+"code"}}`; the station's own routes answer `{"error": {"message", "field"}}`. Either way the field is a path into the
+body, such as `messages[0].role`, and the message says what was wrong with the value that was sent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.responses import JSONResponse
+
+_REPR_LIMIT = 60
+
+
+class ApiError(Exception):
+    """An error in the station's shape: `{"error": {"message", "field"}}`."""
+
+    def __init__(self, status: int, message: str, field: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.field, self.headers = status, message, field, headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "field": self.field}}, self.status,
+                            headers=self.headers)
+
+
+class OpenAIError(Exception):
+    """An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    @property
+    def type(self) -> str:
+        if self.status == 401:
+            return "authentication_error"
+        return "invalid_request_error" if self.status < 500 else "server_error"
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), self.status, headers=self.headers)
+
+
+def field_path(loc: tuple[int | str, ...]) -> str:
+    """('messages', 0, 'role') -> 'messages[0].role'."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _REPR_LIMIT else text[:_REPR_LIMIT] + "..."
+
+
+def describe(error: ValidationError) -> tuple[str, str, str]:
+    """The first problem in `error` as (field, message, kind), kind being 'unknown', 'missing' or 'invalid'.
+
+    A union reports one error per member, each under the member's tag; the field named is then the union's own
+    (the common prefix of those errors), and the message lists why each form was refused.
+    """
+    errors = error.errors(include_url=False)
+    first = errors[0]
+    loc = tuple(first["loc"])
+    if not loc:
+        return "body", "the body must be a JSON object", "invalid"
+    if first["type"] == "extra_forbidden":
+        return field_path(loc), f"unsupported field {field_path(loc)!r}", "unknown"
+    if first["type"] == "missing":
+        return field_path(loc), f"missing required field {field_path(loc)!r}", "missing"
+    siblings = [tuple(e["loc"]) for e in errors if e["loc"][:1] == loc[:1]]
+    common = loc
+    for other in siblings[1:]:
+        n = 0
+        while n < min(len(common), len(other)) and common[n] == other[n]:
+            n += 1
+        common = common[:n]
+    if len(siblings) > 1 and len(common) < len(loc):  # a union: every form was refused
+        field = field_path(common)
+        reasons = "; ".join(f"as {e['loc'][len(common)]}: {e['msg'].lower()}" for e in errors
+                            if tuple(e["loc"][:len(common)]) == common and len(e["loc"]) > len(common))
+        return field, f"{field} has no accepted form, got {_shown(first['input'])} ({reasons})", "invalid"
+    field = field_path(loc)
+    return field, f"{field}: {first['msg'].lower()}, got {_shown(first['input'])}", "invalid"

@@ -1,0 +1,142 @@
+"""The station: the model, its engine, the scheduler, the metrics and the readiness state, and nothing of HTTP.
+
+Weights load and every compiled step warms up in a background thread started with the app, so `/health` answers at
+once and `/ready` turns 200 only when the station can serve. `shutdown` drains: new requests are refused while
+in-flight ones finish (up to `drain_s`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from jaxstation.engine.engine import Engine
+from jaxstation.engine.runner import Runner
+from jaxstation.engine.scheduler import Scheduler
+from jaxstation.model.loader import LoadedModel, load_model
+from jaxstation.serving.coldstart import CompileCount, StartupClock, enable_compile_cache
+from jaxstation.serving.metrics import StationMetrics
+from jaxstation.serving.settings import StationConfig, check_memory
+
+log = logging.getLogger(__name__)
+
+
+class Station:
+    """One serving station: config, model, engine, scheduler, metrics, and whether it is ready.
+
+    model: an already loaded model (tests, or a caller that loaded it); None loads `config.model` in `start`.
+    engine_factory: builds the engine from the loaded model (default: a local `Engine`; a mesh host passes its own).
+    before_warmup: called in the loading thread right before the warm-up compiles (a test hook to observe /ready 503).
+    clock: where start-up phase times go (logged, and gauges on /metrics); default: one counting from here.
+    """
+
+    def __init__(self, config: StationConfig, *, model: LoadedModel | None = None,
+                 before_warmup: Callable[[], None] | None = None, clock: StartupClock | None = None,
+                 engine_factory: Callable[[LoadedModel, StationConfig], Runner] | None = None) -> None:
+        self.config = config
+        self.model = model
+        self.metrics = StationMetrics()
+        self.clock = clock or StartupClock()  # serve() passes one that counts from process start
+        self.clock.add_sink(lambda phase, seconds: self.metrics.startup.labels(phase).set(seconds))
+        self.engine: Runner | None = None
+        self._engine_factory = engine_factory or local_engine
+        self.scheduler: Scheduler | None = None
+        self.ready = threading.Event()
+        self.load_error: str | None = None
+        self.on_load_failed: Callable[[], None] | None = None
+        self._before_warmup = before_warmup
+        self._draining = False
+        self._stopped = False
+        self._lock = threading.Lock()
+        self._loader: threading.Thread | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Load, build and warm up in a background thread; returns at once."""
+        self._loader = threading.Thread(target=self._load, name="jaxstation-load", daemon=True)
+        self._loader.start()
+
+    def _load(self) -> None:
+        """Load, allocate, compile every step shape, start the decode thread; each phase timed on `self.clock`."""
+        clock, c = self.clock, self.config
+        try:
+            enable_compile_cache(c.compile_cache_dir)
+            programs = CompileCount()
+            if self.model is None:
+                with clock.phase("weight_load"):
+                    self.model = load_model(c.model, c.weights, c.loop, c.matmul_impl)
+                log.info("loaded %s", self.model.source)
+            with clock.phase("arena_alloc"):
+                self.engine = self._engine_factory(self.model, c)
+            if self._before_warmup is not None:
+                self._before_warmup()
+            for name, run in self.engine.warmup_steps():
+                with clock.phase(f"compile_{name}"):
+                    run()
+                    jax.block_until_ready(self.engine.arena)
+            compiled, cached = programs.delta()
+            self.metrics.startup_programs.labels("compiled").set(compiled)
+            self.metrics.startup_programs.labels("cache").set(cached)
+            log.info("start-up programs: %d compiled, %d read from the persistent compilation cache", compiled, cached)
+            tok = self.model.tokenizer
+            scheduler = Scheduler(self.engine, continuous=c.continuous, max_queue=c.max_queue,
+                                  terminal_ids=tok.terminal_ids if tok is not None else frozenset(),
+                                  metrics=self.metrics)
+            with self._lock:
+                if self._stopped:  # shut down while loading
+                    return
+                scheduler.start()
+                self.scheduler = scheduler
+            clock.record("ready", clock.since_start())
+            self.ready.set()
+            log.info("ready: %d lanes x %d positions, continuous=%s", c.lanes, c.max_seq, c.continuous)
+        except Exception as e:
+            start_failed(self, e)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def begin_drain(self) -> None:
+        """Stop admitting: from now on /generate answers 503 and /ready 503."""
+        self._draining = True
+
+    def shutdown(self, timeout_s: float | None = None) -> bool:
+        """Stop admitting, let in-flight jobs finish for up to timeout_s (default drain_s), stop the decode thread.
+
+        Idempotent. Returns True if nothing had to be failed.
+        """
+        self.begin_drain()
+        with self._lock:
+            self._stopped = True
+            scheduler = self.scheduler
+        if scheduler is None:
+            return True
+        return scheduler.drain(self.config.drain_s if timeout_s is None else timeout_s)
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        tok = self.model.tokenizer if self.model is not None else None
+        return frozenset(tok.eos_ids) if tok is not None else frozenset()
+
+
+def local_engine(model: LoadedModel, c: StationConfig) -> Engine:
+    """The station's own engine, once its arena is known to fit, with the arena allocated."""
+    check_memory(model.cfg, c, weights_resident=True)
+    engine = Engine(model, lanes=c.lanes, max_seq=c.max_seq, chunk=c.prefill_chunk, block=c.kv_block,
+                    attention=c.attention_for(model.cfg), widths=c.decode_widths)
+    jax.block_until_ready(engine.arena)
+    return engine
+
+
+def start_failed(station: Any, error: Exception) -> None:
+    """A Station's or MeshStation's loading thread failed: log it, keep the message for /health and /ready, and
+    tell the server."""
+    log.exception("station failed to start")
+    station.load_error = f"{type(error).__name__}: {error}"
+    if station.on_load_failed is not None:
+        station.on_load_failed()

@@ -1,0 +1,116 @@
+"""The station's `/openapi.json`, and schemathesis fuzzing a live station from it.
+
+A real station (the default model, a real socket, real threads) serves the document it generates from its pydantic
+models; schemathesis reads it back over HTTP and sends every route valid and invalid bodies (wrong types, missing
+fields, out-of-range numbers, huge arrays, deep nesting), a bounded number of examples per route. No reply may be a
+5xx, break its declared schema or status codes, or hang; an invalid body must get a 4xx.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.core import NOT_SET
+from server_util import ServerThread, wait_for
+
+from jaxstation.app import create_app
+from jaxstation.model.loader import LoadedModel
+from jaxstation.openai.protocol import ChatCompletionChunk, CompletionResponse, OpenAIErrorResponse
+from jaxstation.serving.settings import StationConfig
+from jaxstation.serving.station import Station
+
+# A short context keeps every valid request quick: at most 48 positions, 8 choices on 4 lanes.
+FUZZ_SHAPE = {"lanes": 4, "max_seq": 48, "prefill_chunk": 16, "kv_block": 16}
+EXAMPLES = 8  # per route and generation mode (valid and invalid bodies)
+STREAM_EVENTS = 2048  # read a stream to its end: at most 8 choices of 48 tokens
+STREAM_CHUNKS = {"/v1/completions": CompletionResponse, "/v1/chat/completions": ChatCompletionChunk}
+CASES: list[str] = []  # one entry per case sent, for the count in the docs
+
+
+@pytest.fixture(scope="module")
+def live(default_model: LoadedModel):
+    station = Station(StationConfig(**FUZZ_SHAPE, continuous=True, drain_s=5, max_body_bytes=64 * 1024),
+                      model=default_model)
+    with ServerThread(create_app(station)) as server, server.client() as http:
+        wait_for(lambda: http.get("/ready").status_code == 200, 300, "the station did not turn ready", 0.1)
+        yield server, http
+    print(f"\nschemathesis sent {len(CASES)} cases")
+
+
+def test_openapi_lists_every_route_with_its_schemas(live) -> None:
+    _, http = live
+    doc = http.get("/openapi.json").json()
+    assert doc["openapi"].startswith("3.1")
+    routes = {(path, method) for path, ops in doc["paths"].items() for method in ops}
+    assert routes == {("/generate", "post"), ("/health", "get"), ("/ready", "get"), ("/metrics", "get"),
+                      ("/v1/completions", "post"), ("/v1/chat/completions", "post"), ("/v1/models", "get"),
+                      ("/tokenize", "post"), ("/detokenize", "post"), ("/tokenizer_info", "get"),
+                      ("/openapi.json", "get")}
+    schemas = doc["components"]["schemas"]
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            assert "200" in op["responses"], (path, method)
+            if method == "post":
+                assert op["requestBody"]["content"]["application/json"]["schema"], path
+    chat = schemas["ChatCompletionRequest"]
+    assert chat["additionalProperties"] is False and "messages" in chat["required"]
+    assert schemas["GenerateRequest"]["properties"]["max_new_tokens"]["minimum"] == 1
+    assert schemas["CompletionRequest"]["properties"]["n"]["anyOf"][0]["maximum"] == 8
+    error = doc["paths"]["/v1/completions"]["post"]["responses"]["400"]["content"]["application/json"]["schema"]
+    assert error == {"$ref": "#/components/schemas/OpenAIErrorResponse"}
+    error = doc["paths"]["/generate"]["post"]["responses"]["422"]["content"]["application/json"]["schema"]
+    assert error == {"$ref": "#/components/schemas/ErrorResponse"}
+
+
+@pytest.fixture(scope="module")
+def api_schema(live):
+    server, _ = live
+    schema = schemathesis.openapi.from_url(f"http://127.0.0.1:{server.port}/openapi.json")
+    schema.config.generation.update(max_examples=EXAMPLES)
+    schema.config.max_stream_events = STREAM_EVENTS
+    return schema
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@schema.parametrize()
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+def test_fuzz(case: schemathesis.Case) -> None:
+    """Every generated case: no 5xx, the declared status codes, content types and schemas, and a 4xx for a body that
+    breaks the schema. A body the schema allows may still be refused by a rule no type can say (a token id past the
+    vocabulary, a prompt longer than the context), so a valid body's 4xx is not a failure; its error is checked."""
+    CASES.append(f"{case.method} {case.path}")
+    try:
+        response = case.call(timeout=60)
+    except requests.Timeout:
+        pytest.fail(f"{case.method} {case.path} hung")
+    case.validate_response(response, excluded_checks=[schemathesis.checks.positive_data_acceptance])
+    if response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
+        chunk = STREAM_CHUNKS[case.path]
+        events = [line[len("data: "):] for line in response.text.split("\n\n") if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", response.text
+        for data in events[:-1]:
+            payload = json.loads(data)
+            (OpenAIErrorResponse if "error" in payload else chunk).model_validate(payload)  # the declared shapes
+        return
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert error["message"], response.text
+        if response.status_code in (400, 422) and case.body is not NOT_SET:
+            assert error.get("param") or error.get("field"), response.text  # it names the field
+
+
+def test_every_route_was_fuzzed(live) -> None:
+    _, http = live
+    doc = http.get("/openapi.json").json()
+    sent = set(CASES)
+    for path, ops in doc["paths"].items():
+        for method in ops:
+            assert f"{method.upper()} {path}" in sent, (method, path)
+    assert len(CASES) > 300
