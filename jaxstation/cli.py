@@ -14,7 +14,9 @@ from dataclasses import replace
 from jaxstation import __version__
 from jaxstation.model.loader import CheckpointError
 from jaxstation.serving.settings import (
+    COMMANDS,
     DTYPES,
+    SETTINGS,
     ConfigError,
     StationConfig,
     add_arguments,
@@ -64,18 +66,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from jaxstation.app import station_and_app
-    from jaxstation.model.loader import model_source
+    from jaxstation.model.loader import checkpoint_config
     from jaxstation.serving.server import serve, warmup_only
 
-    config = resolve(args)
-    model_source(config.model)  # a bad path is refused here, before the server announces that it listens
+    config = resolve(args, command="serve")
+    checkpoint_config(config.model)  # a bad checkpoint is refused here, before the server announces that it listens
     return warmup_only(config) if args.warmup_only else serve(config, station_and_app)
 
 
 def cmd_station(args: argparse.Namespace) -> int:
     from jaxstation.mesh.station import serve_station
 
-    config = resolve(args)
+    config = resolve(args, command="station")
     if config.layers is None:
         raise ConfigError("a mesh station needs its layer range: --layers A:B (MOONSHINE_LAYERS)")
     config.check_mesh_security()
@@ -86,7 +88,7 @@ def cmd_host(args: argparse.Namespace) -> int:
     from jaxstation.mesh.host import create_host_app
     from jaxstation.serving.server import serve
 
-    config = resolve(args)
+    config = resolve(args, command="host")
     if not config.station_urls:
         raise ConfigError("a mesh host needs its stations: --stations URL,URL,... (MOONSHINE_MESH_STATIONS)")
     config.check_mesh_security()
@@ -121,33 +123,46 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)")
     gen.add_argument("--dtype", default=None, choices=DTYPES,
                      help="weight dtype; int8 is weight-only (default: float32 on CPU, bfloat16 on a GPU)")
-    gen.set_defaults(func=cmd_generate)
+    gen.set_defaults(func=cmd_generate, command_parser=gen)
 
     srv = sub.add_parser("serve", help="run the /generate station server",
                          description="Flags override the environment variables named in each help line.")
-    add_arguments(srv)
+    add_arguments(srv, "serve")
     srv.add_argument("--warmup-only", action="store_true",
                      help="load the model and compile every step shape (filling MOONSHINE_COMPILE_CACHE_DIR), then "
                           "exit 0 without serving; run it at image build time or as a deploy step")
-    srv.set_defaults(func=cmd_serve)
+    srv.set_defaults(func=cmd_serve, command_parser=srv)
 
     for name, func, help_ in (
             ("station", cmd_station, "run a mesh station holding the layers --layers A:B (/forward, /lm_head)"),
             ("host", cmd_host, "run the scheduler and every route over mesh stations (--stations URL,URL,...)")):
         p = sub.add_parser(name, help=help_, description="Flags override the environment variables named in each "
                                                          "help line.")
-        add_arguments(p)
-        p.set_defaults(func=func)
+        add_arguments(p, name)
+        p.set_defaults(func=func, command_parser=p)
     return parser
 
 
+def _other_commands(flag: str) -> list[str]:
+    """The commands that take `flag` (a setting's), for an error that says where it belongs."""
+    name = flag.split("=")[0]
+    return [c for c in COMMANDS if any(s.flag == name and c in s.commands for s in SETTINGS)]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    command_parser = args.command_parser  # errors show the command's usage, not the top level's
+    if unknown:
+        where = _other_commands(unknown[0])
+        hint = f" ({unknown[0].split('=')[0]} is a flag of: {', '.join(f'jaxstation {c}' for c in where)})" if where \
+            else ""
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     if args.command == "generate":
         if args.max_new_tokens < 1:
-            build_parser().error("--max-new-tokens must be >= 1")
+            command_parser.error("--max-new-tokens must be >= 1")
         if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
-            build_parser().error("need --temperature >= 0, --top-k >= 0 and --top-p in (0, 1]")
+            command_parser.error("need --temperature >= 0, --top-k >= 0 and --top-p in (0, 1]")
     use_gpu_memory_fraction()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)  # not the backend probe's INFO lines

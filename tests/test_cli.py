@@ -65,3 +65,50 @@ def test_help_shows_defaults_and_routes() -> None:
     generate = " ".join(run_cli("generate", "--help").stdout.split())
     assert "--max-new-tokens MAX_NEW_TOKENS the most tokens to generate" in generate
     assert "--dtype {float32,bfloat16,int8} weight dtype; int8 is weight-only" in generate
+
+
+def test_a_corrupt_model_file_is_one_line_on_serve(tmp_path: Path) -> None:
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"this is not a GGUF file" * 100)
+    for command, extra in (("serve", ["--port", "0"]), ("generate", ["--prompt", "hi"])):
+        r = run_cli(command, "--model", str(fake), *extra)
+        assert r.returncode == 2, (command, r.stderr)
+        assert r.stderr.splitlines()[0].startswith(f"error: cannot read GGUF file {fake}"), r.stderr
+        assert "Traceback" not in r.stderr + r.stdout and "Uvicorn running" not in r.stderr + r.stdout
+
+
+@pytest.mark.parametrize("args, env, named", [
+    (["--lanes", "0"], {}, "error: --lanes=0 must be >= 1"),
+    ([], {"MOONSHINE_BATCH_LANES": "0"}, "error: MOONSHINE_BATCH_LANES=0 must be >= 1"),
+    (["--port", "99999"], {}, "error: --port=99999 must be a TCP port in [0, 65535]"),
+    (["--max-seq", "100"], {}, "error: --max-seq=100 must be a multiple of MOONSHINE_PREFILL_CHUNK=32"),
+    (["--prefill-chunk", "48"], {"MOONSHINE_MAX_SEQ": "100"}, "error: MOONSHINE_MAX_SEQ=100 must be a multiple of "
+                                                              "--prefill-chunk=48"),
+])
+def test_errors_name_what_the_user_typed(args: list[str], env: dict, named: str, monkeypatch) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    r = run_cli("serve", *args)
+    assert r.returncode == 2 and r.stderr.splitlines()[0] == named, r.stderr
+
+
+def test_each_command_takes_only_the_flags_it_uses() -> None:
+    r = run_cli("serve", "--layers", "0:13", "--stations", "http://127.0.0.1:9")
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[-1] == ("jaxstation serve: error: unrecognized arguments: --layers 0:13 --stations "
+                                         "http://127.0.0.1:9 (--layers is a flag of: jaxstation station)")
+    helps = {c: " ".join(run_cli(c, "--help").stdout.split()) for c in ("serve", "station", "host")}
+    for flag in ("--layers", "--stations", "--mesh-token", "--mesh-pipeline", "--insecure-mesh"):
+        assert flag not in helps["serve"], flag
+    for flag in ("--api-key", "--continuous-batch", "--stations", "--drain-s", "--wave-widths"):
+        assert flag not in helps["station"], flag
+    assert "--layers" not in helps["host"] and "--stations" in helps["host"] and "--layers" in helps["station"]
+    assert "every route except /health and /ready needs 'Authorization: Bearer <key>'" in helps["serve"]
+
+
+def test_a_bad_generate_flag_prints_generate_usage() -> None:
+    r = run_cli("generate", "--prompt", "hi", "--temperature", "-1")
+    assert r.returncode == 2
+    assert r.stderr.startswith("usage: jaxstation generate"), r.stderr
+    assert r.stderr.splitlines()[-1] == ("jaxstation generate: error: need --temperature >= 0, --top-k >= 0 and "
+                                         "--top-p in (0, 1]")

@@ -219,6 +219,24 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", layer_loo
     return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, source=source)
 
 
+def checkpoint_config(path: str | Path | None) -> ModelConfig:
+    """The config a checkpoint declares, read without loading its tensors: what `serve` checks before it listens.
+    Raises CheckpointError for a path that is not a checkpoint, a file that is not GGUF, or an unreadable config."""
+    source = model_source(path)
+    if source.is_dir():
+        try:
+            return ModelConfig.from_hf(json.loads((source / "config.json").read_text()))
+        except ValueError as e:  # JSONDecodeError, or a config that is not a Llama-family model's
+            raise CheckpointError(f"cannot read {source / 'config.json'}: {e}") from None
+    reader = open_gguf(source)
+    try:
+        meta = gguf_metadata(reader)
+        return ModelConfig.from_gguf(meta, vocab_size=len(meta.get("tokenizer.ggml.tokens", [])),
+                                     tied="output.weight" not in {t.name for t in reader.tensors})
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{source} is not a Llama-family GGUF checkpoint: {e}") from None
+
+
 def model_source(path: str | Path | None) -> Path:
     """The checkpoint a model path names, checked without reading it: an HF directory with a config.json, or a
     .gguf file; None is the embedded default model. Raises CheckpointError saying what is wrong with the path."""

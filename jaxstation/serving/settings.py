@@ -70,6 +70,12 @@ def _parse_str(name: str, value: str) -> str | None:
     return value or None
 
 
+COMMANDS = ("serve", "station", "host")
+_ALL = frozenset(COMMANDS)
+_FRONT = frozenset({"serve", "host"})  # the commands that serve the API: a station or a mesh host
+_MESH = frozenset({"station", "host"})
+
+
 @dataclasses.dataclass(frozen=True)
 class _Setting:
     field: str
@@ -77,6 +83,7 @@ class _Setting:
     flag: str
     parse: Callable[[str, str], Any]
     help: str
+    commands: frozenset[str] = _ALL  # the commands that use it: only they take its flag and read its variable
 
 
 # One row per setting: the StationConfig field, its environment variable, its CLI flag.
@@ -104,7 +111,8 @@ SETTINGS: tuple[_Setting, ...] = (
     _Setting("wave_widths", "MOONSHINE_WAVE_WIDTHS", "--wave-widths", _parse_str,
              "decode wave widths: auto (1, 2, 4, ... up to the lanes when every matmul runs on the CPU kernel, else "
              "only the lanes), full (every wave runs all lanes) or a list such as 1,4,16 (the lanes are added); a wave "
-             "runs at the narrowest width that holds its live lanes, and each width is one more compiled program"),
+             "runs at the narrowest width that holds its live lanes, and each width is one more compiled program",
+             commands=frozenset({"serve"})),
     _Setting("max_seq", "MOONSHINE_MAX_SEQ", "--max-seq", _parse_int,
              "positions per lane: prompt + max_new_tokens <= max_seq"),
     _Setting("prefill_chunk", "MOONSHINE_PREFILL_CHUNK", "--prefill-chunk", _parse_int,
@@ -112,39 +120,49 @@ SETTINGS: tuple[_Setting, ...] = (
     _Setting("kv_block", "MOONSHINE_KV_BLOCK", "--kv-block", _parse_int, "positions per attention KV block"),
     _Setting("continuous", "MOONSHINE_CONTINUOUS_BATCH", "--continuous-batch", parse_bool,
              "continuous batching: on batches concurrent requests into each decode wave; off serves one request at a "
-             "time, as the original station did"),
+             "time, as the original station did", commands=_FRONT),
     _Setting("prefix_reuse", "MOONSHINE_PREFIX_REUSE", "--prefix-reuse", _parse_str,
-             "reuse cached prompt KV: auto (every request), resume (only /generate with resume: true) or off"),
+             "reuse cached prompt KV: auto (every request), resume (only /generate with resume: true) or off",
+             commands=_FRONT),
     _Setting("max_queue", "MOONSHINE_MAX_QUEUE", "--max-queue", _parse_int,
-             "jobs waiting for a lane before new ones get 503"),
+             "jobs waiting for a lane before new ones get 503", commands=_FRONT),
     _Setting("drain_s", "MOONSHINE_DRAIN_S", "--drain-s", _parse_float,
-             "seconds in-flight requests get to finish after SIGTERM"),
+             "seconds in-flight requests get to finish after SIGTERM", commands=_FRONT),
     _Setting("max_body_bytes", "MOONSHINE_MAX_BODY_BYTES", "--max-body-bytes", _parse_int,
-             "largest request body accepted (413 past it)"),
-    _Setting("api_key", "MOONSHINE_API_KEY", "--api-key", _parse_str, "API key for the OpenAI-compatible routes"),
+             "largest request body accepted (413 past it)", commands=_FRONT),
+    _Setting("api_key", "MOONSHINE_API_KEY", "--api-key", _parse_str,
+             "API key: with it set, every route except /health and /ready needs 'Authorization: Bearer <key>'",
+             commands=_FRONT),
     _Setting("log_format", "MOONSHINE_LOG_FORMAT", "--log-format", _parse_str,
              "log lines as plain text or as one JSON object per line (Cloud Run's structured logging): text or json"),
     _Setting("compile_cache_dir", "MOONSHINE_COMPILE_CACHE_DIR", "--compile-cache-dir", _parse_str,
              "JAX persistent compilation cache: a local path, a mounted volume or gs://bucket/dir (default off)"),
-    _Setting("layers", "MOONSHINE_LAYERS", "--layers", _parse_str, "mesh station: the layer range A:B it holds"),
+    _Setting("layers", "MOONSHINE_LAYERS", "--layers", _parse_str, "mesh station: the layer range A:B it holds",
+             commands=frozenset({"station"})),
     _Setting("stations", "MOONSHINE_MESH_STATIONS", "--stations", _parse_str,
-             "mesh host: the stations' base URLs, comma-separated"),
+             "mesh host: the stations' base URLs, comma-separated",
+             commands=frozenset({"host"})),
     _Setting("mesh_token", "MOONSHINE_MESH_TOKEN", "--mesh-token", _parse_str,
-             "the bearer token stations require on /forward, /lm_head and /info (keep it secret)"),
+             "the bearer token stations require on /forward, /lm_head and /info (keep it secret)",
+             commands=_MESH),
     _Setting("insecure_mesh", "MOONSHINE_INSECURE_MESH", "--insecure-mesh", parse_bool,
-             "allow a mesh without a token (a trusted network only)"),
+             "allow a mesh without a token (a trusted network only)",
+             commands=_MESH),
     _Setting("mesh_recover_s", "MOONSHINE_MESH_RECOVER_S", "--mesh-recover-s", _parse_float,
-             "mesh host: seconds to wait for a lost station before failing the requests in flight"),
+             "mesh host: seconds to wait for a lost station before failing the requests in flight",
+             commands=frozenset({"host"})),
     _Setting("mesh_hop_timeout_s", "MOONSHINE_MESH_HOP_TIMEOUT_S", "--mesh-hop-timeout-s", _parse_float,
-             "mesh host: timeout of one request to one station"),
+             "mesh host: timeout of one request to one station",
+             commands=frozenset({"host"})),
     _Setting("mesh_pipeline", "MOONSHINE_MESH_PIPELINE", "--mesh-pipeline", parse_bool,
-             "mesh host: split the lanes into one group per station and overlap the groups' waves"),
+             "mesh host: split the lanes into one group per station and overlap the groups' waves",
+             commands=frozenset({"host"})),
 )
 _BY_FIELD = {s.field: s for s in SETTINGS}
 
 
 def _name(field: str) -> str:
-    """How an error names a setting: its environment variable (the flag is in --help)."""
+    """How an error names a setting nobody set: its environment variable (the flag is in --help)."""
     s = _BY_FIELD[field]
     return s.env or s.flag
 
@@ -181,49 +199,56 @@ class StationConfig:
     mesh_recover_s: float = 60.0
     mesh_hop_timeout_s: float = 30.0
     mesh_pipeline: bool = False
+    # field -> what the user typed to set it ("--lanes" or "MOONSHINE_BATCH_LANES"), so that errors name that
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def named(self, field: str) -> str:
+        """How an error names a setting: the flag or variable that set it, else its environment variable."""
+        return self.sources.get(field) or _name(field)
 
     def __post_init__(self) -> None:
         for field, choices in (("dtype", DTYPES), ("attention", ATTENTION_CHOICES),
                                ("layer_loop", LAYER_LOOP_CHOICES), ("matmul", MATMUL_CHOICES)):
             value = getattr(self, field)
             if value is not None and value not in choices:
-                raise ConfigError(f"{_name(field)}={value!r} must be one of {', '.join(choices)}")
+                raise ConfigError(f"{self.named(field)}={value!r} must be one of {', '.join(choices)}")
         if self.prefix_reuse not in PREFIX_REUSE:
-            raise ConfigError(f"{_name('prefix_reuse')}={self.prefix_reuse!r} must be one of {', '.join(PREFIX_REUSE)}")
+            raise ConfigError(f"{self.named('prefix_reuse')}={self.prefix_reuse!r} must be one of "
+                              f"{', '.join(PREFIX_REUSE)}")
         if not 0 <= self.port <= 65535:
-            raise ConfigError(f"{_name('port')}={self.port} must be a TCP port in [0, 65535]")
+            raise ConfigError(f"{self.named('port')}={self.port} must be a TCP port in [0, 65535]")
         for field in ("lanes", "max_seq", "prefill_chunk", "kv_block", "max_queue", "max_body_bytes"):
             if getattr(self, field) < 1:
-                raise ConfigError(f"{_name(field)}={getattr(self, field)} must be >= 1")
+                raise ConfigError(f"{self.named(field)}={getattr(self, field)} must be >= 1")
         if self.wave_widths not in ("auto", "full"):
             try:
                 widths = [int(w) for w in self.wave_widths.split(",")]
             except ValueError:
-                raise ConfigError(f"{_name('wave_widths')}={self.wave_widths!r} must be auto, full or a "
+                raise ConfigError(f"{self.named('wave_widths')}={self.wave_widths!r} must be auto, full or a "
                                   "comma-separated list of widths such as 1,4,16") from None
             if not all(1 <= w <= self.lanes for w in widths):
-                raise ConfigError(f"{_name('wave_widths')}={self.wave_widths!r}: every width must lie in [1, "
-                                  f"{_name('lanes')}={self.lanes}]")
+                raise ConfigError(f"{self.named('wave_widths')}={self.wave_widths!r}: every width must lie in [1, "
+                                  f"{self.named('lanes')}={self.lanes}]")
         for field in ("prefill_chunk", "kv_block"):
             if self.max_seq % getattr(self, field):
-                raise ConfigError(f"{_name('max_seq')}={self.max_seq} must be a multiple of "
-                                  f"{_name(field)}={getattr(self, field)}")
+                raise ConfigError(f"{self.named('max_seq')}={self.max_seq} must be a multiple of "
+                                  f"{self.named(field)}={getattr(self, field)}")
         if self.log_format not in LOG_FORMATS:
-            raise ConfigError(f"{_name('log_format')}={self.log_format!r} must be one of {', '.join(LOG_FORMATS)}")
+            raise ConfigError(f"{self.named('log_format')}={self.log_format!r} must be one of {', '.join(LOG_FORMATS)}")
         if not self.drain_s >= 0:
-            raise ConfigError(f"{_name('drain_s')}={self.drain_s} must be >= 0 seconds")
+            raise ConfigError(f"{self.named('drain_s')}={self.drain_s} must be >= 0 seconds")
         if not self.mesh_recover_s >= 0:
-            raise ConfigError(f"{_name('mesh_recover_s')}={self.mesh_recover_s} must be >= 0 seconds")
+            raise ConfigError(f"{self.named('mesh_recover_s')}={self.mesh_recover_s} must be >= 0 seconds")
         if not self.mesh_hop_timeout_s > 0:
-            raise ConfigError(f"{_name('mesh_hop_timeout_s')}={self.mesh_hop_timeout_s} must be > 0 seconds")
+            raise ConfigError(f"{self.named('mesh_hop_timeout_s')}={self.mesh_hop_timeout_s} must be > 0 seconds")
         if self.layers is not None:
             try:
                 LayerRange.parse(self.layers)
             except ValueError as e:
-                raise ConfigError(f"{_name('layers')}={self.layers!r}: {e}") from None
+                raise ConfigError(f"{self.named('layers')}={self.layers!r}: {e}") from None
         for url in self.station_urls:
             if not url.startswith(("http://", "https://")) or url.count("://") != 1:
-                raise ConfigError(f"{_name('stations')} holds {url!r}, which is not an http(s):// URL")
+                raise ConfigError(f"{self.named('stations')} holds {url!r}, which is not an http(s):// URL")
 
     @property
     def layer_range(self) -> LayerRange | None:
@@ -237,7 +262,7 @@ class StationConfig:
     def check_mesh_security(self) -> None:
         """A mesh station or host needs the shared token, unless told the network is trusted."""
         if not self.mesh_token and not self.insecure_mesh:
-            raise ConfigError(f"{_name('mesh_token')} is not set: stations and host need the shared mesh token "
+            raise ConfigError(f"{self.named('mesh_token')} is not set: stations and host need the shared mesh token "
                               f"(or {_BY_FIELD['insecure_mesh'].flag} on a trusted network)")
 
     def reuse_prefix(self, resume: bool) -> bool:
@@ -265,11 +290,11 @@ class StationConfig:
         kernel_dtypes = ("float32", "int8")
         if self.matmul == "kernel":
             if self.weights not in kernel_dtypes:
-                raise ConfigError(f"{_name('matmul')}=kernel takes float32 or int8 weights, not {self.weights}")
+                raise ConfigError(f"{self.named('matmul')}=kernel takes float32 or int8 weights, not {self.weights}")
             try:
                 cpu_kernel.require()
             except cpu_kernel.KernelUnavailable as e:
-                raise ConfigError(f"{_name('matmul')}=kernel: {e}") from None
+                raise ConfigError(f"{self.named('matmul')}=kernel: {e}") from None
             return "kernel"
         if self.matmul == "auto" and not on_gpu() and self.weights in kernel_dtypes and cpu_kernel.available():
             return "kernel"
@@ -301,10 +326,13 @@ class StationConfig:
         return self.max_seq
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register one flag per setting. Every default is None so that `resolve` can tell a flag from its absence."""
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    """Register one flag per setting that `command` uses. Every default is None so that `resolve` can tell a flag from
+    its absence."""
     defaults = StationConfig()
     for s in SETTINGS:
+        if command not in s.commands:
+            continue
         default = getattr(defaults, s.field)
         if isinstance(default, bool):
             default = "on" if default else "off"
@@ -320,17 +348,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(s.flag, dest=s.field, default=None, help=help_)
 
 
-def resolve(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None) -> StationConfig:
-    """CLI flags override environment variables, which override the defaults. Raises ConfigError."""
+def resolve(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None,
+            command: str | None = None) -> StationConfig:
+    """CLI flags override environment variables, which override the defaults; with `command`, only the settings it
+    uses are read. Raises ConfigError naming the flag or variable that holds the bad value."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     for s in SETTINGS:
+        if command is not None and command not in s.commands:
+            continue
         flag_value = getattr(args, s.field, None) if args is not None else None
         if flag_value is not None:
-            values[s.field] = flag_value
+            values[s.field], sources[s.field] = flag_value, s.flag
         elif s.env and env.get(s.env, "").strip():
-            values[s.field] = s.parse(s.env, env[s.env])
-    return StationConfig(**values)
+            values[s.field], sources[s.field] = s.parse(s.env, env[s.env]), s.env
+    return StationConfig(**values, sources=sources)
 
 
 def on_gpu() -> bool:
@@ -386,8 +419,8 @@ def check_memory(cfg: ModelConfig, station: StationConfig, *, weights_resident: 
     available: bytes free (default: measured by `available_memory`).
     """
     if station.max_seq > cfg.max_position:
-        raise ConfigError(f"{_name('max_seq')}={station.max_seq} exceeds the model's max_position "
-                          f"({cfg.max_position}); lower {_name('max_seq')}")
+        raise ConfigError(f"{station.named('max_seq')}={station.max_seq} exceeds the model's max_position "
+                          f"({cfg.max_position}); lower {station.named('max_seq')}")
     where = "the device"
     if available is None:
         available, where = available_memory()
@@ -403,9 +436,10 @@ def check_memory(cfg: ModelConfig, station: StationConfig, *, weights_resident: 
     fit_lanes = max(0, (available - weights) // per_lane)
     per_block = arena_bytes(cfg, station.lanes, station.kv_block, arena_dtype)
     fit_seq = max(0, (available - weights) // per_block) * station.kv_block
+    lanes, max_seq = station.named("lanes"), station.named("max_seq")
     raise ConfigError(
-        f"the KV arena needs {_gib(arena)} ({_name('lanes')}={station.lanes} x {_name('max_seq')}={station.max_seq}, "
+        f"the KV arena needs {_gib(arena)} ({lanes}={station.lanes} x {max_seq}={station.max_seq}, "
         f"{_gib(per_lane)} per lane)" + (f" plus {_gib(weights)} of weights" if weights else "")
-        + f", but only {_gib(available)} is free on {where}. Lower {_name('lanes')} (at most {fit_lanes} lanes fit at "
-        f"this max_seq) or {_name('max_seq')} (at most {fit_seq} positions fit at {station.lanes} lanes)"
+        + f", but only {_gib(available)} is free on {where}. Lower {lanes} (at most {fit_lanes} lanes fit at "
+        f"this max_seq) or {max_seq} (at most {fit_seq} positions fit at {station.lanes} lanes)"
     )
