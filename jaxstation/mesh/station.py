@@ -63,9 +63,16 @@ class MeshStation:
         self.on_load_failed: Callable[[], None] | None = None
         self.step_lock = threading.Lock()
         self.metrics = MeshStationMetrics()
+        self._loader: threading.Thread | None = None
 
     def start(self) -> None:
-        threading.Thread(target=self._load, name="jaxstation-station-load", daemon=True).start()
+        self._loader = threading.Thread(target=self._load, name="jaxstation-station-load", daemon=True)
+        self._loader.start()
+
+    @property
+    def loading(self) -> bool:
+        """Whether the loading thread is still loading weights or compiling."""
+        return self._loader is not None and self._loader.is_alive()
 
     def _load(self) -> None:
         try:

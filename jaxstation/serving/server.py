@@ -7,7 +7,9 @@ ones finish, up to `drain_s`), then the process exits 0. `warmup_only` loads and
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -68,8 +70,11 @@ def uvicorn_config(config: StationConfig, app: Starlette) -> uvicorn.Config:
 
 
 def run_server(server: uvicorn.Server, station: Any) -> int:
-    """Serve until told to stop, or until `station` (anything with `on_load_failed` and `load_error`) fails to
-    load. Returns the exit code: 0, 1 (failed to load) or 3 (never started, e.g. the port was taken)."""
+    """Serve until told to stop, or until `station` (anything with `on_load_failed`, `load_error` and `loading`)
+    fails to load. Returns the exit code: 0, 1 (failed to load) or 3 (never started, e.g. the port was taken).
+
+    Stopped while the station still loads, the process exits at once with that code: the loading thread may be
+    inside XLA's compiler, which cannot be interrupted, and letting the interpreter finalize around it aborts."""
 
     def load_failed() -> None:
         server.should_exit = True
@@ -78,8 +83,16 @@ def run_server(server: uvicorn.Server, station: Any) -> int:
     server.run()
     if station.load_error:
         log.error("station failed to start: %s", station.load_error)
-        return 1
-    return 0 if server.started else 3
+        code = 1
+    else:
+        code = 0 if server.started else 3
+    if station.loading:
+        log.info("stopped while loading; exiting %d", code)
+        logging.shutdown()  # flush every handler and stream: os._exit skips the interpreter's own shutdown
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def warmup_only(config: StationConfig) -> int:

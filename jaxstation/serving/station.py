@@ -98,6 +98,11 @@ class Station:
             start_failed(self, e)
 
     @property
+    def loading(self) -> bool:
+        """Whether the loading thread is still loading weights or compiling."""
+        return self._loader is not None and self._loader.is_alive()
+
+    @property
     def draining(self) -> bool:
         return self._draining
 
