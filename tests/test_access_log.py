@@ -157,3 +157,17 @@ def test_serve_json_mode_prints_one_json_object_per_line(tmp_path: Path) -> None
     assert access[2]["refused"] == "n" and "refused" not in access[1]
     assert any("ready" in e["message"] for e in entries)  # the station's own lines are JSON too
     assert API_KEY not in text and SECRET_PROMPT not in text
+
+
+def test_probes_log_at_debug_whatever_their_status(caplog: pytest.LogCaptureFixture) -> None:
+    """A load balancer polls /ready while the station loads: its 503s are expected, and must not flood the log."""
+    from jaxstation.serving.access_log import access_line
+
+    with caplog.at_level(logging.DEBUG, logger="jaxstation.access"):
+        for path, status in (("/ready", 503), ("/ready", 200), ("/health", 503), ("/health", 200)):
+            access_line({"method": "GET", "path": path}, status, 0.001, None, None, None)
+        access_line({"method": "GET", "path": "/metrics"}, 200, 0.001, None, None, None)
+        access_line({"method": "POST", "path": "/generate"}, 503, 0.001, None, None, None)
+    levels = [(r.getMessage().split()[1], r.levelname) for r in caplog.records]
+    assert levels == [("/ready", "DEBUG"), ("/ready", "DEBUG"), ("/health", "DEBUG"), ("/health", "DEBUG"),
+                      ("/metrics", "INFO"), ("/generate", "WARNING")]

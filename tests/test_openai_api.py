@@ -308,11 +308,15 @@ def test_auth_on(default_model: LoadedModel) -> None:
     with ServerThread(create_app(st)) as server, server.client() as http:
         assert http.get("/health").status_code == 200
         wait_ready(http)  # /ready needs no key either
-        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/generate"),
-                             ("GET", "/metrics"), ("POST", "/tokenize")):
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/tokenize")):
             r = http.request(method, path, json={})
             assert r.status_code == 401, (path, r.text)
             assert r.json()["error"]["code"] == "invalid_api_key" and r.json()["error"]["type"]
+        for method, path in (("POST", "/generate"), ("GET", "/metrics"), ("GET", "/openapi.json")):
+            r = http.request(method, path, json={})  # the station's own routes answer in the station's shape
+            assert r.status_code == 401, (path, r.text)
+            assert r.json() == {"error": {"message": "a valid API key is required: send 'Authorization: Bearer "
+                                                     "<MOONSHINE_API_KEY>'", "field": "authorization"}}
         with pytest.raises(openai.AuthenticationError):
             openai_client(server, "wrong").models.list()
         client = openai_client(server, "s3cret")
@@ -343,6 +347,18 @@ def test_unsupported_or_invalid_field_is_400(station, route: str, body: dict, pa
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and param in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_a_chat_prompt_too_long_for_the_context_without_max_tokens(station) -> None:
+    """The user sent no max_tokens: the error speaks of the prompt and the context, not of a negative max_tokens."""
+    _, _, http, _ = station
+    long = [{"role": "user", "content": "word " * 600}]
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": long})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages" and "max_tokens" not in err["message"], err
+    assert err["message"].startswith("the prompt (") and "leaves no room to generate in the station's context of " \
+        "512 tokens" in err["message"], err
 
 
 def test_openai_client_sees_400_and_neutral_penalties_pass(station) -> None:

@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 log = logging.getLogger("jaxstation.access")
 
 LOG_FORMATS = ("text", "json")
+PROBES = frozenset({"/health", "/ready"})
 _ERROR_BODY_LIMIT = 8192  # bytes of a 4xx body kept to find the refused field
 
 
@@ -74,7 +75,8 @@ class AccessLogMiddleware:
 def access_line(scope: Scope, status: int, duration_s: float, prompt_tokens: int | None,
                 generated_tokens: int | None, refused: str | None) -> None:
     """Log one request: INFO for 1xx-3xx, WARNING for 4xx and 503 (loading, full or draining: the station works as
-    designed), ERROR for other 5xx."""
+    designed), ERROR for other 5xx; DEBUG for the probes (GET /health and /ready), which a load balancer polls and
+    which answer 503 as designed while the station loads or drains."""
     method, path = scope["method"], scope["path"]
     parts = [f"{method} {path} {status} {duration_s * 1000:.1f} ms"]
     if prompt_tokens is not None:
@@ -88,7 +90,10 @@ def access_line(scope: Scope, status: int, duration_s: float, prompt_tokens: int
         **({"remoteIp": client[0]} if client else {}),
     }
     fields = {"prompt_tokens": prompt_tokens, "generated_tokens": generated_tokens, "refused": refused}
-    level = logging.ERROR if status >= 500 and status != 503 else logging.WARNING if status >= 400 else logging.INFO
+    if method == "GET" and path in PROBES:
+        level = logging.DEBUG
+    else:
+        level = logging.ERROR if status >= 500 and status != 503 else logging.WARNING if status >= 400 else logging.INFO
     log.log(level, " ".join(parts), extra={"http_request": http_request,
                                            "access": {k: v for k, v in fields.items() if v is not None}})
 

@@ -49,6 +49,18 @@ class OpenAIError(Exception):
         return JSONResponse(self.body(), self.status, headers=self.headers)
 
 
+OPENAI_PATHS = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")  # vLLM's tokenizer routes answer as OpenAI
+
+
+def error_response(path: str, status: int, message: str, field: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error in the shape the route at `path` answers in: OpenAI's under /v1/ and on vLLM's tokenizer routes, the
+    station's elsewhere (the station's shape has no code)."""
+    if path.startswith(OPENAI_PATHS):
+        return OpenAIError(status, message, field, code, headers=headers).response()
+    return ApiError(status, message, field, headers=headers).response()
+
+
 def field_path(loc: tuple[int | str, ...]) -> str:
     """('messages', 0, 'role') -> 'messages[0].role'."""
     out = ""

@@ -3,7 +3,8 @@
 `POST /generate` validates its body (`serving.protocol`), submits one `Job` and awaits its Future; a client that
 disconnects meanwhile cancels its job. `/health` answers at once, `/ready` only when the station can serve, and
 `/metrics` in Prometheus' text format. With an API key set, every route but /health and /ready needs it.
-Unmatched routes and methods answer in JSON, in OpenAI's shape under `/v1/` and the station's elsewhere.
+Errors, 401 and unmatched routes included, answer in OpenAI's shape under `/v1/` and on vLLM's tokenizer routes,
+and in the station's elsewhere.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from jaxstation import __version__
 from jaxstation.engine.scheduler import Cancelled, QueueFull, Result, ShuttingDown, StepFailed
 from jaxstation.serving.access_log import AccessLogMiddleware
-from jaxstation.serving.errors import ApiError, OpenAIError
+from jaxstation.serving.errors import OPENAI_PATHS, ApiError, error_response
 from jaxstation.serving.http_common import RETRY_AFTER_S, BodyError, read_json, until_disconnect
 from jaxstation.serving.openapi import Endpoint, openapi_endpoint
 from jaxstation.serving.protocol import (
@@ -55,9 +56,11 @@ class ApiKeyMiddleware:
         scheme, _, given = header.partition(" ")
         if scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), key.encode()):
             return await self.app(scope, receive, send)
-        err = OpenAIError(401, "a valid API key is required: send 'Authorization: Bearer <MOONSHINE_API_KEY>'",
-                          None, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        await err.response()(scope, receive, send)
+        path = scope["path"]
+        field = None if path.startswith(OPENAI_PATHS) else "authorization"  # OpenAI's 401 names no param
+        reply = error_response(path, 401, "a valid API key is required: send 'Authorization: Bearer "
+                               "<MOONSHINE_API_KEY>'", field, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await reply(scope, receive, send)
 
 
 def _retrieve(fut: asyncio.Future) -> None:
@@ -153,7 +156,7 @@ def station_endpoints(station: Station) -> list[Endpoint]:
 
 
 async def json_http_error(request: Request, exc: HTTPException) -> Response:
-    """Unmatched routes and methods answer in JSON like every other error (OpenAI's shape under /v1)."""
+    """Unmatched routes and methods answer in JSON like every other error, in the shape of the path's API."""
     path, method = request.url.path, request.method
     if exc.status_code == 404:
         message, code = f"no route {method} {path}", "not_found"
@@ -162,9 +165,7 @@ async def json_http_error(request: Request, exc: HTTPException) -> Response:
         message, code = f"{method} is not allowed on {path} (allowed: {allowed})", "method_not_allowed"
     else:
         message, code = exc.detail, None
-    if path.startswith("/v1/"):
-        return OpenAIError(exc.status_code, message, None, code, headers=exc.headers).response()
-    return ApiError(exc.status_code, message, None, headers=exc.headers).response()
+    return error_response(path, exc.status_code, message, None, code, headers=exc.headers)
 
 
 def station_app(station: Station, endpoints: Sequence[Endpoint], *, title: str = "jaxstation") -> Starlette:
