@@ -1,10 +1,10 @@
-"""Plots and a README table from the newest bench results.
+"""Plots and a markdown table (docs/benchmarks.md) from the newest bench results.
 
 Reads the newest JSON of each kind in bench/results/ (throughput, latency, roofline, peers) and draws PNGs next to
 them: throughput.png (tokens/s vs K), latency.png (TTFT / inter-token / queue percentiles vs arrival rate),
 roofline.png (each step as a fraction of the roofline, per lanes and live length), prefill_chunk.png (decoding lanes'
 inter-token gap p50/p99 and the long prompt's TTFT vs prefill chunk size) and peers.png (best tokens/s per system).
-Then prints a markdown table for the README. A kind with no result file is skipped.
+Then prints a markdown table for docs/benchmarks.md. A kind with no result file is skipped.
 
 Usage:
   python -m bench.report                     # plots into bench/results/, table on stdout

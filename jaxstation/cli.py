@@ -100,8 +100,8 @@ A batched, batch-invariant LLM serving station for Llama/Mistral-family models.
 
 `serve` answers POST /generate (token ids in, token ids out) and the OpenAI-compatible routes
 POST /v1/completions, POST /v1/chat/completions (with streaming), GET /v1/models, POST /tokenize and
-POST /detokenize, GET /tokenizer_info, plus GET /health, GET /ready and GET /metrics. `generate` runs one prompt
-and prints the text."""
+POST /detokenize, GET /tokenizer_info, plus GET /health, GET /ready, GET /metrics and GET /openapi.json.
+`generate` runs one prompt and prints the text."""
 
 
 def build_parser() -> argparse.ArgumentParser:

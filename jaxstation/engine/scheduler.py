@@ -20,7 +20,7 @@ Prefill interleaving. A long prompt enters chunk by chunk, one chunk per wave, s
 chunk's time per token.
 
 Serialize-all (continuous=False). The same loop admits a job only when no lane is busy: one request holds the engine
-for its whole prefill and decode, as the old station's lock did, through the same compiled shapes.
+for its whole prefill and decode, through the same compiled shapes.
 
 Invariance. The engine's steps come from a fixed set of shapes and never mix rows (a narrow wave is one only where a
 row computes alike at every width: the CPU kernels), and each request samples with its own seed and counter, so a

@@ -120,7 +120,7 @@ SETTINGS: tuple[_Setting, ...] = (
     _Setting("kv_block", "MOONSHINE_KV_BLOCK", "--kv-block", _parse_int, "positions per attention KV block"),
     _Setting("continuous", "MOONSHINE_CONTINUOUS_BATCH", "--continuous-batch", parse_bool,
              "continuous batching: on batches concurrent requests into each decode wave; off serves one request at a "
-             "time, as the original station did", commands=_FRONT),
+             "time", commands=_FRONT),
     _Setting("prefix_reuse", "MOONSHINE_PREFIX_REUSE", "--prefix-reuse", _parse_str,
              "reuse cached prompt KV: auto (every request), resume (only /generate with resume: true) or off",
              commands=_FRONT),
