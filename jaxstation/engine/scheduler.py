@@ -41,9 +41,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 
 from jaxstation.engine.engine import DecodeRow, Sample, SamplingParams
+from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.prefix_cache import PrefixCache
 from jaxstation.engine.runner import Runner
-from jaxstation.serving.metrics import StationMetrics
 
 log = logging.getLogger(__name__)
 

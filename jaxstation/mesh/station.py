@@ -32,13 +32,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from jaxstation.engine.metrics import MeshStationMetrics
 from jaxstation.mesh.stage import Stage
 from jaxstation.mesh.wire import CONTENT_TYPE, MAX_HEADER_BYTES, WireError, decode, encode
 from jaxstation.model.loader import LoadedModel, load_model
 from jaxstation.serving.access_log import configure_logging
 from jaxstation.serving.coldstart import enable_compile_cache
 from jaxstation.serving.http_common import BodyError, read_body
-from jaxstation.serving.metrics import MeshStationMetrics
 from jaxstation.serving.routes import json_http_error
 from jaxstation.serving.server import run_server, uvicorn_config
 from jaxstation.serving.settings import StationConfig, check_memory

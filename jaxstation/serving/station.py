@@ -15,11 +15,11 @@ from typing import Any
 import jax
 
 from jaxstation.engine.engine import Engine
+from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.runner import Runner
 from jaxstation.engine.scheduler import Scheduler
 from jaxstation.model.loader import LoadedModel, load_model
 from jaxstation.serving.coldstart import CompileCount, StartupClock, enable_compile_cache
-from jaxstation.serving.metrics import StationMetrics
 from jaxstation.serving.settings import StationConfig, check_memory
 
 log = logging.getLogger(__name__)
