@@ -1,2 +1,2 @@
 """The HTTP station: the `Station` (engine, scheduler, readiness), its own routes (`/generate`, `/health`, `/ready`,
-`/metrics`), the typed request bodies, settings, access logs, metrics, start-up timing and the draining server."""
+`/metrics`), the typed request bodies, /openapi.json, settings, access logs, start-up timing and the draining server."""
