@@ -303,11 +303,11 @@ def test_the_cli_refuses_a_station_or_host_without_token_or_role(monkeypatch, ca
     assert cli.main(["station"]) == 2
     assert "needs its layer range: --layers A:B" in capsys.readouterr().err
     assert cli.main(["station", "--layers", "7:3"]) == 2
-    assert "MOONSHINE_LAYERS='7:3'" in capsys.readouterr().err
+    assert "--layers='7:3'" in capsys.readouterr().err  # named as typed
     assert cli.main(["host"]) == 2
     assert "needs its stations" in capsys.readouterr().err
     assert cli.main(["host", "--stations", "127.0.0.1:8000"]) == 2
-    assert "MOONSHINE_MESH_STATIONS holds '127.0.0.1:8000', which is not an http(s):// URL" in capsys.readouterr().err
+    assert "--stations holds '127.0.0.1:8000', which is not an http(s):// URL" in capsys.readouterr().err
 
 
 def _post(url: str, path: str, body: bytes, token: str | None = TOKEN) -> httpx.Response:

@@ -41,6 +41,9 @@ def run_layers(cfg: ModelConfig, params: Params, arena: KVArena, x: jax.Array, p
     def body(i, layer, carry):
         x, k_all, v_all = carry
         q, k, v = qkv_proj(cfg, layer, x, positions, inv_freq)  # [rows, Q, heads|kvh, hd]
+        # k and v are computed whole before they are written: fused into the arena's scatter, XLA 0.11+ on CPU
+        # computes them differently at different wave widths (a row's bits changed between 1 and 4 rows)
+        k, v = jax.lax.optimization_barrier((k, v))
         if nq == 1:  # decode: one position per lane, scattered
             k_all = k_all.at[i, lanes, positions[:, 0]].set(k[:, 0].astype(k_all.dtype))
             v_all = v_all.at[i, lanes, positions[:, 0]].set(v[:, 0].astype(v_all.dtype))
