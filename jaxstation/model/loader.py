@@ -161,6 +161,14 @@ def gguf_metadata(reader) -> dict:
     return {k: f.contents() for k, f in reader.fields.items()}
 
 
+def gguf_config(reader) -> ModelConfig:
+    """The config a GGUF file's metadata declares (the vocabulary from its token list, tied unless it has an output
+    tensor)."""
+    meta = gguf_metadata(reader)
+    return ModelConfig.from_gguf(meta, vocab_size=len(meta.get("tokenizer.ggml.tokens", [])),
+                                 tied="output.weight" not in {t.name for t in reader.tensors})
+
+
 def open_gguf(path: Path):
     import gguf
 
@@ -176,10 +184,7 @@ def load_gguf(path: Path, dtype: str = "float32", reader=None, layer_loop: str =
     from gguf import GGMLQuantizationType, dequantize
 
     reader = reader or open_gguf(path)
-    names_in_file = {t.name for t in reader.tensors}
-    meta = gguf_metadata(reader)
-    vocab = len(meta.get("tokenizer.ggml.tokens", []))
-    cfg = ModelConfig.from_gguf(meta, vocab_size=vocab, tied="output.weight" not in names_in_file)
+    cfg = gguf_config(reader)
     tensors: dict[tuple[int | None, str], np.ndarray] = {}
     names: dict[tuple[int | None, str], str] = {k: _gguf_name(k) for k in _all_keys(cfg)}
     for t in reader.tensors:
@@ -230,9 +235,7 @@ def checkpoint_config(path: str | Path | None) -> ModelConfig:
             raise CheckpointError(f"cannot read {source / 'config.json'}: {e}") from None
     reader = open_gguf(source)
     try:
-        meta = gguf_metadata(reader)
-        return ModelConfig.from_gguf(meta, vocab_size=len(meta.get("tokenizer.ggml.tokens", [])),
-                                     tied="output.weight" not in {t.name for t in reader.tensors})
+        return gguf_config(reader)
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"{source} is not a Llama-family GGUF checkpoint: {e}") from None
 
