@@ -1,10 +1,18 @@
 """Shared, session-scoped fixtures: the default model is loaded once and one Engine is compiled once.
 
 Tests that use `engine` may leave any lane in any state; every test prefills the lanes it reads before using them.
+
+Every run has one persistent compilation cache, a fresh directory: this process writes each program it compiles
+there, and the station processes that tests start inherit it through MOONSHINE_COMPILE_CACHE_DIR, so a program is
+compiled once per run, not once per process. Tests that need a compile to happen (a signal while compiling, the
+cold-start counts) take that variable out of their process's environment or pass a cache directory of their own.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -12,14 +20,46 @@ import pytest
 
 from jaxstation.engine.engine import Engine
 from jaxstation.model.loader import LoadedModel, load_hf_dir, load_model
+from jaxstation.serving.coldstart import enable_compile_cache
 from jaxstation.serving.settings import StationConfig
 
 TESTS = Path(__file__).resolve().parent
 FIXTURES = TESTS / "fixtures"
 REFERENCE = TESTS / "reference"  # transformers' outputs, committed; see reference/README.md
 
+COMPILE_CACHE_ENV = "MOONSHINE_COMPILE_CACHE_DIR"
+_CACHE_KEY = pytest.StashKey[str]()
+
+
+# The modules that take longest, started first so that `pytest -n 2` (.ci/run) keeps both workers busy to the end.
+SLOW_FIRST = ("test_mesh.py", "test_openapi_fuzz.py", "test_wave_widths.py", "test_mesh_stage.py", "test_cloudrun.py",
+              "test_parity_tiny.py", "test_server.py", "test_prefix_reuse.py", "test_scheduler_parity.py")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller made the run's cache
+        cache = os.environ[COMPILE_CACHE_ENV]
+    else:
+        cache = tempfile.mkdtemp(prefix="jaxstation-test-compile-cache-")
+        config.stash[_CACHE_KEY] = cache
+        os.environ[COMPILE_CACHE_ENV] = cache
+    enable_compile_cache(cache)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if cache := config.stash.get(_CACHE_KEY, None):
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 # The shared station on the default model: 4 lanes, 512 positions, 32-token prefill chunks, 128-position KV blocks.
 ENGINE_SHAPE = {"lanes": 4, "max_seq": 512, "chunk": 32, "block": 128}
+# `serve`'s flags for that shape: a station process started with them reads its programs from the run's cache.
+SERVE_SHAPE_FLAGS = ["--lanes", "4", "--max-seq", "512", "--prefill-chunk", "32", "--kv-block", "128"]
 
 
 @pytest.fixture(scope="session")

@@ -15,9 +15,10 @@ from server_util import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "test-mesh-token"
-# The mesh tests' station shape: small, so that several stations share 2 cores.
-# layer_loop: the session's default model (conftest) is unrolled, so the local references run the same programs
-SHAPE = {"lanes": 4, "max_seq": 256, "prefill_chunk": 32, "kv_block": 128, "layer_loop": "unroll"}
+# The mesh tests' station shape: the session engine's (conftest.ENGINE_SHAPE), so that the local references run its
+# compiled programs, and the in-process stages of the same splits read the stations' programs from the run's cache.
+# layer_loop: the session's default model is unrolled.
+SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128, "layer_loop": "unroll"}
 
 
 class StationProcess:

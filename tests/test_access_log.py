@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SERVE_SHAPE_FLAGS
 from server_util import ServerThread, free_port, station_process, wait_for
 
 from jaxstation.app import create_app
@@ -133,7 +134,7 @@ def test_log_format_setting() -> None:
 
 def test_serve_json_mode_prints_one_json_object_per_line(tmp_path: Path) -> None:
     port = free_port()
-    cmd = [sys.executable, "-m", "jaxstation", "serve", "--port", str(port), "--lanes", "1", "--max-seq", "256",
+    cmd = [sys.executable, "-m", "jaxstation", "serve", "--port", str(port), *SERVE_SHAPE_FLAGS,
            "--log-format", "json"]
     log = tmp_path / "serve.log"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "MOONSHINE_API_KEY": API_KEY}

@@ -235,7 +235,7 @@ def test_stations_report_their_epoch_and_geometry(stations):
     info = httpx.get(first.url + "/info", headers={"Authorization": f"Bearer {TOKEN}"}).json()
     assert info["epoch"] == h["epoch"] and info["auth"] is True
     assert {k: info[k] for k in ("layers", "total_layers", "lanes", "max_seq", "chunk", "block", "dtype")} == {
-        "layers": "0:7", "total_layers": 30, "lanes": 4, "max_seq": 256, "chunk": 32, "block": 128,
+        "layers": "0:7", "total_layers": 30, "lanes": 4, "max_seq": 512, "chunk": 32, "block": 128,
         "dtype": "float32"}
 
 
@@ -259,7 +259,7 @@ def test_the_host_refuses_a_mesh_that_does_not_cover_every_layer_once(stations, 
 def test_the_host_refuses_stations_of_another_shape_model_or_dtype(stations, default_model):
     first = stations["2"][0]
     for kw, message in [({"lanes": 2}, "has lanes=4 but the host has lanes=2"),
-                        ({"max_seq": 512}, "has max_seq=256 but the host has max_seq=512"),
+                        ({"max_seq": 256}, "has max_seq=512 but the host has max_seq=256"),
                         ({"prefill_chunk": 64}, "has chunk=32 but the host has chunk=64"),
                         ({"dtype": "bfloat16"}, "has dtype='float32' but the host has dtype='bfloat16'")]:
         with pytest.raises(MeshError, match=re.escape(f"station {first.url} (layers 0:13) {message}")):
@@ -338,7 +338,7 @@ def test_stations_refuse_bad_tokens_and_payloads_naming_the_field(stations):
     bf16 = np.zeros((4, 1, 576), DTYPES["bfloat16"])
     bad = [
         (middle, "/forward", _decode_wave(False, wave=None), "wave"),
-        (middle, "/forward", _decode_wave(False, n_blocks=3), "n_blocks"),
+        (middle, "/forward", _decode_wave(False, n_blocks=5), "n_blocks"),
         (middle, "/forward", _decode_wave(False, n_blocks=0), "n_blocks"),
         (middle, "/forward", _decode_wave(False, x=bf16), "x"),
         (middle, "/forward", _decode_wave(False, x=np.zeros((4, 1, 64), np.float32)), "x"),
@@ -347,7 +347,7 @@ def test_stations_refuse_bad_tokens_and_payloads_naming_the_field(stations):
         (middle, "/forward", _decode_wave(False, lanes=np.array([0, 2, 1, 3], np.int32)), "lanes"),
         (middle, "/forward", _decode_wave(False, lanes=np.arange(3, dtype=np.int32)), "lanes"),
         (middle, "/forward", _decode_wave(False, lanes=np.arange(4, dtype=np.uint32)), "lanes"),
-        (middle, "/forward", _decode_wave(False, positions=np.full((4, 1), 256, np.int32)), "positions"),
+        (middle, "/forward", _decode_wave(False, positions=np.full((4, 1), 512, np.int32)), "positions"),
         (middle, "/forward", _decode_wave(False, positions=np.full((4, 1), -1, np.int32)), "positions"),
         (middle, "/forward", _decode_wave(False, wave="prefill"), "lanes"),
         (first, "/forward", _decode_wave(True, tokens=np.full((4, 1), 49152, np.int32)), "tokens"),

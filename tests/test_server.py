@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import COMPILE_CACHE_ENV, SERVE_SHAPE_FLAGS
 from server_util import ServerThread, free_port, metric, queue_held_full, raw_post, station_process, wait_for
 
 from jaxstation.app import create_app
@@ -274,8 +275,7 @@ def status_or_refused(call) -> int | str:
 def test_sigterm_drains_in_flight_then_exits_0(tmp_path: Path) -> None:
     port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "MOONSHINE_CONTINUOUS_BATCH": "1"}
-    cmd = [sys.executable, "-m", "jaxstation", "serve", "--port", str(port), "--lanes", "2", "--max-seq", "256",
-           "--drain-s", "30"]
+    cmd = [sys.executable, "-m", "jaxstation", "serve", "--port", str(port), *SERVE_SHAPE_FLAGS, "--drain-s", "30"]
     with station_process(cmd, port, tmp_path / "serve.log", 90, env=env, cwd=Path(__file__).resolve().parents[1]) \
             as (proc, client):
         with ThreadPoolExecutor(1) as pool:
@@ -299,8 +299,10 @@ def test_a_signal_while_compiling_ends_the_process_cleanly(sig: signal.Signals, 
     port = free_port()
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "jaxstation", "serve", "--port", str(port), "--lanes", "2", "--max-seq", "256"]
+    env = {k: v for k, v in os.environ.items() if k != COMPILE_CACHE_ENV}  # the steps must compile, not be read
+    env["JAX_PLATFORMS"] = "cpu"
     with open(log, "w+") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 cwd=Path(__file__).resolve().parents[1])
         try:
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:

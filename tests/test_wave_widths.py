@@ -63,8 +63,11 @@ def _neighbours(engine: Engine, target_lane: int, n: int, rng: np.random.Generat
     others = [i for i in range(engine.lanes) if i != target_lane]
     rng.shuffle(others)
     lanes = {}
-    for other in others[:n]:
-        prompt = rng.integers(3, engine.cfg.vocab_size, int(rng.integers(2, 150))).tolist()
+    for j, other in enumerate(others[:n]):
+        # the first neighbour is past one KV block, so the wave walks more blocks than the target needs; the rest are
+        # short (one prefill chunk each)
+        length = int(rng.integers(129, 150)) if j == 0 else int(rng.integers(2, engine.chunk))
+        prompt = rng.integers(3, engine.cfg.vocab_size, length).tolist()
         sp = SamplingParams(temperature=1.0, top_p=0.8, seed=int(rng.integers(1 << 31))) if other % 2 else \
             SamplingParams()
         lanes[other] = (prompt, sp)
