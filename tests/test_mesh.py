@@ -280,12 +280,12 @@ def test_the_host_refuses_a_wrong_or_missing_token(stations, default_model):
 
 def test_the_host_refuses_a_station_without_a_token_unless_insecure(default_model):
     tiny = tiny_model("tiny-llama3")
-    config = StationConfig(layers="0:2", insecure_mesh=True, **SHAPE)
-    station = MeshStation(config, model=tiny)
+    shape = {**SHAPE, "max_seq": 256}  # within the tiny model's context
+    station = MeshStation(StationConfig(layers="0:2", insecure_mesh=True, **shape), model=tiny)
     with ServerThread(create_station_app(station)) as server:
-        wait_for(station.ready.is_set, 60, "the tiny station did not load")
+        wait_for(station.ready.is_set, 300, "the tiny station did not load")
         url = f"http://127.0.0.1:{server.port}"
-        host = StationConfig(stations=url, mesh_token=TOKEN, **SHAPE)
+        host = StationConfig(stations=url, mesh_token=TOKEN, **shape)
         with pytest.raises(MeshError, match="takes requests without a token.*--insecure-mesh"):
             MeshEngine.connect(host, default_model.cfg, model_fp(default_model))
         with pytest.raises(MeshError, match="serves a different model"):  # insecure passes the token check only

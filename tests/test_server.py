@@ -30,7 +30,7 @@ from jaxstation.serving.station import Station
 
 SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
 BODY_LIMIT = 8192
-READY_S = 60
+READY_S = 300
 
 
 def make_station(model: LoadedModel, **overrides) -> Station:
