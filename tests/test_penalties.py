@@ -16,8 +16,11 @@ import numpy as np
 import pytest
 from conftest import prefill_all, run_wave
 
-from jaxstation.engine.engine import DecodeRow, SamplingParams
+from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams
 from jaxstation.engine.scheduler import Job, Scheduler
+from jaxstation.mesh.host import MeshEngine
+from jaxstation.serving.errors import ApiError
+from jaxstation.serving.protocol import parse_generate
 
 TARGET = [504, 3575, 282, 4649, 314, 7042, 30, 198, 1780, 314, 260, 2988, 282]  # "The capital of France is ..."
 STEPS = 8
@@ -181,3 +184,18 @@ def test_controls_after_a_prefix_cache_hit(engine):
         assert [(s.logprob, s.top) for s in hit.samples] == [(s.logprob, s.top) for s in fresh.samples]
     finally:
         assert sched.drain(10)
+
+
+# ---- where they are refused -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field, value", [("presence_penalty", 0.5), ("frequency_penalty", -1),
+                                          ("repetition_penalty", 1.1), ("logit_bias", {"5": 1}), ("min_tokens", 1)])
+def test_a_mesh_host_refuses_them_by_name(field, value):
+    assert MeshEngine.token_controls is False and Engine.token_controls is True
+    body = {"tokens": [1, 2], "max_new_tokens": 2, field: value}
+    with pytest.raises(ApiError) as e:
+        parse_generate(body, VOCAB, 512, frozenset({EOS}), lambda resume: True, on_device=False)
+    assert e.value.field == field and field in e.value.message
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": {},
+               "min_tokens": 0, "ignore_eos": True}
+    job = parse_generate({**body, **neutral}, VOCAB, 512, frozenset({EOS}), lambda resume: True, on_device=False)
+    assert not job.sampling.controls and job.stop_ids == frozenset()
