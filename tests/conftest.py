@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxstation.engine.engine import Engine
+from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams
 from jaxstation.model.loader import LoadedModel, load_hf_dir, load_model
 from jaxstation.serving.coldstart import enable_compile_cache
 from jaxstation.serving.settings import StationConfig
@@ -95,9 +95,40 @@ def tiny_reference(name: str) -> dict[str, np.ndarray]:
         return {k: data[k] for k in data.files}
 
 
-def prefill_all(engine: Engine, lane: int, prompt, sampling, return_logits: bool = False):
-    """Feed a whole prompt into `lane` chunk by chunk; return the last chunk's (Sample, logits)."""
+def prefill_all(engine: Engine, lane: int, prompt, sampling, return_logits: bool = False,
+                stop_ids: frozenset[int] = frozenset()):
+    """Begin `lane` with the request and feed its whole prompt chunk by chunk; return the last chunk's (Sample,
+    logits)."""
+    engine.begin(lane, prompt, sampling, stop_ids)
     sample, logits = None, None
     for start in range(0, len(prompt), engine.chunk):
         sample, logits = engine.prefill(lane, prompt, start, sampling, return_logits=return_logits)
     return sample, logits
+
+
+def run_wave(engine: Engine, lanes: dict[int, tuple[list[int], SamplingParams]], steps: int,
+             return_logits: bool = True, stop_ids: frozenset[int] = frozenset()
+             ) -> dict[int, tuple[list[int], list[np.ndarray]]]:
+    """Prefill every given lane, then `steps` decode waves where every lane feeds its own sampled token (stop ids
+    only go to `begin`: nothing stops).
+
+    Returns, per lane, its generated tokens (steps + 1) and its logits (prefill's last row, then one per wave).
+    """
+    tokens: dict[int, list[int]] = {}
+    logits: dict[int, list[np.ndarray]] = {}
+    for lane, (prompt, sp) in lanes.items():
+        sample, lg = prefill_all(engine, lane, prompt, sp, return_logits=return_logits, stop_ids=stop_ids)
+        tokens[lane] = [sample.token]
+        logits[lane] = [np.asarray(lg)[0]] if return_logits else []
+    for _ in range(steps):
+        rows: list[DecodeRow | None] = [None] * engine.lanes
+        for lane, (prompt, sp) in lanes.items():
+            n = len(tokens[lane])
+            rows[lane] = DecodeRow(tokens[lane][-1], len(prompt) + n - 1, sp, n)
+        samples, lg = engine.decode(rows, return_logits=return_logits)
+        for lane in lanes:
+            tokens[lane].append(samples[lane].token)
+            if return_logits:
+                logits[lane].append(np.asarray(lg)[lane])
+        assert all(samples[i] is None for i in range(engine.lanes) if i not in lanes)
+    return {lane: (tokens[lane], logits[lane]) for lane in lanes}

@@ -7,7 +7,8 @@ KV. Each lane records, per position, who wrote it: ("prefill", token) or ("decod
 computed from the lane's KV, not from the prompt argument, so a request that starts on stale KV gets wrong tokens.
 A prefill at `start` > 0 that is not the next chunk of the lane's prompt is a prefix reuse: it is legal only if the
 lane's positions [0, start) hold prefill-written KV of exactly prompt[:start] (else an entry in `errors`).
-`lane_versions` follows the Engine's contract (a new stamp per write to the lane and on reset).
+`lane_versions` follows the Engine's contract (a new stamp per write to the lane and on reset). A new prompt must
+follow a `begin` of its lane with that prompt.
 
 Recording. `calls` lists every step in order: `("prefill", lane, start, prompt)` or `("decode", ((lane, prompt),
 ...))` with the prompts of the live rows. `errors` collects protocol violations (chunks out of order, a decode row
@@ -78,6 +79,7 @@ class FakeEngine:
         self.fail_next_decode = False
         self.on_step: Callable[[str], None] | None = None
         self._state: list[_LaneState | None] = [None] * lanes
+        self._begun: list[tuple[int, ...] | None] = [None] * lanes  # the prompt `begin` announced, until it starts
         self._cv = threading.Condition()
         self._budget: int | None = None  # None: run freely; else steps allowed before blocking
         self._waiting = False
@@ -139,6 +141,11 @@ class FakeEngine:
             time.sleep(self.step_delay)
 
     # ---- the Engine surface -------------------------------------------------------------------------------
+    token_controls = False
+
+    def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int]) -> None:
+        self._begun[lane] = tuple(prompt)
+
     def reset(self) -> None:
         self.resets += 1
         self.lane_versions.touch(range(self.lanes))
@@ -163,6 +170,9 @@ class FakeEngine:
                 return None, None
             st = self._state[lane] = _LaneState(prompt, kv[:start])
             self.admissions.append((lane, start, prompt))
+            if self._begun[lane] != prompt:
+                self.errors.append(f"prefill of a new prompt in lane {lane} without a begin")
+            self._begun[lane] = None
         piece = prompt[start:start + self.chunk]
         st.kv[start:] = [("prefill", t) for t in piece]
         if st.length < len(prompt):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import prefill_all
+from conftest import prefill_all, run_wave
 
-from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams, generate
+from jaxstation.engine.engine import DecodeRow, SamplingParams, generate
 
 TARGET = [504, 3575, 282, 4649, 314, 7042, 30, 198, 1780, 314, 260, 2988, 282]  # 13 tokens: one block
 STEPS = 6
@@ -19,32 +19,6 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=1234)
 
 def _random_prompt(rng: np.random.Generator, n: int) -> list[int]:
     return rng.integers(3, 49152, size=n).tolist()
-
-
-def run_wave(engine: Engine, lanes: dict[int, tuple[list[int], SamplingParams]], steps: int,
-             return_logits: bool = True) -> dict[int, tuple[list[int], list[np.ndarray]]]:
-    """Prefill every given lane, then `steps` decode waves where every lane feeds its own sampled token.
-
-    Returns, per lane, its generated tokens (steps + 1) and its logits (prefill's last row, then one per wave).
-    """
-    tokens: dict[int, list[int]] = {}
-    logits: dict[int, list[np.ndarray]] = {}
-    for lane, (prompt, sp) in lanes.items():
-        sample, lg = prefill_all(engine, lane, prompt, sp, return_logits=return_logits)
-        tokens[lane] = [sample.token]
-        logits[lane] = [np.asarray(lg)[0]] if return_logits else []
-    for _ in range(steps):
-        rows: list[DecodeRow | None] = [None] * engine.lanes
-        for lane, (prompt, sp) in lanes.items():
-            n = len(tokens[lane])
-            rows[lane] = DecodeRow(tokens[lane][-1], len(prompt) + n - 1, sp, n)
-        samples, lg = engine.decode(rows, return_logits=return_logits)
-        for lane in lanes:
-            tokens[lane].append(samples[lane].token)
-            if return_logits:
-                logits[lane].append(np.asarray(lg)[lane])
-        assert all(samples[i] is None for i in range(engine.lanes) if i not in lanes)
-    return {lane: (tokens[lane], logits[lane]) for lane in lanes}
 
 
 @pytest.fixture(scope="module")

@@ -255,6 +255,45 @@ def test_utf8_stream_pieces_equal_the_text(station) -> None:
     assert all("\ufffd" not in p for p in pieces)
 
 
+# ---- penalties, logit_bias and vLLM's length controls -------------------------------------------------------------
+def test_penalties_and_bias_equal_generate_on_every_route(station) -> None:
+    st, _, http, client = station
+    tok = st.model.tokenizer
+    ids = tok.encode("The capital of France is")
+    openai_fields = {"presence_penalty": 1.2, "frequency_penalty": 0.6, "logit_bias": {"260": 3, "7042": -100}}
+    vllm_fields = {"repetition_penalty": 1.3}
+    plain = http.post("/generate", json={"tokens": ids, "max_new_tokens": 12}).json()["generated"]
+    r = http.post("/generate", json={"tokens": ids, "max_new_tokens": 12, **openai_fields, **vllm_fields})
+    assert r.status_code == 200, r.text
+    gen = r.json()["generated"]
+    assert 7042 in plain and 7042 not in gen and gen != plain
+    kw = {"model": MODEL, "prompt": ids, "max_tokens": 12, "temperature": 0, **openai_fields, "extra_body": vllm_fields}
+    full = client.completions.create(**kw).choices[0].text
+    assert full == tok.decode(gen)
+    assert "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices) == full
+    # a bias of 100 wins every step; the logprobs reported are the model's, before the bias
+    chat = chat_text(client, CAPITAL, max_tokens=3, temperature=0, logit_bias={"9805": 100}, logprobs=True)
+    assert chat.choices[0].message.content == " yes yes yes"
+    assert all(e.logprob < -1 for e in chat.choices[0].logprobs.content)
+
+
+def test_ignore_eos_and_min_tokens(station) -> None:
+    _, _, _, client = station
+    plain = chat_text(client, CAPITAL, max_tokens=40, temperature=0)
+    n, text = plain.usage.completion_tokens, plain.choices[0].message.content
+    assert plain.choices[0].finish_reason == "stop" and n < 34
+    ignored = chat_text(client, CAPITAL, max_tokens=n + 6, temperature=0, extra_body={"ignore_eos": True})
+    assert ignored.choices[0].finish_reason == "length" and ignored.usage.completion_tokens == n + 6
+    assert ignored.choices[0].message.content.startswith(text)
+    held = chat_text(client, CAPITAL, max_tokens=n + 6, temperature=0, extra_body={"min_tokens": n + 3})
+    assert held.usage.completion_tokens >= n + 3 and held.choices[0].message.content.startswith(text)
+    # a stop string does not end a choice before min_tokens either
+    kw = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 10, "temperature": 0, "stop": [" Paris"]}
+    assert client.completions.create(**kw).choices[0].text == ""
+    r = client.completions.create(**kw, extra_body={"min_tokens": 5})
+    assert r.choices[0].text.startswith(" Paris") and r.usage.completion_tokens >= 5
+
+
 # ---- concurrency and disconnects ---------------------------------------------------------------------------------
 def test_eight_concurrent_streams(station) -> None:
     _, _, _, client = station
@@ -330,13 +369,27 @@ def test_auth_on(default_model: LoadedModel) -> None:
 @pytest.mark.parametrize("route, body, param", [
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
     ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, "echo"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": "0.5"}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"49152": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 100.5}}, "logit_bias.5"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 17}, "min_tokens"),  # the default max_tokens is 16
+    ("/v1/completions", {"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
     ("/v1/completions", {"prompt": "x", "logprobs": 6}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "n": 9}, "n"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 600}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/chat/completions", {"messages": CAPITAL, "tools": [{"type": "function"}]}, "tools"),
-    ("/v1/chat/completions", {"messages": CAPITAL, "frequency_penalty": 1}, "frequency_penalty"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "frequency_penalty": -2.01}, "frequency_penalty"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "repetition_penalty": "1.1"}, "repetition_penalty"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "logit_bias": {"x": 1}}, "logit_bias.x.[key]"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "logit_bias": []}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "min_tokens": -1}, "min_tokens"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "max_completion_tokens": 3, "min_tokens": 4}, "min_tokens"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "ignore_eos": 1}, "ignore_eos"),
     ("/v1/chat/completions", {"messages": CAPITAL, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CAPITAL, "temperature": 3}, "temperature"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
@@ -364,8 +417,11 @@ def test_a_chat_prompt_too_long_for_the_context_without_max_tokens(station) -> N
 def test_openai_client_sees_400_and_neutral_penalties_pass(station) -> None:
     _, _, _, client = station
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"5": 1})
-    assert "logit_bias" in str(e.value)
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"99999": 1})
+    assert "logit_bias" in str(e.value) and "99999" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"repetition_penalty": -1})
+    assert "repetition_penalty" in str(e.value)
     r = client.completions.create(model=MODEL, prompt="x", max_tokens=2, presence_penalty=0, frequency_penalty=0,
                                   user="someone")
     assert r.usage.completion_tokens >= 1

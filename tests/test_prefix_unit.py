@@ -228,7 +228,8 @@ def test_an_arena_rebuilt_or_lane_written_elsewhere_is_never_reused(station):
     assert_runs(sched, p + [5], 2, 0)
     run(sched, q, 2)
     lane_q = fake.lanes_of(q)[-1]
-    fake.prefill(lane_q, [7] * 9, 0, SamplingParams())  # someone else writes q's lane (the fake's own protocol)
+    fake.begin(lane_q, [7] * 9, SamplingParams(), frozenset())  # someone else writes q's lane
+    fake.prefill(lane_q, [7] * 9, 0, SamplingParams())
     assert_runs(sched, q + [5], 2, 0)
     assert fake.errors == []
 

@@ -2,7 +2,8 @@
 
 16 jobs go into a 4-lane Scheduler at once (lanes are reused). They mix prompt lengths from 1 to over 300 tokens
 (real text and random ids), max_new_tokens 1..24, greedy and seeded temperature sampling (some with top_k / top_p),
-the model's EOS plus an explicit stop id found by a serial greedy run, and terminal_prosody. Each job's tokens and
+penalties, logit biases and min_tokens (greedy and sampled), the model's EOS plus an explicit stop id found by a
+serial greedy run, and terminal_prosody. Each job's tokens and
 finish_reason must equal its run through a serialize-all (continuous=False) Scheduler on the same engine (flag on ==
 flag off), and greedy jobs must also equal `jaxstation.engine.engine.generate`, token for token.
 """
@@ -101,6 +102,7 @@ def gate(default_model):
     story = tok.encode(STORY * 8)
     assert len(story) > 330
     greedy = SamplingParams()
+    eos_id = min(eos)
     france = tuple(tok.encode("The capital of France is"))
 
     # An explicit stop id that a greedy serial run is known to produce: the first new token at index >= 4.
@@ -111,20 +113,22 @@ def gate(default_model):
 
     specs = [
         Spec(france, 12, greedy, eos, terminal=True),
-        Spec(rand(1), 24, greedy, eos),
+        Spec(rand(1), 24, SamplingParams(presence_penalty=1.0, frequency_penalty=0.5), eos),
         Spec(chat("What is 2+2? Answer in one sentence."), 24, greedy, eos),
         Spec(tuple(story[:330]), 8, greedy, eos),
-        Spec(rand(33), 16, SamplingParams(temperature=0.8, seed=1), eos),
+        Spec(rand(33), 16, SamplingParams(temperature=0.8, seed=1, repetition_penalty=1.3,
+                                          logit_bias=((260, 4.0), (13, -20.0))), eos),
         Spec(rand(64), 20, SamplingParams(temperature=1.0, top_k=40, seed=2), eos | {stop_id}),
         Spec(tuple(story[:120]), 12, SamplingParams(temperature=0.7, top_p=0.9, seed=3), eos, terminal=True),
         Spec(rand(305), 6, greedy, eos),
         Spec(tuple(story[:32]), 1, greedy, eos),
         Spec(rand(2), 24, SamplingParams(temperature=1.2, top_k=5, top_p=0.8, seed=4), eos | {stop_id}),
         Spec(ask, 24, greedy, eos | {stop_id}),
-        Spec(rand(200), 10, SamplingParams(temperature=0.9, seed=5), eos),
+        Spec(rand(200), 10, SamplingParams(temperature=0.9, seed=5, logit_bias=((eos_id, 100.0),), min_tokens=5), eos),
         Spec(tuple(story[:257]), 16, greedy, eos, terminal=True),
         Spec(rand(31), 24, SamplingParams(temperature=1.0, top_p=0.95, seed=6), eos, terminal=True),
-        Spec(tuple(story[5:22]), 20, greedy, eos | {stop_id}),
+        Spec(tuple(story[5:22]), 20, SamplingParams(repetition_penalty=1.2, presence_penalty=-0.5,
+                                                    logit_bias=((11, 2.5),), min_tokens=3), eos | {stop_id}),
         Spec(rand(150), 3, SamplingParams(temperature=0.6, top_k=3, seed=7), eos),
     ]
     assert len({s.prompt for s in specs}) == len(specs) == 16
@@ -152,6 +156,7 @@ def test_flag_on_equals_flag_off_token_for_token(gate):
 
 def test_greedy_jobs_equal_engine_generate(gate):
     assert len(gate["reference"]) >= 8
+    assert sum(gate["specs"][i].sampling.controls for i in gate["reference"]) == 2  # greedy jobs with penalties
     for i, ref in gate["reference"].items():
         assert gate["on"][i].generated == ref, f"job {i}"
 
@@ -170,6 +175,8 @@ def test_finish_reasons_follow_the_stop_rules(gate):
     # the explicit stop id cut the job it was found in at the same place as the plain serial run
     ask = gate["on"][10]
     assert (ask.finish_reason, len(ask.generated)) == ("stop", gate["stop_at"])
+    min_tokens = gate["on"][11]  # EOS biased to win: held back for exactly min_tokens tokens
+    assert (min_tokens.finish_reason, len(min_tokens.generated)) == ("stop", 5)
     reasons = Counter(r.finish_reason for r in gate["on"])
     assert reasons["stop"] >= 1 and reasons["length"] >= 1 and reasons["terminal_prosody"] >= 1, reasons
 

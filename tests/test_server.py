@@ -118,6 +118,16 @@ CASES = [
     ("terminal_prosody not bool", {**OK, "terminal_prosody": "yes"}, 422, "terminal_prosody"),
     ("resume not bool", {**OK, "resume": 1}, 422, "resume"),
     ("unknown field", {**OK, "max_tokens": 4}, 422, "max_tokens"),
+    ("presence_penalty > 2", {**OK, "presence_penalty": 2.5}, 422, "presence_penalty"),
+    ("frequency_penalty a string", {**OK, "frequency_penalty": "1"}, 422, "frequency_penalty"),
+    ("repetition_penalty 0", {**OK, "repetition_penalty": 0}, 422, "repetition_penalty"),
+    ("logit_bias id past the vocabulary", {**OK, "logit_bias": {str(VOCAB): 1}}, 422, "logit_bias"),
+    ("logit_bias key not an id", {**OK, "logit_bias": {"-1": 1}}, 422, "logit_bias"),
+    ("logit_bias value > 100", {**OK, "logit_bias": {"5": 101}}, 422, "logit_bias"),
+    ("logit_bias over 300 entries", {**OK, "logit_bias": {str(i): 1 for i in range(301)}}, 422, "logit_bias"),
+    ("min_tokens > max_new_tokens", {**OK, "min_tokens": 5}, 422, "min_tokens"),
+    ("min_tokens < 0", {**OK, "min_tokens": -1}, 422, "min_tokens"),
+    ("ignore_eos not bool", {**OK, "ignore_eos": "true"}, 422, "ignore_eos"),
     ("over the size limit", {**OK, "tokens": [1] * (BODY_LIMIT // 2)}, 413, "body"),
 ]
 
@@ -154,6 +164,20 @@ def test_serves_after_bad_input_and_matches_serial(any_station, reference) -> No
     assert reply["finish_reason"] in ("stop", "length")
     assert set(reply["timing"]) == {"queue_s", "ttft_s", "total_s", "cached_tokens"}
     assert reply["timing"]["cached_tokens"] == 0  # shorter than a prefill chunk: nothing to reuse
+
+
+def test_token_controls(tcp) -> None:
+    """A stop id biased to win every step (EOS, 2, or a stop_token_ids entry): held back by min_tokens, then it ends
+    the request; with ignore_eos, EOS does not."""
+    _, _, client = tcp
+    body = {"tokens": [1, 504, 3458, 314, 1345, 30], "max_new_tokens": 6, "logit_bias": {"2": 100}}
+    r = client.post("/generate", json={**body, "min_tokens": 3}).json()
+    assert (len(r["generated"]), r["finish_reason"]) == (3, "stop") and 2 not in r["generated"]
+    r = client.post("/generate", json={**body, "ignore_eos": True}).json()
+    assert (r["generated"], r["finish_reason"]) == ([2] * 6, "length")
+    r = client.post("/generate", json={**body, "logit_bias": {"11": 100}, "stop_token_ids": [11], "min_tokens": 4,
+                                       "ignore_eos": True, "presence_penalty": -2, "repetition_penalty": 0.5}).json()
+    assert (len(r["generated"]), r["finish_reason"]) == (4, "stop") and 11 not in r["generated"]
 
 
 def test_prompt_plus_max_new_equal_to_max_seq_is_served(tcp, reference) -> None:

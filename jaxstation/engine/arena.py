@@ -1,4 +1,5 @@
-"""The KV arena: k and v for every layer, lane and position, allocated once and donated through every step."""
+"""The KV arena: k and v for every layer, lane and position, allocated once and donated through every step, and the
+per-lane token state that penalties, logit biases and min_tokens read (engine/penalties.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jaxstation.engine.penalties import TokenState, allocate_token_state
 from jaxstation.model.config import ModelConfig
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
+@partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "tokens"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class KVArena:
     k: jax.Array  # [layers, lanes, max_seq, kv_heads, head_dim]
     v: jax.Array  # [layers, lanes, max_seq, kv_heads, head_dim]
+    tokens: TokenState | None = None  # [lanes, vocab] rows per lane; None where no step samples (a mesh stage)
 
     @property
     def lanes(self) -> int:
@@ -38,6 +41,9 @@ def arena_bytes(cfg: ModelConfig, lanes: int, max_seq: int, dtype: jnp.dtype) ->
     return 2 * n * jnp.dtype(dtype).itemsize
 
 
-def allocate_arena(cfg: ModelConfig, lanes: int, max_seq: int, dtype: jnp.dtype) -> KVArena:
+def allocate_arena(cfg: ModelConfig, lanes: int, max_seq: int, dtype: jnp.dtype, token_state: bool = False
+                   ) -> KVArena:
+    """Zeros; with `token_state`, also the lanes' TokenState (9 bytes per lane and vocabulary entry)."""
     shape = arena_shape(cfg, lanes, max_seq)
-    return KVArena(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    tokens = allocate_token_state(lanes, cfg.vocab_size) if token_state else None
+    return KVArena(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), tokens=tokens)

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jaxstation.engine.arena import allocate_arena
+from jaxstation.engine.penalties import MAX_LOGIT_BIAS, PenaltyArrays, lane_rows, start_lane
 from jaxstation.engine.prefix_cache import LaneVersions
 from jaxstation.engine.sampling import SampleOut, SamplingArrays
 from jaxstation.engine.steps import decode_step_batch, prefill_chunk
@@ -23,6 +24,7 @@ from jaxstation.kernels import cpu_kernel
 from jaxstation.model.loader import LoadedModel
 
 SEED_LIMIT = 1 << 32  # seeds are 32-bit on the device
+FLOAT32_TINY, FLOAT32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)  # normal float32s
 # Decode attention: the blocked online-softmax walk, the CPU decode attention kernel (each row's own positions, read in
 # place), or jax.nn.dot_product_attention ("xla" or "cudnn") over each lane's whole slab with per-lane lengths (no
 # per-block loop; cuDNN skips what lies past a lane's length).
@@ -32,13 +34,24 @@ ROW_ATTENTIONS = ("blocked", "kernel")  # those that take any subset of lanes, s
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How one request picks its tokens. temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 are off."""
+    """How one request picks its tokens. temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 are off.
+
+    The token controls (engine/penalties.py) are off at their defaults: presence_penalty and frequency_penalty
+    (OpenAI's, over the generated tokens), repetition_penalty (vLLM's, over the prompt and the generated tokens),
+    logit_bias ((token id, bias) pairs, each id once) and min_tokens (the request's stop ids are held back until it
+    has generated that many).
+    """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -49,6 +62,29 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not FLOAT32_TINY <= self.repetition_penalty <= FLOAT32_MAX:
+            raise ValueError(f"repetition_penalty must be a positive normal float32, got {self.repetition_penalty}")
+        ids = [t for t, _ in self.logit_bias]
+        if len(ids) > MAX_LOGIT_BIAS or len(set(ids)) != len(ids) or any(t < 0 for t in ids):
+            raise ValueError(f"logit_bias must hold at most {MAX_LOGIT_BIAS} distinct token ids >= 0")
+        if not all(-100 <= b <= 100 for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty or a logit bias is on (min_tokens aside)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)
+
+    @property
+    def controls(self) -> bool:
+        """Whether any token control is on: the request needs its lane's token state (`Engine.begin`)."""
+        return self.penalized or self.min_tokens > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +119,19 @@ def _sampling_arrays(rows: Sequence[tuple[SamplingParams, int] | None]) -> Sampl
     )
 
 
+def _penalty_arrays(rows: Sequence[tuple[SamplingParams, int] | None]) -> PenaltyArrays:
+    """Per row: whether its controls act at this counter (min_tokens only while it holds), and their values."""
+    idle = (SamplingParams(), 0)
+    filled = [r or idle for r in rows]
+    return PenaltyArrays(
+        active=np.array([p.penalized or c < p.min_tokens for p, c in filled], bool),
+        presence=np.array([p.presence_penalty for p, _ in filled], np.float32),
+        frequency=np.array([p.frequency_penalty for p, _ in filled], np.float32),
+        repetition=np.array([p.repetition_penalty for p, _ in filled], np.float32),
+        min_tokens=np.array([p.min_tokens for p, _ in filled], np.int32),
+    )
+
+
 def _samples(out: SampleOut) -> list[Sample]:
     tokens, logprob, top_ids, top_lp = jax.device_get((out.tokens, out.logprob, out.top_ids, out.top_logprobs))
     return [
@@ -102,7 +151,10 @@ def wave_widths(lanes: int) -> tuple[int, ...]:
 
 
 class Engine:
-    """Lanes over one KV arena. `prefill` fills a lane chunk by chunk; `decode` advances every live lane by one."""
+    """Lanes over one KV arena. `begin` gives a lane a request's token state, `prefill` fills the lane chunk by
+    chunk and `decode` advances every live lane by one."""
+
+    token_controls = True  # penalties, logit_bias and min_tokens are applied (from the arena's token state)
 
     def __init__(self, model: LoadedModel, lanes: int, max_seq: int, chunk: int, block: int,
                  attention: str = "blocked", widths: Sequence[int] | None = None) -> None:
@@ -149,13 +201,27 @@ class Engine:
         """(Re)allocate the arena, e.g. after a failed step left donated buffers unusable."""
         self.lane_versions.touch(range(self.lanes))
         self.arena = None
-        self.arena = allocate_arena(self.cfg, self.lanes, self.max_seq, self.params.dtype)
+        self.arena = allocate_arena(self.cfg, self.lanes, self.max_seq, self.params.dtype, token_state=True)
+
+    def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int]) -> None:
+        """A request takes `lane`: before its first prefill chunk (at 0 or on a reused prefix), write the lane's token
+        state from its whole prompt, its stop ids (held back by min_tokens) and its logit bias. A request without
+        token controls never reads that state: nothing runs."""
+        if not sampling.controls:
+            return
+        vocab = self.cfg.vocab_size
+        bad = [t for t in (*prompt, *stop_ids, *(t for t, _ in sampling.logit_bias)) if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        marks, bias = lane_rows(vocab, prompt, stop_ids, sampling.logit_bias)
+        tokens = start_lane(self.arena.tokens, np.int32(lane), marks, bias)
+        self.arena = dataclasses.replace(self.arena, tokens=tokens)
 
     def prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
                 return_logits: bool = False) -> tuple[Sample | None, jax.Array | None]:
         """Feed prompt[start:start + chunk] into `lane`. When that reaches the prompt's end, sample its first token.
 
-        `start` must be a multiple of the chunk; chunks of one prompt go in order.
+        `start` must be a multiple of the chunk; chunks of one prompt go in order, after `begin`.
         """
         sample, logits, _ = self._prefill(lane, prompt, start, sampling, return_logits, scored=False)
         return sample, logits
@@ -183,8 +249,8 @@ class Engine:
         self.lane_versions.touch([lane])
         self.arena, out, logits, rows = prefill_chunk(
             self.cfg, self.params, self.arena, np.int32(lane), np.int32(start), tokens, np.int32(len(piece)),
-            _sampling_arrays([(sampling, 0)]), targets, block=self.block, last=last, return_logits=return_logits,
-            prompt_logprobs=scored)
+            _sampling_arrays([(sampling, 0)]), targets, _penalty_arrays([(sampling, 0)]), block=self.block, last=last,
+            return_logits=return_logits, prompt_logprobs=scored)
         return (_samples(out)[0] if last else None), logits, (_samples(rows)[:len(following)] if scored else [])
 
     def decode(self, rows: Sequence[DecodeRow | None], return_logits: bool = False
@@ -211,12 +277,12 @@ class Engine:
         positions = np.array([r.position if r else self.scratch_pos for r in wave], np.int32)
         tokens = np.array([r.token if r else 0 for r in wave], np.int32)
         n_blocks = np.int32(max(rows[i].position for i in live) // self.block + 1)
-        sampling = _sampling_arrays([(r.sampling, r.counter) if r else None for r in wave])
+        per_row = [(r.sampling, r.counter) if r else None for r in wave]
         self.lane_versions.touch(live)  # idle rows write only the scratch slot
         self.arena, out, logits = decode_step_batch(
-            self.cfg, self.params, self.arena, positions, tokens, n_blocks, sampling,
-            None if full else np.array(order, np.int32), block=self.block, attention=self.attention,
-            return_logits=return_logits)
+            self.cfg, self.params, self.arena, positions, tokens, n_blocks, _sampling_arrays(per_row),
+            None if full else np.array(order, np.int32), _penalty_arrays(per_row), block=self.block,
+            attention=self.attention, return_logits=return_logits)
         samples: list[Sample | None] = [None] * self.lanes
         for lane, sample, r in zip(order, _samples(out), wave, strict=True):
             if r is not None:
@@ -231,7 +297,9 @@ class Engine:
         idle: list[DecodeRow | None] = [None] * (self.lanes - 1)
         sampled = [DecodeRow(0, len(prompt), SamplingParams(temperature=1.0, top_p=0.9), 0)] + idle
         greedy = [DecodeRow(0, len(prompt), SamplingParams(), 0)] + idle
+        penalized = SamplingParams(repetition_penalty=1.1)
         steps: list[tuple[str, Callable[[], object]]] = [
+            ("begin", lambda: self.begin(0, prompt, penalized, frozenset())),
             ("prefill", lambda: self.prefill(0, prompt, 0, SamplingParams())),  # a middle chunk
             ("prefill_last", lambda: self.prefill(0, prompt, self.chunk, SamplingParams())),  # a last chunk: samples
         ]
@@ -252,6 +320,7 @@ def generate(engine: Engine, prompt: Sequence[int], max_new_tokens: int, samplin
 
     The stop token is not included. Used by the CLI and as the serial reference in tests.
     """
+    engine.begin(lane, prompt, sampling, stop_ids)
     sample = None
     for start in range(0, len(prompt), engine.chunk):
         sample, _ = engine.prefill(lane, prompt, start, sampling)

@@ -1,7 +1,7 @@
 """What the scheduler needs of an engine, as a Protocol: the local `Engine` and the mesh's `MeshEngine` both fit it.
 
-The scheduler only ever reads the lane geometry and calls these four methods from its one decode thread, so it
-cannot tell whether the layers run in this process or across stations.
+The scheduler only ever reads the lane geometry and calls these methods from its one decode thread, so it cannot
+tell whether the layers run in this process or across stations.
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ class Runner(Protocol):
     scratch_pos: int  # the arena slot idle lanes write to; no request ever uses it
     arena: Any  # device state a caller may wait on (None when the KV lives elsewhere, e.g. on mesh stations)
     lane_versions: LaneVersions  # a new stamp per lane whenever its KV may change: what the prefix cache trusts
+    token_controls: bool  # whether it applies SamplingParams' penalties, logit_bias and min_tokens
+
+    def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int]) -> None:
+        """A request takes `lane` (called before its first prefill chunk): set the lane's per-request token state."""
 
     def prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
                 return_logits: bool = False) -> tuple[Sample | None, Any]:

@@ -94,9 +94,13 @@ def first_argmax(x: jax.Array) -> jax.Array:
     return jnp.minimum(first, n - 1)  # a row of NaNs has no maximum: its last index
 
 
-def sample(logits: jax.Array, s: SamplingArrays) -> SampleOut:
-    """logits: [rows, vocab] float32 -> one token per row plus log-probabilities."""
+def sample(logits: jax.Array, s: SamplingArrays, chosen_from: jax.Array | None = None) -> SampleOut:
+    """logits: [rows, vocab] float32, the model's -> one token per row plus its log-probabilities under the model.
+
+    chosen_from: [rows, vocab], what the token is picked from (the penalized logits, engine/penalties.py); default
+    the logits themselves."""
     logprobs = log_softmax(logits)
+    logits = logits if chosen_from is None else chosen_from
     greedy = first_argmax(logits)
     sampling = s.temperature > 0.0
     scaled = logits / jnp.where(sampling, s.temperature, 1.0)[:, None]

@@ -6,7 +6,9 @@ engine. Each turn of its loop it `schedule()`s: retires cancelled or early-finis
 queue, picks at most one prefill chunk (the oldest prefilling lane's next one) and the decode wave of every lane past
 its prompt. It runs them, then `postprocess()`es the samples: a lane's token joins its request, which retires on a
 stop id, `terminal_prosody`, `max_new_tokens`, `finish_early` (a host matched a stop string) or cancellation; its
-Future is answered and the lane is free for the next fill.
+Future is answered and the lane is free for the next fill. Before a job's first prefill chunk the engine `begin`s
+its lane (the token state its penalties, logit bias and min_tokens read). A job generates at least
+`sampling.min_tokens` tokens before a stop id (held back on the device) or `terminal_prosody` ends it.
 With no live lane and nothing pending the thread waits on the condition variable: no polling.
 
 Backpressure. The queue holds at most `max_queue` jobs; `submit` past that raises QueueFull (the server answers 503
@@ -294,6 +296,8 @@ class Scheduler:
             i = plan.prefill_lane
             lane = self.lanes[i]
             t0 = time.perf_counter()
+            if lane.fed == lane.job.cached_tokens:  # the job's first chunk
+                self.engine.begin(i, lane.job.tokens, lane.job.sampling, lane.job.stop_ids)
             if lane.job.prompt_logprobs:
                 sample, scored = self.engine.prefill_scored(i, lane.job.tokens, lane.fed, lane.job.sampling)
                 lane.scored.extend(scored)
@@ -340,7 +344,7 @@ class Scheduler:
             except Exception:  # a broken consumer cancels its own job, never the wave
                 log.exception("on_token callback failed; cancelling the job")
                 job.cancel()
-        if job.terminal_prosody and sample.token in self.terminal_ids:
+        if job.terminal_prosody and sample.token in self.terminal_ids and len(lane.samples) >= job.sampling.min_tokens:
             self._retire(i, "terminal_prosody")
         elif len(lane.samples) >= job.max_new_tokens:
             self._retire(i, "length")

@@ -10,10 +10,13 @@ Batch invariance is built in, not tested in:
   on the CPU kernel, whose rows are computed alike at any width (jaxstation/kernels/cpu_kernel.py); the other row-wise
   operations do not depend on the row count.
 An idle row is pointed at the arena's last slot (`scratch_pos`), which no request ever uses.
+With `penalties`, a step picks each token from its penalized logits and counts it in the arena's token state
+(engine/penalties.py); row-wise too, and the same programs serve rows with and without them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -21,6 +24,7 @@ import jax.numpy as jnp
 
 from jaxstation.engine.arena import KVArena
 from jaxstation.engine.attention import attend
+from jaxstation.engine.penalties import PenaltyArrays, sample_penalized
 from jaxstation.engine.sampling import SampleOut, SamplingArrays, sample, token_logprobs
 from jaxstation.kernels.rowwise import log_softmax
 from jaxstation.model.config import ModelConfig
@@ -55,20 +59,30 @@ def run_layers(cfg: ModelConfig, params: Params, arena: KVArena, x: jax.Array, p
         return mlp_block(cfg, layer, attn_out(layer, x, o)), k_all, v_all
 
     x, k_all, v_all = over_layers(params, body, (x, arena.k, arena.v))
-    return x, KVArena(k_all, v_all)
+    return x, dataclasses.replace(arena, k=k_all, v=v_all)
+
+
+def choose(logits: jax.Array, sampling: SamplingArrays, arena: KVArena, lanes: jax.Array,
+           penalties: PenaltyArrays | None) -> tuple[SampleOut, KVArena]:
+    """Sample each row of logits [rows, vocab] (rows on arena `lanes` [rows]), penalized when `penalties` are given."""
+    if penalties is None:
+        return sample(logits, sampling), arena
+    out, tokens = sample_penalized(logits, sampling, arena.tokens, lanes, penalties)
+    return out, dataclasses.replace(arena, tokens=tokens)
 
 
 @partial(jax.jit, static_argnames=("cfg", "block", "attention", "return_logits"), donate_argnames=("arena",))
 def decode_step_batch(cfg: ModelConfig, params: Params, arena: KVArena, positions: jax.Array, tokens: jax.Array,
-                      n_blocks: jax.Array, sampling: SamplingArrays, lanes: jax.Array | None = None, *, block: int,
-                      attention: str = "blocked", return_logits: bool = False
+                      n_blocks: jax.Array, sampling: SamplingArrays, lanes: jax.Array | None = None,
+                      penalties: PenaltyArrays | None = None, *, block: int, attention: str = "blocked",
+                      return_logits: bool = False
                       ) -> tuple[KVArena, SampleOut, jax.Array | None]:
     """Advance every row's lane by one token with one read of the weights.
 
     positions, tokens: [rows] int32 (an idle row sits at the scratch slot); n_blocks: KV blocks covering the
     longest live row (unused by the dense attentions); lanes: [rows] int32, the arena lane of each row, or None for
-    a full-width wave (row r is lane r). Returns the updated arena, one sample per row and, if asked, the logits
-    [rows, vocab].
+    a full-width wave (row r is lane r); penalties: per row, or None for none (the arena then needs no token
+    state). Returns the updated arena, one sample per row and, if asked, the model's logits [rows, vocab].
     """
     rows = tokens.shape[0]
     if lanes is None:
@@ -78,19 +92,21 @@ def decode_step_batch(cfg: ModelConfig, params: Params, arena: KVArena, position
     x = embed_tokens(params, tokens)[:, None, :]  # [rows, 1, d]
     x, arena = run_layers(cfg, params, arena, x, positions[:, None], lanes, n_blocks, block, attention=attention)
     logits = lm_logits(cfg, params, x[:, 0])  # [rows, vocab]
-    return arena, sample(logits, sampling), (logits if return_logits else None)
+    out, arena = choose(logits, sampling, arena, lanes, penalties)
+    return arena, out, (logits if return_logits else None)
 
 
 @partial(jax.jit, static_argnames=("cfg", "block", "last", "return_logits", "prompt_logprobs"),
          donate_argnames=("arena",))
 def prefill_chunk(cfg: ModelConfig, params: Params, arena: KVArena, lane: jax.Array, start: jax.Array,
                   tokens: jax.Array, n_valid: jax.Array, sampling: SamplingArrays, targets: jax.Array | None = None,
-                  *, block: int, last: bool, return_logits: bool = False, prompt_logprobs: bool = False
+                  penalties: PenaltyArrays | None = None, *, block: int, last: bool, return_logits: bool = False,
+                  prompt_logprobs: bool = False
                   ) -> tuple[KVArena, SampleOut | None, jax.Array | None, SampleOut | None]:
     """Write one chunk of a lane's prompt into the arena: tokens [chunk] at positions [start, start + chunk).
 
     Rows past n_valid are padding; their k/v land past the prompt, where they are overwritten before any read.
-    With `last`, also sample from the logits of the last valid row (sampling arrays have one row).
+    With `last`, also sample from the logits of the last valid row (sampling and penalty arrays have one row).
     With `prompt_logprobs`, also score every row: the log-softmax log-probability of targets [chunk] (the next prompt
     token of each row; the host ignores rows that have none) and the top TOP_LOGPROBS tokens. The [chunk, vocab]
     logits stay on the device; only [chunk] and [chunk, TOP_LOGPROBS] arrays come back.
@@ -108,4 +124,5 @@ def prefill_chunk(cfg: ModelConfig, params: Params, arena: KVArena, lane: jax.Ar
         return arena, None, None, scored
     h = jax.lax.dynamic_index_in_dim(x[0], n_valid - 1, axis=0, keepdims=True)  # [1, d]
     logits = lm_logits(cfg, params, h)  # [1, vocab]
-    return arena, sample(logits, sampling), (logits if return_logits else None), scored
+    out, arena = choose(logits, sampling, arena, jnp.reshape(lane, (1,)), penalties)
+    return arena, out, (logits if return_logits else None), scored

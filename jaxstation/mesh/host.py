@@ -68,7 +68,11 @@ class _Entry:
 
 
 class MeshEngine:
-    """The scheduler's engine over mesh stations (see the module docstring). One caller thread at a time."""
+    """The scheduler's engine over mesh stations (see the module docstring). One caller thread at a time.
+
+    It keeps no per-lane token state, so the routes refuse penalties, logit_bias and min_tokens on a mesh host."""
+
+    token_controls = False
 
     def __init__(self, clients: list[StationClient], *, lanes: int, max_seq: int, chunk: int, block: int,
                  recover_s: float, pipeline: bool) -> None:
@@ -104,6 +108,11 @@ class MeshEngine:
                    block=config.kv_block, recover_s=config.mesh_recover_s, pipeline=config.mesh_pipeline)
 
     # ---- the Runner interface ---------------------------------------------------------------------------------
+    def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int]) -> None:
+        """Nothing to set: a mesh host serves no token controls."""
+        if sampling.controls:
+            raise ValueError("a mesh host applies no penalties, logit_bias or min_tokens")
+
     def prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
                 return_logits: bool = False) -> tuple[Sample | None, np.ndarray | None]:
         sample, logits, _ = self._prefill(lane, prompt, start, sampling, return_logits, scored=False)

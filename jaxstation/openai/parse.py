@@ -21,10 +21,10 @@ from jaxstation.openai.protocol import (
     TokenizeCompletionRequest,
 )
 from jaxstation.serving.errors import OpenAIError, describe
+from jaxstation.serving.protocol import token_controls
 
 M = TypeVar("M", bound=BaseModel)
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-_NEUTRAL_ONLY = ("presence_penalty", "frequency_penalty", "logit_bias")
 
 
 def bad(param: str, message: str) -> OpenAIError:
@@ -72,12 +72,8 @@ def check_token_ids(tokens: list[int], vocab: int, param: str) -> list[int]:
 
 
 def _common(req: SamplingFields, chat: bool, prompts: list[list[int]], logprobs: int | None, max_tokens: int | None,
-            max_request_tokens: int, vocab: int, eos_ids: frozenset[int],
+            max_request_tokens: int, vocab: int, eos_ids: frozenset[int], on_device: bool,
             echo_texts: list[str] | None = None) -> RunRequest:
-    for key in _NEUTRAL_ONLY:
-        value = getattr(req, key)
-        if value:  # 0, 0.0 and {} ask for nothing
-            raise unsupported(key, f"{key}={value!r} is not supported (only the neutral value is accepted)")
     prompt_param = "messages" if chat else "prompt"
     lengths = []
     for i, p in enumerate(prompts):
@@ -94,24 +90,28 @@ def _common(req: SamplingFields, chat: bool, prompts: list[list[int]], logprobs:
                                     f"station's context of {max_request_tokens} tokens")
         else:
             lengths.append(max_tokens)
+    if (req.min_tokens or 0) > min(lengths):
+        raise bad("min_tokens", f"min_tokens ({req.min_tokens}) exceeds max_tokens ({min(lengths)})")
     if req.stream_options is not None and not req.stream:
         raise bad("stream_options", "stream_options is only allowed with stream=true")
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
     if any(not s for s in stops):
         raise bad("stop", "stop strings must not be empty")
     stop_ids = frozenset(check_token_ids(req.stop_token_ids or [], vocab, "stop_token_ids"))
+    controls = token_controls(req, vocab, on_device, bad, unsupported)
     sampling = SamplingParams(temperature=float(1.0 if req.temperature is None else req.temperature),
                               top_k=0 if req.top_k in (None, -1) else req.top_k,
                               top_p=float(1.0 if req.top_p is None else req.top_p),
-                              min_p=float(req.min_p or 0.0))
+                              min_p=float(req.min_p or 0.0), **controls)
+    stop_ids |= frozenset() if req.ignore_eos else eos_ids
     return RunRequest(chat=chat, prompts=prompts, n=req.n or 1, max_tokens=lengths, sampling=sampling, seed=req.seed,
-                      stops=tuple(stops), stop_ids=eos_ids | stop_ids, logprobs=logprobs, stream=bool(req.stream),
+                      stops=tuple(stops), stop_ids=stop_ids, logprobs=logprobs, stream=bool(req.stream),
                       include_usage=bool(req.stream_options and req.stream_options.include_usage),
                       echo_texts=echo_texts)
 
 
-def parse_completion(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: int,
-                     eos_ids: frozenset[int]) -> RunRequest:
+def parse_completion(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: int, eos_ids: frozenset[int],
+                     on_device: bool) -> RunRequest:
     req = validate(CompletionRequest, body)
     if req.best_of is not None and req.best_of not in (1, req.n or 1):
         raise unsupported("best_of", f"best_of={req.best_of!r} is not supported (only 1 or n is accepted)")
@@ -132,7 +132,8 @@ def parse_completion(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: 
     echo_texts = None
     if req.echo:  # the prompt as sent; token ids are decoded
         echo_texts = texts if texts is not None else [tok.decode(p) for p in prompts]
-    return _common(req, False, prompts, req.logprobs, req.max_tokens, max_request_tokens, vocab, eos_ids, echo_texts)
+    return _common(req, False, prompts, req.logprobs, req.max_tokens, max_request_tokens, vocab, eos_ids, on_device,
+                   echo_texts)
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -156,14 +157,15 @@ def render_chat(tok: Tokenizer, messages: list[dict], add_generation_prompt: boo
     return tok.encode(text, add_special_tokens=False)
 
 
-def parse_chat(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: int, eos_ids: frozenset[int]) -> RunRequest:
+def parse_chat(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: int, eos_ids: frozenset[int],
+               on_device: bool) -> RunRequest:
     req = validate(ChatCompletionRequest, body)
     prompt = render_chat(tok, chat_messages(req.messages))
     if req.top_logprobs is not None and not req.logprobs:
         raise bad("top_logprobs", "top_logprobs needs logprobs=true")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return _common(req, True, [prompt], (req.top_logprobs or 0) if req.logprobs else None, max_tokens,
-                   max_request_tokens, vocab, eos_ids)
+                   max_request_tokens, vocab, eos_ids, on_device)
 
 
 def parse_tokenize(body: Any, tok: Tokenizer) -> list[int]:

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jaxstation.engine.sampling import TOP_LOGPROBS
+from jaxstation.serving.protocol import TokenControls
 
 MAX_N = 8
 MAX_STOPS = 16
@@ -37,8 +38,9 @@ class StreamOptions(Body):
     include_usage: bool | None = None
 
 
-class SamplingFields(Body):
-    """The fields /v1/completions and /v1/chat/completions share."""
+class SamplingFields(Body, TokenControls):
+    """The fields /v1/completions and /v1/chat/completions share (with the penalties, logit_bias, and vLLM's
+    repetition_penalty, min_tokens and ignore_eos)."""
 
     model: str | None = Field(None, description="any name; the reply names the served model")
     max_tokens: int | None = Field(None, ge=0)
@@ -54,9 +56,6 @@ class SamplingFields(Body):
     top_k: int | None = Field(None, ge=-1, description="vLLM's: 0 or -1 is off")
     min_p: float | None = Field(None, ge=0, le=1, description="vLLM's")
     stop_token_ids: list[TokenId] | None = Field(None, description="vLLM's: more ids that end a choice, beside EOS")
-    presence_penalty: float | None = Field(None, ge=-2, le=2, description="only 0 is accepted")
-    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="only 0 is accepted")
-    logit_bias: dict[str, float] | None = Field(None, description="only an empty map is accepted")
 
 
 class CompletionRequest(SamplingFields):

@@ -106,7 +106,8 @@ def openai_endpoints(station: Station) -> list[Endpoint]:
             body = await read_body(request)
             tok = station.model.tokenizer
             parse = parse_chat if chat else parse_completion
-            req = parse(body, tok, station.model.cfg.vocab_size, station.config.max_request_tokens, station.eos_ids)
+            req = parse(body, tok, station.model.cfg.vocab_size, station.config.max_request_tokens, station.eos_ids,
+                        station.engine.token_controls)
             run = Run(station, req)
             run.submit()
         except OpenAIError as e:

@@ -122,12 +122,14 @@ class Run:
                 self.scheduler.cancel(c.job)
 
     def _advance(self, c: Choice, piece: str, final: bool) -> str:
-        """Fold new text into the choice; return what may be shown now (stop strings trimmed, their starts held)."""
+        """Fold new text into the choice; return what may be shown now (stop strings trimmed, their starts held).
+        Before the choice has min_tokens tokens a stop string does not end it (vLLM's rule)."""
         pending = c.held + piece
         if final:
             pending += c.detok.flush()
         stops = self.req.stops
-        cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
+        armed = c.tokens >= self.req.sampling.min_tokens
+        cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1) if armed else -1
         if cut >= 0:
             out, c.held, c.finish = pending[:cut], "", "stop"
             self.scheduler.finish_early(c.job)  # the station retires it as "stop" within one wave

@@ -3,6 +3,9 @@
 Validation comes from these models (strict: no string for a number, no bool for an integer; unknown fields are
 refused by name). What a type cannot say, `parse_generate` checks by hand: a token id below the vocabulary size,
 and a prompt plus `max_new_tokens` that fits the station's context.
+
+`TokenControls` are the penalties, logit bias and vLLM's length controls that `/generate` and the OpenAI routes
+share; `token_controls` turns them into `SamplingParams` fields, checking what their types cannot.
 """
 
 from __future__ import annotations
@@ -11,13 +14,56 @@ import secrets
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from jaxstation.engine.engine import SEED_LIMIT, SamplingParams
+from jaxstation.engine.engine import FLOAT32_MAX, FLOAT32_TINY, SEED_LIMIT, SamplingParams
+from jaxstation.engine.penalties import MAX_LOGIT_BIAS
 from jaxstation.engine.scheduler import Job
 from jaxstation.serving.errors import ApiError, describe
 
 TokenId = Annotated[int, Field(ge=0)]
+BiasKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$")]  # a token id, in decimal
+Bias = Annotated[float, Field(ge=-100, le=100)]
+NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {},
+           "min_tokens": 0}  # the device controls' values that ask for nothing
+
+
+class TokenControls(BaseModel):
+    """Penalties, logit bias and vLLM's length controls (engine/penalties.py), on every generating route."""
+
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="OpenAI's: a generated token's logits "
+                                           "are lowered by this once it has appeared")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="OpenAI's: ... by this times how often it "
+                                            "has been generated")
+    repetition_penalty: float | None = Field(None, ge=FLOAT32_TINY, le=FLOAT32_MAX, description="vLLM's: a token "
+                                             "of the prompt or the output has its positive logit divided by this, a "
+                                             "negative one multiplied; 1 is off")
+    logit_bias: dict[BiasKey, Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS, description="token id -> a bias "
+                                                   "added to its logit before sampling")
+    min_tokens: int | None = Field(None, ge=0, description="vLLM's: EOS and stop ids are masked until this many "
+                                   "tokens are generated; at most the request's max tokens")
+    ignore_eos: bool | None = Field(None, description="vLLM's: the model's EOS ids do not end the request")
+
+
+def token_controls(req: TokenControls, vocab: int, on_device: bool, invalid: Callable[[str, str], Exception],
+                   unsupported: Callable[[str, str], Exception]) -> dict[str, Any]:
+    """The request's SamplingParams token controls, or `invalid(field, message)` / `unsupported(field, message)`
+    raised: a logit_bias id past the vocabulary, or any control but a neutral one on a runner without the device
+    state for them (`Runner.token_controls`, off on a mesh host)."""
+    for name, neutral in NEUTRAL.items():
+        value = getattr(req, name)
+        if not on_device and value is not None and value != neutral:
+            raise unsupported(name, f"{name}={value!r} is not supported here: this station keeps no per-lane token "
+                                    "state (a mesh host)")
+    bias = []
+    for key, value in (req.logit_bias or {}).items():
+        if int(key) >= vocab:
+            raise invalid("logit_bias", f"logit_bias holds token id {key}, outside the vocabulary [0, {vocab})")
+        bias.append((int(key), float(value)))
+    return {"presence_penalty": float(req.presence_penalty or 0.0),
+            "frequency_penalty": float(req.frequency_penalty or 0.0),
+            "repetition_penalty": float(1.0 if req.repetition_penalty is None else req.repetition_penalty),
+            "logit_bias": tuple(sorted(bias)), "min_tokens": req.min_tokens or 0}
 
 
 class Strict(BaseModel):
@@ -26,7 +72,7 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class GenerateRequest(Strict):
+class GenerateRequest(Strict, TokenControls):
     tokens: list[TokenId] = Field(min_length=1, description="the prompt's token ids")
     max_new_tokens: int = Field(ge=1, description="at most this many tokens are generated")
     temperature: float | None = Field(None, ge=0, description="0 (the default) is greedy")
@@ -73,10 +119,11 @@ class ErrorResponse(BaseModel):
 
 
 def parse_generate(body: Any, vocab: int, max_request_tokens: int, eos_ids: frozenset[int],
-                   reuse_prefix: Callable[[bool], bool]) -> Job:
+                   reuse_prefix: Callable[[bool], bool], on_device: bool) -> Job:
     """Validate a /generate body into a Job, or raise ApiError naming the offending field.
 
     reuse_prefix: whether a request with this `resume` flag may start on cached KV (`StationConfig.reuse_prefix`).
+    on_device: whether the runner applies the token controls (`Runner.token_controls`).
     """
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", "body")
@@ -94,9 +141,14 @@ def parse_generate(body: Any, vocab: int, max_request_tokens: int, eos_ids: froz
     if len(req.tokens) + req.max_new_tokens > max_request_tokens:
         raise ApiError(422, f"prompt ({len(req.tokens)} tokens) + max_new_tokens ({req.max_new_tokens}) exceeds the "
                             f"station's max_seq of {max_request_tokens}", "max_new_tokens")
+    if (req.min_tokens or 0) > req.max_new_tokens:
+        raise ApiError(422, f"min_tokens ({req.min_tokens}) exceeds max_new_tokens ({req.max_new_tokens})",
+                       "min_tokens")
+    refuse = lambda field, message: ApiError(422, message, field)  # noqa: E731
+    controls = token_controls(req, vocab, on_device, refuse, refuse)
     seed = secrets.randbelow(SEED_LIMIT) if req.seed is None else req.seed
     sampling = SamplingParams(temperature=float(req.temperature or 0.0), top_k=req.top_k or 0,
-                              top_p=float(1.0 if req.top_p is None else req.top_p), seed=seed)
-    return Job(tokens=req.tokens, max_new_tokens=req.max_new_tokens, sampling=sampling,
-               stop_ids=eos_ids | frozenset(req.stop_token_ids or ()), terminal_prosody=req.terminal_prosody,
-               reuse_prefix=reuse_prefix(req.resume))
+                              top_p=float(1.0 if req.top_p is None else req.top_p), seed=seed, **controls)
+    stops = (frozenset() if req.ignore_eos else eos_ids) | frozenset(req.stop_token_ids or ())
+    return Job(tokens=req.tokens, max_new_tokens=req.max_new_tokens, sampling=sampling, stop_ids=stops,
+               terminal_prosody=req.terminal_prosody, reuse_prefix=reuse_prefix(req.resume))

@@ -89,7 +89,7 @@ def station_endpoints(station: Station) -> list[Endpoint]:
             except BodyError as e:
                 raise ApiError(e.status, e.message, "body") from None
             job = parse_generate(body, station.model.cfg.vocab_size, station.config.max_request_tokens,
-                                 station.eos_ids, station.config.reuse_prefix)
+                                 station.eos_ids, station.config.reuse_prefix, station.engine.token_controls)
             future = scheduler.submit(job)
         except ApiError as e:
             return rejected(e)

@@ -1,0 +1,104 @@
+"""Penalties, logit biases and min_tokens on the device, from per-lane token state kept in the arena.
+
+The state (`TokenState`, three [lanes, vocab] arrays) describes the request a lane runs: how often it has generated
+each token, which tokens its prompt holds and which are its stop ids, and its logit bias. `start_lane` writes a lane's
+rows when a request takes it (the whole prompt, whatever prefill skips on a prefix-cache hit); the compiled steps
+read the rows of their lanes and scatter-add each sampled token into its lane's counts.
+
+What a request asks for travels per row (`PenaltyArrays`). The logits a token is chosen from are, in this order:
+the model's logits + logit_bias; its stop ids at -inf while it has generated fewer than min_tokens; a logit of a
+token in the prompt or already generated divided by repetition_penalty if positive, else multiplied by it; minus
+frequency_penalty * count + presence_penalty * (count > 0). Every operation is elementwise on a row and its own
+lane's state, so a row's bits never depend on the wave. The whole pass runs under `lax.cond` on whether any row of
+the wave asks for it, and a row that asks for nothing keeps its logits' bits (a per-row select), so a wave without
+controls pays a predicate, and a count update of one element per row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxstation.engine.sampling import SampleOut, SamplingArrays, sample
+
+MAX_LOGIT_BIAS = 300  # entries in one request's logit_bias, as OpenAI allows
+PROMPT, HELD = 1, 2  # TokenState.marks bits: in the prompt; a stop id held back until min_tokens
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["counts", "marks", "bias"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class TokenState:
+    counts: jax.Array  # [lanes, vocab] int32: how often the lane's request has generated each token
+    marks: jax.Array  # [lanes, vocab] int8: PROMPT | HELD bits
+    bias: jax.Array  # [lanes, vocab] float32: the request's logit_bias
+
+
+def allocate_token_state(lanes: int, vocab: int) -> TokenState:
+    return TokenState(counts=jnp.zeros((lanes, vocab), jnp.int32), marks=jnp.zeros((lanes, vocab), jnp.int8),
+                      bias=jnp.zeros((lanes, vocab), jnp.float32))
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["active", "presence", "frequency", "repetition", "min_tokens"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class PenaltyArrays:
+    active: jax.Array  # [rows] bool: the row's lane state is its request's and the request asks for a control now
+    presence: jax.Array  # [rows] float32; 0 = off
+    frequency: jax.Array  # [rows] float32; 0 = off
+    repetition: jax.Array  # [rows] float32; 1 = off
+    min_tokens: jax.Array  # [rows] int32; 0 = off
+
+
+def lane_rows(vocab: int, prompt: Iterable[int], held: Iterable[int], logit_bias: Iterable[tuple[int, float]]
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """A request's marks [vocab] int8 (its prompt tokens, and `held`: the stop ids min_tokens holds back) and its
+    bias row [vocab] float32, built on the host."""
+    marks = np.zeros(vocab, np.int8)
+    marks[np.fromiter(prompt, np.int64)] |= PROMPT
+    marks[np.fromiter(held, np.int64)] |= HELD
+    bias = np.zeros(vocab, np.float32)
+    for token, value in logit_bias:
+        bias[token] = value
+    return marks, bias
+
+
+@partial(jax.jit, donate_argnames=("state",))
+def start_lane(state: TokenState, lane: jax.Array, marks: jax.Array, bias: jax.Array) -> TokenState:
+    """A request takes `lane`: zero its counts, write its marks and bias rows ([vocab] each)."""
+    return TokenState(counts=state.counts.at[lane].set(0), marks=state.marks.at[lane].set(marks),
+                      bias=state.bias.at[lane].set(bias))
+
+
+def penalize(logits: jax.Array, state: TokenState, lanes: jax.Array, p: PenaltyArrays, counter: jax.Array
+             ) -> jax.Array:
+    """The logits each row's token is chosen from (see the module docstring). logits: [rows, vocab]; lanes: [rows]
+    the lane of each row; counter: [rows] tokens each row's request has generated."""
+
+    def apply(logits: jax.Array) -> jax.Array:
+        counts = state.counts[lanes]  # [rows, vocab]
+        marks = state.marks[lanes]  # [rows, vocab]
+        x = logits + state.bias[lanes]
+        held = ((marks & HELD) != 0) & (counter < p.min_tokens)[:, None]
+        x = jnp.where(held, -jnp.inf, x)
+        seen = ((marks & PROMPT) != 0) | (counts > 0)
+        rep = jnp.where(seen, p.repetition[:, None], jnp.float32(1.0))
+        x = jnp.where(x > 0, x / rep, x * rep)
+        x = x - (p.frequency[:, None] * counts.astype(jnp.float32)
+                 + p.presence[:, None] * (counts > 0).astype(jnp.float32))
+        return jnp.where(p.active[:, None], x, logits)
+
+    return jax.lax.cond(jnp.any(p.active), apply, lambda x: x, logits)
+
+
+def sample_penalized(logits: jax.Array, s: SamplingArrays, state: TokenState, lanes: jax.Array, p: PenaltyArrays
+                     ) -> tuple[SampleOut, TokenState]:
+    """`sample` from the penalized logits (log-probabilities stay the model's), then count each active row's token
+    in its lane. logits: [rows, vocab]; lanes: [rows]."""
+    out = sample(logits, s, penalize(logits, state, lanes, p, s.counter))
+    counts = state.counts.at[lanes, out.tokens].add(p.active.astype(jnp.int32))
+    return out, dataclasses.replace(state, counts=counts)
