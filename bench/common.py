@@ -85,6 +85,15 @@ def add_model_args(ap) -> None:
     ap.add_argument("--attention", default="auto", help="blocked, xla, cudnn or auto (the backend's)")
 
 
+def add_lane_sweep_args(ap, reps: int, name: str) -> None:
+    """A decode-step sweep's flags: lane counts, the live position, the arena's positions, repetitions, result name."""
+    ap.add_argument("--lanes", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--live", type=int, default=512)
+    ap.add_argument("--max-seq", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--name", default=name)
+
+
 def bench_model(args, max_seq: int):
     """(LoadedModel, Engine keyword arguments) for the model args, resolved as a station with max_seq would."""
     from jaxstation.model.loader import load_model

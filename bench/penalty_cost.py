@@ -19,7 +19,7 @@ import argparse
 import jax
 import numpy as np
 
-from bench.common import add_model_args, bench_model, summary, timed, write_result
+from bench.common import add_lane_sweep_args, add_model_args, bench_model, summary, timed, write_result
 from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams, _penalty_arrays, _sampling_arrays
 from jaxstation.engine.steps import decode_step_batch
 
@@ -70,11 +70,7 @@ def measure(engine: Engine, live: int, reps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(ap)
-    ap.add_argument("--lanes", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--live", type=int, default=512)
-    ap.add_argument("--max-seq", type=int, default=1024)
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--name", default="penalty_cost")
+    add_lane_sweep_args(ap, reps=20, name="penalty_cost")
     args = ap.parse_args()
     model, engine_kw = bench_model(args, args.max_seq)
     print(f"{model.source}: {args.dtype}, layer loop {args.layer_loop}, matmul {args.matmul}, "

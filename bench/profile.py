@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import add_model_args, bench_model, summary, timed, write_result
+from bench.common import add_lane_sweep_args, add_model_args, bench_model, summary, timed, write_result
 from jaxstation.engine.attention import blocked_attention, dense_decode_attention
 from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams, _sampling_arrays
 from jaxstation.engine.sampling import sample
@@ -96,11 +96,7 @@ def parts(engine: Engine, live: int, reps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(ap)
-    ap.add_argument("--lanes", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--live", type=int, default=512)
-    ap.add_argument("--max-seq", type=int, default=1024)
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--name", default="profile")
+    add_lane_sweep_args(ap, reps=7, name="profile")
     args = ap.parse_args()
     model, engine_kw = bench_model(args, args.max_seq)
     rows = []

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "test-mesh-token"
 # The mesh tests' station shape: the session engine's (conftest.ENGINE_SHAPE), so that the local references run its
 # compiled programs, and the in-process stages of the same splits read the stations' programs from the run's cache.
-# layer_loop: the session's default model is unrolled.
+# layer_loop: the shared default model (conftest) is unrolled.
 SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128, "layer_loop": "unroll"}
 
 
