@@ -64,6 +64,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_tokenizer(args: argparse.Namespace) -> int:
+    from jaxstation.model.loader import load_tokenizer
+
+    load_tokenizer(args.model).save_hf_dir(args.out)
+    print(args.out)
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from jaxstation.app import station_and_app
     from jaxstation.model.loader import checkpoint_config
@@ -101,7 +109,8 @@ A batched, batch-invariant LLM serving station for Llama/Mistral-family models.
 `serve` answers POST /generate (token ids in, token ids out) and the OpenAI-compatible routes
 POST /v1/completions, POST /v1/chat/completions (with streaming), GET /v1/models, POST /tokenize and
 POST /detokenize, GET /tokenizer_info, plus GET /health, GET /ready, GET /metrics and GET /openapi.json.
-`generate` runs one prompt and prints the text."""
+`generate` runs one prompt and prints the text; `export-tokenizer` writes the model's tokenizer as an HF
+tokenizer directory."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default=None, choices=DTYPES,
                      help="weight dtype; int8 is weight-only (default: float32 on CPU, bfloat16 on a GPU)")
     gen.set_defaults(func=cmd_generate, command_parser=gen)
+
+    exp = sub.add_parser("export-tokenizer", help="write the model's tokenizer as a Hugging Face tokenizer directory",
+                         description="Writes tokenizer.json, tokenizer_config.json and generation_config.json: the "
+                                     "directory that transformers' AutoTokenizer and benchmark clients such as aiperf "
+                                     "and guidellm take as --tokenizer.")
+    exp.add_argument("out", help="the directory to write (created if missing)")
+    exp.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)")
+    exp.set_defaults(func=cmd_export_tokenizer, command_parser=exp)
 
     srv = sub.add_parser("serve", help="run the /generate station server",
                          description="Flags override the environment variables named in each help line.")

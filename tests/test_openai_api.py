@@ -131,6 +131,15 @@ def test_chat_stream_equals_non_stream(station) -> None:
     # the same prompt again reuses the first run's KV (prefix reuse): all of it but the chunk holding its last token
     assert usage.prompt_tokens_details.cached_tokens == (full.usage.prompt_tokens - 1) // 32 * 32 > 0
 
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far, the last one the full count
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=CAPITAL, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage.prompt_tokens == full.usage.prompt_tokens for c in chunks)
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == full.usage.completion_tokens
+    assert "".join(d.delta.content or "" for c in chunks for d in c.choices) == choice.message.content
+
 
 def test_greedy_chat_equals_generate(station) -> None:
     st, _, http, client = station
@@ -382,6 +391,8 @@ def test_auth_on(default_model: LoadedModel) -> None:
     ("/v1/completions", {"prompt": "x", "n": 9}, "n"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 600}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
     ("/v1/chat/completions", {"messages": CAPITAL, "tools": [{"type": "function"}]}, "tools"),
     ("/v1/chat/completions", {"messages": CAPITAL, "frequency_penalty": -2.01}, "frequency_penalty"),
     ("/v1/chat/completions", {"messages": CAPITAL, "repetition_penalty": "1.1"}, "repetition_penalty"),

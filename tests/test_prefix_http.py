@@ -1,5 +1,6 @@
 """Prefix reuse through the real HTTP server: `resume`, `timing.cached_tokens`, OpenAI's
-`usage.prompt_tokens_details.cached_tokens`, the /metrics counters and the MOONSHINE_PREFIX_REUSE setting.
+`usage.prompt_tokens_details.cached_tokens`, the /metrics counters, POST /reset_prefix_cache and the
+MOONSHINE_PREFIX_REUSE setting.
 
 Two continuous stations share the default model and the usual shape (4 lanes, 512 positions, chunk 32): one with
 `prefix_reuse="resume"` (only /generate with `resume: true` reuses, so `resume: false` is a fresh run on the same
@@ -85,6 +86,19 @@ def test_auto_reuses_for_every_generate(stations):
     assert second["timing"]["cached_tokens"] == 64
     after = counters(http)
     assert (after["lookups"] - before["lookups"], after["hits"] - before["hits"]) == (2, 1)
+
+
+def test_reset_prefix_cache_makes_the_next_request_prefill_in_full(stations):
+    _, http, _ = stations["auto"]
+    prefix = np.random.default_rng(11).integers(3, 49152, size=70).tolist()
+    first = generate(http, prefix + [21])
+    assert generate(http, prefix + [21])["timing"]["cached_tokens"] == 64
+    r = http.post("/reset_prefix_cache")
+    assert r.status_code == 200 and r.json()["cleared"] >= 1, r.text
+    again = generate(http, prefix + [21])
+    assert again["timing"]["cached_tokens"] == 0
+    assert again["generated"] == first["generated"]
+    assert http.post("/reset_prefix_cache").json()["cleared"] >= 1  # the lane the last request freed
 
 
 def test_openai_chat_reports_cached_tokens_and_matches_a_fresh_run(stations):

@@ -281,6 +281,25 @@ def test_from_hf_dir(tok, tmp_path):
     assert hf2.eos_ids == (2, 7)
 
 
+def test_export_tokenizer_reads_back_token_for_token(tok, tmp_path):
+    from jaxstation.cli import main
+
+    assert main(["export-tokenizer", str(tmp_path / "tok")]) == 0
+    assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == [
+        "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert (config["bos_token"], config["eos_token"], config["add_bos_token"]) == ("<|im_start|>", "<|im_end|>", False)
+    back = Tokenizer.from_hf_dir(tmp_path / "tok")
+    assert (back.vocab_size, back.bos_id, back.eos_ids, back.add_bos) == (tok.vocab_size, 1, tok.eos_ids, False)
+    assert back.encode("The capital of France is") == [504, 3575, 282, 4649, 314]
+    for text in TEXTS:
+        assert back.encode(text) == tok.encode(text)
+        assert back.decode(tok.encode(text)) == tok.decode(tok.encode(text))
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert back.apply_chat_template(msgs) == tok.apply_chat_template(msgs)
+
+
 # ------------------------------------------------------------------------------------------------ GGUF variants
 def test_gguf_unknown_model_raises():
     fake = _fake_reader(None, tokenizer__ggml__model="llama", tokenizer__ggml__tokens=["<unk>"])

@@ -109,6 +109,8 @@ class PrefixCache:
         self._clock += 1
         self._entries[lane] = _Entry(tuple(tokens), version, self._clock) if tokens else None
 
-    def clear(self) -> None:
-        """Drop every entry (the arena was rebuilt)."""
+    def clear(self) -> int:
+        """Drop every entry (the arena was rebuilt, or a client asked); returns how many there were."""
+        dropped = sum(e is not None for e in self._entries)
         self._entries = [None] * len(self._entries)
+        return dropped

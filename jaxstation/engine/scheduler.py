@@ -193,6 +193,12 @@ class Scheduler:
         with self.cond:
             self.cond.notify()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every free lane's cached prefix (vLLM's /reset_prefix_cache): the next requests prefill in full,
+        as a cold station's do. Lanes in flight are untouched. Returns how many entries were dropped."""
+        with self.cond:
+            return self.prefix_cache.clear()
+
     def drain(self, timeout_s: float) -> bool:
         """Stop taking work, let queued and running jobs finish for up to timeout_s, fail the rest, stop the thread.
 

@@ -224,6 +224,12 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", layer_loo
     return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, source=source)
 
 
+def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """The tokenizer of a checkpoint (as `load_model`'s), read without its tensors."""
+    source = model_source(path)
+    return Tokenizer.from_hf_dir(source) if source.is_dir() else Tokenizer.from_gguf(open_gguf(source))
+
+
 def checkpoint_config(path: str | Path | None) -> ModelConfig:
     """The config a checkpoint declares, read without loading its tensors: what `serve` checks before it listens.
     Raises CheckpointError for a path that is not a checkpoint, a file that is not GGUF, or an unreadable config."""

@@ -314,6 +314,30 @@ class Tokenizer:
             unk_id=None if unk_id is None else int(unk_id),
         )
 
+    def save_hf_dir(self, path: str | Path) -> None:
+        """Write `tokenizer.json`, `tokenizer_config.json` and `generation_config.json` into `path`, as a Hugging Face
+        model directory holds them: what `from_hf_dir` and transformers' `AutoTokenizer` read back, token for token.
+        Benchmark clients (aiperf, guidellm) count tokens with such a directory."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(path / "tokenizer.json"))
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": self.add_bos,
+            "clean_up_tokenization_spaces": False,
+        }
+        for name, value in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
+                            ("pad_token", self.pad_token), ("unk_token", self.unk_token),
+                            ("chat_template", self.chat_template)):
+            if value is not None:
+                config[name] = value
+        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
+                                                     encoding="utf-8")
+        generation = {"eos_token_id": list(self.eos_ids)}
+        if self.bos_id is not None:
+            generation["bos_token_id"] = self.bos_id
+        (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
+
     # ------------------------------------------------------------------------------------------------------- api
     @property
     def backend(self) -> RustTokenizer:

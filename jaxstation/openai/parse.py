@@ -61,6 +61,7 @@ class RunRequest:
     logprobs: int | None  # None: off; k: the sampled token plus k alternatives
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # usage so far on every chunk (vLLM's continuous_usage_stats)
     echo_texts: list[str] | None = None  # per prompt, with echo: the prompt's text, put before the completion
 
 
@@ -92,8 +93,12 @@ def _common(req: SamplingFields, chat: bool, prompts: list[list[int]], logprobs:
             lengths.append(max_tokens)
     if (req.min_tokens or 0) > min(lengths):
         raise bad("min_tokens", f"min_tokens ({req.min_tokens}) exceeds max_tokens ({min(lengths)})")
-    if req.stream_options is not None and not req.stream:
+    options = req.stream_options
+    if options is not None and not req.stream:
         raise bad("stream_options", "stream_options is only allowed with stream=true")
+    if options is not None and options.continuous_usage_stats and not options.include_usage:
+        field = "stream_options.continuous_usage_stats"
+        raise bad(field, f"{field} needs include_usage=true")
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
     if any(not s for s in stops):
         raise bad("stop", "stop strings must not be empty")
@@ -106,7 +111,8 @@ def _common(req: SamplingFields, chat: bool, prompts: list[list[int]], logprobs:
     stop_ids |= frozenset() if req.ignore_eos else eos_ids
     return RunRequest(chat=chat, prompts=prompts, n=req.n or 1, max_tokens=lengths, sampling=sampling, seed=req.seed,
                       stops=tuple(stops), stop_ids=stop_ids, logprobs=logprobs, stream=bool(req.stream),
-                      include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                      include_usage=bool(options and options.include_usage),
+                      continuous_usage=bool(options and options.continuous_usage_stats),
                       echo_texts=echo_texts)
 
 

@@ -36,6 +36,8 @@ class Body(BaseModel):
 
 class StreamOptions(Body):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = Field(
+        None, description="vLLM's: with include_usage, every chunk carries the usage so far")
 
 
 class SamplingFields(Body, TokenControls):

@@ -160,7 +160,8 @@ def openai_endpoints(station: Station) -> list[Endpoint]:
                 choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
                 choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}
-            return _sse({**head, "choices": [choice], **usage_null})
+            usage = {"usage": run.usage()} if run.req.continuous_usage else usage_null
+            return _sse({**head, "choices": [choice], **usage})
 
         try:
             if chat:

@@ -107,6 +107,10 @@ class ReadyResponse(BaseModel):
     status: Literal["ready", "loading", "draining", "failed"]
 
 
+class ResetPrefixCacheResponse(BaseModel):
+    cleared: int = Field(description="cached prefixes dropped")
+
+
 class ErrorDetail(BaseModel):
     message: str
     field: str | None

@@ -35,6 +35,7 @@ from jaxstation.serving.protocol import (
     GenerateResponse,
     HealthResponse,
     ReadyResponse,
+    ResetPrefixCacheResponse,
     parse_generate,
 )
 from jaxstation.serving.station import Station
@@ -69,7 +70,7 @@ def _retrieve(fut: asyncio.Future) -> None:
 
 
 def station_endpoints(station: Station) -> list[Endpoint]:
-    """/generate, /health, /ready and /metrics on `station`."""
+    """/generate, /health, /ready, /reset_prefix_cache and /metrics on `station`."""
     metrics = station.metrics
 
     def rejected(err: ApiError) -> JSONResponse:
@@ -140,6 +141,12 @@ def station_endpoints(station: Station) -> list[Endpoint]:
         status = "draining" if station.draining else ("failed" if station.load_error else "loading")
         return JSONResponse({"status": status}, 503)
 
+    async def reset_prefix_cache(request: Request) -> Response:
+        scheduler = station.scheduler
+        if scheduler is None or not station.ready.is_set():
+            return ApiError(503, "not ready yet", headers={"Retry-After": str(RETRY_AFTER_S)}).response()
+        return JSONResponse({"cleared": scheduler.reset_prefix_cache()})
+
     async def metrics_route(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -150,6 +157,9 @@ def station_endpoints(station: Station) -> list[Endpoint]:
                  ErrorResponse, statuses=(), ok_statuses=(200, 503)),
         Endpoint("/ready", "GET", ready, "Whether the station can serve (503 while loading or draining)",
                  ReadyResponse, ErrorResponse, statuses=(), ok_statuses=(200, 503)),
+        Endpoint("/reset_prefix_cache", "POST", reset_prefix_cache, "vLLM's: forget the cached prefixes of free "
+                 "lanes, so the next requests prefill in full", ResetPrefixCacheResponse, ErrorResponse,
+                 statuses=(503,)),
         Endpoint("/metrics", "GET", metrics_route, "Prometheus metrics", None, ErrorResponse, statuses=(),
                  media_type=CONTENT_TYPE_LATEST),
     ]
