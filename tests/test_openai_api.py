@@ -6,6 +6,7 @@ a second station with an API key on the same loaded model. Token counts stay sma
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 
@@ -16,7 +17,7 @@ from server_util import ServerThread, metric, queue_held_full, raw_post, wait_fo
 
 from jaxstation.app import create_app
 from jaxstation.model.loader import LoadedModel
-from jaxstation.openai.parse import render_chat
+from jaxstation.openai.parse import parse_chat, render_chat
 from jaxstation.serving.settings import StationConfig
 from jaxstation.serving.station import Station
 
@@ -303,6 +304,67 @@ def test_ignore_eos_and_min_tokens(station) -> None:
     assert r.choices[0].text.startswith(" Paris") and r.usage.completion_tokens >= 5
 
 
+def test_vllm_text_and_prompt_extras(station) -> None:
+    """include_stop_str_in_output, skip_special_tokens, truncate_prompt_tokens, add_special_tokens,
+    add_generation_prompt and allowed_token_ids, sent as the official client sends vLLM's fields."""
+    st, _, http, client = station
+    tok = st.model.tokenizer
+    kw = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stop": ["."]}
+    assert client.completions.create(**kw).choices[0].text == " Paris"
+    kept = client.completions.create(**kw, extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == " Paris." and kept.choices[0].finish_reason == "stop"
+    pieces = [c.choices[0].text for c in client.completions.create(**kw, stream=True,
+                                                                   extra_body={"include_stop_str_in_output": True})
+              if c.choices]
+    assert "".join(pieces) == " Paris."
+
+    answer = dict(max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    shown = chat_text(client, CAPITAL, **answer).choices[0].message.content
+    raw = chat_text(client, CAPITAL, **{**answer, "extra_body": {"ignore_eos": True, "skip_special_tokens": False}})
+    raw_text = raw.choices[0].message.content
+    assert "<|im_end|>" in raw_text and "<|im_end|>" not in shown
+    assert raw_text.replace("<|im_end|>", "").replace("<|im_start|>", "") == shown
+
+    target = tok.encode("The capital of France is")
+    noise = tok.encode("Bananas are yellow and grow in bunches. ")
+    plain = client.completions.create(model=MODEL, prompt=target, max_tokens=6, temperature=0)
+    cut = client.completions.create(model=MODEL, prompt=noise + target, max_tokens=6, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": len(target)})
+    assert cut.usage.prompt_tokens == len(target) and cut.choices[0].text == plain.choices[0].text
+
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, extra_body={"add_special_tokens": False})
+    assert r.usage.prompt_tokens == len(tok.encode("Hello", add_special_tokens=False))
+    r = chat_text(client, CAPITAL, max_tokens=1, extra_body={"add_generation_prompt": False})
+    assert r.usage.prompt_tokens == len(render_chat(tok, CAPITAL, add_generation_prompt=False)) \
+        < len(render_chat(tok, CAPITAL))
+
+    allowed = [13, 30, 260, 1780]
+    gen = http.post("/generate", json={"tokens": target, "max_new_tokens": 6, "allowed_token_ids": allowed}).json()
+    assert set(gen["generated"]) <= set(allowed) and len(gen["generated"]) == 6
+    r = client.completions.create(model=MODEL, prompt=target, max_tokens=6, temperature=0,
+                                  extra_body={"allowed_token_ids": allowed})
+    assert r.choices[0].text == tok.decode(gen["generated"])
+
+
+def test_chat_template_kwargs_reach_the_template(default_model: LoadedModel) -> None:
+    tok = copy.copy(default_model.tokenizer)
+    tok.chat_template = "{{ greeting }}: {{ messages[0]['content'] }}{% if add_generation_prompt %}!{% endif %}"
+    run = parse_chat({"messages": CAPITAL, "chat_template_kwargs": {"greeting": "Hello"}}, tok, 49152, 512,
+                     frozenset({2}), True)
+    assert run.prompts == [tok.encode("Hello: What is the capital of France?!", add_special_tokens=False)]
+
+
+def test_a_refused_field_says_why(station) -> None:
+    _, _, http, _ = station
+    for field, value, why in (("tools", [{"type": "function"}], "tool calls are not served"),
+                              ("response_format", {"type": "json_object"}, "structured outputs"),
+                              ("use_beam_search", True, "beam search is not served")):
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CAPITAL, field: value})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and err["code"] == "unsupported_parameter" and why in err["message"], err
+
+
 # ---- concurrency and disconnects ---------------------------------------------------------------------------------
 def test_eight_concurrent_streams(station) -> None:
     _, _, _, client = station
@@ -404,6 +466,12 @@ def test_auth_on(default_model: LoadedModel) -> None:
     ("/v1/chat/completions", {"messages": CAPITAL, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CAPITAL, "temperature": 3}, "temperature"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [49152]}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "x", "include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "chat_template_kwargs": [1]}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "chat_template_kwargs": {"messages": []}}, "messages"),
 ])
 def test_unsupported_or_invalid_field_is_400(station, route: str, body: dict, param: str) -> None:
     _, _, http, _ = station

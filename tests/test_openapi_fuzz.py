@@ -55,7 +55,7 @@ def test_openapi_lists_every_route_with_its_schemas(live) -> None:
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
             assert "200" in op["responses"], (path, method)
-            if method == "post":
+            if method == "post" and path != "/reset_prefix_cache":  # the one POST without a body
                 assert op["requestBody"]["content"]["application/json"]["schema"], path
     chat = schemas["ChatCompletionRequest"]
     assert chat["additionalProperties"] is False and "messages" in chat["required"]

@@ -1,4 +1,5 @@
-"""Penalties, logit_bias and min_tokens on the default model, on the shared engine (4 lanes, chunk 32, block 128).
+"""Penalties, logit_bias, allowed_token_ids and min_tokens on the default model, on the shared engine (4 lanes,
+chunk 32, block 128).
 
 Reference: every token of a run (the first one, sampled at the end of prefill, then each decode wave's) is the
 argmax of a numpy reference computed from the model logits the engine returned for that step and the run's history
@@ -35,8 +36,13 @@ def ids(seed: int, n: int) -> list[int]:
 
 def reference_logits(logits: np.ndarray, prompt: list[int], generated: list[int], sp: SamplingParams,
                      held: frozenset[int]) -> np.ndarray:
-    """What the token is chosen from, in numpy float32: bias, min_tokens, repetition, frequency and presence."""
+    """What the token is chosen from, in numpy float32: allowed tokens, bias, min_tokens, repetition, frequency and
+    presence."""
     x = logits.astype(np.float32).copy()
+    if sp.allowed_token_ids:
+        masked = np.ones(len(x), bool)
+        masked[list(sp.allowed_token_ids)] = False
+        x[masked] = -np.inf
     for token, bias in sp.logit_bias:
         x[token] += np.float32(bias)
     if len(generated) < sp.min_tokens:
@@ -86,12 +92,17 @@ def plain(engine):
     SamplingParams(repetition_penalty=0.5),
     SamplingParams(logit_bias=((260, 9.0), (7042, -100.0), (30, -3.5))),
     SamplingParams(temperature=0.9, seed=11, repetition_penalty=1.3, presence_penalty=0.6, logit_bias=((260, 4.0),)),
-], ids=["presence", "frequency", "negative presence", "repetition", "repetition below 1", "logit_bias", "sampled"])
+    SamplingParams(allowed_token_ids=(13, 30, 260, 1780, 2988)),
+    SamplingParams(temperature=1.2, seed=5, allowed_token_ids=(13, 30, 260, 1780), logit_bias=((13, -2.0),)),
+], ids=["presence", "frequency", "negative presence", "repetition", "repetition below 1", "logit_bias", "sampled",
+        "allowed", "allowed sampled"])
 def test_each_control_equals_the_numpy_reference(engine, plain, sp):
     tokens, logits = run_wave(engine, {2: (TARGET, sp)}, STEPS)[2]
     check_run(TARGET, tokens, logits, sp)
     if sp.temperature == 0:
         assert tokens != plain  # the control changed what greedy picks
+    if sp.allowed_token_ids:
+        assert set(tokens) <= set(sp.allowed_token_ids)
 
 
 def test_min_tokens_holds_the_stop_ids_back(engine):
@@ -139,7 +150,8 @@ def test_a_prefix_cache_hit_marks_the_skipped_prompt(engine):
 
 # ---- invariance -------------------------------------------------------------------------------------------------
 CONTROLLED = SamplingParams(temperature=0.8, top_k=40, seed=1234, presence_penalty=0.8, frequency_penalty=0.4,
-                            repetition_penalty=1.2, logit_bias=((260, 3.0), (7042, -5.0)), min_tokens=4)
+                            repetition_penalty=1.2, logit_bias=((260, 3.0), (7042, -5.0)), min_tokens=4,
+                            allowed_token_ids=tuple(range(2, 9000)))
 HELD = frozenset({EOS})
 
 
@@ -188,7 +200,8 @@ def test_controls_after_a_prefix_cache_hit(engine):
 
 # ---- where they are refused -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("field, value", [("presence_penalty", 0.5), ("frequency_penalty", -1),
-                                          ("repetition_penalty", 1.1), ("logit_bias", {"5": 1}), ("min_tokens", 1)])
+                                          ("repetition_penalty", 1.1), ("logit_bias", {"5": 1}), ("min_tokens", 1),
+                                          ("allowed_token_ids", [5, 6])])
 def test_a_mesh_host_refuses_them_by_name(field, value):
     assert MeshEngine.token_controls is False and Engine.token_controls is True
     body = {"tokens": [1, 2], "max_new_tokens": 2, field: value}
@@ -197,5 +210,20 @@ def test_a_mesh_host_refuses_them_by_name(field, value):
     assert e.value.field == field and field in e.value.message
     neutral = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": {},
                "min_tokens": 0, "ignore_eos": True}
+    if field == "allowed_token_ids":  # no neutral value to send: absent is the neutral one
+        del body[field]
     job = parse_generate({**body, **neutral}, VOCAB, 512, frozenset({EOS}), lambda resume: True, on_device=False)
     assert not job.sampling.controls and job.stop_ids == frozenset()
+
+
+@pytest.mark.parametrize("extra", [{"allowed_token_ids": [5, VOCAB]}, {"allowed_token_ids": []},
+                                   {"allowed_token_ids": [EOS], "min_tokens": 1}],
+                         ids=["past the vocabulary", "empty", "only stop ids under min_tokens"])
+def test_bad_allowed_token_ids_are_refused_by_name(extra):
+    body = {"tokens": [1, 2], "max_new_tokens": 2, **extra}
+    with pytest.raises(ApiError) as e:
+        parse_generate(body, VOCAB, 512, frozenset({EOS}), lambda resume: True, on_device=True)
+    assert e.value.status == 422 and e.value.field == "allowed_token_ids"
+    job = parse_generate({**body, "allowed_token_ids": [EOS, 7]}, VOCAB, 512, frozenset({EOS}), lambda resume: True,
+                         on_device=True)
+    assert job.sampling.allowed_token_ids == (EOS, 7) and job.sampling.controls

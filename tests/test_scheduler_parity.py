@@ -2,8 +2,8 @@
 
 16 jobs go into a 4-lane Scheduler at once (lanes are reused). They mix prompt lengths from 1 to over 300 tokens
 (real text and random ids), max_new_tokens 1..24, greedy and seeded temperature sampling (some with top_k / top_p),
-penalties, logit biases and min_tokens (greedy and sampled), the model's EOS plus an explicit stop id found by a
-serial greedy run, and terminal_prosody. Each job's tokens and
+penalties, logit biases, allowed_token_ids and min_tokens (greedy and sampled), the model's EOS plus an explicit
+stop id found by a serial greedy run, and terminal_prosody. Each job's tokens and
 finish_reason must equal its run through a serialize-all (continuous=False) Scheduler on the same engine (flag on ==
 flag off), and greedy jobs must also equal `jaxstation.engine.engine.generate`, token for token.
 """
@@ -117,7 +117,8 @@ def gate(default_model):
         Spec(chat("What is 2+2? Answer in one sentence."), 24, greedy, eos),
         Spec(tuple(story[:330]), 8, greedy, eos),
         Spec(rand(33), 16, SamplingParams(temperature=0.8, seed=1, repetition_penalty=1.3,
-                                          logit_bias=((260, 4.0), (13, -20.0))), eos),
+                                          logit_bias=((260, 4.0), (13, -20.0)),
+                                          allowed_token_ids=tuple(range(0, 49152, 2))), eos),
         Spec(rand(64), 20, SamplingParams(temperature=1.0, top_k=40, seed=2), eos | {stop_id}),
         Spec(tuple(story[:120]), 12, SamplingParams(temperature=0.7, top_p=0.9, seed=3), eos, terminal=True),
         Spec(rand(305), 6, greedy, eos),
@@ -177,6 +178,8 @@ def test_finish_reasons_follow_the_stop_rules(gate):
     assert (ask.finish_reason, len(ask.generated)) == ("stop", gate["stop_at"])
     min_tokens = gate["on"][11]  # EOS biased to win: held back for exactly min_tokens tokens
     assert (min_tokens.finish_reason, len(min_tokens.generated)) == ("stop", 5)
+    allowed = gate["on"][4].generated  # allowed_token_ids: the even ids only
+    assert allowed and all(t % 2 == 0 for t in allowed)
     reasons = Counter(r.finish_reason for r in gate["on"])
     assert reasons["stop"] >= 1 and reasons["length"] >= 1 and reasons["terminal_prosody"] >= 1, reasons
 

@@ -38,8 +38,8 @@ class SamplingParams:
 
     The token controls (engine/penalties.py) are off at their defaults: presence_penalty and frequency_penalty
     (OpenAI's, over the generated tokens), repetition_penalty (vLLM's, over the prompt and the generated tokens),
-    logit_bias ((token id, bias) pairs, each id once) and min_tokens (the request's stop ids are held back until it
-    has generated that many).
+    logit_bias ((token id, bias) pairs, each id once), allowed_token_ids (vLLM's: when not empty, every other token is
+    masked) and min_tokens (the request's stop ids are held back until it has generated that many).
     """
 
     temperature: float = 0.0
@@ -51,6 +51,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -72,14 +73,16 @@ class SamplingParams:
             raise ValueError(f"logit_bias must hold at most {MAX_LOGIT_BIAS} distinct token ids >= 0")
         if not all(-100 <= b <= 100 for _, b in self.logit_bias):
             raise ValueError("logit_bias values must be in [-100, 100]")
+        if any(t < 0 for t in self.allowed_token_ids):
+            raise ValueError("allowed_token_ids must be token ids >= 0")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
 
     @property
     def penalized(self) -> bool:
-        """Whether a penalty or a logit bias is on (min_tokens aside)."""
+        """Whether a penalty, a logit bias or an allowed-token list is on (min_tokens aside)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.logit_bias)
+                    or self.logit_bias or self.allowed_token_ids)
 
     @property
     def controls(self) -> bool:
@@ -205,15 +208,16 @@ class Engine:
 
     def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int]) -> None:
         """A request takes `lane`: before its first prefill chunk (at 0 or on a reused prefix), write the lane's token
-        state from its whole prompt, its stop ids (held back by min_tokens) and its logit bias. A request without
-        token controls never reads that state: nothing runs."""
+        state from its whole prompt, its stop ids (held back by min_tokens), its logit bias and allowed tokens. A
+        request without token controls never reads that state: nothing runs."""
         if not sampling.controls:
             return
         vocab = self.cfg.vocab_size
-        bad = [t for t in (*prompt, *stop_ids, *(t for t, _ in sampling.logit_bias)) if not 0 <= t < vocab]
+        bad = [t for t in (*prompt, *stop_ids, *(t for t, _ in sampling.logit_bias), *sampling.allowed_token_ids)
+               if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        marks, bias = lane_rows(vocab, prompt, stop_ids, sampling.logit_bias)
+        marks, bias = lane_rows(vocab, prompt, stop_ids, sampling.logit_bias, sampling.allowed_token_ids)
         tokens = start_lane(self.arena.tokens, np.int32(lane), marks, bias)
         self.arena = dataclasses.replace(self.arena, tokens=tokens)
 

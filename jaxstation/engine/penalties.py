@@ -1,7 +1,8 @@
 """Penalties, logit biases and min_tokens on the device, from per-lane token state kept in the arena.
 
 The state (`TokenState`, three [lanes, vocab] arrays) describes the request a lane runs: how often it has generated
-each token, which tokens its prompt holds and which are its stop ids, and its logit bias. `start_lane` writes a lane's
+each token, which tokens its prompt holds and which are its stop ids, and its logit bias (-inf outside its allowed
+tokens, when it names them). `start_lane` writes a lane's
 rows when a request takes it (the whole prompt, whatever prefill skips on a prefix-cache hit); the compiled steps
 read the rows of their lanes and scatter-add each sampled token into its lane's counts.
 
@@ -17,7 +18,7 @@ controls pays a predicate, and a count update of one element per row.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from functools import partial
 
 import jax
@@ -54,14 +55,17 @@ class PenaltyArrays:
     min_tokens: jax.Array  # [rows] int32; 0 = off
 
 
-def lane_rows(vocab: int, prompt: Iterable[int], held: Iterable[int], logit_bias: Iterable[tuple[int, float]]
-              ) -> tuple[np.ndarray, np.ndarray]:
+def lane_rows(vocab: int, prompt: Iterable[int], held: Iterable[int], logit_bias: Iterable[tuple[int, float]],
+              allowed: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
     """A request's marks [vocab] int8 (its prompt tokens, and `held`: the stop ids min_tokens holds back) and its
-    bias row [vocab] float32, built on the host."""
+    bias row [vocab] float32, built on the host: -inf outside `allowed` when that is not empty, plus the logit bias."""
     marks = np.zeros(vocab, np.int8)
     marks[np.fromiter(prompt, np.int64)] |= PROMPT
     marks[np.fromiter(held, np.int64)] |= HELD
     bias = np.zeros(vocab, np.float32)
+    if len(allowed):
+        bias[:] = -np.inf
+        bias[np.asarray(allowed, np.int64)] = 0.0
     for token, value in logit_bias:
         bias[token] = value
     return marks, bias

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 from jaxstation.engine.engine import SamplingParams
 from jaxstation.model.tokenizer import Tokenizer
 from jaxstation.openai.protocol import (
+    REFUSED_FIELDS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -21,7 +22,7 @@ from jaxstation.openai.protocol import (
     TokenizeCompletionRequest,
 )
 from jaxstation.serving.errors import OpenAIError, describe
-from jaxstation.serving.protocol import token_controls
+from jaxstation.serving.protocol import check_allowed, token_controls
 
 M = TypeVar("M", bound=BaseModel)
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -43,6 +44,8 @@ def validate(model: type[M], body: Any) -> M:
         return model.model_validate(body)
     except ValidationError as e:
         field, message, kind = describe(e)
+        if kind == "unknown" and field in REFUSED_FIELDS:
+            message = f"{message}: {REFUSED_FIELDS[field]}"
         raise (unsupported(field, message) if kind == "unknown" else bad(field, message)) from None
 
 
@@ -62,6 +65,8 @@ class RunRequest:
     stream: bool
     include_usage: bool
     continuous_usage: bool  # usage so far on every chunk (vLLM's continuous_usage_stats)
+    include_stop: bool = False  # the stop string that ended a choice stays in its text
+    skip_special: bool = True  # special tokens are left out of the text
     echo_texts: list[str] | None = None  # per prompt, with echo: the prompt's text, put before the completion
 
 
@@ -109,10 +114,13 @@ def _common(req: SamplingFields, chat: bool, prompts: list[list[int]], logprobs:
                               top_p=float(1.0 if req.top_p is None else req.top_p),
                               min_p=float(req.min_p or 0.0), **controls)
     stop_ids |= frozenset() if req.ignore_eos else eos_ids
+    check_allowed(sampling, stop_ids, bad)
     return RunRequest(chat=chat, prompts=prompts, n=req.n or 1, max_tokens=lengths, sampling=sampling, seed=req.seed,
                       stops=tuple(stops), stop_ids=stop_ids, logprobs=logprobs, stream=bool(req.stream),
                       include_usage=bool(options and options.include_usage),
                       continuous_usage=bool(options and options.continuous_usage_stats),
+                      include_stop=bool(req.include_stop_str_in_output),
+                      skip_special=req.skip_special_tokens is not False,
                       echo_texts=echo_texts)
 
 
@@ -123,10 +131,11 @@ def parse_completion(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: 
         raise unsupported("best_of", f"best_of={req.best_of!r} is not supported (only 1 or n is accepted)")
     texts: list[str] | None = None
     prompt = req.prompt
+    special = req.add_special_tokens is not False
     if isinstance(prompt, str):
-        texts, prompts = [prompt], [tok.encode(prompt)]
+        texts, prompts = [prompt], [tok.encode(prompt, add_special_tokens=special)]
     elif isinstance(prompt[0], str):
-        texts, prompts = list(prompt), [tok.encode(p) for p in prompt]
+        texts, prompts = list(prompt), [tok.encode(p, add_special_tokens=special) for p in prompt]
     elif isinstance(prompt[0], int):
         prompts = [check_token_ids(prompt, vocab, "prompt")]
     else:
@@ -135,8 +144,10 @@ def parse_completion(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: 
         raise unsupported("echo", "echo=true is not supported with stream=true")
     if req.max_tokens == 0 and not req.echo:
         raise bad("max_tokens", "max_tokens must be >= 1 (0 is allowed only with echo=true, to score the prompt)")
+    if req.truncate_prompt_tokens is not None:
+        prompts, texts = [p[-req.truncate_prompt_tokens:] for p in prompts], None
     echo_texts = None
-    if req.echo:  # the prompt as sent; token ids are decoded
+    if req.echo:  # the prompt as sent (or as truncated); token ids are decoded
         echo_texts = texts if texts is not None else [tok.decode(p) for p in prompts]
     return _common(req, False, prompts, req.logprobs, req.max_tokens, max_request_tokens, vocab, eos_ids, on_device,
                    echo_texts)
@@ -154,19 +165,25 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-def render_chat(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """The chat template's text for `messages`, tokenized (the template writes its own special tokens)."""
+def render_chat(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                add_special_tokens: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """The chat template's text for `messages`, tokenized (the template writes its own special tokens, so the
+    tokenizer adds none unless asked)."""
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    except Exception as e:  # the template's raise_exception, or no template at all
+        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                       **(template_kwargs or {}))
+    except Exception as e:  # the template's raise_exception, a clashing variable, or no template at all
         raise bad("messages", f"the chat template failed: {e}") from None
-    return tok.encode(text, add_special_tokens=False)
+    return tok.encode(text, add_special_tokens=add_special_tokens)
 
 
 def parse_chat(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: int, eos_ids: frozenset[int],
                on_device: bool) -> RunRequest:
     req = validate(ChatCompletionRequest, body)
-    prompt = render_chat(tok, chat_messages(req.messages))
+    prompt = render_chat(tok, chat_messages(req.messages), req.add_generation_prompt is not False,
+                         bool(req.add_special_tokens), req.chat_template_kwargs)
+    if req.truncate_prompt_tokens is not None:
+        prompt = prompt[-req.truncate_prompt_tokens:]
     if req.top_logprobs is not None and not req.logprobs:
         raise bad("top_logprobs", "top_logprobs needs logprobs=true")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -18,6 +18,34 @@ from jaxstation.serving.protocol import TokenControls
 
 MAX_N = 8
 MAX_STOPS = 16
+
+_TOOLS = "tool calls are not served yet"
+_STRUCTURED = "structured outputs (JSON schemas, regexes, grammars) are not served yet"
+# Fields of OpenAI's and vLLM's APIs that the station refuses, and why: the 400 says so. Any other unknown field is
+# refused too, by name.
+REFUSED_FIELDS = {
+    "tools": _TOOLS, "tool_choice": _TOOLS, "parallel_tool_calls": _TOOLS, "functions": _TOOLS,
+    "function_call": _TOOLS,
+    "response_format": _STRUCTURED, "structured_outputs": _STRUCTURED, "guided_json": _STRUCTURED,
+    "guided_regex": _STRUCTURED, "guided_choice": _STRUCTURED, "guided_grammar": _STRUCTURED,
+    "guided_decoding_backend": _STRUCTURED, "guided_whitespace_pattern": _STRUCTURED,
+    "suffix": "fill-in-the-middle is not served",
+    "use_beam_search": "beam search is not served: each choice samples on its own lane",
+    "length_penalty": "it applies to beam search, which is not served",
+    "bad_words": "not served; logit_bias and allowed_token_ids mask single tokens",
+    "logits_processors": "a request cannot run code in the station",
+    "priority": "the scheduler admits requests first come, first served",
+    "prompt_logprobs": "send echo=true with logprobs to /v1/completions for the prompt's logprobs",
+    "return_tokens_as_token_ids": "not served; POST /generate returns token ids",
+    "cache_salt": "prefix reuse is exact and shared by every request of a station",
+    "kv_transfer_params": "disaggregated prefill is not served",
+    "continue_final_message": "not served; send the partial reply as a completion prompt",
+    "chat_template": "a request cannot replace the model's chat template",
+    "documents": "the chat template is rendered without documents",
+    "mm_processor_kwargs": "the station serves text-only models", "modalities": "the station serves text only",
+    "audio": "the station serves text only",
+    "prediction": "predicted outputs are not served",
+}
 TokenId = Annotated[int, Field(ge=0)]
 
 
@@ -58,6 +86,14 @@ class SamplingFields(Body, TokenControls):
     top_k: int | None = Field(None, ge=-1, description="vLLM's: 0 or -1 is off")
     min_p: float | None = Field(None, ge=0, le=1, description="vLLM's")
     stop_token_ids: list[TokenId] | None = Field(None, description="vLLM's: more ids that end a choice, beside EOS")
+    include_stop_str_in_output: bool | None = Field(None, description="vLLM's: keep the stop string that ended a "
+                                                    "choice in its text")
+    skip_special_tokens: bool | None = Field(None, description="vLLM's: leave special tokens out of the text "
+                                             "(default true)")
+    spaces_between_special_tokens: bool | None = Field(None, description="vLLM's; accepted and ignored: decoding "
+                                                       "joins token bytes, as a fast tokenizer does")
+    truncate_prompt_tokens: int | None = Field(None, ge=1, description="vLLM's: keep only the prompt's last this "
+                                               "many tokens")
 
 
 class CompletionRequest(SamplingFields):
@@ -68,6 +104,8 @@ class CompletionRequest(SamplingFields):
                                  description="the sampled token's logprob plus this many alternatives")
     echo: bool | None = Field(None, description="put the prompt before the completion (not with stream)")
     best_of: int | None = Field(None, ge=1, description="only 1 or n is accepted")
+    add_special_tokens: bool | None = Field(None, description="vLLM's: let the tokenizer add its special tokens "
+                                            "(BOS) to a text prompt (default true)")
 
 
 class TextPart(Body):
@@ -87,6 +125,12 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS, description="needs logprobs=true")
+    add_generation_prompt: bool | None = Field(None, description="vLLM's: end the rendered prompt with the "
+                                               "assistant's turn (default true)")
+    add_special_tokens: bool | None = Field(None, description="vLLM's: let the tokenizer add its special tokens to "
+                                            "the rendered prompt (default false: the template writes them)")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM's: more variables for the chat "
+                                                        "template (for example enable_thinking)")
 
 
 class TokenizeCompletionRequest(Body):

@@ -88,7 +88,8 @@ class Run:
                           sampling=dataclasses.replace(req.sampling, seed=seed), stop_ids=req.stop_ids,
                           prompt_logprobs=req.echo_texts is not None and req.logprobs is not None,
                           reuse_prefix=self.station.config.reuse_prefix(False), on_token=self._on_token(index))
-                self.choices.append(Choice(index, p, job, IncrementalDetokenizer(self.tok)))
+                detok = IncrementalDetokenizer(self.tok, skip_special_tokens=req.skip_special)
+                self.choices.append(Choice(index, p, job, detok))
         try:
             for choice in self.choices:
                 future = self.scheduler.submit(choice.job)
@@ -122,16 +123,19 @@ class Run:
                 self.scheduler.cancel(c.job)
 
     def _advance(self, c: Choice, piece: str, final: bool) -> str:
-        """Fold new text into the choice; return what may be shown now (stop strings trimmed, their starts held).
+        """Fold new text into the choice; return what may be shown now (stop strings trimmed unless the request keeps
+        them, their starts held).
         Before the choice has min_tokens tokens a stop string does not end it (vLLM's rule)."""
         pending = c.held + piece
         if final:
             pending += c.detok.flush()
         stops = self.req.stops
         armed = c.tokens >= self.req.sampling.min_tokens
-        cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1) if armed else -1
-        if cut >= 0:
-            out, c.held, c.finish = pending[:cut], "", "stop"
+        found = [(i, -len(s)) for s in stops if (i := pending.find(s)) >= 0] if armed else []
+        if found:
+            cut, longest = min(found)  # the earliest stop string; of those starting there, the longest
+            end = cut - longest if self.req.include_stop else cut
+            out, c.held, c.finish = pending[:end], "", "stop"
             self.scheduler.finish_early(c.job)  # the station retires it as "stop" within one wave
         elif final:
             out, c.held = pending, ""

@@ -25,7 +25,7 @@ TokenId = Annotated[int, Field(ge=0)]
 BiasKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$")]  # a token id, in decimal
 Bias = Annotated[float, Field(ge=-100, le=100)]
 NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {},
-           "min_tokens": 0}  # the device controls' values that ask for nothing
+           "allowed_token_ids": [], "min_tokens": 0}  # the device controls' values that ask for nothing
 
 
 class TokenControls(BaseModel):
@@ -40,6 +40,8 @@ class TokenControls(BaseModel):
                                              "negative one multiplied; 1 is off")
     logit_bias: dict[BiasKey, Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS, description="token id -> a bias "
                                                    "added to its logit before sampling")
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, description="vLLM's: only these tokens may "
+                                                    "be generated")
     min_tokens: int | None = Field(None, ge=0, description="vLLM's: EOS and stop ids are masked until this many "
                                    "tokens are generated; at most the request's max tokens")
     ignore_eos: bool | None = Field(None, description="vLLM's: the model's EOS ids do not end the request")
@@ -60,10 +62,22 @@ def token_controls(req: TokenControls, vocab: int, on_device: bool, invalid: Cal
         if int(key) >= vocab:
             raise invalid("logit_bias", f"logit_bias holds token id {key}, outside the vocabulary [0, {vocab})")
         bias.append((int(key), float(value)))
+    allowed = sorted(set(req.allowed_token_ids or ()))
+    if allowed and allowed[-1] >= vocab:
+        raise invalid("allowed_token_ids", f"allowed_token_ids holds token id {allowed[-1]}, outside the vocabulary "
+                                           f"[0, {vocab})")
     return {"presence_penalty": float(req.presence_penalty or 0.0),
             "frequency_penalty": float(req.frequency_penalty or 0.0),
             "repetition_penalty": float(1.0 if req.repetition_penalty is None else req.repetition_penalty),
-            "logit_bias": tuple(sorted(bias)), "min_tokens": req.min_tokens or 0}
+            "logit_bias": tuple(sorted(bias)), "allowed_token_ids": tuple(allowed), "min_tokens": req.min_tokens or 0}
+
+
+def check_allowed(sampling: SamplingParams, stop_ids: frozenset[int], invalid: Callable[[str, str], Exception]
+                  ) -> None:
+    """Refuse allowed_token_ids that min_tokens would leave empty: all of them stop ids, held back at the start."""
+    if sampling.allowed_token_ids and sampling.min_tokens > 0 and set(sampling.allowed_token_ids) <= stop_ids:
+        raise invalid("allowed_token_ids", "allowed_token_ids holds only stop or EOS ids, which min_tokens masks: "
+                                           "no token could be generated")
 
 
 class Strict(BaseModel):
@@ -154,5 +168,6 @@ def parse_generate(body: Any, vocab: int, max_request_tokens: int, eos_ids: froz
     sampling = SamplingParams(temperature=float(req.temperature or 0.0), top_k=req.top_k or 0,
                               top_p=float(1.0 if req.top_p is None else req.top_p), seed=seed, **controls)
     stops = (frozenset() if req.ignore_eos else eos_ids) | frozenset(req.stop_token_ids or ())
+    check_allowed(sampling, stops, refuse)
     return Job(tokens=req.tokens, max_new_tokens=req.max_new_tokens, sampling=sampling, stop_ids=stops,
                terminal_prosody=req.terminal_prosody, reuse_prefix=reuse_prefix(req.resume))
