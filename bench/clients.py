@@ -40,7 +40,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from bench.common import RESULTS, fingerprint, write_result
+from bench.common import RESULTS, fingerprint, read_bandwidth, write_result
 from bench.peers import find_llama_server
 from bench.workload import free_port, server_process, station_cmd
 
@@ -170,6 +170,8 @@ def main() -> None:
     if not clients:
         ap.error("no benchmark client found: pip install -e '.[clients]' (aiperf), or pass --aiperf PATH")
     lanes = max(args.concurrency)
+    bandwidth = read_bandwidth()  # this machine, in this run: CPUs and their memory bandwidth vary
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
     ctx = 128 * -(-(args.isl + args.osl + 64) // 128)  # room for a client's prompt a few tokens over --isl
     gguf = default_model_path()
     work = Path(tempfile.mkdtemp(prefix="jaxstation-clients-"))
@@ -231,7 +233,8 @@ def main() -> None:
     path = write_result("clients", {
         "workload": {"prompt_tokens": args.isl, "output_tokens": args.osl, "concurrency": args.concurrency,
                      "streaming": True, "endpoint": "/v1/completions", "ignore_eos": True},
-        "station_dtypes": args.dtype, "lanes_or_slots": lanes, "threads": args.threads, "commands": commands,
+        "read_bandwidth": bandwidth, "station_dtypes": args.dtype,
+        "lanes_or_slots": lanes, "threads": args.threads, "commands": commands,
         "client_versions": {c: _version(binaries[c]) for c in clients}, "raw_dir": str(raw_dir),
         "rows": rows, "table": table(rows)})
     print(f"wrote {path}")
