@@ -223,7 +223,8 @@ def main() -> None:
                                      "note": f"failed: {str(e).splitlines()[0][:120]}"})
                         print(f"{system} {client} c={k}: {e}", flush=True)
                         continue
-                    (raw_dir / f"{client}-{system.replace(' ', '-')}-c{k}.json").write_text(json.dumps(raw, separators=(",", ":")))
+                    own = raw_dir / f"{client}-{system.replace(' ', '-')}-c{k}.json"
+                    own.write_text(json.dumps(raw, separators=(",", ":")))
                     rows.append({"system": system, "client": client, "concurrency": k, **metrics})
                     print(f"{system:18s} {client:8s} c={k:<3d} {metrics['output_tok_s']:7.1f} tok/s  TTFT p50 "
                           f"{metrics['ttft_ms']['p50']:.0f} ms  ITL p50 {metrics['itl_ms']['p50']:.1f} ms  "
