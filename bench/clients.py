@@ -42,7 +42,7 @@ from pathlib import Path
 
 from bench.common import RESULTS, fingerprint, read_bandwidth, write_result
 from bench.peers import find_llama_server
-from bench.workload import free_port, server_process, station_cmd
+from bench.workload import first_executable, free_port, server_process, station_cmd
 
 CLIENTS = ("aiperf", "guidellm")
 SYSTEMS = ("jaxstation", "llama-server")
@@ -55,10 +55,7 @@ def client_env() -> dict[str, str]:
 
 
 def find_client(name: str, given: str | None) -> str | None:
-    for cand in (given, shutil.which(name)):
-        if cand and Path(cand).is_file() and os.access(cand, os.X_OK):
-            return cand
-    return None
+    return first_executable(given, shutil.which(name))
 
 
 def run_aiperf(binary: str, url: str, tokenizer: Path, concurrency: int, requests: int, isl: int, osl: int,

@@ -37,6 +37,7 @@ from pathlib import Path
 from bench.common import write_result
 from bench.workload import (
     concurrent_run,
+    first_executable,
     free_port,
     llama_cpp_python_completion,
     llama_server_completion,
@@ -172,10 +173,7 @@ class Transformers(System):
 
 
 def find_llama_server(arg: str | None) -> str | None:
-    for cand in (arg, str(CACHE / "llama-server"), shutil.which("llama-server")):
-        if cand and Path(cand).is_file() and os.access(cand, os.X_OK):
-            return cand
-    return None
+    return first_executable(arg, str(CACHE / "llama-server"), shutil.which("llama-server"))
 
 
 def latency_run(system: System, prompts, arrivals, new: int) -> dict:

@@ -110,6 +110,14 @@ class StepTimer:
         return statistics.fmean(self.busy) if self.busy else None
 
 
+def first_executable(*candidates: str | None) -> str | None:
+    """The first candidate path that is an executable file, or None."""
+    for cand in candidates:
+        if cand and Path(cand).is_file() and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

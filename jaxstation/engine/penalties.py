@@ -63,7 +63,7 @@ def lane_rows(vocab: int, prompt: Iterable[int], held: Iterable[int], logit_bias
     marks[np.fromiter(prompt, np.int64)] |= PROMPT
     marks[np.fromiter(held, np.int64)] |= HELD
     bias = np.zeros(vocab, np.float32)
-    if len(allowed):
+    if allowed:
         bias[:] = -np.inf
         bias[np.asarray(allowed, np.int64)] = 0.0
     for token, value in logit_bias:
