@@ -35,8 +35,11 @@ def measure(engine: Engine, live: int, reps: int) -> dict:
     pos, tok = np.full(lanes, live - 1, np.int32), np.ones(lanes, np.int32)
     n_blocks = np.int32((live - 1) // engine.block + 1)
     plain = [(SamplingParams(), 1)] * lanes
-    args = {"none": (_sampling_arrays(plain), None), "idle": (_sampling_arrays(plain), _penalty_arrays(plain)),
-            "active": (_sampling_arrays([(CONTROLLED, 1)] * lanes), _penalty_arrays([(CONTROLLED, 1)] * lanes))}
+    unmasked = [None] * lanes
+    args = {"none": (_sampling_arrays(plain), None),
+            "idle": (_sampling_arrays(plain), _penalty_arrays(plain, cfg.vocab_size, unmasked)),
+            "active": (_sampling_arrays([(CONTROLLED, 1)] * lanes),
+                       _penalty_arrays([(CONTROLLED, 1)] * lanes, cfg.vocab_size, unmasked))}
     args = {k: jax.device_put((pos, tok, n_blocks, s, p)) for k, (s, p) in args.items()}
 
     def step(mode: str) -> None:

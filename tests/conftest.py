@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxstation.engine.constraints import Grammars
 from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams
 from jaxstation.model.loader import LoadedModel, load_hf_dir, load_model
 from jaxstation.serving.coldstart import enable_compile_cache
@@ -74,6 +75,13 @@ def default_model() -> LoadedModel:
 @pytest.fixture(scope="session")
 def engine(default_model: LoadedModel) -> Engine:
     return Engine(default_model, **ENGINE_SHAPE, attention=StationConfig().attention_for(default_model.cfg))
+
+
+@pytest.fixture(scope="session")
+def grammars(default_model: LoadedModel) -> Grammars:
+    """Constraint compiling for the default model's tokenizer, as its station builds it."""
+    tok = default_model.tokenizer
+    return Grammars(tok.backend.to_str(), default_model.cfg.vocab_size, tok.eos_ids)
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jaxstation.engine.arena import allocate_arena
+from jaxstation.engine.constraints import mask_words
 from jaxstation.engine.penalties import MAX_LOGIT_BIAS, PenaltyArrays, lane_rows, start_lane
 from jaxstation.engine.prefix_cache import LaneVersions
 from jaxstation.engine.sampling import SampleOut, SamplingArrays
@@ -107,6 +108,7 @@ class DecodeRow:
     position: int
     sampling: SamplingParams
     counter: int  # tokens this request has generated so far (folds into its sampling key)
+    mask: np.ndarray | None = None  # [words] int32: the tokens a constrained request may take (engine/constraints.py)
 
 
 def _sampling_arrays(rows: Sequence[tuple[SamplingParams, int] | None]) -> SamplingArrays:
@@ -122,16 +124,24 @@ def _sampling_arrays(rows: Sequence[tuple[SamplingParams, int] | None]) -> Sampl
     )
 
 
-def _penalty_arrays(rows: Sequence[tuple[SamplingParams, int] | None]) -> PenaltyArrays:
-    """Per row: whether its controls act at this counter (min_tokens only while it holds), and their values."""
+def _penalty_arrays(rows: Sequence[tuple[SamplingParams, int] | None], vocab: int,
+                    masks: Sequence[np.ndarray | None]) -> PenaltyArrays:
+    """Per row: whether its controls act at this counter (min_tokens only while it holds), their values, and its
+    constraint mask, if it has one."""
     idle = (SamplingParams(), 0)
     filled = [r or idle for r in rows]
+    mask = np.zeros((len(rows), mask_words(vocab)), np.int32)
+    for i, m in enumerate(masks):
+        if m is not None:
+            mask[i] = m
     return PenaltyArrays(
         active=np.array([p.penalized or c < p.min_tokens for p, c in filled], bool),
         presence=np.array([p.presence_penalty for p, _ in filled], np.float32),
         frequency=np.array([p.frequency_penalty for p, _ in filled], np.float32),
         repetition=np.array([p.repetition_penalty for p, _ in filled], np.float32),
         min_tokens=np.array([p.min_tokens for p, _ in filled], np.int32),
+        constrained=np.array([m is not None for m in masks], bool),
+        mask=mask,
     )
 
 
@@ -222,23 +232,24 @@ class Engine:
         self.arena = dataclasses.replace(self.arena, tokens=tokens)
 
     def prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
-                return_logits: bool = False) -> tuple[Sample | None, jax.Array | None]:
-        """Feed prompt[start:start + chunk] into `lane`. When that reaches the prompt's end, sample its first token.
+                return_logits: bool = False, mask: np.ndarray | None = None) -> tuple[Sample | None, jax.Array | None]:
+        """Feed prompt[start:start + chunk] into `lane`. When that reaches the prompt's end, sample its first token
+        (from the tokens `mask` [words] allows, when given).
 
         `start` must be a multiple of the chunk; chunks of one prompt go in order, after `begin`.
         """
-        sample, logits, _ = self._prefill(lane, prompt, start, sampling, return_logits, scored=False)
+        sample, logits, _ = self._prefill(lane, prompt, start, sampling, return_logits, False, mask)
         return sample, logits
 
-    def prefill_scored(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams
-                       ) -> tuple[Sample | None, list[Sample]]:
+    def prefill_scored(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
+                       mask: np.ndarray | None = None) -> tuple[Sample | None, list[Sample]]:
         """`prefill`, and for every prompt position p in (start, start + chunk] the model's log-probability of
         prompt[p] given prompt[:p], with its top alternatives (one Sample each, in order; token is prompt[p])."""
-        sample, _, scored = self._prefill(lane, prompt, start, sampling, False, scored=True)
+        sample, _, scored = self._prefill(lane, prompt, start, sampling, False, True, mask)
         return sample, scored
 
     def _prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams, return_logits: bool,
-                 scored: bool) -> tuple[Sample | None, jax.Array | None, list[Sample]]:
+                 scored: bool, mask: np.ndarray | None) -> tuple[Sample | None, jax.Array | None, list[Sample]]:
         if start % self.chunk:
             raise ValueError(f"prefill start {start} is not a multiple of the chunk {self.chunk}")
         piece = list(prompt[start:start + self.chunk])
@@ -253,7 +264,8 @@ class Engine:
         self.lane_versions.touch([lane])
         self.arena, out, logits, rows = prefill_chunk(
             self.cfg, self.params, self.arena, np.int32(lane), np.int32(start), tokens, np.int32(len(piece)),
-            _sampling_arrays([(sampling, 0)]), targets, _penalty_arrays([(sampling, 0)]), block=self.block, last=last,
+            _sampling_arrays([(sampling, 0)]), targets, _penalty_arrays([(sampling, 0)], self.cfg.vocab_size, [mask]),
+            block=self.block, last=last,
             return_logits=return_logits, prompt_logprobs=scored)
         return (_samples(out)[0] if last else None), logits, (_samples(rows)[:len(following)] if scored else [])
 
@@ -285,7 +297,8 @@ class Engine:
         self.lane_versions.touch(live)  # idle rows write only the scratch slot
         self.arena, out, logits = decode_step_batch(
             self.cfg, self.params, self.arena, positions, tokens, n_blocks, _sampling_arrays(per_row),
-            None if full else np.array(order, np.int32), _penalty_arrays(per_row), block=self.block,
+            None if full else np.array(order, np.int32),
+            _penalty_arrays(per_row, self.cfg.vocab_size, [r.mask if r else None for r in wave]), block=self.block,
             attention=self.attention, return_logits=return_logits)
         samples: list[Sample | None] = [None] * self.lanes
         for lane, sample, r in zip(order, _samples(out), wave, strict=True):

@@ -1,4 +1,5 @@
-"""Penalties, logit biases and min_tokens on the device, from per-lane token state kept in the arena.
+"""Penalties, logit biases, min_tokens and constraint masks on the device, from per-lane token state kept in the
+arena and per-row inputs.
 
 The state (`TokenState`, three [lanes, vocab] arrays) describes the request a lane runs: how often it has generated
 each token, which tokens its prompt holds and which are its stop ids, and its logit bias (-inf outside its allowed
@@ -9,7 +10,8 @@ read the rows of their lanes and scatter-add each sampled token into its lane's 
 What a request asks for travels per row (`PenaltyArrays`). The logits a token is chosen from are, in this order:
 the model's logits + logit_bias; its stop ids at -inf while it has generated fewer than min_tokens; a logit of a
 token in the prompt or already generated divided by repetition_penalty if positive, else multiplied by it; minus
-frequency_penalty * count + presence_penalty * (count > 0). Every operation is elementwise on a row and its own
+frequency_penalty * count + presence_penalty * (count > 0); last, a constrained row's tokens outside its mask
+(engine/constraints.py) at -inf, a mask that needs no lane state. Every operation is elementwise on a row and its own
 lane's state, so a row's bits never depend on the wave. The whole pass runs under `lax.cond` on whether any row of
 the wave asks for it, and a row that asks for nothing keeps its logits' bits (a per-row select), so a wave without
 controls pays a predicate, and a count update of one element per row.
@@ -45,7 +47,8 @@ def allocate_token_state(lanes: int, vocab: int) -> TokenState:
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=["active", "presence", "frequency", "repetition", "min_tokens"], meta_fields=[])
+         data_fields=["active", "presence", "frequency", "repetition", "min_tokens", "constrained", "mask"],
+         meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class PenaltyArrays:
     active: jax.Array  # [rows] bool: the row's lane state is its request's and the request asks for a control now
@@ -53,6 +56,8 @@ class PenaltyArrays:
     frequency: jax.Array  # [rows] float32; 0 = off
     repetition: jax.Array  # [rows] float32; 1 = off
     min_tokens: jax.Array  # [rows] int32; 0 = off
+    constrained: jax.Array  # [rows] bool: the row's tokens are limited to its mask
+    mask: jax.Array  # [rows, words] int32: token t allowed iff bit t % 32 of word t // 32 (engine/constraints.py)
 
 
 def lane_rows(vocab: int, prompt: Iterable[int], held: Iterable[int], logit_bias: Iterable[tuple[int, float]],
@@ -78,6 +83,12 @@ def start_lane(state: TokenState, lane: jax.Array, marks: jax.Array, bias: jax.A
                       bias=state.bias.at[lane].set(bias))
 
 
+def unpack_mask(mask: jax.Array, vocab: int) -> jax.Array:
+    """A bitmask [rows, words] int32 as [rows, vocab] bool (a shift and an and per token)."""
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [rows, words, 32]
+    return bits.reshape(mask.shape[0], -1)[:, :vocab] != 0
+
+
 def penalize(logits: jax.Array, state: TokenState, lanes: jax.Array, p: PenaltyArrays, counter: jax.Array
              ) -> jax.Array:
     """The logits each row's token is chosen from (see the module docstring). logits: [rows, vocab]; lanes: [rows]
@@ -94,9 +105,10 @@ def penalize(logits: jax.Array, state: TokenState, lanes: jax.Array, p: PenaltyA
         x = jnp.where(x > 0, x / rep, x * rep)
         x = x - (p.frequency[:, None] * counts.astype(jnp.float32)
                  + p.presence[:, None] * (counts > 0).astype(jnp.float32))
-        return jnp.where(p.active[:, None], x, logits)
+        x = jnp.where(p.active[:, None], x, logits)
+        return jnp.where(p.constrained[:, None] & ~unpack_mask(p.mask, x.shape[1]), -jnp.inf, x)
 
-    return jax.lax.cond(jnp.any(p.active), apply, lambda x: x, logits)
+    return jax.lax.cond(jnp.any(p.active | p.constrained), apply, lambda x: x, logits)
 
 
 def sample_penalized(logits: jax.Array, s: SamplingArrays, state: TokenState, lanes: jax.Array, p: PenaltyArrays

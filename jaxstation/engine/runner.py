@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 from jaxstation.engine.engine import DecodeRow, Sample, SamplingParams
 from jaxstation.engine.prefix_cache import LaneVersions
 
@@ -21,17 +23,18 @@ class Runner(Protocol):
     scratch_pos: int  # the arena slot idle lanes write to; no request ever uses it
     arena: Any  # device state a caller may wait on (None when the KV lives elsewhere, e.g. on mesh stations)
     lane_versions: LaneVersions  # a new stamp per lane whenever its KV may change: what the prefix cache trusts
-    token_controls: bool  # whether it applies SamplingParams' penalties, logit_bias and min_tokens
+    token_controls: bool  # whether it applies SamplingParams' penalties, logit_bias, min_tokens and constraint masks
 
     def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int]) -> None:
         """A request takes `lane` (called before its first prefill chunk): set the lane's per-request token state."""
 
     def prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
-                return_logits: bool = False) -> tuple[Sample | None, Any]:
-        """Feed prompt[start:start + chunk] into `lane`; at the prompt's end, sample its first token."""
+                return_logits: bool = False, mask: np.ndarray | None = None) -> tuple[Sample | None, Any]:
+        """Feed prompt[start:start + chunk] into `lane`; at the prompt's end, sample its first token (from those
+        `mask` allows, when given)."""
 
-    def prefill_scored(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams
-                       ) -> tuple[Sample | None, list[Sample]]:
+    def prefill_scored(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
+                       mask: np.ndarray | None = None) -> tuple[Sample | None, list[Sample]]:
         """`prefill`, plus the log-probability of each prompt token in the chunk given the tokens before it."""
 
     def decode(self, rows: Sequence[DecodeRow | None], return_logits: bool = False

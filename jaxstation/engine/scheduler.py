@@ -9,6 +9,9 @@ stop id, `terminal_prosody`, `max_new_tokens`, `finish_early` (a host matched a 
 Future is answered and the lane is free for the next fill. Before a job's first prefill chunk the engine `begin`s
 its lane (the token state its penalties, logit bias and min_tokens read). A job generates at least
 `sampling.min_tokens` tokens before a stop id (held back on the device) or `terminal_prosody` ends it.
+A constrained job (engine/constraints.py) brings its mask to every step that samples for it, computed here before
+the step, and its grammar takes each token after; a complete grammar retires it ("stop"), and a grammar that leaves
+no token fails it with ConstraintFailed.
 With no live lane and nothing pending the thread waits on the condition variable: no polling.
 
 Backpressure. The queue holds at most `max_queue` jobs; `submit` past that raises QueueFull (the server answers 503
@@ -42,6 +45,9 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 
+import numpy as np
+
+from jaxstation.engine.constraints import Constraint, ConstraintFailed, mask_words, token_bits
 from jaxstation.engine.engine import DecodeRow, Sample, SamplingParams
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.prefix_cache import PrefixCache
@@ -80,6 +86,7 @@ class Job:
     `reuse_prefix`: may start on a lane's cached KV (the tokens are the same either way); False always prefills all,
     and so does a `prompt_logprobs` job (every prompt row must be scored).
     `cached_tokens` is set when the job takes a lane: how many prompt tokens it reuses from the lane's cached KV.
+    `constraint`: the grammar its output follows (engine/constraints.py), compiled before the job is submitted.
     """
 
     tokens: list[int]
@@ -95,6 +102,7 @@ class Job:
     cancelled: bool = False
     stop_requested: bool = False
     cached_tokens: int = 0
+    constraint: Constraint | None = None
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this job; its lane is freed within one wave."""
@@ -124,6 +132,7 @@ class Lane:
     stop_sample: Sample | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    limits: tuple[np.ndarray | None, np.ndarray | None] | None = None  # a constrained job's (stop ids, allowed ids)
 
     @property
     def prefilling(self) -> bool:
@@ -132,10 +141,12 @@ class Lane:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What one turn of the loop runs: at most one prefill chunk, and a decode wave over the decoding lanes."""
+    """What one turn of the loop runs: at most one prefill chunk, and a decode wave over the decoding lanes (each
+    constrained row with its mask)."""
 
     prefill_lane: int | None
     decode_rows: list[DecodeRow | None]
+    prefill_mask: np.ndarray | None = None  # the prefill lane's constraint mask, when its chunk samples
 
 
 class Scheduler:
@@ -289,13 +300,50 @@ class Scheduler:
                 self._finish_cancelled(lane.job)
             elif lane.job.stop_requested:
                 self._retire(i, "stop")
-        prefill_lane = self.prefill_order[0] if self.prefill_order else None
+        prefill_lane, prefill_mask = None, None
+        while self.prefill_order and prefill_lane is None:
+            prefill_lane = self.prefill_order[0]
+            lane = self.lanes[prefill_lane]
+            if lane.fed + self.engine.chunk >= len(lane.job.tokens):  # its last chunk samples the first token
+                try:
+                    prefill_mask = self._mask(lane)
+                except ConstraintFailed as e:
+                    self._fail(prefill_lane, e)
+                    prefill_lane = None
         rows: list[DecodeRow | None] = [None] * len(self.lanes)
         for i, lane in enumerate(self.lanes):
             if lane is not None and not lane.prefilling:
                 job, n = lane.job, len(lane.samples)
-                rows[i] = DecodeRow(lane.samples[-1].token, len(job.tokens) + n - 1, job.sampling, n)
-        return Plan(prefill_lane, rows)
+                try:
+                    mask = self._mask(lane)
+                except ConstraintFailed as e:
+                    self._fail(i, e)
+                    continue
+                rows[i] = DecodeRow(lane.samples[-1].token, len(job.tokens) + n - 1, job.sampling, n, mask)
+        return Plan(prefill_lane, rows, prefill_mask)
+
+    def _mask(self, lane: Lane) -> np.ndarray | None:
+        """A constrained lane's mask [words] for its next token: what its grammar allows, less its stop ids while
+        min_tokens holds them and anything outside its allowed_token_ids. Raises ConstraintFailed if none is left."""
+        constraint = lane.job.constraint
+        if constraint is None:
+            return None
+        job, vocab = lane.job, constraint.vocab
+        if lane.limits is None:
+            allowed = job.sampling.allowed_token_ids
+            lane.limits = (token_bits(job.stop_ids, vocab) if job.sampling.min_tokens else None,
+                           token_bits(allowed, vocab) if allowed else None)
+        held, allowed = lane.limits
+        mask = np.zeros(mask_words(vocab), np.int32)
+        constraint.fill(mask)
+        if held is not None and len(lane.samples) < job.sampling.min_tokens:
+            mask &= ~held
+        if allowed is not None:
+            mask &= allowed
+        if not mask.any():
+            raise ConstraintFailed(f"the {constraint.field} constraint allows no token after {len(lane.samples)} "
+                                   "generated (min_tokens or allowed_token_ids may rule out all it allows)")
+        return mask
 
     def _execute(self, plan: Plan) -> None:
         if plan.prefill_lane is not None:
@@ -305,10 +353,12 @@ class Scheduler:
             if lane.fed == lane.job.cached_tokens:  # the job's first chunk
                 self.engine.begin(i, lane.job.tokens, lane.job.sampling, lane.job.stop_ids)
             if lane.job.prompt_logprobs:
-                sample, scored = self.engine.prefill_scored(i, lane.job.tokens, lane.fed, lane.job.sampling)
+                sample, scored = self.engine.prefill_scored(i, lane.job.tokens, lane.fed, lane.job.sampling,
+                                                            plan.prefill_mask)
                 lane.scored.extend(scored)
             else:
-                sample, _ = self.engine.prefill(i, lane.job.tokens, lane.fed, lane.job.sampling)
+                sample, _ = self.engine.prefill(i, lane.job.tokens, lane.fed, lane.job.sampling,
+                                                mask=plan.prefill_mask)
             self.metrics.step.labels("prefill").observe(time.perf_counter() - t0)
             self.waves += 1
             lane.fed = min(lane.fed + self.engine.chunk, len(lane.job.tokens))
@@ -350,6 +400,13 @@ class Scheduler:
             except Exception:  # a broken consumer cancels its own job, never the wave
                 log.exception("on_token callback failed; cancelling the job")
                 job.cancel()
+        if job.constraint is not None:
+            try:
+                job.constraint.advance(sample.token)
+            except ConstraintFailed as e:
+                return self._fail(i, e)
+            if job.constraint.finished:  # the grammar is complete: the output ends here
+                return self._retire(i, "stop")
         if job.terminal_prosody and sample.token in self.terminal_ids and len(lane.samples) >= job.sampling.min_tokens:
             self._retire(i, "terminal_prosody")
         elif len(lane.samples) >= job.max_new_tokens:
@@ -387,13 +444,17 @@ class Scheduler:
         if not job.future.done():
             job.future.set_exception(Cancelled("the request was cancelled"))
 
+    def _fail(self, i: int, error: Exception) -> None:
+        """Free lane i and fail its job with `error`."""
+        lane = self._free(i)
+        self.metrics.requests.labels("error").inc()
+        if not lane.job.future.done():
+            lane.job.future.set_exception(error)
+
     def _fail_lanes(self, error: Exception) -> None:
         for i, lane in enumerate(self.lanes):
             if lane is not None:
-                self._free(i)
-                self.metrics.requests.labels("error").inc()
-                if not lane.job.future.done():
-                    lane.job.future.set_exception(error)
+                self._fail(i, error)
 
     def _fail_pending(self, error: Exception) -> None:
         """Fail every queued job. Holds cond."""

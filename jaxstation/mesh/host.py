@@ -70,7 +70,8 @@ class _Entry:
 class MeshEngine:
     """The scheduler's engine over mesh stations (see the module docstring). One caller thread at a time.
 
-    It keeps no per-lane token state, so the routes refuse penalties, logit_bias and min_tokens on a mesh host."""
+    It keeps no per-lane token state, so the routes refuse penalties, logit_bias, min_tokens and constraints on a mesh
+    host."""
 
     token_controls = False
 
@@ -114,18 +115,20 @@ class MeshEngine:
             raise ValueError("a mesh host applies no penalties, logit_bias or min_tokens")
 
     def prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
-                return_logits: bool = False) -> tuple[Sample | None, np.ndarray | None]:
-        sample, logits, _ = self._prefill(lane, prompt, start, sampling, return_logits, scored=False)
+                return_logits: bool = False, mask: np.ndarray | None = None) -> tuple[Sample | None, np.ndarray | None]:
+        sample, logits, _ = self._prefill(lane, prompt, start, sampling, return_logits, False, mask)
         return sample, logits
 
-    def prefill_scored(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams
-                       ) -> tuple[Sample | None, list[Sample]]:
+    def prefill_scored(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
+                       mask: np.ndarray | None = None) -> tuple[Sample | None, list[Sample]]:
         """`prefill`, and each prompt position's log-probability given the tokens before it (see `Engine`)."""
-        sample, _, scored = self._prefill(lane, prompt, start, sampling, False, scored=True)
+        sample, _, scored = self._prefill(lane, prompt, start, sampling, False, True, mask)
         return sample, scored
 
     def _prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams, return_logits: bool,
-                 scored: bool) -> tuple[Sample | None, np.ndarray | None, list[Sample]]:
+                 scored: bool, mask: np.ndarray | None) -> tuple[Sample | None, np.ndarray | None, list[Sample]]:
+        if mask is not None:
+            raise ValueError("a mesh host applies no constraint masks")
         if start % self.chunk:
             raise ValueError(f"prefill start {start} is not a multiple of the chunk {self.chunk}")
         piece = tuple(prompt[start:start + self.chunk])
@@ -156,6 +159,8 @@ class MeshEngine:
             raise ValueError(f"decode needs one row per lane ({self.lanes}), got {len(rows)}")
         if all(r is None for r in rows):
             return [None] * self.lanes, None
+        if any(r is not None and r.mask is not None for r in rows):
+            raise ValueError("a mesh host applies no constraint masks")
         fed = [(r.token, r.position) if r else None for r in rows]
         sampling = [(r.sampling, r.counter) if r else None for r in rows]
         self.lane_versions.touch([i for i, r in enumerate(rows) if r is not None])

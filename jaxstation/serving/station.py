@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 
+from jaxstation.engine.constraints import Grammars
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.runner import Runner
@@ -45,6 +46,7 @@ class Station:
         self.engine: Runner | None = None
         self._engine_factory = engine_factory or local_engine
         self.scheduler: Scheduler | None = None
+        self.grammars: Grammars | None = None  # compiles structured-output constraints, once the model is loaded
         self.ready = threading.Event()
         self.load_error: str | None = None
         self.on_load_failed: Callable[[], None] | None = None
@@ -91,9 +93,13 @@ class Station:
                     return
                 scheduler.start()
                 self.scheduler = scheduler
+            if tok is not None:
+                self.grammars = Grammars(tok.backend.to_str(), self.model.cfg.vocab_size, self.eos_ids)
             clock.record("ready", clock.since_start())
             self.ready.set()
             log.info("ready: %d lanes x %d positions, continuous=%s", c.lanes, c.max_seq, c.continuous)
+            if self.grammars is not None:
+                self.grammars.tokenizer()  # built here, off the first constrained request's path
         except Exception as e:
             start_failed(self, e)
 
