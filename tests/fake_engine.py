@@ -26,6 +26,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from jaxstation.engine.engine import DecodeRow, Sample, SamplingParams
 from jaxstation.engine.prefix_cache import LaneVersions
 
@@ -152,7 +154,7 @@ class FakeEngine:
         self._state = [None] * self.lanes
 
     def prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
-                return_logits: bool = False) -> tuple[Sample | None, None]:
+                return_logits: bool = False, mask: np.ndarray | None = None) -> tuple[Sample | None, None]:
         self._gate("prefill")
         prompt = tuple(prompt)
         self.calls.append(("prefill", lane, start, prompt))

@@ -212,7 +212,7 @@ def test_a_mesh_host_refuses_them_by_name(field, value):
                "min_tokens": 0, "ignore_eos": True}
     if field == "allowed_token_ids":  # no neutral value to send: absent is the neutral one
         del body[field]
-    job = parse_generate({**body, **neutral}, VOCAB, 512, frozenset({EOS}), lambda resume: True, on_device=False)
+    job, _ = parse_generate({**body, **neutral}, VOCAB, 512, frozenset({EOS}), lambda resume: True, on_device=False)
     assert not job.sampling.controls and job.stop_ids == frozenset()
 
 
@@ -224,6 +224,6 @@ def test_bad_allowed_token_ids_are_refused_by_name(extra):
     with pytest.raises(ApiError) as e:
         parse_generate(body, VOCAB, 512, frozenset({EOS}), lambda resume: True, on_device=True)
     assert e.value.status == 422 and e.value.field == "allowed_token_ids"
-    job = parse_generate({**body, "allowed_token_ids": [EOS, 7]}, VOCAB, 512, frozenset({EOS}), lambda resume: True,
+    job, _ = parse_generate({**body, "allowed_token_ids": [EOS, 7]}, VOCAB, 512, frozenset({EOS}), lambda resume: True,
                          on_device=True)
     assert job.sampling.allowed_token_ids == (EOS, 7) and job.sampling.controls

@@ -54,11 +54,11 @@ class RecordingEngine:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def prefill(self, lane, prompt, start, sampling, return_logits=False):
+    def prefill(self, lane, prompt, start, sampling, return_logits=False, mask=None):
         if self._next.get(lane) != (tuple(prompt), start):
             self.admissions.append((lane, tuple(prompt)))
         self._next[lane] = (tuple(prompt), start + self.engine.chunk)
-        return self.engine.prefill(lane, prompt, start, sampling, return_logits)
+        return self.engine.prefill(lane, prompt, start, sampling, return_logits, mask)
 
     def decode(self, rows, return_logits=False):
         self.wave_sizes.append(sum(r is not None for r in rows))

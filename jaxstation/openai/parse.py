@@ -5,10 +5,12 @@ Every refusal is an `OpenAIError` naming the field."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from jaxstation.engine.constraints import ConstraintSpec
 from jaxstation.engine.engine import SamplingParams
 from jaxstation.model.tokenizer import Tokenizer
 from jaxstation.openai.protocol import (
@@ -17,12 +19,16 @@ from jaxstation.openai.protocol import (
     ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    NamedToolChoice,
     SamplingFields,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from jaxstation.openai.tools import ToolPlan, template_messages, tool_constraint
 from jaxstation.serving.errors import OpenAIError, describe
-from jaxstation.serving.protocol import check_allowed, token_controls
+from jaxstation.serving.protocol import check_allowed, constraint_spec, token_controls
 
 M = TypeVar("M", bound=BaseModel)
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -68,6 +74,8 @@ class RunRequest:
     include_stop: bool = False  # the stop string that ended a choice stays in its text
     skip_special: bool = True  # special tokens are left out of the text
     echo_texts: list[str] | None = None  # per prompt, with echo: the prompt's text, put before the completion
+    constraint: ConstraintSpec | None = None  # what the output follows (compiled by the route, off the event loop)
+    tools: ToolPlan | None = None  # a chat request's tools, unless tool_choice is none
 
 
 def check_token_ids(tokens: list[int], vocab: int, param: str) -> list[int]:
@@ -77,9 +85,34 @@ def check_token_ids(tokens: list[int], vocab: int, param: str) -> list[int]:
     return tokens
 
 
+def request_constraint(req: SamplingFields, tools: ToolPlan | None, on_device: bool) -> ConstraintSpec | None:
+    """The one constraint a request asks for: response_format, structured_outputs, or a required or named
+    tool_choice."""
+    asked: list[ConstraintSpec] = []
+    fmt = req.response_format
+    if isinstance(fmt, JsonObjectFormat):
+        asked.append(ConstraintSpec("json", {"type": "object"}, "response_format"))
+    elif isinstance(fmt, JsonSchemaFormat):
+        asked.append(ConstraintSpec("json", fmt.json_schema.schema_ or {"type": "object"}, "response_format"))
+    if req.structured_outputs is not None:
+        spec = constraint_spec(req.structured_outputs, "structured_outputs", bad)
+        if spec is not None:
+            asked.append(spec)
+    if tools is not None and (spec := tool_constraint(tools)) is not None:
+        asked.append(spec)
+    if len(asked) > 1:
+        fields = sorted({a.field.split(".")[0] for a in asked})
+        raise bad(fields[-1], f"{' and '.join(fields)} each constrain the output: send one of them")
+    if asked and not on_device:
+        field = asked[0].field.split(".")[0]
+        raise unsupported(field, f"{field} is not supported here: this station keeps no per-lane token state (a "
+                                 "mesh host)")
+    return asked[0] if asked else None
+
+
 def _common(req: SamplingFields, chat: bool, prompts: list[list[int]], logprobs: int | None, max_tokens: int | None,
             max_request_tokens: int, vocab: int, eos_ids: frozenset[int], on_device: bool,
-            echo_texts: list[str] | None = None) -> RunRequest:
+            echo_texts: list[str] | None = None, tools: ToolPlan | None = None) -> RunRequest:
     prompt_param = "messages" if chat else "prompt"
     lengths = []
     for i, p in enumerate(prompts):
@@ -121,7 +154,7 @@ def _common(req: SamplingFields, chat: bool, prompts: list[list[int]], logprobs:
                       continuous_usage=bool(options and options.continuous_usage_stats),
                       include_stop=bool(req.include_stop_str_in_output),
                       skip_special=req.skip_special_tokens is not False,
-                      echo_texts=echo_texts)
+                      echo_texts=echo_texts, constraint=request_constraint(req, tools, on_device), tools=tools)
 
 
 def parse_completion(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: int, eos_ids: frozenset[int],
@@ -153,16 +186,52 @@ def parse_completion(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: 
                    echo_texts)
 
 
+def _arguments(text: str) -> Any:
+    """A call's arguments as templates read them: the parsed JSON object, or the string when it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as the chat template reads them: roles mapped (developer is system), text parts joined."""
+    """Messages as the chat template reads them: roles mapped (developer is system), text parts joined, an
+    assistant's tool calls with their arguments parsed, a tool result with its call id."""
     out = []
     for m in messages:
         content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or ())
-        msg = {"role": _ROLES[m.role], "content": content}
+        msg: dict[str, Any] = {"role": _ROLES[m.role], "content": content}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
+
+
+def tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:
+    """The request's tools and tool_choice as a plan, or None when no tool may be called."""
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
+    if not req.tools:
+        if choice != "none":
+            raise bad("tool_choice", "tool_choice needs tools")
+        return None
+    if choice == "none":
+        return None
+    tools = tuple(t.model_dump(by_alias=True, exclude_none=True) for t in req.tools)
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise bad("tools", "tools must have distinct function names")
+    named = None
+    if isinstance(choice, NamedToolChoice):
+        named = choice.function.name
+        if named not in names:
+            raise bad("tool_choice", f"tool_choice names {named!r}, which is not among the tools ({', '.join(names)})")
+    return ToolPlan("named" if named else choice, tools, named, req.parallel_tool_calls is not False)
 
 
 def render_chat(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = True,
@@ -180,15 +249,17 @@ def render_chat(tok: Tokenizer, messages: list[dict], add_generation_prompt: boo
 def parse_chat(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: int, eos_ids: frozenset[int],
                on_device: bool) -> RunRequest:
     req = validate(ChatCompletionRequest, body)
-    prompt = render_chat(tok, chat_messages(req.messages), req.add_generation_prompt is not False,
-                         bool(req.add_special_tokens), req.chat_template_kwargs)
+    tools = tool_plan(req)
+    messages, variables = template_messages(tok, chat_messages(req.messages), list(tools.tools) if tools else None)
+    prompt = render_chat(tok, messages, req.add_generation_prompt is not False, bool(req.add_special_tokens),
+                         {**variables, **(req.chat_template_kwargs or {})})
     if req.truncate_prompt_tokens is not None:
         prompt = prompt[-req.truncate_prompt_tokens:]
     if req.top_logprobs is not None and not req.logprobs:
         raise bad("top_logprobs", "top_logprobs needs logprobs=true")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return _common(req, True, [prompt], (req.top_logprobs or 0) if req.logprobs else None, max_tokens,
-                   max_request_tokens, vocab, eos_ids, on_device)
+                   max_request_tokens, vocab, eos_ids, on_device, tools=tools)
 
 
 def parse_tokenize(body: Any, tok: Tokenizer) -> list[int]:
@@ -196,7 +267,8 @@ def parse_tokenize(body: Any, tok: Tokenizer) -> list[int]:
     if isinstance(body, dict) and "messages" in body:
         chat = validate(TokenizeChatRequest, body)
         gen = True if chat.add_generation_prompt is None else chat.add_generation_prompt
-        return render_chat(tok, chat_messages(chat.messages), gen)
+        messages, _ = template_messages(tok, chat_messages(chat.messages), None)
+        return render_chat(tok, messages, gen)
     req = validate(TokenizeCompletionRequest, body)
     return tok.encode(req.prompt, add_special_tokens=True if req.add_special_tokens is None else req.add_special_tokens)
 

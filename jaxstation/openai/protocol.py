@@ -14,21 +14,19 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jaxstation.engine.sampling import TOP_LOGPROBS
-from jaxstation.serving.protocol import TokenControls
+from jaxstation.serving.protocol import StructuredOutputs, TokenControls
 
 MAX_N = 8
 MAX_STOPS = 16
 
-_TOOLS = "tool calls are not served yet"
-_STRUCTURED = "structured outputs (JSON schemas, regexes, grammars) are not served yet"
+_FUNCTIONS = "the legacy functions API is not served; send tools and tool_choice"
+_GUIDED = "send structured_outputs (json, regex, choice, grammar) or response_format"
 # Fields of OpenAI's and vLLM's APIs that the station refuses, and why: the 400 says so. Any other unknown field is
 # refused too, by name.
 REFUSED_FIELDS = {
-    "tools": _TOOLS, "tool_choice": _TOOLS, "parallel_tool_calls": _TOOLS, "functions": _TOOLS,
-    "function_call": _TOOLS,
-    "response_format": _STRUCTURED, "structured_outputs": _STRUCTURED, "guided_json": _STRUCTURED,
-    "guided_regex": _STRUCTURED, "guided_choice": _STRUCTURED, "guided_grammar": _STRUCTURED,
-    "guided_decoding_backend": _STRUCTURED, "guided_whitespace_pattern": _STRUCTURED,
+    "functions": _FUNCTIONS, "function_call": _FUNCTIONS,
+    "guided_json": _GUIDED, "guided_regex": _GUIDED, "guided_choice": _GUIDED, "guided_grammar": _GUIDED,
+    "guided_decoding_backend": "the constraint engine is llguidance", "guided_whitespace_pattern": _GUIDED,
     "suffix": "fill-in-the-middle is not served",
     "use_beam_search": "beam search is not served: each choice samples on its own lane",
     "length_penalty": "it applies to beam search, which is not served",
@@ -60,6 +58,30 @@ class Body(BaseModel):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
         return data
+
+
+class JsonSchemaSpec(Body):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="the JSON schema; absent: any JSON "
+                                           "object")
+    strict: bool | None = Field(None, description="accepted; the output always follows the schema")
+
+
+class TextFormat(Body):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(Body):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(Body):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
 
 
 class StreamOptions(Body):
@@ -94,6 +116,10 @@ class SamplingFields(Body, TokenControls):
                                                        "joins token bytes, as a fast tokenizer does")
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="vLLM's: keep only the prompt's last this "
                                                "many tokens")
+    response_format: ResponseFormat | None = Field(None, description="text, any JSON object, or a JSON schema the "
+                                                   "output follows")
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's: the output follows a JSON "
+                                                         "schema, a regex, a choice or a grammar")
 
 
 class CompletionRequest(SamplingFields):
@@ -113,10 +139,44 @@ class TextPart(Body):
     text: str
 
 
+class FunctionCall(Body):
+    name: str
+    arguments: str = Field(description="the arguments, as a JSON string")
+
+
+class ToolCallIn(Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="an assistant turn's calls")
+    tool_call_id: str | None = Field(None, description="a tool turn: the call it answers")
+
+
+class FunctionDefinition(Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments")
+    strict: bool | None = Field(None, description="accepted; required and named calls always follow the schema")
+
+
+class ToolDefinition(Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -131,6 +191,11 @@ class ChatCompletionRequest(SamplingFields):
                                             "the rendered prompt (default false: the template writes them)")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM's: more variables for the chat "
                                                         "template (for example enable_thinking)")
+    tools: list[ToolDefinition] | None = Field(None, max_length=128, description="functions the model may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default auto with tools; required and a named function constrain the output")
+    parallel_tool_calls: bool | None = Field(None, description="with required: more than one call allowed "
+                                             "(default true)")
 
 
 class TokenizeCompletionRequest(Body):
@@ -189,6 +254,7 @@ class Usage(Reply):
 
 
 Finish = Literal["stop", "length"]
+ChatFinish = Literal["stop", "length", "tool_calls"]
 
 
 class CompletionChoice(Reply):
@@ -207,16 +273,28 @@ class CompletionResponse(Reply):
     usage: Usage | None = None
 
 
+class ToolCallFunction(Reply):
+    name: str
+    arguments: str
+
+
+class ToolCall(Reply):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class AssistantMessage(Reply):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(Reply):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Finish
+    finish_reason: ChatFinish
 
 
 class ChatCompletionResponse(Reply):
@@ -228,16 +306,29 @@ class ChatCompletionResponse(Reply):
     usage: Usage
 
 
+class ToolCallDeltaFunction(Reply):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Reply):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ToolCallDeltaFunction
+
+
 class ChatDelta(Reply):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Reply):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None
-    finish_reason: Finish | None
+    finish_reason: ChatFinish | None
 
 
 class ChatCompletionChunk(Reply):

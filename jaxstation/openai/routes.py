@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from jaxstation.engine.constraints import ConstraintError
 from jaxstation.model.default_model import DEFAULT_GGUF_NAME
 from jaxstation.model.tokenizer import Tokenizer
 from jaxstation.openai import protocol as p
@@ -108,8 +109,13 @@ def openai_endpoints(station: Station) -> list[Endpoint]:
             parse = parse_chat if chat else parse_completion
             req = parse(body, tok, station.model.cfg.vocab_size, station.config.max_request_tokens, station.eos_ids,
                         station.engine.token_controls)
-            run = Run(station, req)
+            constraint = None
+            if req.constraint is not None:
+                constraint = await asyncio.to_thread(station.grammars.compile, req.constraint)
+            run = Run(station, req, constraint)
             run.submit()
+        except ConstraintError as e:
+            return rejected(OpenAIError(400, e.message, e.field.split(".")[0], "invalid_value"))
         except OpenAIError as e:
             return rejected(e)
         request.state.token_counts = lambda: (run.usage()["prompt_tokens"], run.usage()["completion_tokens"])
@@ -140,8 +146,12 @@ def openai_endpoints(station: Station) -> list[Endpoint]:
             else:
                 lp = run.logprobs_since(c)
             if run.req.chat:
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
-                                "logprobs": lp, "finish_reason": c.finish})
+                message: dict[str, Any] = {"role": "assistant", "content": "".join(c.text)}
+                if c.tool is not None:
+                    message["content"] = c.tool.content
+                    if c.tool.calls:
+                        message["tool_calls"] = c.tool.calls
+                choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": c.finish})
             else:
                 choices.append({"index": c.index, "text": "".join(c.text), "logprobs": lp,
                                 "finish_reason": c.finish})
@@ -153,10 +163,13 @@ def openai_endpoints(station: Station) -> list[Endpoint]:
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         usage_null = {"usage": None} if run.req.include_usage else {}
 
-        def chunk(c: Choice, text: str, finish: str | None, first: bool = False) -> str:
+        def chunk(c: Choice, text: str, finish: str | None, first: bool = False, calls: list[dict] | None = None
+                  ) -> str:
             lp = run.logprobs_since(c, streaming=True)
             if chat:
                 delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+                if calls:
+                    delta["tool_calls"] = calls
                 choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
                 choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}
@@ -171,10 +184,13 @@ def openai_endpoints(station: Station) -> list[Endpoint]:
                 update = await run.next()
                 if update is None:
                     continue
-                if update.finished:
-                    yield chunk(update.choice, update.text, update.choice.finish)
-                elif update.text:
-                    yield chunk(update.choice, update.text, None)
+                # the text, then each tool-call delta in a chunk of its own; the last chunk carries the finish
+                pieces = ([(update.text, None)] if update.text else []) + [("", [d]) for d in update.tool_deltas]
+                if update.finished and not pieces:
+                    pieces = [("", None)]
+                for k, (text, calls) in enumerate(pieces):
+                    last = update.finished and k == len(pieces) - 1
+                    yield chunk(update.choice, text, update.choice.finish if last else None, calls=calls)
             if run.req.include_usage:
                 yield _sse({**head, "choices": [], "usage": run.usage()})
         except OpenAIError as e:

@@ -15,11 +15,13 @@ import secrets
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from jaxstation.engine.constraints import Constraint, ConstraintFailed
 from jaxstation.engine.engine import SEED_LIMIT, Sample
 from jaxstation.engine.scheduler import Cancelled, Job, QueueFull, Result, ShuttingDown, StepFailed
 from jaxstation.model.detokenizer import IncrementalDetokenizer
 from jaxstation.model.tokenizer import Tokenizer
 from jaxstation.openai.parse import RunRequest
+from jaxstation.openai.tools import ToolStream
 from jaxstation.serving.errors import OpenAIError
 from jaxstation.serving.http_common import RETRY_AFTER_S
 from jaxstation.serving.station import Station
@@ -57,6 +59,7 @@ class Choice:
     logprobs: list[tuple[Sample, int]] = dataclasses.field(default_factory=list)  # (sample, text offset)
     lp_sent: int = 0  # how many logprob entries a stream has sent
     prompt_logprobs: list[Sample] = dataclasses.field(default_factory=list)  # with echo: prompt tokens 1..
+    tool: ToolStream | None = None  # with tools: the text split into content and calls
 
 
 @dataclasses.dataclass
@@ -64,13 +67,15 @@ class _Update:
     choice: Choice
     text: str
     finished: bool
+    tool_deltas: list[dict] = dataclasses.field(default_factory=list)
 
 
 class Run:
     """The jobs of one request and the host-side text work on their tokens, driven by the request's event loop."""
 
-    def __init__(self, station: Station, req: RunRequest) -> None:
-        self.station, self.req = station, req
+    def __init__(self, station: Station, req: RunRequest, constraint: Constraint | None = None) -> None:
+        """constraint: `req.constraint` compiled, at its start (each choice advances a copy)."""
+        self.station, self.req, self.constraint = station, req, constraint
         self.scheduler = station.scheduler
         self.tok: Tokenizer = station.model.tokenizer
         self.loop = asyncio.get_running_loop()
@@ -87,9 +92,11 @@ class Run:
                 job = Job(tokens=prompt, max_new_tokens=max_tokens,
                           sampling=dataclasses.replace(req.sampling, seed=seed), stop_ids=req.stop_ids,
                           prompt_logprobs=req.echo_texts is not None and req.logprobs is not None,
-                          reuse_prefix=self.station.config.reuse_prefix(False), on_token=self._on_token(index))
+                          reuse_prefix=self.station.config.reuse_prefix(False), on_token=self._on_token(index),
+                          constraint=self.constraint.copy() if self.constraint else None)
                 detok = IncrementalDetokenizer(self.tok, skip_special_tokens=req.skip_special)
-                self.choices.append(Choice(index, p, job, detok))
+                tool = ToolStream(req.tools) if req.tools else None
+                self.choices.append(Choice(index, p, job, detok, tool=tool))
         try:
             for choice in self.choices:
                 future = self.scheduler.submit(choice.job)
@@ -171,7 +178,7 @@ class Run:
             offset = len(c.detok.text)
             if self.req.logprobs is not None:
                 c.logprobs.append((event, offset))
-            return _Update(c, self._advance(c, c.detok.push(event.token), final=False), c.finish is not None)
+            return self._update(c, self._advance(c, c.detok.push(event.token), final=False), c.finish is not None)
         try:
             result: Result = event.result()
         except StepFailed as e:
@@ -180,13 +187,29 @@ class Run:
             raise OpenAIError(503, str(e), None, "shutting_down") from None
         except Cancelled as e:
             raise OpenAIError(500, str(e), None, "internal_error") from None
+        except ConstraintFailed as e:
+            field = self.req.constraint.field.split(".")[0] if self.req.constraint else None
+            raise OpenAIError(400, str(e), field, "constraint_failed") from None
         c.prompt_logprobs = result.prompt_logprobs
         text = self._advance(c, "", final=True)
         if result.stop_sample is not None and self.req.logprobs is not None:  # listed, as vLLM does; not in text
             c.logprobs.append((result.stop_sample, len(c.detok.text)))
         if c.finish is None:
             c.finish = "length" if result.finish_reason == "length" else "stop"
-        return _Update(c, text, True)
+        return self._update(c, text, True)
+
+    def _update(self, c: Choice, text: str, finished: bool) -> _Update:
+        """What a choice's new text shows: as is, or through its tool plan (content, and tool-call deltas; a
+        choice that ends on calls finishes with "tool_calls")."""
+        if c.tool is None:
+            return _Update(c, text, finished)
+        shown, deltas = c.tool.push(text)
+        if finished:
+            rest, more = c.tool.finish()
+            shown, deltas = shown + rest, deltas + more
+            if c.tool.calls and c.finish == "stop":
+                c.finish = "tool_calls"
+        return _Update(c, shown, finished, deltas)
 
     def usage(self) -> dict:
         """OpenAI's usage. Each prompt counts once; its cached tokens are the most any of its choices reused."""

@@ -10,12 +10,14 @@ share; `token_controls` turns them into `SamplingParams` fields, checking what t
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
+from jaxstation.engine.constraints import ConstraintSpec
 from jaxstation.engine.engine import FLOAT32_MAX, FLOAT32_TINY, SEED_LIMIT, SamplingParams
 from jaxstation.engine.penalties import MAX_LOGIT_BIAS
 from jaxstation.engine.scheduler import Job
@@ -86,6 +88,39 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class StructuredOutputs(Strict):
+    """vLLM's structured outputs: exactly one of json, regex, choice, grammar or json_object (engine/constraints.py)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema (an object, or a "
+                                               "string holding one) the output follows")
+    regex: str | None = Field(None, description="a regular expression the whole output matches")
+    choice: list[str] | None = Field(None, min_length=1, description="the output is one of these strings")
+    grammar: str | None = Field(None, description="a Lark grammar (llguidance's dialect) or a GBNF one")
+    json_object: bool | None = Field(None, description="true: any JSON object")
+
+
+def constraint_spec(so: StructuredOutputs, field: str, invalid: Callable[[str, str], Exception]
+                    ) -> ConstraintSpec | None:
+    """The one constraint a structured_outputs object asks for (None for none), or `invalid(field, message)`."""
+    given = {name: value for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                             ("grammar", so.grammar)) if value is not None}
+    if so.json_object:
+        given["json_object"] = {"type": "object"}
+    if len(given) > 1:
+        raise invalid(field, f"{field} takes one of json, regex, choice, grammar and json_object, got "
+                             f"{', '.join(given)}")
+    if not given:
+        return None
+    (name, value), = given.items()
+    kind = "json" if name == "json_object" else name
+    if kind == "json" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise invalid(f"{field}.json", f"{field}.json is not JSON: {e}") from None
+    return ConstraintSpec(kind, value, f"{field}.{name}")
+
+
 class GenerateRequest(Strict, TokenControls):
     tokens: list[TokenId] = Field(min_length=1, description="the prompt's token ids")
     max_new_tokens: int = Field(ge=1, description="at most this many tokens are generated")
@@ -96,6 +131,8 @@ class GenerateRequest(Strict, TokenControls):
     stop_token_ids: list[TokenId] | None = Field(None, description="more ids that end the request, beside EOS")
     terminal_prosody: bool = Field(False, description="end at the first token that closes a sentence")
     resume: bool = Field(False, description="the prompt continues an earlier request: its cached KV may be reused")
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's: the output follows a JSON "
+                                                         "schema, a regex, a choice or a grammar")
 
 
 class GenerateTiming(BaseModel):
@@ -137,8 +174,9 @@ class ErrorResponse(BaseModel):
 
 
 def parse_generate(body: Any, vocab: int, max_request_tokens: int, eos_ids: frozenset[int],
-                   reuse_prefix: Callable[[bool], bool], on_device: bool) -> Job:
-    """Validate a /generate body into a Job, or raise ApiError naming the offending field.
+                   reuse_prefix: Callable[[bool], bool], on_device: bool) -> tuple[Job, ConstraintSpec | None]:
+    """Validate a /generate body into a Job and the constraint it asks for (compiled by the caller, off the event
+    loop), or raise ApiError naming the offending field.
 
     reuse_prefix: whether a request with this `resume` flag may start on cached KV (`StationConfig.reuse_prefix`).
     on_device: whether the runner applies the token controls (`Runner.token_controls`).
@@ -169,5 +207,10 @@ def parse_generate(body: Any, vocab: int, max_request_tokens: int, eos_ids: froz
                               top_p=float(1.0 if req.top_p is None else req.top_p), seed=seed, **controls)
     stops = (frozenset() if req.ignore_eos else eos_ids) | frozenset(req.stop_token_ids or ())
     check_allowed(sampling, stops, refuse)
-    return Job(tokens=req.tokens, max_new_tokens=req.max_new_tokens, sampling=sampling, stop_ids=stops,
-               terminal_prosody=req.terminal_prosody, reuse_prefix=reuse_prefix(req.resume))
+    spec = constraint_spec(req.structured_outputs, "structured_outputs", refuse) if req.structured_outputs else None
+    if spec is not None and not on_device:
+        raise ApiError(422, "structured_outputs is not supported here: this station keeps no per-lane token state "
+                            "(a mesh host)", "structured_outputs")
+    job = Job(tokens=req.tokens, max_new_tokens=req.max_new_tokens, sampling=sampling, stop_ids=stops,
+              terminal_prosody=req.terminal_prosody, reuse_prefix=reuse_prefix(req.resume))
+    return job, spec

@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxstation import __version__
+from jaxstation.engine.constraints import ConstraintError, ConstraintFailed
 from jaxstation.engine.scheduler import Cancelled, QueueFull, Result, ShuttingDown, StepFailed
 from jaxstation.serving.access_log import AccessLogMiddleware
 from jaxstation.serving.errors import OPENAI_PATHS, ApiError, error_response
@@ -89,9 +90,13 @@ def station_endpoints(station: Station) -> list[Endpoint]:
                 body = await read_json(request, station.config.max_body_bytes)
             except BodyError as e:
                 raise ApiError(e.status, e.message, "body") from None
-            job = parse_generate(body, station.model.cfg.vocab_size, station.config.max_request_tokens,
-                                 station.eos_ids, station.config.reuse_prefix, station.engine.token_controls)
+            job, spec = parse_generate(body, station.model.cfg.vocab_size, station.config.max_request_tokens,
+                                       station.eos_ids, station.config.reuse_prefix, station.engine.token_controls)
+            if spec is not None:
+                job.constraint = await asyncio.to_thread(station.grammars.compile, spec)
             future = scheduler.submit(job)
+        except ConstraintError as e:
+            return rejected(ApiError(422, e.message, "structured_outputs"))
         except ApiError as e:
             return rejected(e)
         except QueueFull as e:
@@ -122,6 +127,8 @@ def station_endpoints(station: Station) -> list[Endpoint]:
             return ApiError(503, str(e)).response()
         except Cancelled as e:
             return ApiError(500, str(e)).response()
+        except ConstraintFailed as e:
+            return ApiError(422, str(e), "structured_outputs").response()
         request.state.token_counts = lambda: (result.prompt_tokens, len(result.generated))  # for the access line
         return JSONResponse({"generated": result.generated, "finish_reason": result.finish_reason,
                              "prompt_tokens": result.prompt_tokens, "timing": result.timing})
