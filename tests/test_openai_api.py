@@ -356,8 +356,8 @@ def test_chat_template_kwargs_reach_the_template(default_model: LoadedModel) -> 
 
 def test_a_refused_field_says_why(station) -> None:
     _, _, http, _ = station
-    for field, value, why in (("tools", [{"type": "function"}], "tool calls are not served"),
-                              ("response_format", {"type": "json_object"}, "structured outputs"),
+    for field, value, why in (("functions", [{"name": "f"}], "send tools and tool_choice"),
+                              ("guided_json", {"type": "object"}, "send structured_outputs"),
                               ("use_beam_search", True, "beam search is not served")):
         r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CAPITAL, field: value})
         assert r.status_code == 400, r.text
@@ -455,7 +455,7 @@ def test_auth_on(default_model: LoadedModel) -> None:
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),
-    ("/v1/chat/completions", {"messages": CAPITAL, "tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "tools": [{"type": "function"}]}, "tools[0].function"),
     ("/v1/chat/completions", {"messages": CAPITAL, "frequency_penalty": -2.01}, "frequency_penalty"),
     ("/v1/chat/completions", {"messages": CAPITAL, "repetition_penalty": "1.1"}, "repetition_penalty"),
     ("/v1/chat/completions", {"messages": CAPITAL, "logit_bias": {"x": 1}}, "logit_bias.x.[key]"),
