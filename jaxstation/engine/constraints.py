@@ -108,14 +108,22 @@ class Constraint:
         return self._matcher.is_stopped()
 
     def fill(self, row: np.ndarray) -> None:
-        """Write the tokens allowed next into row [words] int32 (C-contiguous)."""
-        self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        """Write the tokens allowed next into row [words] int32 (C-contiguous). Raises ConstraintFailed, whatever
+        goes wrong: the decode thread fails this request, never the wave."""
+        try:
+            self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        except Exception as e:
+            raise ConstraintFailed(f"the {self.field} constraint failed: {e}") from None
         if self._matcher.is_error():
             raise ConstraintFailed(f"the {self.field} constraint failed: {self._matcher.get_error()}")
 
     def advance(self, token: int) -> None:
         """Take the sampled token. Raises ConstraintFailed if the grammar refuses it."""
-        if not self._matcher.consume_token(token):
+        try:
+            ok = self._matcher.consume_token(token)
+        except Exception as e:
+            raise ConstraintFailed(f"the {self.field} constraint failed: {e}") from None
+        if not ok:
             raise ConstraintFailed(f"the {self.field} constraint refused token {token}: {self._matcher.get_error()}")
 
 

@@ -13,8 +13,8 @@ token in the prompt or already generated divided by repetition_penalty if positi
 frequency_penalty * count + presence_penalty * (count > 0); last, a constrained row's tokens outside its mask
 (engine/constraints.py) at -inf, a mask that needs no lane state. Every operation is elementwise on a row and its own
 lane's state, so a row's bits never depend on the wave. The whole pass runs under `lax.cond` on whether any row of
-the wave asks for it, and a row that asks for nothing keeps its logits' bits (a per-row select), so a wave without
-controls pays a predicate, and a count update of one element per row.
+the wave asks for it (the mask under its own), and a row that asks for nothing keeps its logits' bits (a per-row
+select), so a wave without controls pays two predicates, and a count update of one element per row.
 """
 
 from __future__ import annotations
@@ -105,10 +105,13 @@ def penalize(logits: jax.Array, state: TokenState, lanes: jax.Array, p: PenaltyA
         x = jnp.where(x > 0, x / rep, x * rep)
         x = x - (p.frequency[:, None] * counts.astype(jnp.float32)
                  + p.presence[:, None] * (counts > 0).astype(jnp.float32))
-        x = jnp.where(p.active[:, None], x, logits)
+        return jnp.where(p.active[:, None], x, logits)
+
+    def constrain(x: jax.Array) -> jax.Array:
         return jnp.where(p.constrained[:, None] & ~unpack_mask(p.mask, x.shape[1]), -jnp.inf, x)
 
-    return jax.lax.cond(jnp.any(p.active | p.constrained), apply, lambda x: x, logits)
+    x = jax.lax.cond(jnp.any(p.active), apply, lambda x: x, logits)
+    return jax.lax.cond(jnp.any(p.constrained), constrain, lambda x: x, x)
 
 
 def sample_penalized(logits: jax.Array, s: SamplingArrays, state: TokenState, lanes: jax.Array, p: PenaltyArrays

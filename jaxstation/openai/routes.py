@@ -111,7 +111,7 @@ def openai_endpoints(station: Station) -> list[Endpoint]:
                         station.engine.token_controls)
             constraint = None
             if req.constraint is not None:
-                constraint = await asyncio.to_thread(station.grammars.compile, req.constraint)
+                constraint = await asyncio.to_thread(station.compile_constraint, req.constraint)
             run = Run(station, req, constraint)
             run.submit()
         except ConstraintError as e:

@@ -93,7 +93,7 @@ def station_endpoints(station: Station) -> list[Endpoint]:
             job, spec = parse_generate(body, station.model.cfg.vocab_size, station.config.max_request_tokens,
                                        station.eos_ids, station.config.reuse_prefix, station.engine.token_controls)
             if spec is not None:
-                job.constraint = await asyncio.to_thread(station.grammars.compile, spec)
+                job.constraint = await asyncio.to_thread(station.compile_constraint, spec)
             future = scheduler.submit(job)
         except ConstraintError as e:
             return rejected(ApiError(422, e.message, "structured_outputs"))

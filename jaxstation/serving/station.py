@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from jaxstation.engine.constraints import Grammars
+from jaxstation.engine.constraints import Constraint, ConstraintError, ConstraintSpec, Grammars
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.runner import Runner
@@ -102,6 +102,13 @@ class Station:
                 self.grammars.tokenizer()  # built here, off the first constrained request's path
         except Exception as e:
             start_failed(self, e)
+
+    def compile_constraint(self, spec: ConstraintSpec) -> Constraint:
+        """A request's constraint, compiled (blocking: call it off the event loop). Raises ConstraintError."""
+        if self.grammars is None:
+            raise ConstraintError(spec.field, f"{spec.field}: structured outputs need the model's tokenizer, and this "
+                                              "checkpoint has none")
+        return self.grammars.compile(spec)
 
     @property
     def loading(self) -> bool:
