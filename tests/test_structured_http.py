@@ -20,7 +20,7 @@ from server_util import ServerThread, wait_for
 from jaxstation.app import create_app
 from jaxstation.model.loader import LoadedModel
 from jaxstation.openai.parse import parse_chat
-from jaxstation.openai.tools import HERMES_PROMPT, ToolPlan, parse_calls
+from jaxstation.openai.tools import HERMES_PROMPT, ToolPlan, ToolStream, parse_calls
 from jaxstation.serving.errors import OpenAIError
 from jaxstation.serving.settings import StationConfig
 from jaxstation.serving.station import Station
@@ -264,6 +264,22 @@ def test_the_parser_on_its_own():
     assert parse_calls('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>', plan)[1] == []
     assert parse_calls("<tool_call>{not json</tool_call>", plan) == ("<tool_call>{not json</tool_call>", [])
     assert parse_calls("plain words", plan) == ("plain words", [])
+
+
+def test_the_stream_splits_content_from_calls():
+    named = ToolStream(ToolPlan("named", (WEATHER,), "get_weather"))
+    deltas = [d for piece in ("", '{"city"', ': "Rome"}') for d in named.push(piece)[1]]
+    assert [("id" in d, d["function"].get("arguments")) for d in deltas] == [(True, ""), (False, '{"city"'),
+                                                                             (False, ': "Rome"}')]
+    assert named.finish() == ("", []) and named.calls[0]["function"]["arguments"] == '{"city": "Rome"}'
+    auto = ToolStream(ToolPlan("auto", (WEATHER,)))
+    shown = [auto.push(piece)[0] for piece in ("Sure ", "thing. <tool", '_call>{"name": "get_weather", ',
+                                               '"arguments": {}}</tool_call> trailing')]
+    assert shown == ["Sure", " thing.", "", ""]  # trailing spaces and a tag's start wait
+    rest, deltas = auto.finish()
+    assert rest == "" and auto.content == "Sure thing." and [d["index"] for d in deltas] == [0, 0]
+    text = ToolStream(ToolPlan("auto", (WEATHER,)))
+    assert [text.push(p)[0] for p in ("a <", "b")] == ["a", " <b"] and text.finish() == ("", [])
 
 
 # ---- refusals ---------------------------------------------------------------------------------------------------

@@ -197,14 +197,17 @@ class ToolStream:
         self.content: str | None = None
         self.calls: list[dict] = []  # OpenAI's tool_calls entries, once finished
         self._named_id = call_id() if plan.mode == "named" else None
+        self._named_sent = False  # the named call's first delta (id, type, name) is out
 
     def push(self, text: str) -> tuple[str, list[dict]]:
         """Take more text; return (content to show, tool-call deltas)."""
-        first = not self.raw and self.plan.mode == "named"
         self.raw += text
         if self.plan.mode == "named":
-            head = [{"index": 0, "id": self._named_id, "type": "function",
-                     "function": {"name": self.plan.named, "arguments": ""}}] if first else []
+            head = []
+            if not self._named_sent:
+                self._named_sent = True
+                head = [{"index": 0, "id": self._named_id, "type": "function",
+                         "function": {"name": self.plan.named, "arguments": ""}}]
             return "", head + ([{"index": 0, "function": {"arguments": text}}] if text else [])
         if self.plan.mode == "required":
             return "", []
