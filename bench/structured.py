@@ -192,19 +192,20 @@ def compile_times(grammars, reps: int) -> dict:
 
 
 class MaskTimer:
-    """Wraps a scheduler's `_mask`: host seconds per call, summed per decode wave."""
+    """Wraps a scheduler's `_mask`: host seconds per call on a constrained lane, summed per decode wave."""
 
     def __init__(self, scheduler) -> None:
         self.calls: list[float] = []
-        self._mask = scheduler._mask
+        self._scheduler, self._mask = scheduler, scheduler._mask
         scheduler._mask = self
 
-    def __call__(self, lane):
+    def __call__(self, i: int):
+        constrained = self._scheduler.lanes[i].job.constraint is not None
         t0 = time.perf_counter()
         try:
-            return self._mask(lane)
+            return self._mask(i)
         finally:
-            if lane.job.constraint is not None:
+            if constrained:
                 self.calls.append(time.perf_counter() - t0)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import prefill_all, tiny_model
+from conftest import ENGINE_SHAPE, prefill_all, tiny_model
 from test_batch_invariance import TARGET, run_wave
 
 from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams, wave_widths
@@ -79,15 +79,23 @@ def int8_model() -> LoadedModel:
     return load_model(dtype="int8", layer_loop="unroll", matmul="kernel")
 
 
+# float32: 16 lanes, the target among 15 others at full width (3 programs, not 5); int8: the shared station shape, whose
+# programs tests/test_layouts.py compiles too, with widths 1, 2 and 4
+WIDTH_CHECKS = {"float32": ({"lanes": 16, "max_seq": 384, "chunk": 32, "block": 128, "widths": (1, 4, 16)},
+                            [(7, 2, 4), (12, 15, 16)]),
+                "int8": (ENGINE_SHAPE, [(1, 1, 2), (3, 3, 4)])}
+
+
 @pytest.mark.parametrize("weights", ["float32", "int8"])
 def test_bits_are_equal_at_every_width(weights: str, default_model: LoadedModel, request) -> None:
     model = default_model if weights == "float32" else request.getfixturevalue("int8_model")
-    engine = Engine(model, lanes=16, max_seq=384, chunk=32, block=128, widths=(1, 4, 16))  # 3 programs, not 5
+    shape, placements = WIDTH_CHECKS[weights]
+    engine = Engine(model, **shape)
     rng = np.random.default_rng(5)
     for sp in SAMPLINGS:
         ref, seen = _widths_seen(engine, {0: (TARGET, sp)}, STEPS)
         assert set(seen) == {1}
-        for lane, n_others, width in [(7, 2, 4), (12, 15, 16)]:
+        for lane, n_others, width in placements:
             lanes = {lane: (TARGET, sp), **_neighbours(engine, lane, n_others, rng)}
             got, seen = _widths_seen(engine, lanes, STEPS)
             assert set(seen) == {width}

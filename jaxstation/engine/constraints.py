@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Literal
@@ -97,6 +97,7 @@ class Constraint:
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab: int, field: str) -> None:
         self._matcher, self.vocab, self.field = matcher, vocab, field
+        self._limits: tuple[np.ndarray | None, np.ndarray | None] | None = None  # (stop ids, allowed ids) as masks
 
     def copy(self) -> Constraint:
         """A constraint at the same position, advanced on its own (one per choice of a request)."""
@@ -116,6 +117,26 @@ class Constraint:
             raise ConstraintFailed(f"the {self.field} constraint failed: {e}") from None
         if self._matcher.is_error():
             raise ConstraintFailed(f"the {self.field} constraint failed: {self._matcher.get_error()}")
+
+    def next_mask(self, generated: int, min_tokens: int, stop_ids: Iterable[int], allowed: Sequence[int]
+                  ) -> np.ndarray:
+        """The mask [words] int32 of the request's next token: what the grammar allows, less its stop ids while
+        min_tokens holds them (fewer than min_tokens generated) and anything outside its allowed_token_ids (when it
+        names them). Raises ConstraintFailed if no token is left."""
+        if self._limits is None:
+            self._limits = (token_bits(stop_ids, self.vocab) if min_tokens else None,
+                            token_bits(allowed, self.vocab) if allowed else None)
+        held, only = self._limits
+        mask = np.zeros(mask_words(self.vocab), np.int32)
+        self.fill(mask)
+        if held is not None and generated < min_tokens:
+            mask &= ~held
+        if only is not None:
+            mask &= only
+        if not mask.any():
+            raise ConstraintFailed(f"the {self.field} constraint allows no token after {generated} generated "
+                                   "(min_tokens or allowed_token_ids may rule out all it allows)")
+        return mask
 
     def advance(self, token: int) -> None:
         """Take the sampled token. Raises ConstraintFailed if the grammar refuses it."""

@@ -9,9 +9,8 @@ stop id, `terminal_prosody`, `max_new_tokens`, `finish_early` (a host matched a 
 Future is answered and the lane is free for the next fill. Before a job's first prefill chunk the engine `begin`s
 its lane (the token state its penalties, logit bias and min_tokens read). A job generates at least
 `sampling.min_tokens` tokens before a stop id (held back on the device) or `terminal_prosody` ends it.
-A constrained job (engine/constraints.py) brings its mask to every step that samples for it, computed here before
-the step, and its grammar takes each token after; a complete grammar retires it ("stop"), and a grammar that leaves
-no token fails it with ConstraintFailed.
+A constrained job (engine/constraints.py) gets its mask computed here before each step that samples for it, and its
+grammar takes each token after: a complete grammar retires it ("stop"); one that leaves no token fails it alone.
 With no live lane and nothing pending the thread waits on the condition variable: no polling.
 
 Backpressure. The queue holds at most `max_queue` jobs; `submit` past that raises QueueFull (the server answers 503
@@ -47,7 +46,7 @@ from concurrent.futures import Future, InvalidStateError
 
 import numpy as np
 
-from jaxstation.engine.constraints import Constraint, ConstraintFailed, mask_words, token_bits
+from jaxstation.engine.constraints import Constraint, ConstraintFailed
 from jaxstation.engine.engine import DecodeRow, Sample, SamplingParams
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.prefix_cache import PrefixCache
@@ -132,7 +131,6 @@ class Lane:
     stop_sample: Sample | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
-    limits: tuple[np.ndarray | None, np.ndarray | None] | None = None  # a constrained job's (stop ids, allowed ids)
 
     @property
     def prefilling(self) -> bool:
@@ -141,8 +139,7 @@ class Lane:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What one turn of the loop runs: at most one prefill chunk, and a decode wave over the decoding lanes (each
-    constrained row with its mask)."""
+    """One turn: at most one prefill chunk, and a decode wave over the decoding lanes (constrained ones masked)."""
 
     prefill_lane: int | None
     decode_rows: list[DecodeRow | None]
@@ -302,48 +299,30 @@ class Scheduler:
                 self._retire(i, "stop")
         prefill_lane, prefill_mask = None, None
         while self.prefill_order and prefill_lane is None:
-            prefill_lane = self.prefill_order[0]
-            lane = self.lanes[prefill_lane]
+            prefill_lane, lane = self.prefill_order[0], self.lanes[self.prefill_order[0]]
             if lane.fed + self.engine.chunk >= len(lane.job.tokens):  # its last chunk samples the first token
-                try:
-                    prefill_mask = self._mask(lane)
-                except ConstraintFailed as e:
-                    self._fail(prefill_lane, e)
-                    prefill_lane = None
+                ok, prefill_mask = self._mask(prefill_lane)
+                prefill_lane = prefill_lane if ok else None
         rows: list[DecodeRow | None] = [None] * len(self.lanes)
         for i, lane in enumerate(self.lanes):
-            if lane is not None and not lane.prefilling:
+            if lane is not None and not lane.prefilling and (masked := self._mask(i))[0]:
                 job, n = lane.job, len(lane.samples)
-                try:
-                    mask = self._mask(lane)
-                except ConstraintFailed as e:
-                    self._fail(i, e)
-                    continue
-                rows[i] = DecodeRow(lane.samples[-1].token, len(job.tokens) + n - 1, job.sampling, n, mask)
+                rows[i] = DecodeRow(lane.samples[-1].token, len(job.tokens) + n - 1, job.sampling, n, masked[1])
         return Plan(prefill_lane, rows, prefill_mask)
 
-    def _mask(self, lane: Lane) -> np.ndarray | None:
-        """A constrained lane's mask [words] for its next token: what its grammar allows, less its stop ids while
-        min_tokens holds them and anything outside its allowed_token_ids. Raises ConstraintFailed if none is left."""
-        constraint = lane.job.constraint
-        if constraint is None:
-            return None
-        job, vocab = lane.job, constraint.vocab
-        if lane.limits is None:
-            allowed = job.sampling.allowed_token_ids
-            lane.limits = (token_bits(job.stop_ids, vocab) if job.sampling.min_tokens else None,
-                           token_bits(allowed, vocab) if allowed else None)
-        held, allowed = lane.limits
-        mask = np.zeros(mask_words(vocab), np.int32)
-        constraint.fill(mask)
-        if held is not None and len(lane.samples) < job.sampling.min_tokens:
-            mask &= ~held
-        if allowed is not None:
-            mask &= allowed
-        if not mask.any():
-            raise ConstraintFailed(f"the {constraint.field} constraint allows no token after {len(lane.samples)} "
-                                   "generated (min_tokens or allowed_token_ids may rule out all it allows)")
-        return mask
+    def _mask(self, i: int) -> tuple[bool, np.ndarray | None]:
+        """(whether lane i goes on, the constraint mask of its next token: `Constraint.next_mask`, None without a
+        constraint). A job its constraint leaves without a token fails here."""
+        lane = self.lanes[i]
+        job = lane.job
+        if job.constraint is None:
+            return True, None
+        try:
+            return True, job.constraint.next_mask(len(lane.samples), job.sampling.min_tokens, job.stop_ids,
+                                                  job.sampling.allowed_token_ids)
+        except ConstraintFailed as e:
+            self._fail(i, e)
+            return False, None
 
     def _execute(self, plan: Plan) -> None:
         if plan.prefill_lane is not None:
