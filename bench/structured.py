@@ -279,7 +279,7 @@ def main() -> None:
 
     model, args.engine_kw = bench_model(args, 256)
     tok = model.tokenizer
-    grammars = Grammars(tok.backend.to_str(), model.cfg.vocab_size, tok.eos_ids)
+    grammars = Grammars(tok, model.cfg.vocab_size, tok.eos_ids)
     t0 = time.perf_counter()
     grammars.tokenizer()
     result = {"model": str(model.source), "dtype": args.dtype, "new_tokens": args.new_tokens,

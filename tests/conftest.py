@@ -81,7 +81,7 @@ def engine(default_model: LoadedModel) -> Engine:
 def grammars(default_model: LoadedModel) -> Grammars:
     """Constraint compiling for the default model's tokenizer, as its station builds it."""
     tok = default_model.tokenizer
-    return Grammars(tok.backend.to_str(), default_model.cfg.vocab_size, tok.eos_ids)
+    return Grammars(tok, default_model.cfg.vocab_size, tok.eos_ids)
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,8 @@ from typing import Any, Literal
 import llguidance
 import numpy as np
 
+from jaxstation.model.tokenizer import Tokenizer
+
 WORD_BITS = 32  # tokens per mask word
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,12}"  # between two JSON tokens: a newline and an indent, not a padding run
 COMPILE_TIMEOUT_S = 5.0
@@ -47,11 +49,6 @@ def token_bits(tokens: Iterable[int], vocab: int) -> np.ndarray:
     bits = np.zeros(mask_words(vocab) * WORD_BITS, np.uint8)
     bits[np.fromiter(tokens, np.int64)] = 1
     return np.packbits(bits, bitorder="little").view(np.int32)
-
-
-def allowed_tokens(mask: np.ndarray, vocab: int) -> np.ndarray:
-    """The token ids a mask [words] int32 allows (the host's reading of what the device applies)."""
-    return np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab])
 
 
 class ConstraintError(ValueError):
@@ -149,13 +146,14 @@ class Constraint:
 
 
 class Grammars:
-    """Compiles constraints for one model's tokenizer. The llguidance tokenizer (about a second to build from the
-    vocabulary) is built once, on first use, under a lock; compiling is thread-safe and runs on a small pool so that a
-    compile past `timeout_s` is answered at once (the pool's thread finishes it in the background)."""
+    """Compiles constraints for one model's tokenizer. llguidance's tokenizer (built from the vocabulary in about
+    0.4 s) is built on the first compile, under a lock, so a station that never sees a constraint never pays for it.
+    Compiling is thread-safe and runs on a small pool so that a compile past `timeout_s` is answered at once (the
+    pool's thread finishes it in the background)."""
 
-    def __init__(self, tokenizer_json: str, vocab: int, eos_ids: Iterable[int],
+    def __init__(self, tokenizer: Tokenizer, vocab: int, eos_ids: Iterable[int],
                  timeout_s: float = COMPILE_TIMEOUT_S) -> None:
-        self._json, self.vocab, self.eos_ids = tokenizer_json, vocab, sorted(eos_ids)
+        self._source, self.vocab, self.eos_ids = tokenizer, vocab, sorted(eos_ids)
         self.timeout_s = timeout_s
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
@@ -164,13 +162,16 @@ class Grammars:
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = llguidance.LLTokenizer(self._json, n_vocab=self.vocab, eos_token=self.eos_ids)
+                self._tokenizer = llguidance.LLTokenizer(self._source.backend.to_str(), n_vocab=self.vocab,
+                                                         eos_token=self.eos_ids)
             return self._tokenizer
 
     def compile(self, spec: ConstraintSpec) -> Constraint:
         """The constraint at its start. Raises ConstraintError naming spec.field: an invalid or unsupported schema,
-        regex or grammar (with llguidance's reason), or a compile past the time limit."""
+        regex or grammar (with llguidance's reason), or a compile past the time limit (which the one-off tokenizer
+        build does not count against)."""
         grammar = spec.grammar()
+        self.tokenizer()
         future = self._pool.submit(self._matcher, grammar)
         try:
             matcher = future.result(timeout=self.timeout_s)

@@ -28,7 +28,7 @@ from jaxstation.openai.protocol import (
 )
 from jaxstation.openai.tools import ToolPlan, template_messages, tool_constraint
 from jaxstation.serving.errors import OpenAIError, describe
-from jaxstation.serving.protocol import check_allowed, constraint_spec, token_controls
+from jaxstation.serving.protocol import NO_TOKEN_STATE, check_allowed, constraint_spec, token_controls
 
 M = TypeVar("M", bound=BaseModel)
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -105,8 +105,7 @@ def request_constraint(req: SamplingFields, tools: ToolPlan | None, on_device: b
         raise bad(fields[-1], f"{' and '.join(fields)} each constrain the output: send one of them")
     if asked and not on_device:
         field = asked[0].field.split(".")[0]
-        raise unsupported(field, f"{field} is not supported here: this station keeps no per-lane token state (a "
-                                 "mesh host)")
+        raise unsupported(field, f"{field} {NO_TOKEN_STATE}")
     return asked[0] if asked else None
 
 

@@ -26,6 +26,7 @@ from jaxstation.serving.errors import ApiError, describe
 TokenId = Annotated[int, Field(ge=0)]
 BiasKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$")]  # a token id, in decimal
 Bias = Annotated[float, Field(ge=-100, le=100)]
+NO_TOKEN_STATE = "is not supported here: this station keeps no per-lane token state (a mesh host)"
 NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {},
            "allowed_token_ids": [], "min_tokens": 0}  # the device controls' values that ask for nothing
 
@@ -57,8 +58,7 @@ def token_controls(req: TokenControls, vocab: int, on_device: bool, invalid: Cal
     for name, neutral in NEUTRAL.items():
         value = getattr(req, name)
         if not on_device and value is not None and value != neutral:
-            raise unsupported(name, f"{name}={value!r} is not supported here: this station keeps no per-lane token "
-                                    "state (a mesh host)")
+            raise unsupported(name, f"{name}={value!r} {NO_TOKEN_STATE}")
     bias = []
     for key, value in (req.logit_bias or {}).items():
         if int(key) >= vocab:
@@ -209,8 +209,7 @@ def parse_generate(body: Any, vocab: int, max_request_tokens: int, eos_ids: froz
     check_allowed(sampling, stops, refuse)
     spec = constraint_spec(req.structured_outputs, "structured_outputs", refuse) if req.structured_outputs else None
     if spec is not None and not on_device:
-        raise ApiError(422, "structured_outputs is not supported here: this station keeps no per-lane token state "
-                            "(a mesh host)", "structured_outputs")
+        raise ApiError(422, f"structured_outputs {NO_TOKEN_STATE}", "structured_outputs")
     job = Job(tokens=req.tokens, max_new_tokens=req.max_new_tokens, sampling=sampling, stop_ids=stops,
               terminal_prosody=req.terminal_prosody, reuse_prefix=reuse_prefix(req.resume))
     return job, spec

@@ -94,12 +94,10 @@ class Station:
                 scheduler.start()
                 self.scheduler = scheduler
             if tok is not None:
-                self.grammars = Grammars(tok.backend.to_str(), self.model.cfg.vocab_size, self.eos_ids)
+                self.grammars = Grammars(tok, self.model.cfg.vocab_size, self.eos_ids)
             clock.record("ready", clock.since_start())
             self.ready.set()
             log.info("ready: %d lanes x %d positions, continuous=%s", c.lanes, c.max_seq, c.continuous)
-            if self.grammars is not None:
-                self.grammars.tokenizer()  # built here, off the first constrained request's path
         except Exception as e:
             start_failed(self, e)
 
