@@ -58,7 +58,7 @@ def new_station(model, lanes: int, max_seq: int, chunk: int, max_queue: int):
 
 def load_direct(sched, prompts, arrivals, new_tokens: int) -> dict:
     """Open-loop run: submit prompts[i] at arrivals[i] (seconds from start); wait for all; per-request figures."""
-    from jaxstation.engine.scheduler import Job, QueueFull
+    from jaxstation.engine.jobs import Job, QueueFull
 
     stamps: list[list[float]] = [[] for _ in prompts]
     jobs, rejected = [], 0
@@ -123,7 +123,7 @@ def load_http(base: str, prompts, arrivals, new_tokens: int) -> dict:
 def scenario(sched, chunk: int, decoders: int, long_len: int, base_tokens: int, tail_tokens: int, tokenizer,
              seed: int) -> dict:
     """`decoders` lanes decode; once lane 0 has base_tokens, a long_len prompt arrives. Gaps and the long TTFT."""
-    from jaxstation.engine.scheduler import Job
+    from jaxstation.engine.jobs import Job
 
     short = make_prompts(tokenizer, decoders, 32, seed=seed)
     long_prompt = make_prompts(tokenizer, 1, long_len, seed=seed + 1)[0]

@@ -103,7 +103,7 @@ class DirectStation(System):
         self.sched.start()
 
     def call(self, client, tokens, new):
-        from jaxstation.engine.scheduler import Job
+        from jaxstation.engine.jobs import Job
 
         t0 = time.perf_counter()
         r = self.sched.submit(Job(tokens=tokens, max_new_tokens=new, stop_ids=frozenset(), reuse_prefix=False)).result()

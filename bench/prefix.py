@@ -37,7 +37,7 @@ def new_scheduler(engine):
 
 
 def run_one(sched, prompt: list[int], new: int, reuse: bool):
-    from jaxstation.engine.scheduler import Job
+    from jaxstation.engine.jobs import Job
 
     return sched.submit(Job(tokens=prompt, max_new_tokens=new, stop_ids=frozenset(), reuse_prefix=reuse)).result()
 
@@ -64,7 +64,7 @@ def chat(sched, tokenizer, args, seed: int) -> list[dict]:
 
 
 def shared_system(engine, tokenizer, args, reuse: bool) -> dict:
-    from jaxstation.engine.scheduler import Job
+    from jaxstation.engine.jobs import Job
 
     system = make_prompts(tokenizer, 1, args.system_len, seed=args.seed + 100)[0]
     users = make_prompts(tokenizer, args.requests, [24 + (7 * i) % 40 for i in range(args.requests)],

@@ -212,7 +212,8 @@ class MaskTimer:
 def throughput(model, grammars, k: int, args) -> dict:
     from jaxstation.engine.constraints import ConstraintSpec
     from jaxstation.engine.engine import Engine
-    from jaxstation.engine.scheduler import Job, Scheduler
+    from jaxstation.engine.jobs import Job
+    from jaxstation.engine.scheduler import Scheduler
 
     engine = Engine(model, lanes=k, max_seq=256, chunk=32, block=128, **args.engine_kw)
     engine.warmup()

@@ -48,7 +48,8 @@ def seq_len(prompt_len: int, new: int, chunk: int, block: int) -> int:
 
 def direct(args, model, prompts) -> dict:
     from jaxstation.engine.engine import Engine
-    from jaxstation.engine.scheduler import Job, Scheduler
+    from jaxstation.engine.jobs import Job
+    from jaxstation.engine.scheduler import Scheduler
 
     max_seq = seq_len(args.prompt_len, args.new_tokens, args.chunk, args.block)
     stations: dict[int, tuple] = {}

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from jaxstation import __version__
 from jaxstation.model.loader import CheckpointError
+from jaxstation.serving.memory import use_gpu_memory_fraction
 from jaxstation.serving.settings import (
     COMMANDS,
     DTYPES,
@@ -21,7 +22,6 @@ from jaxstation.serving.settings import (
     StationConfig,
     add_arguments,
     resolve,
-    use_gpu_memory_fraction,
 )
 
 
@@ -49,7 +49,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"{model.cfg.max_position} positions", file=sys.stderr)
         return 2
     engine = Engine(model, lanes=1, max_seq=max_seq, chunk=chunk, block=block,
-                    attention=replace(station, max_seq=max_seq).attention_for(model.cfg))
+                    attention=replace(station, max_seq=max_seq).attention_for(model.cfg), pack_budget=None)
     engine.warmup()  # compile outside the timed run
     seed = args.seed if args.seed is not None else secrets.randbelow(1 << 32)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed)

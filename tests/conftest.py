@@ -74,7 +74,11 @@ def default_model() -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def engine(default_model: LoadedModel) -> Engine:
-    return Engine(default_model, **ENGINE_SHAPE, attention=StationConfig().attention_for(default_model.cfg))
+    """The engine a station on this machine builds at ENGINE_SHAPE: on CPU with the kernels, prompts enter in packed
+    steps (`Engine.pack`, through the scheduler and `generate`); `prefill` is there for the tests that call it."""
+    station = StationConfig()
+    return Engine(default_model, **ENGINE_SHAPE, attention=station.attention_for(default_model.cfg),
+                  pack_budget=station.pack_budget)
 
 
 @pytest.fixture(scope="session")

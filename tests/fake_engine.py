@@ -144,6 +144,7 @@ class FakeEngine:
 
     # ---- the Engine surface -------------------------------------------------------------------------------
     token_controls = False
+    pack_budget = 0  # one prefill chunk per turn
 
     def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int]) -> None:
         self._begun[lane] = tuple(prompt)

@@ -22,8 +22,9 @@ from jaxstation.engine.constraints import (
     token_bits,
 )
 from jaxstation.engine.engine import DecodeRow, SamplingParams
+from jaxstation.engine.jobs import Job
 from jaxstation.engine.penalties import PenaltyArrays, allocate_token_state, penalize, unpack_mask
-from jaxstation.engine.scheduler import Job, Scheduler
+from jaxstation.engine.scheduler import Scheduler
 
 EOS = 2
 TIMEOUT = 180

@@ -110,7 +110,8 @@ def test_int8_on_the_kernel_matches_int8_on_xla() -> None:
 
 @pytest.mark.parametrize("window", [None, 5])
 def test_decode_attention_kernel(window: int | None) -> None:
-    """Against a float64 softmax over each row's own positions; a row's bits do not depend on the other rows."""
+    """Against a float64 softmax over each row's own positions (a row at the last position, the scratch slot, over
+    itself only); a row's bits do not depend on the other rows."""
     rng = np.random.default_rng(4)
     layers, lanes, seq, kvh, group, hd = 2, 5, 40, 2, 3, 32
     k = rng.standard_normal((layers, lanes, seq, kvh, hd)).astype(np.float32)
@@ -122,7 +123,7 @@ def test_decode_attention_kernel(window: int | None) -> None:
                                                                   window))
     got = np.asarray(f(q, row_lanes, positions))
     for r, (lane, pos) in enumerate(zip(row_lanes, positions, strict=True)):
-        lo = 0 if window is None else max(0, pos - window + 1)
+        lo = pos if pos == seq - 1 else 0 if window is None else max(0, pos - window + 1)  # the scratch slot: itself
         for h in range(kvh * group):
             keys, vals = k[1, lane, lo:pos + 1, h // group], v[1, lane, lo:pos + 1, h // group]
             s = keys.astype(np.float64) @ q[r, h] / np.sqrt(hd)

@@ -19,7 +19,8 @@ from jaxstation.engine.steps import decode_step_batch
 from jaxstation.model.loader import LoadedModel, load_model
 from jaxstation.model.quant import QuantWeight, matmul, quantize
 from jaxstation.model.shapes import ARCHITECTURES, random_model
-from jaxstation.serving.settings import ConfigError, StationConfig, check_memory, weight_bytes
+from jaxstation.serving.memory import check_memory, weight_bytes
+from jaxstation.serving.settings import ConfigError, StationConfig
 
 STEPS = 5
 SEEDED = SamplingParams(temperature=0.9, top_k=20, seed=42)

@@ -26,7 +26,8 @@ from server_util import ServerThread, metric, wait_for
 
 from jaxstation import cli
 from jaxstation.engine.engine import Engine, SamplingParams, generate
-from jaxstation.engine.scheduler import Job, Scheduler
+from jaxstation.engine.jobs import Job
+from jaxstation.engine.scheduler import Scheduler
 from jaxstation.mesh.client import MeshError
 from jaxstation.mesh.host import MeshEngine, create_host_app
 from jaxstation.mesh.stage import fingerprint

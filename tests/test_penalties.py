@@ -18,7 +18,8 @@ import pytest
 from conftest import prefill_all, run_wave
 
 from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams
-from jaxstation.engine.scheduler import Job, Scheduler
+from jaxstation.engine.jobs import Job
+from jaxstation.engine.scheduler import Scheduler
 from jaxstation.mesh.host import MeshEngine
 from jaxstation.serving.errors import ApiError
 from jaxstation.serving.protocol import parse_generate

@@ -13,7 +13,8 @@ import pytest
 from conftest import prefill_all
 
 from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams, generate
-from jaxstation.engine.scheduler import Job, Result, Scheduler
+from jaxstation.engine.jobs import Job, Result
+from jaxstation.engine.scheduler import Scheduler
 
 CHUNK = 32
 SEEDED = SamplingParams(temperature=0.9, top_k=50, seed=4321)

@@ -11,8 +11,9 @@ import pytest
 from fake_engine import FakeEngine, expected
 
 from jaxstation.engine.engine import SamplingParams
+from jaxstation.engine.jobs import Cancelled, Job, StepFailed
 from jaxstation.engine.prefix_cache import Pick, PrefixCache, common_prefix
-from jaxstation.engine.scheduler import Cancelled, Job, Scheduler, StepFailed
+from jaxstation.engine.scheduler import Scheduler
 
 TIMEOUT = 5.0
 CHUNK = 4

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from jaxstation.engine.engine import Engine, SamplingParams, generate
-from jaxstation.engine.scheduler import Job, Scheduler
+from jaxstation.engine.jobs import Job
+from jaxstation.engine.scheduler import Scheduler
 
 LANES = 4
 SHAPE = {"lanes": LANES, "max_seq": 512, "chunk": 32, "block": 128}

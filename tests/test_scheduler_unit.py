@@ -15,7 +15,8 @@ import pytest
 from fake_engine import FakeEngine, expected
 
 from jaxstation.engine.engine import SamplingParams
-from jaxstation.engine.scheduler import Cancelled, Job, QueueFull, Scheduler, ShuttingDown, StepFailed
+from jaxstation.engine.jobs import Cancelled, Job, QueueFull, ShuttingDown, StepFailed
+from jaxstation.engine.scheduler import Scheduler
 
 TIMEOUT = 5.0
 

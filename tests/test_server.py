@@ -380,7 +380,8 @@ def test_settings_errors_name_the_variable(env: dict, message: str) -> None:
 
 
 def test_memory_check_names_what_to_lower(default_model: LoadedModel) -> None:
-    from jaxstation.serving.settings import ConfigError, check_memory
+    from jaxstation.serving.memory import check_memory
+    from jaxstation.serving.settings import ConfigError
 
     cfg = default_model.cfg
     check_memory(cfg, StationConfig(**SHAPE), available=1 << 40)

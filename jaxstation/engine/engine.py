@@ -31,6 +31,8 @@ FLOAT32_TINY, FLOAT32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.
 # per-block loop; cuDNN skips what lies past a lane's length).
 ATTENTIONS = ("blocked", "kernel", "xla", "cudnn")
 ROW_ATTENTIONS = ("blocked", "kernel")  # those that take any subset of lanes, so waves may run narrow
+PACK_BUDGET_AUTO = 64  # rows per packed admission step where packing is on by default (bench/admission.py)
+PACK_FLOOR = 16  # the narrowest packed step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +113,23 @@ class DecodeRow:
     mask: np.ndarray | None = None  # [words] int32: the tokens a constrained request may take (engine/constraints.py)
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptPiece:
+    """Part of a lane's prompt for a packed step: prompt[start:start + length] into `lane`. A piece that reaches the
+    prompt's end samples the request's first token (from the tokens `mask` allows, when given)."""
+
+    lane: int
+    prompt: Sequence[int]
+    start: int
+    length: int
+    sampling: SamplingParams
+    mask: np.ndarray | None = None
+
+    @property
+    def last(self) -> bool:
+        return self.start + self.length >= len(self.prompt)
+
+
 def _sampling_arrays(rows: Sequence[tuple[SamplingParams, int] | None]) -> SamplingArrays:
     idle = (SamplingParams(), 0)
     filled = [r or idle for r in rows]
@@ -153,6 +172,16 @@ def _samples(out: SampleOut) -> list[Sample]:
     ]
 
 
+def pack_widths(budget: int, lanes: int) -> tuple[int, ...]:
+    """The row counts of packed steps under a budget of `budget` rows: halvings of the budget down to the first at or
+    below the lanes or PACK_FLOOR, so that a turn of short prompts runs a narrow step (each width one more compiled
+    program)."""
+    widths = [budget]
+    while widths[-1] > max(lanes, PACK_FLOOR) and widths[-1] % 2 == 0:
+        widths.append(widths[-1] // 2)
+    return tuple(sorted(widths))
+
+
 def wave_widths(lanes: int) -> tuple[int, ...]:
     """The default decode widths of a row-invariant engine: 1, 2, 4, ... below `lanes`, then `lanes` (a lone
     request runs a 1-row step; each width is one more compiled program)."""
@@ -170,9 +199,12 @@ class Engine:
     token_controls = True  # penalties, logit_bias and min_tokens are applied (from the arena's token state)
 
     def __init__(self, model: LoadedModel, lanes: int, max_seq: int, chunk: int, block: int,
-                 attention: str = "blocked", widths: Sequence[int] | None = None) -> None:
+                 attention: str = "blocked", widths: Sequence[int] | None = None, pack_budget: int | None = 0
+                 ) -> None:
         """widths: the decode wave widths (default: `wave_widths` when the model's matmuls are row-invariant and the
-        attention is blocked or the kernel, else only `lanes`)."""
+        attention is blocked or the kernel, else only `lanes`). pack_budget: rows per packed admission step (`pack`;
+        0: prompts enter one `prefill` chunk at a time; None: PACK_BUDGET_AUTO, or the lanes if more, where waves may
+        run narrow, else 0); packing needs what narrow waves need."""
         if max_seq % chunk or max_seq % block:
             raise ValueError(f"max_seq ({max_seq}) must be a multiple of the prefill chunk ({chunk}) "
                              f"and of the KV block ({block})")
@@ -196,7 +228,15 @@ class Engine:
             raise ValueError("decode waves narrower than the arena need every matmul on the CPU kernel and the "
                              f"blocked or kernel attention (matmul kernel: {model.params.row_invariant}, attention "
                              f"{attention})")
+        if pack_budget is None:
+            pack_budget = max(PACK_BUDGET_AUTO, lanes) if narrow_ok else 0
+        if pack_budget and not (narrow_ok and pack_budget >= lanes):
+            raise ValueError(f"packed admission needs every matmul on the CPU kernel, the blocked or kernel attention "
+                             f"and a budget of at least the lanes ({lanes}), got {pack_budget} rows (matmul kernel: "
+                             f"{model.params.row_invariant}, attention {attention})")
         self.widths = widths
+        self.pack_budget = pack_budget
+        self.pack_widths = pack_widths(pack_budget, lanes) if pack_budget else ()
         self.model = model
         self.cfg = model.cfg
         self.lanes, self.max_seq, self.chunk, self.block = lanes, max_seq, chunk, block
@@ -308,6 +348,53 @@ class Engine:
             logits = jax.numpy.zeros((self.lanes, logits.shape[1]), logits.dtype).at[np.array(order)].set(logits)
         return samples, logits
 
+    def pack(self, pieces: Sequence[PromptPiece], rows: Sequence[DecodeRow | None]
+             ) -> list[Sample | None]:
+        """One packed step: every piece's prompt tokens and every decode row (rows[i] feeds lane i) as rows of one
+        call, at the narrowest pack width that holds them. Returns, per lane, the sample of its decode row or of its
+        piece that ends its prompt (None elsewhere). Pieces of one lane go in order, after `begin`."""
+        if not self.pack_budget:
+            raise ValueError("this engine does not pack (pack_budget 0)")
+        if len(rows) != self.lanes:
+            raise ValueError(f"pack needs one decode row per lane ({self.lanes}), got {len(rows)}")
+        tokens, positions, lanes = [], [], []  # one entry per row
+        picks, slots = [], []  # per sampled row: its index; (lane, sampling, counter, mask)
+        for lane, r in enumerate(rows):
+            if r is not None:
+                tokens.append(r.token)
+                positions.append(r.position)
+                lanes.append(lane)
+                picks.append(len(tokens) - 1)
+                slots.append((lane, r.sampling, r.counter, r.mask))
+        for p in pieces:
+            if p.length < 1 or p.start + p.length > len(p.prompt) or rows[p.lane] is not None:
+                raise ValueError(f"piece [{p.start}, {p.start + p.length}) of lane {p.lane} does not fit its prompt "
+                                 f"({len(p.prompt)} tokens) or the lane also decodes")
+            tokens.extend(p.prompt[p.start:p.start + p.length])
+            positions.extend(range(p.start, p.start + p.length))
+            lanes.extend([p.lane] * p.length)
+            if p.last:
+                picks.append(len(tokens) - 1)
+                slots.append((p.lane, p.sampling, 0, p.mask))
+        if not tokens:
+            return [None] * self.lanes
+        if len(tokens) > self.pack_budget or len({s[0] for s in slots}) < len(slots):
+            raise ValueError(f"{len(tokens)} rows exceed the pack budget ({self.pack_budget}), or a lane samples twice")
+        width = next(w for w in self.pack_widths if w >= len(tokens))
+        pad, idle = width - len(tokens), [None] * (min(width, self.lanes) - len(slots))  # padding rows and slots
+        per_slot = [(sp, counter) for _, sp, counter, _ in slots] + idle
+        self.lane_versions.touch(sorted(set(lanes)))  # padding rows write only lane 0's scratch slot
+        self.arena, out, _ = decode_step_batch(
+            self.cfg, self.params, self.arena, np.array(positions + [self.scratch_pos] * pad, np.int32),
+            np.array(tokens + [0] * pad, np.int32), np.int32(max(positions) // self.block + 1),
+            _sampling_arrays(per_slot), np.array(lanes + [0] * pad, np.int32),
+            _penalty_arrays(per_slot, self.cfg.vocab_size, [s[3] for s in slots] + idle),
+            np.array(picks + [0] * len(idle), np.int32), block=self.block, attention=self.attention)
+        samples: list[Sample | None] = [None] * self.lanes
+        for (lane, *_), sample in zip(slots, _samples(out), strict=False):
+            samples[lane] = sample
+        return samples
+
     def warmup_steps(self) -> list[tuple[str, Callable[[], object]]]:
         """Every step shape the station runs, as (name, run it once on lane 0); the first run of each compiles it."""
         prompt = [0] * (self.chunk + 1)
@@ -323,6 +410,9 @@ class Engine:
         for w in self.widths:
             name = "decode" if w == self.lanes else f"decode_{w}"
             steps.append((name, lambda w=w: (self._wave(sampled, w, False), self._wave(greedy, w, False))))
+        for w in self.pack_widths:  # `w` rows of lane 0's prompt: the widest piece that width holds
+            piece = [PromptPiece(0, [0] * w, 0, w, SamplingParams(temperature=1.0, top_p=0.9))]
+            steps.append((f"pack_{w}", lambda piece=piece: self.pack(piece, [None] * self.lanes)))
         return steps
 
     def warmup(self) -> None:
@@ -335,12 +425,18 @@ def generate(engine: Engine, prompt: Sequence[int], max_new_tokens: int, samplin
              stop_ids: frozenset[int] = frozenset(), lane: int = 0) -> list[int]:
     """Run one request alone on `lane`: chunked prefill, then decode until a stop id or max_new_tokens.
 
-    The stop token is not included. Used by the CLI and as the serial reference in tests.
+    The stop token is not included. Used by the CLI and as the serial reference in tests. An engine that packs feeds
+    the prompt in packed steps of its whole budget, as a station does for a request that runs alone.
     """
     engine.begin(lane, prompt, sampling, stop_ids)
     sample = None
-    for start in range(0, len(prompt), engine.chunk):
-        sample, _ = engine.prefill(lane, prompt, start, sampling)
+    step = engine.pack_budget or engine.chunk
+    for start in range(0, len(prompt), step):
+        if engine.pack_budget:
+            piece = PromptPiece(lane, prompt, start, min(step, len(prompt) - start), sampling)
+            sample = engine.pack([piece], [None] * engine.lanes)[lane]
+        else:
+            sample, _ = engine.prefill(lane, prompt, start, sampling)
     out: list[int] = []
     while sample is not None and sample.token not in stop_ids and len(out) < max_new_tokens:
         out.append(sample.token)

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jaxstation.engine.engine import DecodeRow, Sample, SamplingParams
+from jaxstation.engine.engine import DecodeRow, PromptPiece, Sample, SamplingParams
 from jaxstation.engine.prefix_cache import LaneVersions
 
 
@@ -24,6 +24,7 @@ class Runner(Protocol):
     arena: Any  # device state a caller may wait on (None when the KV lives elsewhere, e.g. on mesh stations)
     lane_versions: LaneVersions  # a new stamp per lane whenever its KV may change: what the prefix cache trusts
     token_controls: bool  # whether it applies SamplingParams' penalties, logit_bias, min_tokens and constraint masks
+    pack_budget: int  # rows per packed admission step (`pack`); 0: prompts enter one `prefill` chunk at a time
 
     def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int]) -> None:
         """A request takes `lane` (called before its first prefill chunk): set the lane's per-request token state."""
@@ -36,6 +37,10 @@ class Runner(Protocol):
     def prefill_scored(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
                        mask: np.ndarray | None = None) -> tuple[Sample | None, list[Sample]]:
         """`prefill`, plus the log-probability of each prompt token in the chunk given the tokens before it."""
+
+    def pack(self, pieces: Sequence[PromptPiece], rows: Sequence[DecodeRow | None]) -> list[Sample | None]:
+        """One packed step (only where pack_budget > 0): the pieces' prompt tokens and the decode rows in one call.
+        One sample per lane that decodes or whose piece ends its prompt."""
 
     def decode(self, rows: Sequence[DecodeRow | None], return_logits: bool = False
                ) -> tuple[list[Sample | None], Any]:

@@ -41,82 +41,18 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 
 import numpy as np
 
-from jaxstation.engine.constraints import Constraint, ConstraintFailed
-from jaxstation.engine.engine import DecodeRow, Sample, SamplingParams
+from jaxstation.engine.constraints import ConstraintFailed
+from jaxstation.engine.engine import DecodeRow, PromptPiece, Sample
+from jaxstation.engine.jobs import Cancelled, Job, QueueFull, Result, ShuttingDown, StepFailed
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.prefix_cache import PrefixCache
 from jaxstation.engine.runner import Runner
 
 log = logging.getLogger(__name__)
-
-
-class QueueFull(Exception):
-    """The pending queue is at its bound."""
-
-
-class ShuttingDown(Exception):
-    """The station is draining or stopped and takes no new work."""
-
-
-class StepFailed(Exception):
-    """A compiled step raised; the jobs in flight are failed with its message. `status` is the HTTP status to
-    answer with: the step error's own `http_status` (a mesh station that is down: 502), else 500."""
-
-    def __init__(self, message: str, status: int = 500) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class Cancelled(Exception):
-    """The job was cancelled (its client went away)."""
-
-
-@dataclasses.dataclass
-class Job:
-    """One request. `on_token`, if given, is called from the decode thread with each generated Sample.
-
-    `prompt_logprobs` asks for the log-probability of every prompt token after the first (prefill scores each chunk
-    on the device; the Result carries them). `max_new_tokens` 0 is allowed with it: score the prompt, generate nothing.
-    `reuse_prefix`: may start on a lane's cached KV (the tokens are the same either way); False always prefills all,
-    and so does a `prompt_logprobs` job (every prompt row must be scored).
-    `cached_tokens` is set when the job takes a lane: how many prompt tokens it reuses from the lane's cached KV.
-    `constraint`: the grammar its output follows (engine/constraints.py), compiled before the job is submitted.
-    """
-
-    tokens: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
-    stop_ids: frozenset[int] = frozenset()
-    terminal_prosody: bool = False
-    reuse_prefix: bool = True
-    prompt_logprobs: bool = False
-    on_token: Callable[[Sample], None] | None = None
-    future: Future = dataclasses.field(default_factory=Future, repr=False)
-    submitted_at: float = 0.0
-    cancelled: bool = False
-    stop_requested: bool = False
-    cached_tokens: int = 0
-    constraint: Constraint | None = None
-
-    def cancel(self) -> None:
-        """Ask the scheduler to drop this job; its lane is freed within one wave."""
-        self.cancelled = True
-
-
-@dataclasses.dataclass(frozen=True)
-class Result:
-    generated: list[int]
-    finish_reason: str  # "stop" | "length" | "terminal_prosody"
-    prompt_tokens: int
-    samples: list[Sample]
-    timing: dict[str, float]  # queue_s, ttft_s, total_s, and cached_tokens (prompt tokens not prefilled)
-    prompt_logprobs: list[Sample] = dataclasses.field(default_factory=list)  # prompt tokens 1.., if the job asked
-    stop_sample: Sample | None = None  # the stop id that ended it, if one did (not in `generated`)
 
 
 @dataclasses.dataclass
@@ -139,11 +75,13 @@ class Lane:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """One turn: at most one prefill chunk, and a decode wave over the decoding lanes (constrained ones masked)."""
+    """One turn: at most one prefill chunk, prompt pieces for a packed step, and the decoding lanes' rows
+    (constrained ones masked). With pieces, the decode rows ride in the packed step; without, they are a wave."""
 
     prefill_lane: int | None
     decode_rows: list[DecodeRow | None]
     prefill_mask: np.ndarray | None = None  # the prefill lane's constraint mask, when its chunk samples
+    pieces: list[PromptPiece] = dataclasses.field(default_factory=list)
 
 
 class Scheduler:
@@ -297,9 +235,11 @@ class Scheduler:
                 self._finish_cancelled(lane.job)
             elif lane.job.stop_requested:
                 self._retire(i, "stop")
+        packs = self.engine.pack_budget > 0
         prefill_lane, prefill_mask = None, None
-        while self.prefill_order and prefill_lane is None:
-            prefill_lane, lane = self.prefill_order[0], self.lanes[self.prefill_order[0]]
+        while prefill_lane is None and (chunked := [i for i in self.prefill_order
+                                                    if not packs or self.lanes[i].job.prompt_logprobs]):
+            prefill_lane, lane = chunked[0], self.lanes[chunked[0]]
             if lane.fed + self.engine.chunk >= len(lane.job.tokens):  # its last chunk samples the first token
                 ok, prefill_mask = self._mask(prefill_lane)
                 prefill_lane = prefill_lane if ok else None
@@ -308,7 +248,30 @@ class Scheduler:
             if lane is not None and not lane.prefilling and (masked := self._mask(i))[0]:
                 job, n = lane.job, len(lane.samples)
                 rows[i] = DecodeRow(lane.samples[-1].token, len(job.tokens) + n - 1, job.sampling, n, masked[1])
-        return Plan(prefill_lane, rows, prefill_mask)
+        pieces = self._pieces(self.engine.pack_budget - sum(r is not None for r in rows)) if packs else []
+        return Plan(prefill_lane, rows, prefill_mask, pieces)
+
+    def _pieces(self, budget: int) -> list[PromptPiece]:
+        """This turn's prompt pieces for a packed step, `budget` tokens in all: first up to a chunk for each
+        prefilling lane, oldest first, so that no long prompt holds short ones back; then what is left of the budget
+        to the oldest. A piece that ends its prompt carries the lane's constraint mask."""
+        waiting = [i for i in self.prefill_order if not self.lanes[i].job.prompt_logprobs]
+        take = dict.fromkeys(waiting, 0)
+        for share in (self.engine.chunk, None):
+            for i in waiting:
+                lane = self.lanes[i]
+                n = min(len(lane.job.tokens) - lane.fed - take[i], budget, share or budget)
+                take[i] += n
+                budget -= n
+        pieces = []
+        for i, n in take.items():
+            lane = self.lanes[i]
+            if n == 0:
+                continue
+            ok, mask = self._mask(i) if lane.fed + n == len(lane.job.tokens) else (True, None)
+            if ok:
+                pieces.append(PromptPiece(i, lane.job.tokens, lane.fed, n, lane.job.sampling, mask))
+        return pieces
 
     def _mask(self, i: int) -> tuple[bool, np.ndarray | None]:
         """(whether lane i goes on, the constraint mask of its next token: `Constraint.next_mask`, None without a
@@ -348,14 +311,31 @@ class Scheduler:
                     self.postprocess(i, sample)
                 else:  # scoring only
                     self._retire(i, "length")
-        if any(row is not None for row in plan.decode_rows):
+        if plan.pieces:
+            t0 = time.perf_counter()
+            for p in plan.pieces:
+                lane = self.lanes[p.lane]
+                if lane.fed == lane.job.cached_tokens:  # the job's first piece
+                    self.engine.begin(p.lane, lane.job.tokens, lane.job.sampling, lane.job.stop_ids)
+            samples = self.engine.pack(plan.pieces, plan.decode_rows)
+            self.metrics.step.labels("pack").observe(time.perf_counter() - t0)
+            self.waves += 1
+            for p in plan.pieces:
+                lane = self.lanes[p.lane]
+                lane.fed += p.length
+                if p.last:
+                    self.prefill_order.remove(p.lane)
+                    self.metrics.prompt_tokens.inc(len(lane.job.tokens) - lane.job.cached_tokens)
+        elif any(row is not None for row in plan.decode_rows):
             t0 = time.perf_counter()
             samples, _ = self.engine.decode(plan.decode_rows)
             self.metrics.step.labels("decode").observe(time.perf_counter() - t0)
             self.waves += 1
-            for i, sample in enumerate(samples):
-                if sample is not None:
-                    self.postprocess(i, sample)
+        else:
+            return
+        for i, sample in enumerate(samples):
+            if sample is not None:
+                self.postprocess(i, sample)
 
     def postprocess(self, i: int, sample: Sample) -> None:
         """Fold a lane's new token into its request; retire the request when it is done."""

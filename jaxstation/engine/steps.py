@@ -74,15 +74,19 @@ def choose(logits: jax.Array, sampling: SamplingArrays, arena: KVArena, lanes: j
 @partial(jax.jit, static_argnames=("cfg", "block", "attention", "return_logits"), donate_argnames=("arena",))
 def decode_step_batch(cfg: ModelConfig, params: Params, arena: KVArena, positions: jax.Array, tokens: jax.Array,
                       n_blocks: jax.Array, sampling: SamplingArrays, lanes: jax.Array | None = None,
-                      penalties: PenaltyArrays | None = None, *, block: int, attention: str = "blocked",
-                      return_logits: bool = False
+                      penalties: PenaltyArrays | None = None, picks: jax.Array | None = None, *, block: int,
+                      attention: str = "blocked", return_logits: bool = False
                       ) -> tuple[KVArena, SampleOut, jax.Array | None]:
     """Advance every row's lane by one token with one read of the weights.
 
     positions, tokens: [rows] int32 (an idle row sits at the scratch slot); n_blocks: KV blocks covering the
     longest live row (unused by the dense attentions); lanes: [rows] int32, the arena lane of each row, or None for
-    a full-width wave (row r is lane r); penalties: per row, or None for none (the arena then needs no token
-    state). Returns the updated arena, one sample per row and, if asked, the model's logits [rows, vocab].
+    a full-width wave (row r is lane r); penalties: per sampled row, or None for none (the arena then needs no token
+    state). Returns the updated arena, one sample per sampled row and, if asked, the model's logits [sampled, vocab].
+
+    picks: [slots] int32, the rows to sample from (default: every row). With picks, rows of one lane may share the
+    step at consecutive positions (a packed admission step: prompt pieces of several lanes, and decode rows): every
+    row writes its k/v before any row attends, and each attends only to its lane's positions up to its own.
     """
     rows = tokens.shape[0]
     if lanes is None:
@@ -91,8 +95,9 @@ def decode_step_batch(cfg: ModelConfig, params: Params, arena: KVArena, position
         raise ValueError(f"attention={attention!r} runs full-width waves only")
     x = embed_tokens(params, tokens)[:, None, :]  # [rows, 1, d]
     x, arena = run_layers(cfg, params, arena, x, positions[:, None], lanes, n_blocks, block, attention=attention)
-    logits = lm_logits(cfg, params, x[:, 0])  # [rows, vocab]
-    out, arena = choose(logits, sampling, arena, lanes, penalties)
+    h = x[:, 0] if picks is None else x[picks, 0]  # [slots, d]
+    logits = lm_logits(cfg, params, h)  # [slots, vocab]
+    out, arena = choose(logits, sampling, arena, lanes if picks is None else lanes[picks], penalties)
     return arena, out, (logits if return_logits else None)
 
 

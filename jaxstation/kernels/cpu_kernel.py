@@ -134,7 +134,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array 
                      positions: jax.Array, window: int | None) -> jax.Array:
     """One query per row over its own arena lane: q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd]
     float32; lanes, positions [rows] -> [rows, heads, hd]. A row attends to positions (positions - window,
-    positions] of its lane (from 0 without a window), softmax over exactly those."""
+    positions] of its lane (from 0 without a window), softmax over exactly those; a row at the lane's last position
+    (the scratch slot idle rows write) attends to itself only."""
     require()
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call(TARGETS["attention"][0], out)(

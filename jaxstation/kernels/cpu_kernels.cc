@@ -241,7 +241,9 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   float* op = out->typed_data();
   ParallelFor(pool, rows * kvh, [&](int64_t item) {
     const int64_t r = item / kvh, h = item % kvh;
-    const int64_t hi = pos[r], lo = window > 0 ? std::max<int64_t>(0, hi - window + 1) : 0, n = hi - lo + 1;
+    // a row at the lane's last position (the scratch slot idle rows write, which no request uses) reads only itself
+    const int64_t hi = pos[r], scratch = hi == seq - 1;
+    const int64_t lo = scratch ? hi : window > 0 ? std::max<int64_t>(0, hi - window + 1) : 0, n = hi - lo + 1;
     const int64_t stride = kvh * hd;  // floats between consecutive positions
     const int64_t base = ((l * n_lanes + lane[r]) * seq + lo) * stride + h * hd;
     std::vector<float> scores(group * n);

@@ -74,6 +74,7 @@ class MeshEngine:
     host."""
 
     token_controls = False
+    pack_budget = 0  # prompts enter one chunk at a time: the stations take one lane per prefill call
 
     def __init__(self, clients: list[StationClient], *, lanes: int, max_seq: int, chunk: int, block: int,
                  recover_s: float, pipeline: bool) -> None:

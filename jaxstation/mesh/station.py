@@ -39,9 +39,10 @@ from jaxstation.model.loader import LoadedModel, load_model
 from jaxstation.serving.access_log import configure_logging
 from jaxstation.serving.coldstart import enable_compile_cache
 from jaxstation.serving.http_common import BodyError, read_body
+from jaxstation.serving.memory import check_memory
 from jaxstation.serving.routes import json_http_error
 from jaxstation.serving.server import run_server, uvicorn_config
-from jaxstation.serving.settings import StationConfig, check_memory
+from jaxstation.serving.settings import StationConfig
 from jaxstation.serving.station import start_failed
 
 log = logging.getLogger(__name__)

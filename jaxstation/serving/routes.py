@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxstation import __version__
 from jaxstation.engine.constraints import ConstraintError, ConstraintFailed
-from jaxstation.engine.scheduler import Cancelled, QueueFull, Result, ShuttingDown, StepFailed
+from jaxstation.engine.jobs import Cancelled, QueueFull, Result, ShuttingDown, StepFailed
 from jaxstation.serving.access_log import AccessLogMiddleware
 from jaxstation.serving.errors import OPENAI_PATHS, ApiError, error_response
 from jaxstation.serving.http_common import RETRY_AFTER_S, BodyError, read_json, until_disconnect

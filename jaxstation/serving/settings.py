@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -17,15 +16,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxstation.engine.arena import arena_bytes
-from jaxstation.engine.engine import ATTENTIONS
+from jaxstation.engine.engine import ATTENTIONS, PACK_BUDGET_AUTO
 from jaxstation.kernels import cpu_kernel
 from jaxstation.model.config import LayerRange, ModelConfig
 from jaxstation.model.layers import LAYER_LOOPS, WEIGHT_DTYPES, compute_dtype
 from jaxstation.model.quant import MATMULS
 from jaxstation.serving.access_log import LOG_FORMATS
-
-log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -33,7 +29,6 @@ DTYPES = WEIGHT_DTYPES
 ATTENTION_CHOICES = ("auto", *ATTENTIONS)
 LAYER_LOOP_CHOICES = ("auto", *LAYER_LOOPS)
 MATMUL_CHOICES = ("auto", *MATMULS)
-GPU_MEM_FRACTION = "0.92"  # of the card, for weights + arena + XLA's scratch; JAX's own default is 0.75
 PREFIX_REUSE = ("auto", "resume", "off")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -113,6 +108,11 @@ SETTINGS: tuple[_Setting, ...] = (
              "only the lanes), full (every wave runs all lanes) or a list such as 1,4,16 (the lanes are added); a wave "
              "runs at the narrowest width that holds its live lanes, and each width is one more compiled program",
              commands=frozenset({"serve"})),
+    _Setting("prefill_budget", "MOONSHINE_PREFILL_BUDGET", "--prefill-budget", _parse_str,
+             "packed admission: rows per step holding prompt tokens from every prefilling lane and the decode tokens "
+             f"riding with them; auto ({PACK_BUDGET_AUTO} where waves may run narrow, i.e. every matmul on the CPU "
+             "kernel, else off), off (one prefill chunk per turn, decode in its own wave) or a number of rows, at "
+             "least the lanes", commands=frozenset({"serve"})),
     _Setting("max_seq", "MOONSHINE_MAX_SEQ", "--max-seq", _parse_int,
              "positions per lane: prompt + max_new_tokens <= max_seq"),
     _Setting("prefill_chunk", "MOONSHINE_PREFILL_CHUNK", "--prefill-chunk", _parse_int,
@@ -181,6 +181,7 @@ class StationConfig:
     uds: str | None = None
     lanes: int = 8
     wave_widths: str = "auto"
+    prefill_budget: str = "auto"
     max_seq: int = 2048
     prefill_chunk: int = 32
     kv_block: int = 128
@@ -229,6 +230,14 @@ class StationConfig:
             if not all(1 <= w <= self.lanes for w in widths):
                 raise ConfigError(f"{self.named('wave_widths')}={self.wave_widths!r}: every width must lie in [1, "
                                   f"{self.named('lanes')}={self.lanes}]")
+        if self.prefill_budget not in ("auto", "off"):
+            try:
+                budget = int(self.prefill_budget)
+            except ValueError:
+                budget = 0
+            if budget < self.lanes:
+                raise ConfigError(f"{self.named('prefill_budget')}={self.prefill_budget!r} must be auto, off or a "
+                                  f"number of rows of at least {self.named('lanes')}={self.lanes}")
         for field in ("prefill_chunk", "kv_block"):
             if self.max_seq % getattr(self, field):
                 raise ConfigError(f"{self.named('max_seq')}={self.max_seq} must be a multiple of "
@@ -282,6 +291,13 @@ class StationConfig:
         if self.wave_widths == "full":
             return (self.lanes,)
         return tuple(sorted({int(w) for w in self.wave_widths.split(",")} | {self.lanes}))
+
+    @property
+    def pack_budget(self) -> int | None:
+        """The engine's pack budget: None lets the engine choose (auto), 0 is off, else the rows."""
+        if self.prefill_budget == "auto":
+            return None
+        return 0 if self.prefill_budget == "off" else int(self.prefill_budget)
 
     @property
     def matmul_impl(self) -> str:
@@ -368,78 +384,3 @@ def resolve(args: argparse.Namespace | None = None, env: Mapping[str, str] | Non
 
 def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
-
-
-def use_gpu_memory_fraction() -> None:
-    """Let JAX's GPU allocator take GPU_MEM_FRACTION of the card (unless the user set it): its default 75% would not
-    hold Mistral-7B in bfloat16 plus an 8 x 4096 arena on a 24 GB L4. Call before JAX first touches a device."""
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEM_FRACTION)
-
-
-def weight_bytes(cfg: ModelConfig, dtype: str) -> int:
-    """Bytes the model's weights take once loaded as `dtype` (int8: one byte per projection weight plus a float32
-    scale per output channel; norms and an untied embedding in the compute dtype)."""
-    d, hd, f, v = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
-    proj_in_out = [(d, cfg.qkv_size), (cfg.num_heads * hd, d), (d, 2 * f), (f, d)]
-    float_size = jnp.dtype(compute_dtype(dtype)).itemsize
-    weight_size = 1 if dtype == "int8" else float_size
-    proj = cfg.num_layers * sum(i * o for i, o in proj_in_out) + (0 if cfg.tie_word_embeddings else d * v)
-    scales = 4 * (cfg.num_layers * sum(o for _, o in proj_in_out) + v) if dtype == "int8" else 0
-    embed = v * d * (weight_size if cfg.tie_word_embeddings else float_size)
-    norms = (2 * cfg.num_layers + 1) * d * float_size
-    return proj * weight_size + scales + embed + norms
-
-
-def available_memory() -> tuple[int | None, str]:
-    """(bytes free for the arena, where): free host RAM on CPU, the allocator's headroom on an accelerator."""
-    device = jax.devices()[0]
-    if device.platform == "cpu":
-        try:
-            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "cpu (free RAM)"
-        except (ValueError, OSError):
-            return None, "cpu"
-    stats = device.memory_stats() or {}
-    if "bytes_limit" not in stats:
-        return None, device.device_kind
-    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
-    return (stats["bytes_limit"] - stats.get("bytes_in_use", 0),
-            f"{device.device_kind} (JAX's pool of {_gib(stats['bytes_limit'])}, "
-            f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction})")
-
-
-def _gib(n: int) -> str:
-    return f"{n / GiB:.2f} GiB"
-
-
-def check_memory(cfg: ModelConfig, station: StationConfig, *, weights_resident: bool = False,
-                 available: int | None = None) -> None:
-    """Fail at start-up, with the setting to lower, if max_seq exceeds the model or the arena cannot fit.
-
-    weights_resident: the weights are already loaded, so the free figure has them taken off already.
-    available: bytes free (default: measured by `available_memory`).
-    """
-    if station.max_seq > cfg.max_position:
-        raise ConfigError(f"{station.named('max_seq')}={station.max_seq} exceeds the model's max_position "
-                          f"({cfg.max_position}); lower {station.named('max_seq')}")
-    where = "the device"
-    if available is None:
-        available, where = available_memory()
-    if available is None:
-        log.warning("cannot measure free memory on %s; skipping the arena memory check", where)
-        return
-    arena_dtype = compute_dtype(station.weights)
-    arena = arena_bytes(cfg, station.lanes, station.max_seq, arena_dtype)
-    weights = 0 if weights_resident else weight_bytes(cfg, station.weights)
-    if arena + weights <= available:
-        return
-    per_lane = arena // station.lanes
-    fit_lanes = max(0, (available - weights) // per_lane)
-    per_block = arena_bytes(cfg, station.lanes, station.kv_block, arena_dtype)
-    fit_seq = max(0, (available - weights) // per_block) * station.kv_block
-    lanes, max_seq = station.named("lanes"), station.named("max_seq")
-    raise ConfigError(
-        f"the KV arena needs {_gib(arena)} ({lanes}={station.lanes} x {max_seq}={station.max_seq}, "
-        f"{_gib(per_lane)} per lane)" + (f" plus {_gib(weights)} of weights" if weights else "")
-        + f", but only {_gib(available)} is free on {where}. Lower {lanes} (at most {fit_lanes} lanes fit at "
-        f"this max_seq) or {max_seq} (at most {fit_seq} positions fit at {station.lanes} lanes)"
-    )

@@ -21,7 +21,8 @@ from jaxstation.engine.runner import Runner
 from jaxstation.engine.scheduler import Scheduler
 from jaxstation.model.loader import LoadedModel, load_model
 from jaxstation.serving.coldstart import CompileCount, StartupClock, enable_compile_cache
-from jaxstation.serving.settings import StationConfig, check_memory
+from jaxstation.serving.memory import check_memory
+from jaxstation.serving.settings import StationConfig
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ def local_engine(model: LoadedModel, c: StationConfig) -> Engine:
     """The station's own engine, once its arena is known to fit, with the arena allocated."""
     check_memory(model.cfg, c, weights_resident=True)
     engine = Engine(model, lanes=c.lanes, max_seq=c.max_seq, chunk=c.prefill_chunk, block=c.kv_block,
-                    attention=c.attention_for(model.cfg), widths=c.decode_widths)
+                    attention=c.attention_for(model.cfg), widths=c.decode_widths, pack_budget=c.pack_budget)
     jax.block_until_ready(engine.arena)
     return engine
 

@@ -1,0 +1,76 @@
+"""What a request is to the engine: a `Job` goes into `Scheduler.submit`, its Future answers with a `Result` or one of
+the errors below. Request handlers (serving/, openai/) build Jobs and read Results; only the scheduler moves them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from jaxstation.engine.constraints import Constraint
+from jaxstation.engine.engine import Sample, SamplingParams
+
+
+class QueueFull(Exception):
+    """The pending queue is at its bound."""
+
+
+class ShuttingDown(Exception):
+    """The station is draining or stopped and takes no new work."""
+
+
+class StepFailed(Exception):
+    """A compiled step raised; the jobs in flight are failed with its message. `status` is the HTTP status to
+    answer with: the step error's own `http_status` (a mesh station that is down: 502), else 500."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Cancelled(Exception):
+    """The job was cancelled (its client went away)."""
+
+
+@dataclasses.dataclass
+class Job:
+    """One request. `on_token`, if given, is called from the decode thread with each generated Sample.
+
+    `prompt_logprobs` asks for the log-probability of every prompt token after the first (prefill scores each chunk
+    on the device; the Result carries them). `max_new_tokens` 0 is allowed with it: score the prompt, generate nothing.
+    `reuse_prefix`: may start on a lane's cached KV (the tokens are the same either way); False always prefills all,
+    and so does a `prompt_logprobs` job (every prompt row must be scored).
+    `cached_tokens` is set when the job takes a lane: how many prompt tokens it reuses from the lane's cached KV.
+    `constraint`: the grammar its output follows (engine/constraints.py), compiled before the job is submitted.
+    """
+
+    tokens: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    stop_ids: frozenset[int] = frozenset()
+    terminal_prosody: bool = False
+    reuse_prefix: bool = True
+    prompt_logprobs: bool = False
+    on_token: Callable[[Sample], None] | None = None
+    future: Future = dataclasses.field(default_factory=Future, repr=False)
+    submitted_at: float = 0.0
+    cancelled: bool = False
+    stop_requested: bool = False
+    cached_tokens: int = 0
+    constraint: Constraint | None = None
+
+    def cancel(self) -> None:
+        """Ask the scheduler to drop this job; its lane is freed within one wave."""
+        self.cancelled = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    generated: list[int]
+    finish_reason: str  # "stop" | "length" | "terminal_prosody"
+    prompt_tokens: int
+    samples: list[Sample]
+    timing: dict[str, float]  # queue_s, ttft_s, total_s, and cached_tokens (prompt tokens not prefilled)
+    prompt_logprobs: list[Sample] = dataclasses.field(default_factory=list)  # prompt tokens 1.., if the job asked
+    stop_sample: Sample | None = None  # the stop id that ended it, if one did (not in `generated`)

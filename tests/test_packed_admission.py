@@ -1,0 +1,189 @@
+"""Packed admission (`Engine.pack`): prompt pieces of many lanes and the decode rows of running lanes in one step.
+
+A request's samples (token, log-probability and top alternatives, bit for bit) must not depend on which pieces or
+decode rows share its steps, how many, where in the pack its piece sits, or how its prompt is cut into pieces: each
+check runs every request alone first, then packed beside 1, 3 and 7 others of mixed lengths at every pack position,
+with some lanes already decoding, greedy and seeded, on float32 and int8 weights, and through the scheduler with
+continuous batching on and off and after a prefix-cache hit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fake_engine import FakeEngine
+
+from jaxstation.engine.engine import DecodeRow, Engine, PromptPiece, Sample, SamplingParams, generate, pack_widths
+from jaxstation.engine.jobs import Job
+from jaxstation.engine.scheduler import Scheduler
+from jaxstation.model.loader import LoadedModel, load_model
+
+GREEDY = SamplingParams()
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+LENGTHS = (20, 5, 40, 70, 3, 17, 33, 9)  # the target first, then its neighbours
+NEW = 3
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(1, vocab, n).tolist() for n in LENGTHS]
+
+
+def _sampling(i: int) -> SamplingParams:
+    return SEEDED if i % 2 else GREEDY
+
+
+def run_packed(engine: Engine, requests: list[tuple[int, list[int], SamplingParams, int]], share: int
+               ) -> dict[int, list[Sample]]:
+    """Drive packed steps by hand: requests (lane, prompt, sampling, the step it arrives at) in pack order; each step
+    every arrived lane past its prompt decodes and the others take pieces of at most `share` tokens, in order, while
+    the budget lasts. Returns each lane's first NEW samples."""
+    fed = {lane: 0 for lane, *_ in requests}
+    out: dict[int, list[Sample]] = {lane: [] for lane, *_ in requests}
+    step = 0
+    while any(len(s) < NEW for s in out.values()):
+        rows: list[DecodeRow | None] = [None] * engine.lanes
+        for lane, prompt, sp, at in requests:
+            if step >= at and fed[lane] == len(prompt) and len(out[lane]) < NEW:
+                n = len(out[lane])
+                rows[lane] = DecodeRow(out[lane][-1].token, len(prompt) + n - 1, sp, n)
+        budget = engine.pack_budget - sum(r is not None for r in rows)
+        pieces = []
+        for lane, prompt, sp, at in requests:
+            if step == at:
+                engine.begin(lane, prompt, sp, frozenset())
+            if step >= at and fed[lane] < len(prompt) and budget > 0:
+                n = min(share, budget, len(prompt) - fed[lane])
+                pieces.append(PromptPiece(lane, prompt, fed[lane], n, sp))
+                fed[lane] += n
+                budget -= n
+        samples = engine.pack(pieces, rows) if pieces else engine.decode(rows)[0]
+        for lane in out:
+            if samples[lane] is not None:
+                out[lane].append(samples[lane])
+        step += 1
+    return out
+
+
+def alone(engine: Engine, prompts: list[list[int]]) -> list[list[Sample]]:
+    """Each request by itself on lane 0, its prompt in pieces as wide as the budget."""
+    return [run_packed(engine, [(0, p, _sampling(i), 0)], engine.pack_budget)[0] for i, p in enumerate(prompts)]
+
+
+def check_packed(engine: Engine, prompts: list[list[int]], reference: list[list[Sample]], n_others: int) -> None:
+    """The target (request 0) at every pack position beside n_others neighbours, every lane permuted, half of the
+    neighbours arriving two steps early (decoding while the rest are packed); every request equals its run alone."""
+    others = list(range(1, n_others + 1))
+    for position in range(n_others + 1):
+        order = others[:position] + [0] + others[position:]
+        lanes = [(position + k) % engine.lanes for k in range(len(order))]
+        requests = [(lane, prompts[i], _sampling(i), 0 if i % 2 else 2) for lane, i in zip(lanes, order, strict=True)]
+        got = run_packed(engine, requests, share=13)
+        for lane, i in zip(lanes, order, strict=True):
+            assert got[lane] == reference[i], (n_others, position, i)
+
+
+@pytest.fixture(scope="module")
+def packed8(default_model: LoadedModel) -> Engine:
+    return Engine(default_model, lanes=8, max_seq=256, chunk=32, block=128, attention="kernel", pack_budget=64)
+
+
+@pytest.fixture(scope="module")
+def packed8_reference(packed8: Engine) -> list[list[Sample]]:
+    return alone(packed8, _prompts(packed8.cfg.vocab_size))
+
+
+@pytest.mark.parametrize("n_others", [1, 3, 7])
+def test_float32_request_equals_its_run_alone_at_every_pack_position(packed8, packed8_reference, n_others) -> None:
+    check_packed(packed8, _prompts(packed8.cfg.vocab_size), packed8_reference, n_others)
+
+
+def test_pieces_of_any_size_write_the_same_bits(packed8, packed8_reference) -> None:
+    """One prompt cut into pieces of 1, 7 and 64 tokens: the same samples."""
+    prompts = _prompts(packed8.cfg.vocab_size)
+    for share in (1, 7, 64):
+        got = run_packed(packed8, [(3, prompts[3], _sampling(3), 0)], share)
+        assert got[3] == packed8_reference[3], share
+
+
+def test_int8_request_equals_its_run_alone_at_every_pack_position() -> None:
+    model = load_model(dtype="int8", layer_loop="unroll", matmul="kernel")
+    engine = Engine(model, lanes=4, max_seq=256, chunk=32, block=128, attention="kernel", pack_budget=32)
+    prompts = _prompts(model.cfg.vocab_size)[:4]
+    reference = alone(engine, prompts)
+    for n_others in (1, 3):
+        check_packed(engine, prompts, reference, n_others)
+
+
+def test_pack_widths_and_refusals(default_model: LoadedModel) -> None:
+    assert pack_widths(64, 8) == (16, 32, 64)
+    assert pack_widths(64, 32) == (32, 64)
+    assert pack_widths(48, 4) == (12, 24, 48)
+    with pytest.raises(ValueError, match="packed admission needs every matmul on the CPU kernel"):
+        Engine(default_model, lanes=4, max_seq=256, chunk=32, block=128, attention="kernel", pack_budget=2)
+    xla = load_model(dtype="float32", layer_loop="unroll", matmul="xla")
+    assert Engine(xla, lanes=4, max_seq=256, chunk=32, block=128, pack_budget=None).pack_budget == 0
+    with pytest.raises(ValueError, match="packed admission needs every matmul on the CPU kernel"):
+        Engine(xla, lanes=4, max_seq=256, chunk=32, block=128, pack_budget=64)
+
+
+def test_pack_rejects_what_does_not_fit(packed8: Engine) -> None:
+    idle: list[DecodeRow | None] = [None] * 8
+    with pytest.raises(ValueError, match="exceed the pack budget"):
+        packed8.pack([PromptPiece(0, [1] * 65, 0, 65, GREEDY)], idle)
+    with pytest.raises(ValueError, match="does not fit its prompt"):
+        packed8.pack([PromptPiece(0, [1] * 5, 3, 4, GREEDY)], idle)
+    rows = [DecodeRow(1, 5, GREEDY, 1)] + idle[1:]
+    with pytest.raises(ValueError, match="also decodes"):
+        packed8.pack([PromptPiece(0, [1] * 5, 0, 5, GREEDY)], rows)
+
+
+# ---- through the scheduler, on the shared (packed) station engine ----------------------------------------------
+
+JOBS = [([5, 9, 14], GREEDY), (list(range(40, 47)), SamplingParams(repetition_penalty=1.3, presence_penalty=0.5)),
+        (list(range(300, 370)), GREEDY), ([77], SEEDED), (list(range(500, 531)), SamplingParams(temperature=0.7,
+                                                                                             top_k=20, seed=5)),
+        (list(range(200, 290)), SEEDED)]  # last: its lane is the most recently used when the prefix comes again
+
+
+@pytest.mark.parametrize("continuous", [True, False])
+def test_scheduler_jobs_equal_generate_alone(engine: Engine, continuous: bool) -> None:
+    assert engine.pack_budget > 0
+    expected = [generate(engine, p, 6, sp) for p, sp in JOBS]
+    sched = Scheduler(engine, continuous=continuous, max_queue=16, terminal_ids=frozenset())
+    sched.start()
+    try:
+        jobs = [Job(tokens=p, max_new_tokens=6, sampling=sp) for p, sp in JOBS]
+        for job in jobs:
+            sched.submit(job)
+        assert [job.future.result(timeout=300).generated for job in jobs] == expected
+        # a prefix-cache hit: the 90-token prompt again with a new tail starts on its cached KV
+        again = list(range(200, 290)) + [7, 8, 9]
+        job = Job(tokens=again, max_new_tokens=6, sampling=SEEDED)
+        sched.submit(job)
+        result = job.future.result(timeout=300)
+        assert result.timing["cached_tokens"] == 64
+        sched.submit(cold := Job(tokens=again, max_new_tokens=6, sampling=SEEDED, reuse_prefix=False))
+        assert result.generated == cold.future.result(timeout=300).generated == generate(engine, again, 6, SEEDED)
+    finally:
+        sched.drain(30)
+
+
+def _planned(budget: int, prompts: list[list[int]]) -> list[tuple[int, int, int]]:
+    fake = FakeEngine(lanes=4, chunk=4)
+    fake.pack_budget = budget
+    sched = Scheduler(fake, continuous=True, max_queue=8, terminal_ids=frozenset())
+    for p in prompts:
+        sched.submit(Job(tokens=p, max_new_tokens=1))
+    with sched.cond:
+        sched._fill()
+    return [(p.prompt[0], p.start, p.length) for p in sched.schedule().pieces]
+
+
+def test_the_budget_goes_a_chunk_each_oldest_first_then_to_the_oldest() -> None:
+    long, short, mid = [1] * 30, [2] * 3, [3] * 5
+    # a chunk (4) each, oldest first: 4 + 3 + 4; the one token left goes to the oldest
+    assert _planned(12, [long, short, mid]) == [(1, 0, 5), (2, 0, 3), (3, 0, 4)]
+    # a budget too small for a chunk each: the oldest first
+    assert _planned(6, [long, short, mid]) == [(1, 0, 4), (2, 0, 2)]
+    assert _planned(64, [short, long, mid]) == [(2, 0, 3), (1, 0, 30), (3, 0, 5)]
