@@ -16,11 +16,13 @@ Usage:
   python -m bench.admission                        # everything, ~25 min on 2 cores
   python -m bench.admission --only steps burst     # a subset
   python -m bench.admission --churn-requests 200   # a shorter churn run
+  python -m bench.admission --only steps --update  # rerun one section into today's result file
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import threading
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import write_result
+from bench.common import result_path, write_result
 from bench.workload import (
     free_port,
     llama_server_completion,
@@ -77,7 +79,8 @@ def steps_section(model, lanes: int, reps: int) -> dict:
     return out
 
 
-def churn_section(lanes_list: list[int], n_requests: int, clients: int, llama: str | None, cache: str) -> dict:
+def churn_section(lanes_list: list[int], n_requests: int, clients: int, llama: str | None, cache: str,
+                  modes: list[str]) -> dict:
     import httpx
 
     rng = np.random.default_rng(0)
@@ -85,8 +88,8 @@ def churn_section(lanes_list: list[int], n_requests: int, clients: int, llama: s
             for _ in range(n_requests)]
     out: dict = {"requests": n_requests, "clients": clients, "prompt_tokens": "1-8", "new_tokens": "1-3"}
 
-    def run(call) -> float:
-        lock, queue = threading.Lock(), list(range(len(work)))
+    def run(call, n: int = len(work)) -> float:
+        lock, queue = threading.Lock(), list(range(n))
 
         def client_loop() -> None:
             with httpx.Client() as client:
@@ -103,17 +106,17 @@ def churn_section(lanes_list: list[int], n_requests: int, clients: int, llama: s
             t.start()
         for t in threads:
             t.join()
-        return len(work) / (time.perf_counter() - t0)
+        return n / (time.perf_counter() - t0)
 
     for lanes in lanes_list:
         row: dict = {}
-        for name, budget in MODES.items():
+        for name, budget in ((m, MODES[m]) for m in modes):
             port = free_port()
             cmd = station_cmd(port, lanes, 512, max_queue=4096) + ["--prefill-budget", budget,
                                                                     "--compile-cache-dir", cache]
             base = f"http://127.0.0.1:{port}"
             with server_process(cmd, f"{base}/ready", timeout_s=900):
-                run(lambda c, t, n, b=base: station_generate(c, b, t, n))  # warm the connection pool
+                run(lambda c, t, n, b=base: station_generate(c, b, t, n), 2 * clients)  # warm the connections
                 row[name] = run(lambda c, t, n, b=base: station_generate(c, b, t, n))
         if llama:
             port = free_port()
@@ -123,7 +126,7 @@ def churn_section(lanes_list: list[int], n_requests: int, clients: int, llama: s
                    str(lanes), "-c", str(512 * lanes)]
             base = f"http://127.0.0.1:{port}"
             with server_process(cmd, f"{base}/health", timeout_s=300):
-                run(lambda c, t, n, b=base: llama_server_completion(c, b, t, n))
+                run(lambda c, t, n, b=base: llama_server_completion(c, b, t, n), 2 * clients)
                 row["llama-server"] = run(lambda c, t, n, b=base: llama_server_completion(c, b, t, n))
         out[lanes] = row
         print(f"churn lanes={lanes}: " + ", ".join(f"{k} {v:.1f} req/s" for k, v in row.items()), flush=True)
@@ -174,7 +177,7 @@ def burst_section(model) -> dict:
             sched.drain(30)
         out[name] = {"ttft_s": percentiles(ttft), "last_first_token_s": max(ttft),
                      "plain_gap_ms": 1000 * statistics.median(plain),
-                     "burst_gap_ms": {k: 1000 * v for k, v in percentiles(gaps).items()}}
+                     "burst_gap_ms": {k: v if k == "n" else 1000 * v for k, v in percentiles(gaps).items()}}
         print(f"burst {name}: {out[name]}", flush=True)
     return out
 
@@ -188,13 +191,16 @@ def steady_section(model, lanes_list: list[int], new: int) -> dict:
         for name, budget in (("chunk", 0), ("packed", None)):
             sched = _scheduler(model, lanes, budget)
             try:
-                jobs = [Job(tokens=list(range(100 + i, 116 + i)), max_new_tokens=new) for i in range(lanes)]
+                stamps: list[list[float]] = [[] for _ in range(lanes)]
+                jobs = [Job(tokens=list(range(100 + i, 116 + i)), max_new_tokens=new,
+                            on_token=lambda s, st=stamps[i]: st.append(time.perf_counter())) for i in range(lanes)]
                 for job in jobs:
                     sched.submit(job)
-                results = [job.future.result() for job in jobs]
-                first = max(r.timing["ttft_s"] for r in results)
-                total = max(r.timing["total_s"] for r in results)
-                row[name] = lanes * (new - 1) / (total - first)  # tokens/s once every lane decodes
+                for job in jobs:
+                    job.future.result()
+                # tokens/s while every lane decodes: from the last first token to the first last token
+                t0, t1 = max(s[0] for s in stamps), min(s[-1] for s in stamps)
+                row[name] = sum(t0 < t <= t1 for s in stamps for t in s) / (t1 - t0)
             finally:
                 sched.drain(30)
         out[lanes] = row
@@ -243,6 +249,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--steady-new", type=int, default=64)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="the churn's station paths")
+    ap.add_argument("--update", action="store_true", help="keep the other sections of today's result file")
     ap.add_argument("--llama-server", help="path of the llama-server binary (default: bench.peers' build cache)")
     args = ap.parse_args()
 
@@ -263,7 +271,10 @@ def main() -> None:
 
         with tempfile.TemporaryDirectory(prefix="jaxstation-admission-cache-") as cache:
             result["churn"] = churn_section(args.churn_lanes, args.churn_requests, args.clients,
-                                            find_llama_server(args.llama_server), cache)
+                                            find_llama_server(args.llama_server), cache, args.modes)
+    if args.update:
+        previous = json.loads(result_path("admission").read_text()) if result_path("admission").exists() else {}
+        result = {k: v for k, v in previous.items() if k in SECTIONS} | result
     path = write_result("admission", result)
     if {"churn", "burst"} & set(result):
         plot(result, path.with_suffix(".png"))

@@ -34,12 +34,17 @@ def fingerprint() -> dict:
     return info
 
 
-def write_result(name: str, payload: dict) -> Path:
-    """Write bench/results/<name>-<date>-<machine>.json (or under $JAXSTATION_BENCH_RESULTS) and return its path."""
-    fp = fingerprint()
+def result_path(name: str) -> Path:
+    """bench/results/<name>-<date>-<machine>.json (or under $JAXSTATION_BENCH_RESULTS)."""
     results = Path(os.environ.get("JAXSTATION_BENCH_RESULTS") or RESULTS)
-    results.mkdir(parents=True, exist_ok=True)
-    path = results / f"{name}-{dt.date.today().isoformat()}-{fp['id']}.json"
+    return results / f"{name}-{dt.date.today().isoformat()}-{fingerprint()['id']}.json"
+
+
+def write_result(name: str, payload: dict) -> Path:
+    """Write `result_path(name)`, with the machine and the time, and return its path."""
+    fp = fingerprint()
+    path = result_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"bench": name, "machine": fp, "when": dt.datetime.now().isoformat(timespec="seconds"),
                                 **payload}, indent=2))
     return path

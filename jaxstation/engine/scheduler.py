@@ -3,8 +3,8 @@
 Threads. Request handlers (any thread, e.g. the server's event loop) call `submit`, which appends a Job to a bounded
 pending queue under a condition variable and returns a Future. The one decode thread is the only caller of the
 engine. Each turn of its loop it `schedule()`s: retires cancelled or early-finished lanes, fills free lanes from the
-queue, picks at most one prefill chunk (the oldest prefilling lane's next one) and the decode wave of every lane past
-its prompt. It runs them, then `postprocess()`es the samples: a lane's token joins its request, which retires on a
+queue, picks the prompt work (below) and the decode rows of every lane past its prompt. It runs them, then
+`postprocess()`es the samples: a lane's token joins its request, which retires on a
 stop id, `terminal_prosody`, `max_new_tokens`, `finish_early` (a host matched a stop string) or cancellation; its
 Future is answered and the lane is free for the next fill. Before a job's first prefill chunk the engine `begin`s
 its lane (the token state its penalties, logit bias and min_tokens read). A job generates at least
@@ -20,8 +20,12 @@ Prefix reuse. A freed lane keeps its KV; `PrefixCache` (jaxstation/engine/prefix
 prefill wrote. `_fill` gives a job the free lane with the longest reusable prefix (ties and victims least recently
 used) and starts its prefill at the last chunk boundary at or below the match, so its tokens equal a fresh run's.
 
-Prefill interleaving. A long prompt enters chunk by chunk, one chunk per wave, so running lanes stall by at most one
-chunk's time per token.
+Admission. On an engine that packs (`pack_budget` > 0), a turn's prompt work is pieces of every prefilling lane's
+prompt under the budget, less the decode rows: up to a chunk for each lane, oldest first, then the rest to the oldest,
+so neither a long prompt nor a stream of short ones holds the other back. The pieces and the decode rows run as one
+packed step (`Engine.pack`); a turn without pieces runs a decode wave. Otherwise a turn prefills at most one chunk
+(the oldest prefilling lane's next one), then runs the decode wave. Either way a running lane waits at most one
+budget's or one chunk's time per token. A job that scores its prompt is always prefilled one chunk per turn.
 
 Serialize-all (continuous=False). The same loop admits a job only when no lane is busy: one request holds the engine
 for its whole prefill and decode, through the same compiled shapes.
