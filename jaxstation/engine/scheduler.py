@@ -71,6 +71,7 @@ class Lane:
     stop_sample: Sample | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    repacked: bool = False  # a scored prompt, prefilled again in packed steps before it generates
 
     @property
     def prefilling(self) -> bool:
@@ -241,8 +242,7 @@ class Scheduler:
                 self._retire(i, "stop")
         packs = self.engine.pack_budget > 0
         prefill_lane, prefill_mask = None, None
-        while prefill_lane is None and (chunked := [i for i in self.prefill_order
-                                                    if not packs or self.lanes[i].job.prompt_logprobs]):
+        while prefill_lane is None and (chunked := [i for i in self.prefill_order if not packs or self._scores(i)]):
             prefill_lane, lane = chunked[0], self.lanes[chunked[0]]
             if lane.fed + self.engine.chunk >= len(lane.job.tokens):  # its last chunk samples the first token
                 ok, prefill_mask = self._mask(prefill_lane)
@@ -259,7 +259,7 @@ class Scheduler:
         """This turn's prompt pieces for a packed step, `budget` tokens in all: first up to a chunk for each
         prefilling lane, oldest first, so that no long prompt holds short ones back; then what is left of the budget
         to the oldest. A piece that ends its prompt carries the lane's constraint mask."""
-        waiting = [i for i in self.prefill_order if not self.lanes[i].job.prompt_logprobs]
+        waiting = [i for i in self.prefill_order if not self._scores(i)]
         take = dict.fromkeys(waiting, 0)
         for share in (self.engine.chunk, None):
             for i in waiting:
@@ -276,6 +276,10 @@ class Scheduler:
             if ok:
                 pieces.append(PromptPiece(i, lane.job.tokens, lane.fed, n, lane.job.sampling, mask))
         return pieces
+
+    def _scores(self, i: int) -> bool:
+        """Whether lane i's next prefill scores its prompt (one chunk per turn, never packed)."""
+        return self.lanes[i].job.prompt_logprobs and not self.lanes[i].repacked
 
     def _mask(self, i: int) -> tuple[bool, np.ndarray | None]:
         """(whether lane i goes on, the constraint mask of its next token: `Constraint.next_mask`, None without a
@@ -309,12 +313,14 @@ class Scheduler:
             self.waves += 1
             lane.fed = min(lane.fed + self.engine.chunk, len(lane.job.tokens))
             if sample is not None:
-                self.prefill_order.popleft()
                 self.metrics.prompt_tokens.inc(len(lane.job.tokens) - lane.job.cached_tokens)
-                if lane.job.max_new_tokens > 0:
-                    self.postprocess(i, sample)
-                else:  # scoring only
+                if lane.job.max_new_tokens == 0:  # scoring only
                     self._retire(i, "length")
+                elif self.engine.pack_budget:  # generate from a packed prefill, as the same request unscored does
+                    lane.fed, lane.repacked = 0, True
+                else:
+                    self.prefill_order.remove(i)
+                    self.postprocess(i, sample)
         if plan.pieces:
             t0 = time.perf_counter()
             for p in plan.pieces:
@@ -329,7 +335,8 @@ class Scheduler:
                 lane.fed += p.length
                 if p.last:
                     self.prefill_order.remove(p.lane)
-                    self.metrics.prompt_tokens.inc(len(lane.job.tokens) - lane.job.cached_tokens)
+                    if not lane.repacked:  # a scored prompt was counted when it was scored
+                        self.metrics.prompt_tokens.inc(len(lane.job.tokens) - lane.job.cached_tokens)
         elif any(row is not None for row in plan.decode_rows):
             t0 = time.perf_counter()
             samples, _ = self.engine.decode(plan.decode_rows)
