@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import tiny_model
 from fake_engine import FakeEngine
 
 from jaxstation.engine.engine import DecodeRow, Engine, PromptPiece, Sample, SamplingParams, generate, pack_widths
@@ -125,6 +126,17 @@ def test_pack_widths_and_refusals(default_model: LoadedModel) -> None:
     assert Engine(xla, lanes=4, max_seq=256, chunk=32, block=128, pack_budget=None).pack_budget == 0
     with pytest.raises(ValueError, match="packed admission needs every matmul on the CPU kernel"):
         Engine(xla, lanes=4, max_seq=256, chunk=32, block=128, pack_budget=64)
+
+
+def test_a_budget_wider_than_the_context_warms_up_and_serves() -> None:
+    """A 64-row budget over a 32-token context: warm-up fills the wide steps from several lanes, and a prompt that
+    fills the context gets the tokens it gets in 16-row pieces."""
+    model = tiny_model("tiny-llama3", layer_loop="unroll", matmul="kernel")
+    wide = Engine(model, lanes=4, max_seq=32, chunk=16, block=16, attention="kernel", pack_budget=64)
+    narrow = Engine(model, lanes=4, max_seq=32, chunk=16, block=16, attention="kernel", pack_budget=16)
+    wide.warmup()
+    prompt = list(range(3, 30))
+    assert generate(wide, prompt, 4, SEEDED, lane=2) == generate(narrow, prompt, 4, SEEDED, lane=2)
 
 
 def test_pack_rejects_what_does_not_fit(packed8: Engine) -> None:

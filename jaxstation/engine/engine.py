@@ -396,7 +396,8 @@ class Engine:
         return samples
 
     def warmup_steps(self) -> list[tuple[str, Callable[[], object]]]:
-        """Every step shape the station runs, as (name, run it once on lane 0); the first run of each compiles it."""
+        """Every step shape the station runs, as (name, run it once on lane 0, and on more lanes where a packed step is
+        wider than one context); the first run of each compiles it."""
         prompt = [0] * (self.chunk + 1)
         idle: list[DecodeRow | None] = [None] * (self.lanes - 1)
         sampled = [DecodeRow(0, len(prompt), SamplingParams(temperature=1.0, top_p=0.9), 0)] + idle
@@ -410,10 +411,22 @@ class Engine:
         for w in self.widths:
             name = "decode" if w == self.lanes else f"decode_{w}"
             steps.append((name, lambda w=w: (self._wave(sampled, w, False), self._wave(greedy, w, False))))
-        for w in self.pack_widths:  # `w` rows of lane 0's prompt: the widest piece that width holds
-            piece = [PromptPiece(0, [0] * w, 0, w, SamplingParams(temperature=1.0, top_p=0.9))]
-            steps.append((f"pack_{w}", lambda piece=piece: self.pack(piece, [None] * self.lanes)))
+        for w in self.pack_widths:
+            steps.append((f"pack_{w}", lambda w=w: self.pack(self._warmup_pieces(w), [None] * self.lanes)))
         return steps
+
+    def _warmup_pieces(self, rows: int) -> list[PromptPiece]:
+        """Whole prompts that fill `rows` rows of a packed step: lane 0 first, each lane at most a context's worth
+        (max_seq - 1 tokens), so a budget wider than the context spreads over lanes. A budget wider than every lane's
+        context together runs the widest step those prompts reach, the widest any request can."""
+        pieces, left = [], rows
+        for lane in range(self.lanes):
+            n = min(left, self.max_seq - 1)
+            if n < 1:
+                break
+            pieces.append(PromptPiece(lane, [0] * n, 0, n, SamplingParams(temperature=1.0, top_p=0.9)))
+            left -= n
+        return pieces
 
     def warmup(self) -> None:
         """Compile and run every step the station uses, on lane 0, leaving no request state behind."""
