@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import write_result
-from jaxstation.engine.engine import Engine, SamplingParams, generate
+from jaxstation.engine.engine import Engine, generate
+from jaxstation.engine.rows import SamplingParams
 from jaxstation.model.layers import forward_full
 from jaxstation.model.loader import load_model
 from jaxstation.serving.settings import StationConfig

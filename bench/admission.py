@@ -56,7 +56,8 @@ def _median_ms(fn, reps: int) -> float:
 
 
 def steps_section(model, lanes: int, reps: int) -> dict:
-    from jaxstation.engine.engine import DecodeRow, Engine, PromptPiece, SamplingParams
+    from jaxstation.engine.engine import Engine
+    from jaxstation.engine.rows import DecodeRow, PromptPiece, SamplingParams
 
     engine = Engine(model, lanes=lanes, max_seq=512, chunk=32, block=128, attention="kernel", pack_budget=None)
     sp = SamplingParams()

@@ -14,7 +14,8 @@ import math
 import numpy as np
 
 from bench.common import add_model_args, bench_model, write_result
-from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams
+from jaxstation.engine.engine import Engine
+from jaxstation.engine.rows import DecodeRow, SamplingParams
 
 STEPS = 4
 

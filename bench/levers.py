@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import summary, write_result
-from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams, _sampling_arrays
+from jaxstation.engine.engine import Engine
+from jaxstation.engine.rows import DecodeRow, SamplingParams, sampling_arrays
 from jaxstation.engine.sampling import _filter_mask
 from jaxstation.model.loader import load_model
 
@@ -70,7 +71,7 @@ def main() -> None:
             variants[name] = lambda e=engine, rows=wave: e.decode(rows)
         cfg = models["float32", "scan", "xla"].cfg
         scaled = jnp.asarray(np.random.default_rng(0).standard_normal((lanes, cfg.vocab_size)), jnp.float32)
-        s = jax.tree_util.tree_map(jnp.asarray, _sampling_arrays(
+        s = jax.tree_util.tree_map(jnp.asarray, sampling_arrays(
             [(SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1), 0)] * lanes))
         for name, fn in (("filter by sort", sort_filter), ("filter by bisection", _filter_mask)):
             f = jax.jit(fn)

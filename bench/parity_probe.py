@@ -34,7 +34,8 @@ CHUNK, BLOCK = 32, 128  # the station's defaults (MOONSHINE_PREFILL_CHUNK, MOONS
 
 
 def make(model_path: str | None, dtype: str, out: Path) -> dict:
-    from jaxstation.engine.engine import Engine, SamplingParams, generate
+    from jaxstation.engine.engine import Engine, generate
+    from jaxstation.engine.rows import SamplingParams
     from jaxstation.model.loader import load_model
 
     model = load_model(model_path, dtype)

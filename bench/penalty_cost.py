@@ -20,7 +20,8 @@ import jax
 import numpy as np
 
 from bench.common import add_lane_sweep_args, add_model_args, bench_model, summary, timed, write_result
-from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams, _penalty_arrays, _sampling_arrays
+from jaxstation.engine.engine import Engine
+from jaxstation.engine.rows import DecodeRow, SamplingParams, penalty_arrays, sampling_arrays
 from jaxstation.engine.steps import decode_step_batch
 
 CONTROLLED = SamplingParams(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
@@ -36,10 +37,10 @@ def measure(engine: Engine, live: int, reps: int) -> dict:
     n_blocks = np.int32((live - 1) // engine.block + 1)
     plain = [(SamplingParams(), 1)] * lanes
     unmasked = [None] * lanes
-    args = {"none": (_sampling_arrays(plain), None),
-            "idle": (_sampling_arrays(plain), _penalty_arrays(plain, cfg.vocab_size, unmasked)),
-            "active": (_sampling_arrays([(CONTROLLED, 1)] * lanes),
-                       _penalty_arrays([(CONTROLLED, 1)] * lanes, cfg.vocab_size, unmasked))}
+    args = {"none": (sampling_arrays(plain), None),
+            "idle": (sampling_arrays(plain), penalty_arrays(plain, cfg.vocab_size, unmasked)),
+            "active": (sampling_arrays([(CONTROLLED, 1)] * lanes),
+                       penalty_arrays([(CONTROLLED, 1)] * lanes, cfg.vocab_size, unmasked))}
     args = {k: jax.device_put((pos, tok, n_blocks, s, p)) for k, (s, p) in args.items()}
 
     def step(mode: str) -> None:

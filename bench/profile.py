@@ -26,7 +26,8 @@ import numpy as np
 
 from bench.common import add_lane_sweep_args, add_model_args, bench_model, summary, timed, write_result
 from jaxstation.engine.attention import blocked_attention, dense_decode_attention
-from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams, _sampling_arrays
+from jaxstation.engine.engine import Engine
+from jaxstation.engine.rows import DecodeRow, SamplingParams, sampling_arrays
 from jaxstation.engine.sampling import sample
 from jaxstation.engine.steps import decode_step_batch
 from jaxstation.kernels import cpu_kernel
@@ -68,8 +69,8 @@ def parts(engine: Engine, live: int, reps: int) -> dict:
         return sum(one(i) for i in range(cfg.num_layers))
 
     logits_in = jnp.ones((lanes, cfg.hidden_size), params.dtype)
-    greedy = jax.tree_util.tree_map(jnp.asarray, _sampling_arrays([(SamplingParams(), 0)] * lanes))
-    nucleus = jax.tree_util.tree_map(jnp.asarray, _sampling_arrays(
+    greedy = jax.tree_util.tree_map(jnp.asarray, sampling_arrays([(SamplingParams(), 0)] * lanes))
+    nucleus = jax.tree_util.tree_map(jnp.asarray, sampling_arrays(
         [(SamplingParams(temperature=0.8, top_p=0.9, seed=1), 0)] * lanes))
     head = jax.jit(lambda params, h, s: sample(lm_logits(cfg, params, h), s))
     wave = [DecodeRow(1, live - 1, SamplingParams(), 0)] * lanes

@@ -44,7 +44,8 @@ def step_flops(cfg, lanes: int, live: int) -> float:
 
 
 def measured_steps(model, lanes_list, live_list, reps: int) -> list[dict]:
-    from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams
+    from jaxstation.engine.engine import Engine
+    from jaxstation.engine.rows import DecodeRow, SamplingParams
 
     rows = []
     max_seq = 128 * math.ceil((max(live_list) + 1) / 128)

@@ -13,7 +13,8 @@ import argparse
 import jax
 
 from bench.common import add_model_args, bench_model, copy_bandwidth, read_bandwidth, summary, timed, write_result
-from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams
+from jaxstation.engine.engine import Engine
+from jaxstation.engine.rows import DecodeRow, SamplingParams
 
 
 def main() -> None:

@@ -30,7 +30,8 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from jaxstation.engine.engine import Engine, SamplingParams, generate
+    from jaxstation.engine.engine import Engine, generate
+    from jaxstation.engine.rows import SamplingParams
     from jaxstation.model.loader import load_model
 
     t0 = time.perf_counter()

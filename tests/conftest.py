@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from jaxstation.engine.constraints import Grammars
-from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams
+from jaxstation.engine.engine import Engine
+from jaxstation.engine.rows import DecodeRow, SamplingParams
 from jaxstation.model.loader import LoadedModel, load_hf_dir, load_model
 from jaxstation.serving.coldstart import enable_compile_cache
 from jaxstation.serving.settings import StationConfig

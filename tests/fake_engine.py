@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxstation.engine.engine import DecodeRow, Sample, SamplingParams
 from jaxstation.engine.prefix_cache import LaneVersions
+from jaxstation.engine.rows import DecodeRow, Sample, SamplingParams
 
 VOCAB = 1000
 

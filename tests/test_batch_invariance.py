@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from conftest import prefill_all, run_wave
 
-from jaxstation.engine.engine import DecodeRow, SamplingParams, generate
+from jaxstation.engine.engine import generate
+from jaxstation.engine.rows import DecodeRow, SamplingParams
 
 TARGET = [504, 3575, 282, 4649, 314, 7042, 30, 198, 1780, 314, 260, 2988, 282]  # 13 tokens: one block
 STEPS = 6

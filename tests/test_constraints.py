@@ -21,9 +21,9 @@ from jaxstation.engine.constraints import (
     mask_words,
     token_bits,
 )
-from jaxstation.engine.engine import DecodeRow, SamplingParams
 from jaxstation.engine.jobs import Job
 from jaxstation.engine.penalties import PenaltyArrays, allocate_token_state, penalize, unpack_mask
+from jaxstation.engine.rows import DecodeRow, SamplingParams
 from jaxstation.engine.scheduler import Scheduler
 
 EOS = 2

@@ -14,7 +14,8 @@ import pytest
 from conftest import ENGINE_SHAPE, tiny_model
 from test_batch_invariance import TARGET, run_wave
 
-from jaxstation.engine.engine import Engine, SamplingParams, _sampling_arrays
+from jaxstation.engine.engine import Engine
+from jaxstation.engine.rows import SamplingParams, sampling_arrays
 from jaxstation.engine.steps import decode_step_batch
 from jaxstation.model.loader import LoadedModel, load_model
 from jaxstation.model.quant import QuantWeight, matmul, quantize
@@ -86,7 +87,7 @@ def test_quantize_per_output_channel() -> None:
 def _dot_precisions(model: LoadedModel) -> list[str]:
     engine = Engine(model, lanes=2, max_seq=64, chunk=8, block=16)
     lowered = decode_step_batch.lower(engine.cfg, engine.params, engine.arena, np.zeros(2, np.int32),
-                                      np.zeros(2, np.int32), np.int32(1), _sampling_arrays([None, None]), block=16)
+                                      np.zeros(2, np.int32), np.int32(1), sampling_arrays([None, None]), block=16)
     hlo = lowered.as_text(dialect="hlo")
     dots = re.findall(r"= \w+\[[^\]]*\][^\n]* dot\([^\n]*", hlo)
     assert dots

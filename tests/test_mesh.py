@@ -25,8 +25,9 @@ from mesh_util import SHAPE, TOKEN, StationProcess, start_mesh
 from server_util import ServerThread, metric, wait_for
 
 from jaxstation import cli
-from jaxstation.engine.engine import Engine, SamplingParams, generate
+from jaxstation.engine.engine import Engine, generate
 from jaxstation.engine.jobs import Job
+from jaxstation.engine.rows import SamplingParams
 from jaxstation.engine.scheduler import Scheduler
 from jaxstation.mesh.client import MeshError
 from jaxstation.mesh.host import MeshEngine, create_host_app

@@ -9,7 +9,8 @@ import pytest
 from conftest import ENGINE_SHAPE as SHAPE  # the session engine's shape, so its compiled steps are reused
 from conftest import tiny_model
 
-from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams, _sampling_arrays
+from jaxstation.engine.engine import Engine
+from jaxstation.engine.rows import DecodeRow, SamplingParams, sampling_arrays
 from jaxstation.mesh.stage import Stage, slice_params
 from jaxstation.mesh.wire import DTYPES, decode, encode
 from jaxstation.model.config import LayerRange
@@ -43,7 +44,7 @@ def _check_split(engine: Engine, splits: list[str], sampling: SamplingParams) ->
         tokens[0, :len(piece)] = piece
         x = _forward(stages, "prefill", tokens, (start + np.arange(chunk, dtype=np.int32))[None], lane,
                      (start + len(piece) + block - 1) // block)
-    out = stages[-1].lm_head("prefill", x[0, len(piece) - 1][None], _sampling_arrays([(sampling, 0)]), True)
+    out = stages[-1].lm_head("prefill", x[0, len(piece) - 1][None], sampling_arrays([(sampling, 0)]), True)
     np.testing.assert_array_equal(out["logits"], np.asarray(want))
     assert out["tokens"][0] == sample.token
     token = sample.token
@@ -56,7 +57,7 @@ def _check_split(engine: Engine, splits: list[str], sampling: SamplingParams) ->
         tokens = np.array([[token if i == lane else 0] for i in range(group)], np.int32)
         positions = np.array([[pos if i == lane else scratch] for i in range(group)], np.int32)
         x = _forward(stages, "decode", tokens, positions, 0, pos // block + 1)
-        out = stages[-1].lm_head("decode", x[:, 0], _sampling_arrays([(r.sampling, r.counter) if r else None
+        out = stages[-1].lm_head("decode", x[:, 0], sampling_arrays([(r.sampling, r.counter) if r else None
                                                                       for r in rows[:group]]), True)
         np.testing.assert_array_equal(out["logits"][lane], np.asarray(want)[lane], err_msg=f"step {step}")
         assert out["tokens"][lane] == samples[lane].token

@@ -14,8 +14,9 @@ import pytest
 from conftest import tiny_model
 from fake_engine import FakeEngine
 
-from jaxstation.engine.engine import DecodeRow, Engine, PromptPiece, Sample, SamplingParams, generate, pack_widths
+from jaxstation.engine.engine import Engine, generate, pack_widths
 from jaxstation.engine.jobs import Job
+from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample, SamplingParams
 from jaxstation.engine.scheduler import Scheduler
 from jaxstation.model.loader import LoadedModel, load_model
 

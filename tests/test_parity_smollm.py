@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from conftest import prefill_all
 
-from jaxstation.engine.engine import DecodeRow, SamplingParams, generate
+from jaxstation.engine.engine import generate
+from jaxstation.engine.rows import DecodeRow, SamplingParams
 from jaxstation.model.layers import forward_full
 
 PROMPTS = ("p0", "p1", "p2")

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from conftest import FIXTURES, prefill_all, tiny_model, tiny_reference
 
-from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams, generate
+from jaxstation.engine.engine import Engine, generate
+from jaxstation.engine.rows import DecodeRow, SamplingParams
 from jaxstation.model.layers import forward_full
 from jaxstation.model.loader import load_model
 

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 from conftest import prefill_all, run_wave
 
-from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams
+from jaxstation.engine.engine import Engine
 from jaxstation.engine.jobs import Job
+from jaxstation.engine.rows import DecodeRow, SamplingParams
 from jaxstation.engine.scheduler import Scheduler
 from jaxstation.mesh.host import MeshEngine
 from jaxstation.serving.errors import ApiError

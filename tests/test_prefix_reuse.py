@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from conftest import prefill_all
 
-from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams, generate
+from jaxstation.engine.engine import Engine, generate
 from jaxstation.engine.jobs import Job, Result
+from jaxstation.engine.rows import DecodeRow, SamplingParams
 from jaxstation.engine.scheduler import Scheduler
 
 CHUNK = 32

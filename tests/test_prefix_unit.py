@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 from fake_engine import FakeEngine, expected
 
-from jaxstation.engine.engine import SamplingParams
 from jaxstation.engine.jobs import Cancelled, Job, StepFailed
 from jaxstation.engine.prefix_cache import Pick, PrefixCache, common_prefix
+from jaxstation.engine.rows import SamplingParams
 from jaxstation.engine.scheduler import Scheduler
 
 TIMEOUT = 5.0

@@ -20,7 +20,7 @@ import pytest
 from server_util import ServerThread, wait_for
 
 from jaxstation.app import create_app
-from jaxstation.engine.engine import SamplingParams
+from jaxstation.engine.rows import SamplingParams
 from jaxstation.model.layers import forward_full
 from jaxstation.model.loader import LoadedModel
 from jaxstation.serving.settings import StationConfig

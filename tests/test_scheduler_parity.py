@@ -16,8 +16,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from jaxstation.engine.engine import Engine, SamplingParams, generate
+from jaxstation.engine.engine import Engine, generate
 from jaxstation.engine.jobs import Job
+from jaxstation.engine.rows import SamplingParams
 from jaxstation.engine.scheduler import Scheduler
 
 LANES = 4

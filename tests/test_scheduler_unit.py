@@ -14,8 +14,8 @@ import time
 import pytest
 from fake_engine import FakeEngine, expected
 
-from jaxstation.engine.engine import SamplingParams
 from jaxstation.engine.jobs import Cancelled, Job, QueueFull, ShuttingDown, StepFailed
+from jaxstation.engine.rows import SamplingParams
 from jaxstation.engine.scheduler import Scheduler
 
 TIMEOUT = 5.0

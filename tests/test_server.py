@@ -23,7 +23,8 @@ from conftest import COMPILE_CACHE_ENV, SERVE_SHAPE_FLAGS
 from server_util import ServerThread, free_port, metric, queue_held_full, raw_post, station_process, wait_for
 
 from jaxstation.app import create_app
-from jaxstation.engine.engine import Engine, SamplingParams, generate
+from jaxstation.engine.engine import Engine, generate
+from jaxstation.engine.rows import SamplingParams
 from jaxstation.model.loader import LoadedModel
 from jaxstation.serving.settings import StationConfig
 from jaxstation.serving.station import Station

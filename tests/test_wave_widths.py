@@ -8,7 +8,8 @@ import pytest
 from conftest import ENGINE_SHAPE, prefill_all, tiny_model
 from test_batch_invariance import TARGET, run_wave
 
-from jaxstation.engine.engine import DecodeRow, Engine, SamplingParams, wave_widths
+from jaxstation.engine.engine import Engine, wave_widths
+from jaxstation.engine.rows import DecodeRow, SamplingParams
 from jaxstation.model.loader import LoadedModel, load_model
 from jaxstation.serving.settings import ConfigError, StationConfig
 

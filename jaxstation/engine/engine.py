@@ -16,16 +16,21 @@ import jax
 import numpy as np
 
 from jaxstation.engine.arena import allocate_arena
-from jaxstation.engine.constraints import mask_words
-from jaxstation.engine.penalties import MAX_LOGIT_BIAS, PenaltyArrays, lane_rows, start_lane
+from jaxstation.engine.penalties import lane_rows, start_lane
 from jaxstation.engine.prefix_cache import LaneVersions
-from jaxstation.engine.sampling import SampleOut, SamplingArrays
+from jaxstation.engine.rows import (
+    DecodeRow,
+    PromptPiece,
+    Sample,
+    SamplingParams,
+    penalty_arrays,
+    read_samples,
+    sampling_arrays,
+)
 from jaxstation.engine.steps import decode_step_batch, prefill_chunk
 from jaxstation.kernels import cpu_kernel
 from jaxstation.model.loader import LoadedModel
 
-SEED_LIMIT = 1 << 32  # seeds are 32-bit on the device
-FLOAT32_TINY, FLOAT32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)  # normal float32s
 # Decode attention: the blocked online-softmax walk, the CPU decode attention kernel (each row's own positions, read in
 # place), or jax.nn.dot_product_attention ("xla" or "cudnn") over each lane's whole slab with per-lane lengths (no
 # per-block loop; cuDNN skips what lies past a lane's length).
@@ -33,143 +38,6 @@ ATTENTIONS = ("blocked", "kernel", "xla", "cudnn")
 ROW_ATTENTIONS = ("blocked", "kernel")  # those that take any subset of lanes, so waves may run narrow
 PACK_BUDGET_AUTO = 64  # rows per packed admission step where packing is on by default (bench/admission.py)
 PACK_FLOOR = 16  # the narrowest packed step
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How one request picks its tokens. temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 are off.
-
-    The token controls (engine/penalties.py) are off at their defaults: presence_penalty and frequency_penalty
-    (OpenAI's, over the generated tokens), repetition_penalty (vLLM's, over the prompt and the generated tokens),
-    logit_bias ((token id, bias) pairs, each id once), allowed_token_ids (vLLM's: when not empty, every other token is
-    masked) and min_tokens (the request's stop ids are held back until it has generated that many).
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    allowed_token_ids: tuple[int, ...] = ()
-    min_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not FLOAT32_TINY <= self.repetition_penalty <= FLOAT32_MAX:
-            raise ValueError(f"repetition_penalty must be a positive normal float32, got {self.repetition_penalty}")
-        ids = [t for t, _ in self.logit_bias]
-        if len(ids) > MAX_LOGIT_BIAS or len(set(ids)) != len(ids) or any(t < 0 for t in ids):
-            raise ValueError(f"logit_bias must hold at most {MAX_LOGIT_BIAS} distinct token ids >= 0")
-        if not all(-100 <= b <= 100 for _, b in self.logit_bias):
-            raise ValueError("logit_bias values must be in [-100, 100]")
-        if any(t < 0 for t in self.allowed_token_ids):
-            raise ValueError("allowed_token_ids must be token ids >= 0")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
-
-    @property
-    def penalized(self) -> bool:
-        """Whether a penalty, a logit bias or an allowed-token list is on (min_tokens aside)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.logit_bias or self.allowed_token_ids)
-
-    @property
-    def controls(self) -> bool:
-        """Whether any token control is on: the request needs its lane's token state (`Engine.begin`)."""
-        return self.penalized or self.min_tokens > 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Sample:
-    """One sampled token and its log-probabilities (the model's, before temperature and filters)."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeRow:
-    """A live lane's input to a decode wave: the token to feed, its position, and how to sample the next one."""
-
-    token: int
-    position: int
-    sampling: SamplingParams
-    counter: int  # tokens this request has generated so far (folds into its sampling key)
-    mask: np.ndarray | None = None  # [words] int32: the tokens a constrained request may take (engine/constraints.py)
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptPiece:
-    """Part of a lane's prompt for a packed step: prompt[start:start + length] into `lane`. A piece that reaches the
-    prompt's end samples the request's first token (from the tokens `mask` allows, when given)."""
-
-    lane: int
-    prompt: Sequence[int]
-    start: int
-    length: int
-    sampling: SamplingParams
-    mask: np.ndarray | None = None
-
-    @property
-    def last(self) -> bool:
-        return self.start + self.length >= len(self.prompt)
-
-
-def _sampling_arrays(rows: Sequence[tuple[SamplingParams, int] | None]) -> SamplingArrays:
-    idle = (SamplingParams(), 0)
-    filled = [r or idle for r in rows]
-    return SamplingArrays(
-        temperature=np.array([p.temperature for p, _ in filled], np.float32),
-        top_k=np.array([p.top_k for p, _ in filled], np.int32),
-        top_p=np.array([p.top_p for p, _ in filled], np.float32),
-        min_p=np.array([p.min_p for p, _ in filled], np.float32),
-        seed=np.array([p.seed % SEED_LIMIT for p, _ in filled], np.uint32),
-        counter=np.array([c for _, c in filled], np.int32),
-    )
-
-
-def _penalty_arrays(rows: Sequence[tuple[SamplingParams, int] | None], vocab: int,
-                    masks: Sequence[np.ndarray | None]) -> PenaltyArrays:
-    """Per row: whether its controls act at this counter (min_tokens only while it holds), their values, and its
-    constraint mask, if it has one."""
-    idle = (SamplingParams(), 0)
-    filled = [r or idle for r in rows]
-    mask = np.zeros((len(rows), mask_words(vocab)), np.int32)
-    for i, m in enumerate(masks):
-        if m is not None:
-            mask[i] = m
-    return PenaltyArrays(
-        active=np.array([p.penalized or c < p.min_tokens for p, c in filled], bool),
-        presence=np.array([p.presence_penalty for p, _ in filled], np.float32),
-        frequency=np.array([p.frequency_penalty for p, _ in filled], np.float32),
-        repetition=np.array([p.repetition_penalty for p, _ in filled], np.float32),
-        min_tokens=np.array([p.min_tokens for p, _ in filled], np.int32),
-        constrained=np.array([m is not None for m in masks], bool),
-        mask=mask,
-    )
-
-
-def _samples(out: SampleOut) -> list[Sample]:
-    tokens, logprob, top_ids, top_lp = jax.device_get((out.tokens, out.logprob, out.top_ids, out.top_logprobs))
-    return [
-        Sample(int(tokens[i]), float(logprob[i]), tuple(zip(top_ids[i].tolist(), top_lp[i].tolist(), strict=True)))
-        for i in range(len(tokens))
-    ]
 
 
 def pack_widths(budget: int, lanes: int) -> tuple[int, ...]:
@@ -304,10 +172,10 @@ class Engine:
         self.lane_versions.touch([lane])
         self.arena, out, logits, rows = prefill_chunk(
             self.cfg, self.params, self.arena, np.int32(lane), np.int32(start), tokens, np.int32(len(piece)),
-            _sampling_arrays([(sampling, 0)]), targets, _penalty_arrays([(sampling, 0)], self.cfg.vocab_size, [mask]),
+            sampling_arrays([(sampling, 0)]), targets, penalty_arrays([(sampling, 0)], self.cfg.vocab_size, [mask]),
             block=self.block, last=last,
             return_logits=return_logits, prompt_logprobs=scored)
-        return (_samples(out)[0] if last else None), logits, (_samples(rows)[:len(following)] if scored else [])
+        return (read_samples(out)[0] if last else None), logits, (read_samples(rows)[:len(following)] if scored else [])
 
     def decode(self, rows: Sequence[DecodeRow | None], return_logits: bool = False
                ) -> tuple[list[Sample | None], jax.Array | None]:
@@ -336,12 +204,12 @@ class Engine:
         per_row = [(r.sampling, r.counter) if r else None for r in wave]
         self.lane_versions.touch(live)  # idle rows write only the scratch slot
         self.arena, out, logits = decode_step_batch(
-            self.cfg, self.params, self.arena, positions, tokens, n_blocks, _sampling_arrays(per_row),
+            self.cfg, self.params, self.arena, positions, tokens, n_blocks, sampling_arrays(per_row),
             None if full else np.array(order, np.int32),
-            _penalty_arrays(per_row, self.cfg.vocab_size, [r.mask if r else None for r in wave]), block=self.block,
+            penalty_arrays(per_row, self.cfg.vocab_size, [r.mask if r else None for r in wave]), block=self.block,
             attention=self.attention, return_logits=return_logits)
         samples: list[Sample | None] = [None] * self.lanes
-        for lane, sample, r in zip(order, _samples(out), wave, strict=True):
+        for lane, sample, r in zip(order, read_samples(out), wave, strict=True):
             if r is not None:
                 samples[lane] = sample
         if logits is not None and not full:
@@ -387,11 +255,11 @@ class Engine:
         self.arena, out, _ = decode_step_batch(
             self.cfg, self.params, self.arena, np.array(positions + [self.scratch_pos] * pad, np.int32),
             np.array(tokens + [0] * pad, np.int32), np.int32(max(positions) // self.block + 1),
-            _sampling_arrays(per_slot), np.array(lanes + [0] * pad, np.int32),
-            _penalty_arrays(per_slot, self.cfg.vocab_size, [s[3] for s in slots] + idle),
+            sampling_arrays(per_slot), np.array(lanes + [0] * pad, np.int32),
+            penalty_arrays(per_slot, self.cfg.vocab_size, [s[3] for s in slots] + idle),
             np.array(picks + [0] * len(idle), np.int32), block=self.block, attention=self.attention)
         samples: list[Sample | None] = [None] * self.lanes
-        for (lane, *_), sample in zip(slots, _samples(out), strict=False):
+        for (lane, *_), sample in zip(slots, read_samples(out), strict=False):
             samples[lane] = sample
         return samples
 

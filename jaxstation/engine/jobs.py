@@ -9,7 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from jaxstation.engine.constraints import Constraint
-from jaxstation.engine.engine import Sample, SamplingParams
+from jaxstation.engine.rows import Sample, SamplingParams
 
 
 class QueueFull(Exception):

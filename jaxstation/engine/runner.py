@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jaxstation.engine.engine import DecodeRow, PromptPiece, Sample, SamplingParams
 from jaxstation.engine.prefix_cache import LaneVersions
+from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample, SamplingParams
 
 
 class Runner(Protocol):

@@ -50,10 +50,10 @@ from concurrent.futures import Future, InvalidStateError
 import numpy as np
 
 from jaxstation.engine.constraints import ConstraintFailed
-from jaxstation.engine.engine import DecodeRow, PromptPiece, Sample
 from jaxstation.engine.jobs import Cancelled, Job, QueueFull, Result, ShuttingDown, StepFailed
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.prefix_cache import PrefixCache
+from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample
 from jaxstation.engine.runner import Runner
 
 log = logging.getLogger(__name__)

@@ -40,8 +40,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxstation.engine.engine import DecodeRow, Sample, SamplingParams, _samples, _sampling_arrays
 from jaxstation.engine.prefix_cache import LaneVersions
+from jaxstation.engine.rows import DecodeRow, Sample, SamplingParams, read_samples, sampling_arrays
 from jaxstation.engine.sampling import SampleOut
 from jaxstation.mesh.client import MeshError, StationClient, StationLost, check_mesh, describe_field, wait_info
 from jaxstation.mesh.stage import SAMPLING_FIELDS, fingerprint
@@ -142,7 +142,7 @@ class MeshEngine:
             if scored:
                 targets = np.zeros(self.chunk, np.int32)
                 targets[:len(following)] = following
-                rows = _samples(_sample_out(self.clients[-1].post("/score", {"wave": "prefill"},
+                rows = read_samples(_sample_out(self.clients[-1].post("/score", {"wave": "prefill"},
                                                                    {"x": x[0], "targets": targets})))
             if not last:
                 return None, None, rows[:len(following)]
@@ -215,10 +215,10 @@ class MeshEngine:
 
     def _head(self, wave: str, x: np.ndarray, sampling: list[tuple[SamplingParams, int] | None],
               return_logits: bool) -> tuple[list[Sample], np.ndarray | None]:
-        s = _sampling_arrays(sampling)
+        s = sampling_arrays(sampling)
         out = self.clients[-1].post("/lm_head", {"wave": wave, "logits": return_logits},
                                     {"x": x, **{f: getattr(s, f) for f in SAMPLING_FIELDS}})
-        return _samples(_sample_out(out)), out.get("logits")
+        return read_samples(_sample_out(out)), out.get("logits")
 
     def _decode_wave(self, fed: list[tuple[int, int] | None], sampling: list[tuple[SamplingParams, int] | None] | None,
                      stations: Sequence[StationClient], return_logits: bool = False

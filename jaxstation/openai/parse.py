@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from jaxstation.engine.constraints import ConstraintSpec
-from jaxstation.engine.engine import SamplingParams
+from jaxstation.engine.rows import SamplingParams
 from jaxstation.model.tokenizer import Tokenizer
 from jaxstation.openai.protocol import (
     REFUSED_FIELDS,

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from jaxstation.engine.constraints import Constraint, ConstraintFailed
-from jaxstation.engine.engine import SEED_LIMIT, Sample
 from jaxstation.engine.jobs import Cancelled, Job, QueueFull, Result, ShuttingDown, StepFailed
+from jaxstation.engine.rows import SEED_LIMIT, Sample
 from jaxstation.model.detokenizer import IncrementalDetokenizer
 from jaxstation.model.tokenizer import Tokenizer
 from jaxstation.openai.parse import RunRequest

@@ -18,9 +18,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from jaxstation.engine.constraints import ConstraintSpec
-from jaxstation.engine.engine import FLOAT32_MAX, FLOAT32_TINY, SEED_LIMIT, SamplingParams
 from jaxstation.engine.jobs import Job
 from jaxstation.engine.penalties import MAX_LOGIT_BIAS
+from jaxstation.engine.rows import FLOAT32_MAX, FLOAT32_TINY, SEED_LIMIT, SamplingParams
 from jaxstation.serving.errors import ApiError, describe
 
 TokenId = Annotated[int, Field(ge=0)]
