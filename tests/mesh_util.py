@@ -84,9 +84,19 @@ class StationProcess:
 
 
 def start_mesh(splits: list[str], **kwargs) -> list[StationProcess]:
-    """Start every station at once (they load in parallel), then wait for all."""
-    stations = [StationProcess(s, **kwargs).start() for s in splits]
+    """Start every station (they load in parallel), then wait for all. A split named twice starts once the first is
+    ready, so that it reads the programs the first compiled from the run's compilation cache."""
+    stations = [StationProcess(s, **kwargs) for s in splits]
+    first = {s: next(t for t in stations if t.layers == s) for s in splits}
     try:
+        for s in stations:
+            if first[s.layers] is s:
+                s.start()
+        for s in stations:
+            if s.proc is None:
+                s.start()
+            elif first[s.layers] is s and any(t.proc is None for t in stations if t.layers == s.layers):
+                s.wait_ready()
         for s in stations:
             s.wait_ready()
     except BaseException:

@@ -109,7 +109,7 @@ def test_container_command_serves_on_port_then_drains_on_sigterm(tmp_path: Path)
     port = free_port()
     image_env = {k: v for k, v in img.env.items() if k not in ("PATH", "VIRTUAL_ENV")}  # the image's own paths
     env = env_with_tree(**{**image_env, "PORT": str(port), "MOONSHINE_BATCH_LANES": "1",
-                           "MOONSHINE_CONTINUOUS_BATCH": "0"})
+                           "MOONSHINE_CONTINUOUS_BATCH": "0", "MOONSHINE_PREFILL_BUDGET": "off"})
     with station_process([tool(img.cmd[0]), *img.cmd[1:]], port, tmp_path / "serve.log", 120, env=env,
                          cwd=tmp_path) as (proc, client):
         text = client.get("/metrics").text
@@ -151,9 +151,10 @@ _PROGRAMS = re.compile(r"start-up programs: (\d+) compiled, (\d+) read from the 
 
 
 def warmup_only(cache: Path) -> tuple[int, int]:
+    # one lane, prompts one chunk per turn: the fewest programs (a cold start compiles each)
     r = subprocess.run([sys.executable, "-m", "jaxstation", "serve", "--warmup-only", "--lanes", "1", "--max-seq",
-                        "256", "--compile-cache-dir", str(cache)], env=env_with_tree(), capture_output=True, text=True,
-                       timeout=300)
+                        "256", "--prefill-budget", "off", "--compile-cache-dir", str(cache)], env=env_with_tree(),
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     found = _PROGRAMS.findall(r.stderr)
     assert len(found) == 1, r.stderr

@@ -37,7 +37,7 @@ from jaxstation.mesh.wire import CONTENT_TYPE, DTYPES, decode, encode
 from jaxstation.serving.settings import ConfigError, StationConfig
 
 SPLIT3 = ["0:7", "7:19", "19:30"]
-SPLIT2 = ["0:13", "13:30"]
+SPLIT2 = ["0:19", "19:30"]  # its last station runs the programs of SPLIT3's last one
 ENGINE_SHAPE = {"lanes": SHAPE["lanes"], "max_seq": SHAPE["max_seq"], "chunk": SHAPE["prefill_chunk"],
                 "block": SHAPE["kv_block"]}
 
@@ -56,7 +56,7 @@ class Spec:
 
 @pytest.fixture(scope="module")
 def stations():
-    """Both meshes' five station processes, started together so that they load in parallel."""
+    """Both meshes' five station processes (start_mesh: a repeated split starts once its twin is ready)."""
     procs = start_mesh(SPLIT3 + SPLIT2)
     yield {"3": procs[:3], "2": procs[3:]}
     for p in procs:
@@ -249,8 +249,8 @@ def test_the_host_refuses_a_mesh_that_does_not_cover_every_layer_once(stations, 
         ([s3[0], s3[2]], "layer gap: no station holds layers 7:19"),
         ([s3[0], s3[1]], "layer gap: no station holds layers 19:30"),
         ([s3[1], s3[2]], "layer gap: no station holds layers 0:7"),
-        ([s2[0], s3[1], s3[2]], f"layer overlap: station {s3[1].url} (layers 7:19) holds layers 7:13 again"),
-        ([s3[0], s3[1], s3[2], s2[1]], f"layer overlap: station {s2[1].url} (layers 13:30) holds layers 13:19 again"),
+        ([s2[0], s3[1], s3[2]], f"layer overlap: station {s3[1].url} (layers 7:19) holds layers 7:19 again"),
+        ([s3[0], s3[1], s3[2], s2[1]], f"layer overlap: station {s2[1].url} (layers 19:30) holds layers 19:30 again"),
     ]
     for procs, message in cases:
         with pytest.raises(MeshError) as e:
@@ -264,10 +264,10 @@ def test_the_host_refuses_stations_of_another_shape_model_or_dtype(stations, def
                         ({"max_seq": 256}, "has max_seq=512 but the host has max_seq=256"),
                         ({"prefill_chunk": 64}, "has chunk=32 but the host has chunk=64"),
                         ({"dtype": "bfloat16"}, "has dtype='float32' but the host has dtype='bfloat16'")]:
-        with pytest.raises(MeshError, match=re.escape(f"station {first.url} (layers 0:13) {message}")):
+        with pytest.raises(MeshError, match=re.escape(f"station {first.url} (layers 0:19) {message}")):
             connect(stations["2"], default_model, **kw)
     tiny = tiny_model("tiny-llama3")
-    with pytest.raises(MeshError, match=re.escape(f"station {first.url} (layers 0:13) serves a different model")):
+    with pytest.raises(MeshError, match=re.escape(f"station {first.url} (layers 0:19) serves a different model")):
         MeshEngine.connect(host_config(stations["2"]), default_model.cfg, model_fp(tiny))
 
 

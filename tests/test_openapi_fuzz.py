@@ -23,8 +23,9 @@ from jaxstation.openai.protocol import ChatCompletionChunk, CompletionResponse, 
 from jaxstation.serving.settings import StationConfig
 from jaxstation.serving.station import Station
 
-# A short context keeps every valid request quick: at most 48 positions, 8 choices on 4 lanes.
-FUZZ_SHAPE = {"lanes": 4, "max_seq": 48, "prefill_chunk": 16, "kv_block": 16}
+# A short context keeps every valid request quick: at most 48 positions, 8 choices on 4 lanes; a 16-row packed step
+# holds a third of the context, so one pack width (one compiled program) serves every prompt.
+FUZZ_SHAPE = {"lanes": 4, "max_seq": 48, "prefill_chunk": 16, "kv_block": 16, "prefill_budget": "16"}
 EXAMPLES = 8  # per route and generation mode (valid and invalid bodies)
 STREAM_EVENTS = 2048  # read a stream to its end: at most 8 choices of 48 tokens
 STREAM_CHUNKS = {"/v1/completions": CompletionResponse, "/v1/chat/completions": ChatCompletionChunk}
