@@ -5,7 +5,7 @@ Tests that use `engine` may leave any lane in any state; every test prefills the
 Every run has one persistent compilation cache, a fresh directory: this process writes each program it compiles
 there, and the station processes that tests start inherit it through MOONSHINE_COMPILE_CACHE_DIR, so a program is
 compiled once per run, not once per process. Tests that need a compile to happen (a signal while compiling, the
-cold-start counts) take that variable out of their process's environment or pass a cache directory of their own.
+container's cold start) take that variable out of their process's environment or pass a cache directory of their own.
 """
 
 from __future__ import annotations

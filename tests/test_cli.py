@@ -42,6 +42,13 @@ def test_missing_model_path_is_one_line_without_traceback(command: str, tmp_path
 def test_directory_without_config_and_non_gguf_file(tmp_path: Path) -> None:
     r = run_cli("serve", "--model", str(tmp_path), "--port", "0")
     assert r.returncode == 2 and "has no config.json" in r.stderr.splitlines()[0]
+    (tmp_path / "config.json").write_text("{}")  # a directory with weights' config but no tokenizer: refused the same
+    r = run_cli("serve", "--model", str(tmp_path), "--port", "0")
+    assert r.returncode == 2 and r.stderr.splitlines()[0] == (
+        f"error: model directory {tmp_path} has no tokenizer.json: an HF model directory holds config.json, "
+        "tokenizer.json and *.safetensors")
+    assert "Traceback" not in r.stderr + r.stdout and "Uvicorn running" not in r.stderr + r.stdout
+    (tmp_path / "config.json").unlink()
     weights = tmp_path / "weights.bin"
     weights.write_bytes(b"\0")
     r = run_cli("generate", "--prompt", "hi", "--model", str(weights))

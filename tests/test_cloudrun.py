@@ -99,25 +99,34 @@ def test_dockerignore_sends_the_package_and_keeps_the_rest_out(tmp_path: Path) -
 
 # ---- the container's command, run here ------------------------------------------------------------------------------
 PHASES = ("import", "weight_load", "arena_alloc", "compile_prefill", "compile_prefill_last", "compile_decode")
+_PROGRAMS = re.compile(r"start-up programs: (\d+) compiled, (\d+) read from the persistent compilation cache")
 
 
-def test_container_command_serves_on_port_then_drains_on_sigterm(tmp_path: Path) -> None:
-    """CMD with the image's environment and PORT set: /ready on PORT, start-up phases on /metrics. Then SIGTERM
-    (MOONSHINE_DRAIN_S=8 from the image) with one request in flight and two queued behind it (one request at a time):
-    the in-flight one gets its reply, the one still queued at the deadline a 503, and the process exits 0 in 10 s."""
+def test_container_command_serves_on_port_then_drains_on_sigterm_and_a_warm_start_compiles_nothing(
+        tmp_path: Path) -> None:
+    """CMD with the image's environment, PORT set and an empty compilation cache: /ready on PORT, start-up phases and
+    the programs it compiled on /metrics. Then SIGTERM (MOONSHINE_DRAIN_S=8 from the image) with one request in flight
+    and two queued behind it (one request at a time): the in-flight one gets its reply, the one still queued at the
+    deadline a 503, and the process exits 0 in 10 s. A second start on that cache (`serve --warmup-only`, the same
+    environment) compiles nothing: counted from JAX's monitoring events (compile requests, persistent-cache hits),
+    not from timing."""
     img = dockerfile_steps.image()
     port = free_port()
+    cache = tmp_path / "compile-cache"
     image_env = {k: v for k, v in img.env.items() if k not in ("PATH", "VIRTUAL_ENV")}  # the image's own paths
+    # one lane, prompts one chunk per turn: the fewest programs (a cold start compiles each)
     env = env_with_tree(**{**image_env, "PORT": str(port), "MOONSHINE_BATCH_LANES": "1",
-                           "MOONSHINE_CONTINUOUS_BATCH": "0", "MOONSHINE_PREFILL_BUDGET": "off"})
+                           "MOONSHINE_CONTINUOUS_BATCH": "0", "MOONSHINE_PREFILL_BUDGET": "off",
+                           "MOONSHINE_COMPILE_CACHE_DIR": str(cache)})
     with station_process([tool(img.cmd[0]), *img.cmd[1:]], port, tmp_path / "serve.log", 120, env=env,
                          cwd=tmp_path) as (proc, client):
         text = client.get("/metrics").text
         phases = {p: metric(text, "jaxstation_startup_seconds", {"phase": p}) for p in (*PHASES, "ready")}
         assert all(v > 0 for v in phases.values()), phases
         assert phases["ready"] >= sum(phases[p] for p in PHASES) - 0.05, phases  # ready counts from process start
-        programs = sum(metric(text, "jaxstation_startup_programs", {"source": s}) for s in ("compiled", "cache"))
-        assert programs >= 3  # three step shapes, compiled or read from the run's compilation cache
+        compiled = metric(text, "jaxstation_startup_programs", {"source": "compiled"})
+        assert compiled >= 3 and metric(text, "jaxstation_startup_programs", {"source": "cache"}) == 0
+        assert len(list(cache.iterdir())) >= compiled
 
         def post(max_new: int) -> httpx.Response:
             return client.post("/generate", json={"tokens": [1, 2, 3], "max_new_tokens": max_new})
@@ -144,30 +153,13 @@ def test_container_command_serves_on_port_then_drains_on_sigterm(tmp_path: Path)
     assert r_queued.status_code == 503 and "before this request started" in r_queued.json()["error"]["message"]
     assert exit_code == 0
     assert took < 10.0, f"exited {took:.1f} s after SIGTERM; Cloud Run kills at 10 s"
+    r = subprocess.run([tool(img.cmd[0]), "serve", "--warmup-only"], env=env, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _PROGRAMS.findall(r.stderr) == [("0", str(int(compiled)))], r.stderr
 
 
 # ---- cold start: the persistent compilation cache -----------------------------------------------------------------
-_PROGRAMS = re.compile(r"start-up programs: (\d+) compiled, (\d+) read from the persistent compilation cache")
-
-
-def warmup_only(cache: Path) -> tuple[int, int]:
-    # one lane, prompts one chunk per turn: the fewest programs (a cold start compiles each)
-    r = subprocess.run([sys.executable, "-m", "jaxstation", "serve", "--warmup-only", "--lanes", "1", "--max-seq",
-                        "256", "--prefill-budget", "off", "--compile-cache-dir", str(cache)], env=env_with_tree(),
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    found = _PROGRAMS.findall(r.stderr)
-    assert len(found) == 1, r.stderr
-    return int(found[0][0]), int(found[0][1])
-
-
-def test_warm_compile_cache_compiles_nothing(tmp_path: Path) -> None:
-    """Counted from JAX's monitoring events (compile requests, persistent-cache hits), not from timing."""
-    cache = tmp_path / "compile-cache"
-    compiled, cached = warmup_only(cache)
-    assert compiled >= 3 and cached == 0  # at least the three step shapes
-    assert len(list(cache.iterdir())) >= compiled
-    assert warmup_only(cache) == (0, compiled)
 
 
 def test_non_local_cache_needs_the_gcs_extra(monkeypatch: pytest.MonkeyPatch) -> None:

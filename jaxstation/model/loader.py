@@ -258,9 +258,10 @@ def model_source(path: str | Path | None) -> Path:
     if not source.exists():
         raise CheckpointError(f"model path {source} does not exist")
     if source.is_dir():
-        if not (source / "config.json").is_file():
-            raise CheckpointError(f"model directory {source} has no config.json: an HF model directory holds "
-                                  "config.json, tokenizer.json and *.safetensors")
+        for name in ("config.json", "tokenizer.json"):
+            if not (source / name).is_file():
+                raise CheckpointError(f"model directory {source} has no {name}: an HF model directory holds "
+                                      "config.json, tokenizer.json and *.safetensors")
         return source
     if source.suffix != ".gguf":
         raise CheckpointError(f"model path {source} is neither an HF directory nor a .gguf file")
