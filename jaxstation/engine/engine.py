@@ -5,6 +5,8 @@ Every call runs one of a fixed set of compiled programs whose shapes depend only
 chunk, block, wave widths): that is what keeps a request's tokens independent of its neighbours. A decode wave runs
 at the narrowest of the engine's `widths` that holds its live lanes. Narrower widths than the arena exist only when
 every matmul runs on the CPU kernel, which computes a row alike at any width; otherwise every wave is full width.
+Prefill and decode steps always return the logits they compute, and the host drops them unless asked: one program
+per shape whether or not a caller reads logits.
 """
 
 from __future__ import annotations
@@ -173,8 +175,8 @@ class Engine:
         self.arena, out, logits, rows = prefill_chunk(
             self.cfg, self.params, self.arena, np.int32(lane), np.int32(start), tokens, np.int32(len(piece)),
             sampling_arrays([(sampling, 0)]), targets, penalty_arrays([(sampling, 0)], self.cfg.vocab_size, [mask]),
-            block=self.block, last=last,
-            return_logits=return_logits, prompt_logprobs=scored)
+            block=self.block, last=last, return_logits=True, prompt_logprobs=scored)
+        logits = logits if return_logits else None
         return (read_samples(out)[0] if last else None), logits, (read_samples(rows)[:len(following)] if scored else [])
 
     def decode(self, rows: Sequence[DecodeRow | None], return_logits: bool = False
@@ -207,7 +209,8 @@ class Engine:
             self.cfg, self.params, self.arena, positions, tokens, n_blocks, sampling_arrays(per_row),
             None if full else np.array(order, np.int32),
             penalty_arrays(per_row, self.cfg.vocab_size, [r.mask if r else None for r in wave]), block=self.block,
-            attention=self.attention, return_logits=return_logits)
+            attention=self.attention, return_logits=True)
+        logits = logits if return_logits else None
         samples: list[Sample | None] = [None] * self.lanes
         for lane, sample, r in zip(order, read_samples(out), wave, strict=True):
             if r is not None:
