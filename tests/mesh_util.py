@@ -89,14 +89,12 @@ def start_mesh(splits: list[str], **kwargs) -> list[StationProcess]:
     stations = [StationProcess(s, **kwargs) for s in splits]
     first = {s: next(t for t in stations if t.layers == s) for s in splits}
     try:
+        for s in first.values():
+            s.start()
         for s in stations:
-            if first[s.layers] is s:
+            if s.proc is None:  # a twin: once the first is ready
+                first[s.layers].wait_ready()
                 s.start()
-        for s in stations:
-            if s.proc is None:
-                s.start()
-            elif first[s.layers] is s and any(t.proc is None for t in stations if t.layers == s.layers):
-                s.wait_ready()
         for s in stations:
             s.wait_ready()
     except BaseException:

@@ -300,7 +300,7 @@ class Engine:
         return pieces
 
     def warmup(self) -> None:
-        """Compile and run every step the station uses, on lane 0, leaving no request state behind."""
+        """Compile and run every step the station uses (`warmup_steps`), leaving no request state behind."""
         for _, run in self.warmup_steps():
             run()
 
