@@ -1,6 +1,6 @@
-"""The CPU matmul kernel (jaxstation/kernels/cpu_kernel.py): it builds here, it computes x @ w.T (* scale), every
-row's bits are independent of the other rows in the call, and the station picks it by default on CPU for float32
-and int8."""
+"""The CPU kernels (jaxstation/kernels/cpu_kernel.py): they build here, the matmul computes x @ w.T (* scale) and the
+norm HF's RMSNorm, every row's bits are independent of the other rows in the call, and the station picks them by
+default on CPU for float32 and int8."""
 
 from __future__ import annotations
 
@@ -70,6 +70,25 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows(weights: str, n_in: int, n_
     others = x.copy()
     others[1:] = rng.standard_normal((32, n_in)).astype(np.float32) * 1e3
     assert np.array_equal(np.asarray(f(jnp.asarray(others), kw))[0], full[0])
+
+
+@pytest.mark.parametrize("d", [576, 577, 64])
+def test_the_norm_kernel_is_rms_norm_and_row_invariant(d: int) -> None:
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((33, d)) * rng.uniform(0.01, 30, (33, 1))).astype(np.float32)
+    w = rng.standard_normal(d).astype(np.float32)
+    f = jax.jit(lambda x: cpu_kernel.rms_norm(x, jnp.asarray(w), 1e-5))
+    full = np.asarray(f(jnp.asarray(x)))
+    x64 = x.astype(np.float64)
+    expected = w * x64 / np.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(full, expected, rtol=2e-6, atol=1e-6)
+    for rows in (1, 2, 3, 16):
+        assert np.array_equal(np.asarray(f(jnp.asarray(x[:rows]))), full[:rows]), rows
+    others = x.copy()
+    others[1:] *= 1e3
+    assert np.array_equal(np.asarray(f(jnp.asarray(others)))[0], full[0])
+    assert np.array_equal(np.asarray(jax.jit(lambda x: cpu_kernel.rms_norm(x, jnp.asarray(w), 1e-5))(
+        jnp.asarray(x[:6].reshape(2, 3, d)))), full[:6].reshape(2, 3, d))
 
 
 def test_shapes_the_kernel_cannot_take_stay_on_xla() -> None:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxstation.kernels import cpu_kernel
 from jaxstation.kernels.rowwise import row_sum
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.quant import (
@@ -148,8 +149,11 @@ def embed_tokens(params: Params, tokens: jax.Array) -> jax.Array:
     return take_rows(params.embed, tokens, params.dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """HF's LlamaRMSNorm: normalise in float32, cast back, then scale."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, feeds: Weight | None = None) -> jax.Array:
+    """HF's LlamaRMSNorm: normalise in float32, cast back, then scale. A norm that feeds a projection on the CPU kernel
+    runs on the kernels too (one call, not the handful of XLA fusions a row-invariant sum takes)."""
+    if isinstance(feeds, KernelWeight) and x.dtype == jnp.float32:
+        return cpu_kernel.rms_norm(x, weight, eps)
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(row_sum(xf * xf)[..., None] / x.shape[-1] + eps)
     return weight * xf.astype(x.dtype)
@@ -167,7 +171,7 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
 
 def qkv_proj(cfg: ModelConfig, layer: LayerParams, x: jax.Array, positions: jax.Array, inv_freq: jax.Array):
     """Norm, fused q/k/v projection and RoPE. x: [..., T, d] -> q [..., T, heads, hd], k/v [..., T, kv_heads, hd]."""
-    h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+    h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps, feeds=layer.wqkv)
     qkv = matmul(h, layer.wqkv)
     nq, nk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     lead = x.shape[:-1]
@@ -184,7 +188,7 @@ def attn_out(layer: LayerParams, x: jax.Array, o: jax.Array) -> jax.Array:
 
 def mlp_block(cfg: ModelConfig, layer: LayerParams, x: jax.Array) -> jax.Array:
     """Residual SwiGLU block: x + down(silu(gate) * up)."""
-    h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+    h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps, feeds=layer.w_gate_up)
     gate_up = matmul(h, layer.w_gate_up)
     gate, up = gate_up[..., :cfg.intermediate_size], gate_up[..., cfg.intermediate_size:]
     return x + matmul(jax.nn.silu(gate) * up, layer.w_down)
@@ -192,7 +196,8 @@ def mlp_block(cfg: ModelConfig, layer: LayerParams, x: jax.Array) -> jax.Array:
 
 def lm_logits(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
     """Final norm and lm_head; float32 logits [..., vocab]."""
-    h = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    head = params.embed if params.lm_head is None else params.lm_head
+    h = rms_norm(x, params.final_norm, cfg.rms_norm_eps, feeds=head)
     if params.lm_head is None:
         logits = matmul_transposed(h, params.embed)
     else:
