@@ -82,6 +82,30 @@ def engine(default_model: LoadedModel) -> Engine:
                   pack_budget=station.pack_budget)
 
 
+# The wide engine: 16 lanes (a request among 15 others), waves at widths 1, 4 and 16, 64-row packed steps. The
+# wave-width and packed-admission checks share it, and so its compiled programs.
+WIDE_SHAPE = {"lanes": 16, "max_seq": 256, "chunk": 32, "block": 128, "widths": (1, 4, 16), "pack_budget": 64}
+
+
+@pytest.fixture(scope="session")
+def wide_engine(default_model: LoadedModel) -> Engine:
+    return Engine(default_model, **WIDE_SHAPE, attention="kernel")
+
+
+@pytest.fixture(scope="session")
+def int8_kernel_model() -> LoadedModel:
+    """The default model as a station on this machine loads it with int8 weights (unrolled, the CPU kernel)."""
+    return load_model(dtype="int8", layer_loop="unroll", matmul="kernel")
+
+
+@pytest.fixture(scope="session")
+def int8_engine(int8_kernel_model: LoadedModel) -> Engine:
+    """`engine`'s shape and settings on int8 weights."""
+    station = StationConfig(dtype="int8")
+    return Engine(int8_kernel_model, **ENGINE_SHAPE, attention=station.attention_for(int8_kernel_model.cfg),
+                  pack_budget=station.pack_budget)
+
+
 @pytest.fixture(scope="session")
 def grammars(default_model: LoadedModel) -> Grammars:
     """Constraint compiling for the default model's tokenizer, as its station builds it."""

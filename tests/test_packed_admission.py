@@ -86,35 +86,28 @@ def check_packed(engine: Engine, prompts: list[list[int]], reference: list[list[
 
 
 @pytest.fixture(scope="module")
-def packed8(default_model: LoadedModel) -> Engine:
-    return Engine(default_model, lanes=8, max_seq=256, chunk=32, block=128, attention="kernel", pack_budget=64)
-
-
-@pytest.fixture(scope="module")
-def packed8_reference(packed8: Engine) -> list[list[Sample]]:
-    return alone(packed8, _prompts(packed8.cfg.vocab_size))
+def wide_reference(wide_engine: Engine) -> list[list[Sample]]:
+    return alone(wide_engine, _prompts(wide_engine.cfg.vocab_size))
 
 
 @pytest.mark.parametrize("n_others", [1, 3, 7])
-def test_float32_request_equals_its_run_alone_at_every_pack_position(packed8, packed8_reference, n_others) -> None:
-    check_packed(packed8, _prompts(packed8.cfg.vocab_size), packed8_reference, n_others)
+def test_float32_request_equals_its_run_alone_at_every_pack_position(wide_engine, wide_reference, n_others) -> None:
+    check_packed(wide_engine, _prompts(wide_engine.cfg.vocab_size), wide_reference, n_others)
 
 
-def test_pieces_of_any_size_write_the_same_bits(packed8, packed8_reference) -> None:
+def test_pieces_of_any_size_write_the_same_bits(wide_engine, wide_reference) -> None:
     """One prompt cut into pieces of 1, 7 and 64 tokens: the same samples."""
-    prompts = _prompts(packed8.cfg.vocab_size)
+    prompts = _prompts(wide_engine.cfg.vocab_size)
     for share in (1, 7, 64):
-        got = run_packed(packed8, [(3, prompts[3], _sampling(3), 0)], share)
-        assert got[3] == packed8_reference[3], share
+        got = run_packed(wide_engine, [(3, prompts[3], _sampling(3), 0)], share)
+        assert got[3] == wide_reference[3], share
 
 
-def test_int8_request_equals_its_run_alone_at_every_pack_position() -> None:
-    model = load_model(dtype="int8", layer_loop="unroll", matmul="kernel")
-    engine = Engine(model, lanes=4, max_seq=256, chunk=32, block=128, attention="kernel", pack_budget=32)
-    prompts = _prompts(model.cfg.vocab_size)[:4]
-    reference = alone(engine, prompts)
+def test_int8_request_equals_its_run_alone_at_every_pack_position(int8_engine: Engine) -> None:
+    prompts = _prompts(int8_engine.cfg.vocab_size)[:4]
+    reference = alone(int8_engine, prompts)
     for n_others in (1, 3):
-        check_packed(engine, prompts, reference, n_others)
+        check_packed(int8_engine, prompts, reference, n_others)
 
 
 def test_pack_widths_and_refusals(default_model: LoadedModel) -> None:
@@ -140,15 +133,15 @@ def test_a_budget_wider_than_the_context_warms_up_and_serves() -> None:
     assert generate(wide, prompt, 4, SEEDED, lane=2) == generate(narrow, prompt, 4, SEEDED, lane=2)
 
 
-def test_pack_rejects_what_does_not_fit(packed8: Engine) -> None:
-    idle: list[DecodeRow | None] = [None] * 8
+def test_pack_rejects_what_does_not_fit(wide_engine: Engine) -> None:
+    idle: list[DecodeRow | None] = [None] * wide_engine.lanes
     with pytest.raises(ValueError, match="exceed the pack budget"):
-        packed8.pack([PromptPiece(0, [1] * 65, 0, 65, GREEDY)], idle)
+        wide_engine.pack([PromptPiece(0, [1] * 65, 0, 65, GREEDY)], idle)
     with pytest.raises(ValueError, match="does not fit its prompt"):
-        packed8.pack([PromptPiece(0, [1] * 5, 3, 4, GREEDY)], idle)
+        wide_engine.pack([PromptPiece(0, [1] * 5, 3, 4, GREEDY)], idle)
     rows = [DecodeRow(1, 5, GREEDY, 1)] + idle[1:]
     with pytest.raises(ValueError, match="also decodes"):
-        packed8.pack([PromptPiece(0, [1] * 5, 0, 5, GREEDY)], rows)
+        wide_engine.pack([PromptPiece(0, [1] * 5, 0, 5, GREEDY)], rows)
 
 
 # ---- through the scheduler, on the shared (packed) station engine ----------------------------------------------

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import ENGINE_SHAPE, prefill_all, tiny_model
+from conftest import prefill_all, tiny_model
 from test_batch_invariance import TARGET, run_wave
 
 from jaxstation.engine.engine import Engine, wave_widths
 from jaxstation.engine.rows import DecodeRow, SamplingParams
-from jaxstation.model.loader import LoadedModel, load_model
+from jaxstation.model.loader import LoadedModel
 from jaxstation.serving.settings import ConfigError, StationConfig
 
 STEPS = 4
@@ -75,23 +75,15 @@ def _neighbours(engine: Engine, target_lane: int, n: int, rng: np.random.Generat
     return lanes
 
 
-@pytest.fixture(scope="module")
-def int8_model() -> LoadedModel:
-    return load_model(dtype="int8", layer_loop="unroll", matmul="kernel")
-
-
-# float32: 16 lanes, the target among 15 others at full width (3 programs, not 5); int8: the shared station shape, whose
-# programs tests/test_layouts.py compiles too, with widths 1, 2 and 4
-WIDTH_CHECKS = {"float32": ({"lanes": 16, "max_seq": 384, "chunk": 32, "block": 128, "widths": (1, 4, 16)},
-                            [(7, 2, 4), (12, 15, 16)]),
-                "int8": (ENGINE_SHAPE, [(1, 1, 2), (3, 3, 4)])}
+# float32: the wide engine, the target among 15 others at full width; int8: the station shape, widths 1, 2 and 4
+WIDTH_CHECKS = {"float32": ("wide_engine", [(7, 2, 4), (12, 15, 16)]),
+                "int8": ("int8_engine", [(1, 1, 2), (3, 3, 4)])}
 
 
 @pytest.mark.parametrize("weights", ["float32", "int8"])
-def test_bits_are_equal_at_every_width(weights: str, default_model: LoadedModel, request) -> None:
-    model = default_model if weights == "float32" else request.getfixturevalue("int8_model")
-    shape, placements = WIDTH_CHECKS[weights]
-    engine = Engine(model, **shape)
+def test_bits_are_equal_at_every_width(weights: str, request) -> None:
+    fixture, placements = WIDTH_CHECKS[weights]
+    engine: Engine = request.getfixturevalue(fixture)
     rng = np.random.default_rng(5)
     for sp in SAMPLINGS:
         ref, seen = _widths_seen(engine, {0: (TARGET, sp)}, STEPS)
