@@ -99,6 +99,12 @@ def int8_kernel_model() -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def xla_model() -> LoadedModel:
+    """The default model in float32 on XLA's dot (as a GPU runs it; unrolled)."""
+    return load_model(layer_loop="unroll", matmul="xla")
+
+
+@pytest.fixture(scope="session")
 def int8_engine(int8_kernel_model: LoadedModel) -> Engine:
     """`engine`'s shape and settings on int8 weights."""
     station = StationConfig(dtype="int8")

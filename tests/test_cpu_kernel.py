@@ -107,16 +107,16 @@ def _full_logits(model: LoadedModel, prompt: list[int]) -> np.ndarray:
 PROMPT = list(range(100, 148))
 
 
-def test_default_model_on_the_kernel_matches_xla(default_model: LoadedModel) -> None:
-    xla = load_model(layer_loop="unroll", matmul="xla")
+def test_default_model_on_the_kernel_matches_xla(default_model: LoadedModel, xla_model: LoadedModel) -> None:
+    xla = xla_model
     assert default_model.params.row_invariant and not xla.params.row_invariant
     got, ref = _full_logits(default_model, PROMPT), _full_logits(xla, PROMPT)
     assert np.array_equal(got.argmax(-1), ref.argmax(-1))
     assert np.abs(got - ref).max() < 2e-3  # float32, two summation orders
 
 
-def test_int8_on_the_kernel_matches_int8_on_xla() -> None:
-    kernel = load_model(dtype="int8", layer_loop="unroll", matmul="kernel")
+def test_int8_on_the_kernel_matches_int8_on_xla(int8_kernel_model: LoadedModel) -> None:
+    kernel = int8_kernel_model
     xla = load_model(dtype="int8", layer_loop="unroll", matmul="xla")
     p = kernel.params
     for w in (p.embed, *(w for layer in p.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))):

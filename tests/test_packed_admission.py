@@ -18,7 +18,7 @@ from jaxstation.engine.engine import Engine, generate, pack_widths
 from jaxstation.engine.jobs import Job
 from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample, SamplingParams
 from jaxstation.engine.scheduler import Scheduler
-from jaxstation.model.loader import LoadedModel, load_model
+from jaxstation.model.loader import LoadedModel
 
 GREEDY = SamplingParams()
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
@@ -110,13 +110,13 @@ def test_int8_request_equals_its_run_alone_at_every_pack_position(int8_engine: E
         check_packed(int8_engine, prompts, reference, n_others)
 
 
-def test_pack_widths_and_refusals(default_model: LoadedModel) -> None:
+def test_pack_widths_and_refusals(default_model: LoadedModel, xla_model: LoadedModel) -> None:
     assert pack_widths(64, 8) == (16, 32, 64)
     assert pack_widths(64, 32) == (32, 64)
     assert pack_widths(48, 4) == (12, 24, 48)
     with pytest.raises(ValueError, match="packed admission needs every matmul on the CPU kernel"):
         Engine(default_model, lanes=4, max_seq=256, chunk=32, block=128, attention="kernel", pack_budget=2)
-    xla = load_model(dtype="float32", layer_loop="unroll", matmul="xla")
+    xla = xla_model
     assert Engine(xla, lanes=4, max_seq=256, chunk=32, block=128, pack_budget=None).pack_budget == 0
     with pytest.raises(ValueError, match="packed admission needs every matmul on the CPU kernel"):
         Engine(xla, lanes=4, max_seq=256, chunk=32, block=128, pack_budget=64)
