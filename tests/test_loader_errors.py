@@ -374,6 +374,21 @@ def test_gguf_truncated(tmp_path, keep):
         load_gguf(path)
 
 
+def test_gguf_header_and_table_errors_name_what_is_wrong(tmp_path):
+    data = bytearray(_complete_file(tmp_path / "good.gguf").read_bytes())
+    cases = {"magic": (b"GGUG", "not a GGUF file"), "version": ((9).to_bytes(4, "little"), "GGUF version 9")}
+    for name, (patch, message) in cases.items():
+        at = 0 if name == "magic" else 4
+        bad = tmp_path / f"{name}.gguf"
+        bad.write_bytes(bytes(data[:at]) + patch + bytes(data[at + 4:]))
+        with pytest.raises(CheckpointError, match=f"{name}.gguf.*{message}"):
+            load_gguf(bad)
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(CheckpointError, match="cannot read GGUF file .*empty.gguf"):
+        load_gguf(empty)
+
+
 def test_load_model_gguf_dtypes(tmp_path):
     hf = _hf_weights()
     tensors = {n: (_permute(w, ROPE_HEADS[n]) if n in ROPE_HEADS else w, None) for n, w in hf.items()}

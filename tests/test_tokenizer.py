@@ -5,28 +5,36 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import gguf
 import numpy as np
 import pytest
 
+from jaxstation.model.default_model import default_model_path
 from jaxstation.model.detokenizer import IncrementalDetokenizer
+from jaxstation.model.gguf_file import GGUFFile
 from jaxstation.model.tokenizer import Tokenizer
 
 REFERENCE = Path(__file__).resolve().parent / "reference"
 
 
 @pytest.fixture(scope="module")
-def reader():
-    from jaxstation.model.default_model import default_model_path
-
-    return gguf.GGUFReader(default_model_path())
+def reader() -> GGUFFile:
+    return GGUFFile(default_model_path())
 
 
 @pytest.fixture(scope="module")
-def tok(reader) -> Tokenizer:
-    return Tokenizer.from_gguf(reader)
+def tok(reader: GGUFFile) -> Tokenizer:
+    return Tokenizer.from_gguf(reader.fields)
+
+
+def test_the_gguf_reader_reads_what_the_gguf_package_reads(reader: GGUFFile) -> None:
+    theirs = gguf.GGUFReader(default_model_path())
+    assert {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")} == reader.fields
+    assert len(theirs.tensors) == len(reader.tensors) == 272
+    for a, b in zip(theirs.tensors, reader.tensors, strict=True):
+        assert (a.name, int(a.tensor_type), tuple(a.shape.tolist())) == (b.name, b.tensor_type, b.shape)
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
 
 
 def _reference(name: str) -> Path:
@@ -35,20 +43,11 @@ def _reference(name: str) -> Path:
     return path
 
 
-class _FakeField:
-    def __init__(self, value):
-        self._value = value
-
-    def contents(self):
-        return self._value
-
-
-def _fake_reader(base, **overrides) -> SimpleNamespace:
-    """A reader with `base`'s fields, some replaced (key with '.' spelled as '__')."""
+def _metadata(base: GGUFFile | None, **overrides) -> dict:
+    """`base`'s metadata, some keys replaced (with '.' spelled as '__')."""
     fields = dict(base.fields) if base is not None else {}
-    for key, value in overrides.items():
-        fields[key.replace("__", ".")] = _FakeField(value)
-    return SimpleNamespace(fields=fields)
+    fields.update({key.replace("__", "."): value for key, value in overrides.items()})
+    return fields
 
 
 # ------------------------------------------------------------------------------------------------ parity with HF
@@ -131,7 +130,7 @@ def test_default_model_ids(tok):
 
 
 def test_add_bos_from_gguf(reader):
-    t = Tokenizer.from_gguf(_fake_reader(reader, tokenizer__ggml__add_bos_token=True))
+    t = Tokenizer.from_gguf(_metadata(reader, tokenizer__ggml__add_bos_token=True))
     assert t.add_bos is True
     assert t.encode("Hello world") == [1, 19556, 905]
     assert t.encode("Hello world", add_special_tokens=False) == [19556, 905]
@@ -302,21 +301,21 @@ def test_export_tokenizer_reads_back_token_for_token(tok, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ GGUF variants
 def test_gguf_unknown_model_raises():
-    fake = _fake_reader(None, tokenizer__ggml__model="llama", tokenizer__ggml__tokens=["<unk>"])
+    fake = _metadata(None, tokenizer__ggml__model="llama", tokenizer__ggml__tokens=["<unk>"])
     with pytest.raises(ValueError, match="'llama'"):
         Tokenizer.from_gguf(fake)
     with pytest.raises(ValueError, match="None"):
-        Tokenizer.from_gguf(_fake_reader(None))
+        Tokenizer.from_gguf(_metadata(None))
 
 
 def test_gguf_unknown_pre_tokenizer_raises():
-    fake = _fake_reader(None, tokenizer__ggml__model="gpt2", tokenizer__ggml__pre="martian-bpe")
+    fake = _metadata(None, tokenizer__ggml__model="gpt2", tokenizer__ggml__pre="martian-bpe")
     with pytest.raises(ValueError, match="martian-bpe"):
         Tokenizer.from_gguf(fake)
 
 
 def test_gguf_gpt2_pre_tokenizer(reader):
-    t = Tokenizer.from_gguf(_fake_reader(reader, tokenizer__ggml__pre="gpt2"))
+    t = Tokenizer.from_gguf(_metadata(reader, tokenizer__ggml__pre="gpt2"))
     assert t.encode("Hello world") == [19556, 905]
     assert t.decode(t.encode("naïve café 😀")) == "naïve café 😀"
 
@@ -343,7 +342,7 @@ def test_tiny_written_gguf(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    t = Tokenizer.from_gguf(gguf.GGUFReader(str(path)))
+    t = Tokenizer.from_gguf(GGUFFile(path).fields)
     assert t.vocab_size == len(tokens)
     assert (t.bos_id, t.eos_ids, t.add_bos) == (0, (1,), True)
     ids = t.encode("ab ab.</s>")

@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.default_model import default_model_path
+from jaxstation.model.gguf_file import GGUFError, GGUFFile
 from jaxstation.model.layers import WEIGHT_DTYPES, Params, pack_params
 from jaxstation.model.tokenizer import Tokenizer
 
@@ -156,30 +157,23 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_metadata(reader) -> dict:
-    """GGUF key/value metadata as plain Python values (arrays of strings and numbers become lists)."""
-    return {k: f.contents() for k, f in reader.fields.items()}
-
-
-def gguf_config(reader) -> ModelConfig:
+def gguf_config(reader: GGUFFile) -> ModelConfig:
     """The config a GGUF file's metadata declares (the vocabulary from its token list, tied unless it has an output
     tensor)."""
-    meta = gguf_metadata(reader)
+    meta = reader.fields
     return ModelConfig.from_gguf(meta, vocab_size=len(meta.get("tokenizer.ggml.tokens", [])),
                                  tied="output.weight" not in {t.name for t in reader.tensors})
 
 
-def open_gguf(path: Path):
-    import gguf
-
+def open_gguf(path: Path) -> GGUFFile:
     try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # a truncated file fails inside numpy's memmap or gguf's parser
+        return GGUFFile(path)
+    except (GGUFError, OSError, ValueError) as e:  # not GGUF, truncated, or empty (numpy cannot map 0 bytes)
         raise CheckpointError(f"cannot read GGUF file {path}: {e}") from e
 
 
-def load_gguf(path: Path, dtype: str = "float32", reader=None, layer_loop: str = "scan", matmul: str = "xla"
-              ) -> tuple[ModelConfig, Params]:
+def load_gguf(path: Path, dtype: str = "float32", reader: GGUFFile | None = None, layer_loop: str = "scan",
+              matmul: str = "xla") -> tuple[ModelConfig, Params]:
     """A GGUF file: config from metadata, tensors dequantized with the gguf package."""
     from gguf import GGMLQuantizationType, dequantize
 
@@ -220,14 +214,14 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", layer_loo
     else:
         reader = open_gguf(source)
         cfg, params = load_gguf(source, dtype, reader, layer_loop, matmul)
-        tokenizer = Tokenizer.from_gguf(reader)
+        tokenizer = Tokenizer.from_gguf(reader.fields)
     return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, source=source)
 
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     """The tokenizer of a checkpoint (as `load_model`'s), read without its tensors."""
     source = model_source(path)
-    return Tokenizer.from_hf_dir(source) if source.is_dir() else Tokenizer.from_gguf(open_gguf(source))
+    return Tokenizer.from_hf_dir(source) if source.is_dir() else Tokenizer.from_gguf(open_gguf(source).fields)
 
 
 def checkpoint_config(path: str | Path | None) -> ModelConfig:

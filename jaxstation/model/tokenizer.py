@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.models import BPE
 
 from jaxstation.model.chat_template import compile_template
-
-if TYPE_CHECKING:
-    import gguf
 
 # GGUF token types (llama.cpp's `LLAMA_TOKEN_TYPE_*`).
 _TOKEN_TYPE_CONTROL = 3
@@ -117,11 +114,8 @@ def _sentencepiece_bytes(token: str) -> bytes:
     return token.replace("\u2581", " ").encode("utf-8")
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
+def _field(meta: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    value = meta.get(key)
     return default if value is None else value
 
 
@@ -239,19 +233,19 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
-        """Byte-level BPE from a GGUF file's `tokenizer.*` metadata (`reader` is a `gguf.GGUFReader`)."""
-        model = _field(reader, "tokenizer.ggml.model")
+    def from_gguf(cls, meta: Mapping[str, Any]) -> Tokenizer:
+        """Byte-level BPE from a GGUF file's `tokenizer.*` metadata (`GGUFFile.fields`: key -> plain value)."""
+        model = _field(meta, "tokenizer.ggml.model")
         if model != "gpt2":
             raise ValueError(f"unsupported GGUF tokenizer model {model!r}: only byte-level BPE ('gpt2') is supported")
-        pre = _field(reader, "tokenizer.ggml.pre", "default")
+        pre = _field(meta, "tokenizer.ggml.pre", "default")
         if pre not in _GGUF_PRE_SPLITS:
             raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre)")
-        tokens: list[str] = list(_field(reader, "tokenizer.ggml.tokens", []))
+        tokens: list[str] = list(_field(meta, "tokenizer.ggml.tokens", []))
         if not tokens:
             raise ValueError("GGUF file has no tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
-        token_type = list(_field(reader, "tokenizer.ggml.token_type", []))
+        merges = [tuple(m.split(" ", 1)) for m in _field(meta, "tokenizer.ggml.merges", [])]
+        token_type = list(_field(meta, "tokenizer.ggml.token_type", []))
 
         spelling = _bytes_to_unicode()
         vocab: dict[str, int] = {}
@@ -287,15 +281,15 @@ class Tokenizer:
         if user:
             tok.add_tokens(user)
 
-        bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
+        bos_id = _field(meta, "tokenizer.ggml.bos_token_id")
         eos_ids = [
             int(v)
             for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-            if (v := _field(reader, key)) is not None
+            if (v := _field(meta, key)) is not None
         ]
-        add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
-        pad_id = _field(reader, "tokenizer.ggml.padding_token_id")
-        unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
+        add_bos = bool(_field(meta, "tokenizer.ggml.add_bos_token", False))
+        pad_id = _field(meta, "tokenizer.ggml.padding_token_id")
+        unk_id = _field(meta, "tokenizer.ggml.unknown_token_id")
         if add_bos and bos_id is not None:
             bos = tokens[int(bos_id)]
             tok.post_processor = processors.TemplateProcessing(
@@ -308,7 +302,7 @@ class Tokenizer:
             bos_id=None if bos_id is None else int(bos_id),
             eos_ids=eos_ids,
             add_bos=add_bos,
-            chat_template=_field(reader, "tokenizer.chat_template"),
+            chat_template=_field(meta, "tokenizer.chat_template"),
             byte_level=True,
             pad_id=None if pad_id is None else int(pad_id),
             unk_id=None if unk_id is None else int(unk_id),
