@@ -31,7 +31,7 @@ from jaxstation.engine.rows import DecodeRow, SamplingParams, sampling_arrays
 from jaxstation.engine.sampling import sample
 from jaxstation.engine.steps import decode_step_batch
 from jaxstation.kernels import cpu_kernel
-from jaxstation.model.layers import attn_out, lm_logits, mlp_block, over_layers, qkv_proj
+from jaxstation.model.layers import attn_out, lm_logits, mlp_block, over_layers, qkv_proj, rotary
 
 
 def _median_ms(fn, reps: int) -> dict:
@@ -42,14 +42,14 @@ def _median_ms(fn, reps: int) -> dict:
 
 def parts(engine: Engine, live: int, reps: int) -> dict:
     cfg, params, lanes = engine.cfg, engine.params, engine.lanes
-    inv_freq = jnp.asarray(cfg.inv_freq())
     positions = jnp.full((lanes, 1), live - 1, jnp.int32)
+    rot = rotary(positions, jnp.asarray(cfg.inv_freq()))
     x = jnp.ones((lanes, 1, cfg.hidden_size), params.dtype)
 
     @jax.jit
     def projections(params, x):
         def body(i, layer, x):
-            q, _, _ = qkv_proj(cfg, layer, x, positions, inv_freq)
+            q, _, _ = qkv_proj(cfg, layer, x, rot)
             return mlp_block(cfg, layer, attn_out(layer, x, q.reshape(lanes, 1, -1)))
         return over_layers(params, body, x)
 

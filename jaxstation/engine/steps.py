@@ -28,7 +28,16 @@ from jaxstation.engine.penalties import PenaltyArrays, sample_penalized
 from jaxstation.engine.sampling import SampleOut, SamplingArrays, sample, token_logprobs
 from jaxstation.kernels.rowwise import log_softmax
 from jaxstation.model.config import ModelConfig
-from jaxstation.model.layers import Params, attn_out, embed_tokens, lm_logits, mlp_block, over_layers, qkv_proj
+from jaxstation.model.layers import (
+    Params,
+    attn_out,
+    embed_tokens,
+    lm_logits,
+    mlp_block,
+    over_layers,
+    qkv_proj,
+    rotary,
+)
 
 
 def run_layers(cfg: ModelConfig, params: Params, arena: KVArena, x: jax.Array, positions: jax.Array,
@@ -40,11 +49,11 @@ def run_layers(cfg: ModelConfig, params: Params, arena: KVArena, x: jax.Array, p
     prefill chunk). attention: the decode waves' attention (`attention.attend`).
     """
     nq = x.shape[1]
-    inv_freq = jnp.asarray(cfg.inv_freq())
+    rot = rotary(positions, jnp.asarray(cfg.inv_freq()))
 
     def body(i, layer, carry):
         x, k_all, v_all = carry
-        q, k, v = qkv_proj(cfg, layer, x, positions, inv_freq)  # [rows, Q, heads|kvh, hd]
+        q, k, v = qkv_proj(cfg, layer, x, rot)  # [rows, Q, heads|kvh, hd]
         # k and v are computed whole before they are written: fused into the arena's scatter, XLA 0.11+ on CPU
         # computes them differently at different wave widths (a row's bits changed between 1 and 4 rows)
         k, v = jax.lax.optimization_barrier((k, v))

@@ -159,17 +159,26 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, feeds: Weight | None =
     return weight * xf.astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE. x: [..., T, heads, head_dim]; positions: [..., T] int32; inv_freq: [head_dim // 2]."""
+Rotary = tuple[jax.Array, jax.Array]  # cos, sin: [..., T, 1, head_dim] float32
+
+
+def rotary(positions: jax.Array, inv_freq: jax.Array) -> Rotary:
+    """RoPE's cos and sin at `positions` ([..., T] int32; inv_freq [head_dim // 2]): computed once per step and shared
+    by every layer, so that an unrolled step carries one copy, not two per layer."""
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, head_dim // 2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # [..., T, 1, head_dim]
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def rope(x: jax.Array, rot: Rotary) -> jax.Array:
+    """Rotate-half RoPE. x: [..., T, heads, head_dim]; rot: `rotary` at x's positions."""
+    cos, sin = rot
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
-def qkv_proj(cfg: ModelConfig, layer: LayerParams, x: jax.Array, positions: jax.Array, inv_freq: jax.Array):
+def qkv_proj(cfg: ModelConfig, layer: LayerParams, x: jax.Array, rot: Rotary):
     """Norm, fused q/k/v projection and RoPE. x: [..., T, d] -> q [..., T, heads, hd], k/v [..., T, kv_heads, hd]."""
     h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps, feeds=layer.wqkv)
     qkv = matmul(h, layer.wqkv)
@@ -178,7 +187,7 @@ def qkv_proj(cfg: ModelConfig, layer: LayerParams, x: jax.Array, positions: jax.
     q = qkv[..., :nq].reshape(*lead, cfg.num_heads, cfg.head_dim)
     k = qkv[..., nq:nq + nk].reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     v = qkv[..., nq + nk:].reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    return rope(q, positions, inv_freq), rope(k, positions, inv_freq), v
+    return rope(q, rot), rope(k, rot), v
 
 
 def attn_out(layer: LayerParams, x: jax.Array, o: jax.Array) -> jax.Array:
@@ -210,7 +219,7 @@ def forward_full(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Arr
     """The oracle: a plain causal forward over a whole sequence, no cache. tokens [T] -> logits [T, vocab]."""
     t = tokens.shape[0]
     positions = jnp.arange(t, dtype=jnp.int32)
-    inv_freq = jnp.asarray(cfg.inv_freq())
+    rot = rotary(positions, jnp.asarray(cfg.inv_freq()))
     qpos, kpos = positions[:, None], positions[None, :]
     mask = kpos <= qpos  # [T, T]
     if cfg.sliding_window is not None:
@@ -218,7 +227,7 @@ def forward_full(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Arr
     precision = precision_for(params.dtype)
 
     def body(i, layer: LayerParams, x):
-        q, k, v = qkv_proj(cfg, layer, x, positions, inv_freq)
+        q, k, v = qkv_proj(cfg, layer, x, rot)
         q = q.reshape(t, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
         s = jnp.einsum("qkgd,skd->kgqs", q, k, preferred_element_type=jnp.float32,
                        precision=precision) / jnp.sqrt(cfg.head_dim)
