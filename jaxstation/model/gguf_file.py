@@ -18,10 +18,8 @@ import numpy as np
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
-# value type id -> struct format of a scalar of that type (8: string, 9: array)
+# value type id -> the little-endian format of a scalar of that type, for struct and numpy alike (8: string, 9: array)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
-          12: "<f8"}
 _STRING, _ARRAY = 8, 9
 # element types whose tensor data is a typed array; every other type is blocks of bytes
 _TYPED = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64, 28: np.float64}
@@ -64,8 +62,8 @@ class _Cursor:
             item, count = self.scalar("<I"), self.scalar("<Q")
             if item == _STRING:
                 return [self.string() for _ in range(count)]
-            if item in _NUMPY:
-                dtype = np.dtype(_NUMPY[item])
+            if item in _SCALARS:
+                dtype = np.dtype(_SCALARS[item])
                 return np.frombuffer(self.take(count * dtype.itemsize), dtype).tolist()
             return [self.value(item) for _ in range(count)]  # arrays of arrays
         if kind not in _SCALARS:

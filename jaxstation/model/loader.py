@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.default_model import default_model_path
-from jaxstation.model.gguf_file import GGUFError, GGUFFile
+from jaxstation.model.gguf_file import GGUFFile
 from jaxstation.model.layers import WEIGHT_DTYPES, Params, pack_params
 from jaxstation.model.tokenizer import Tokenizer
 
@@ -168,7 +168,7 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
 def open_gguf(path: Path) -> GGUFFile:
     try:
         return GGUFFile(path)
-    except (GGUFError, OSError, ValueError) as e:  # not GGUF, truncated, or empty (numpy cannot map 0 bytes)
+    except (OSError, ValueError) as e:  # GGUFError (not GGUF, truncated), or empty (numpy cannot map 0 bytes)
         raise CheckpointError(f"cannot read GGUF file {path}: {e}") from e
 
 
