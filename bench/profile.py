@@ -43,7 +43,7 @@ def _median_ms(fn, reps: int) -> dict:
 def parts(engine: Engine, live: int, reps: int) -> dict:
     cfg, params, lanes = engine.cfg, engine.params, engine.lanes
     positions = jnp.full((lanes, 1), live - 1, jnp.int32)
-    rot = rotary(positions, jnp.asarray(cfg.inv_freq()))
+    rot = rotary(cfg, positions)
     x = jnp.ones((lanes, 1, cfg.hidden_size), params.dtype)
 
     @jax.jit

@@ -49,7 +49,7 @@ def run_layers(cfg: ModelConfig, params: Params, arena: KVArena, x: jax.Array, p
     prefill chunk). attention: the decode waves' attention (`attention.attend`).
     """
     nq = x.shape[1]
-    rot = rotary(positions, jnp.asarray(cfg.inv_freq()))
+    rot = rotary(cfg, positions)
 
     def body(i, layer, carry):
         x, k_all, v_all = carry

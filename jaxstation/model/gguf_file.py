@@ -1,10 +1,11 @@
 """A GGUF file's metadata and tensor table, read straight from a memory map.
 
 The gguf package's reader builds a numpy view for every part of every metadata field, which for a vocabulary of 49152
-tokens and as many merges takes seconds; this reader takes a few milliseconds for the same file and hands out the
+tokens and as many merges takes seconds; this reader takes a fraction of a second for the same file and hands out the
 same things: metadata as plain Python values (arrays become lists) and each tensor's bytes as a numpy view in the
-layout `gguf.dequantize` takes. It reads GGUF versions 2 and 3, little-endian, and raises GGUFError, naming the
-offset, for a file that is not GGUF, is truncated, or lists a tensor twice or past its end.
+layout `gguf.dequantize` takes. It reads GGUF versions 2 and 3, little-endian, and raises GGUFError, saying what is
+wrong and where, for a file that is not GGUF, is truncated, or lists a tensor twice, of an unknown type or past its
+end.
 """
 
 from __future__ import annotations

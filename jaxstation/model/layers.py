@@ -162,9 +162,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, feeds: Weight | None =
 Rotary = tuple[jax.Array, jax.Array]  # cos, sin: [..., T, 1, head_dim] float32
 
 
-def rotary(positions: jax.Array, inv_freq: jax.Array) -> Rotary:
-    """RoPE's cos and sin at `positions` ([..., T] int32; inv_freq [head_dim // 2]): computed once per step and shared
-    by every layer, so that an unrolled step carries one copy, not two per layer."""
+def rotary(cfg: ModelConfig, positions: jax.Array) -> Rotary:
+    """RoPE's cos and sin at `positions` ([..., T] int32): computed once per step and shared by every layer, so that an
+    unrolled step carries one copy, not two per layer."""
+    inv_freq = jnp.asarray(cfg.inv_freq())  # [head_dim // 2]
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, head_dim // 2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # [..., T, 1, head_dim]
     return jnp.cos(emb), jnp.sin(emb)
@@ -219,7 +220,7 @@ def forward_full(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Arr
     """The oracle: a plain causal forward over a whole sequence, no cache. tokens [T] -> logits [T, vocab]."""
     t = tokens.shape[0]
     positions = jnp.arange(t, dtype=jnp.int32)
-    rot = rotary(positions, jnp.asarray(cfg.inv_freq()))
+    rot = rotary(cfg, positions)
     qpos, kpos = positions[:, None], positions[None, :]
     mask = kpos <= qpos  # [T, T]
     if cfg.sliding_window is not None:
