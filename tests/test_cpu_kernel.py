@@ -1,6 +1,6 @@
 """The CPU kernels (jaxstation/kernels/cpu_kernel.py): they build here, the matmul computes x @ w.T (* scale) and the
 norm HF's RMSNorm, every row's bits are independent of the other rows in the call, and the station picks them by
-default on CPU for float32 and int8."""
+default on CPU for float32, int8 and a GGUF model's stored blocks (tests/test_gguf_blocks.py)."""
 
 from __future__ import annotations
 
@@ -22,16 +22,23 @@ SHAPES = [(576, 960), (1536, 576), (64, 4)]  # [in, out]: the default model's, a
 
 def test_the_kernel_builds_and_is_the_cpu_default() -> None:
     # CI's machine is x86-64 with AVX2 and a compiler: a kernel that silently failed to build would fail here
-    assert platform.machine() == "x86_64" and {"avx2", "fma"} <= cpu_kernel._cpu()[1]
+    assert platform.machine() == "x86_64" and {"avx2", "fma", "f16c"} <= cpu_kernel._cpu()[1]
     assert cpu_kernel.available()
-    assert StationConfig().matmul_impl == "kernel"
+    assert cpu_kernel.vector_lanes() == (16 if "avx512f" in cpu_kernel._cpu()[1] else 8)
+    assert StationConfig().matmul_impl == "kernel" and StationConfig().weights == "gguf"  # the default model's blocks
+    assert StationConfig(model="tests/fixtures/tiny-llama3").weights == "float32"
+    assert StationConfig(matmul="xla").weights == "float32"
     assert StationConfig(dtype="int8").matmul_impl == "kernel"
     assert StationConfig(dtype="int8").loop == "unroll"  # the kernel reads each layer's int8 weights in place
     assert StationConfig(dtype="bfloat16").matmul_impl == "xla"
     assert StationConfig(matmul="xla").matmul_impl == "xla"
     assert StationConfig(dtype="int8", matmul="xla").loop == "scan"
-    with pytest.raises(ConfigError, match="MOONSHINE_MATMUL=kernel takes float32 or int8 weights, not bfloat16"):
+    with pytest.raises(ConfigError, match="MOONSHINE_MATMUL=kernel takes float32, int8 or gguf weights, not bfloat16"):
         _ = StationConfig(dtype="bfloat16", matmul="kernel").matmul_impl
+    with pytest.raises(ConfigError, match="--dtype=gguf needs the CPU kernel"):
+        _ = StationConfig(dtype="gguf", matmul="xla", sources={"dtype": "--dtype"}).weights
+    with pytest.raises(ConfigError, match="MOONSHINE_DTYPE=gguf needs a .gguf model, not tests/fixtures/tiny-llama3"):
+        _ = StationConfig(dtype="gguf", model="tests/fixtures/tiny-llama3").weights
     with pytest.raises(ConfigError, match="MOONSHINE_MATMUL='fast' must be one of auto, xla, kernel"):
         StationConfig(matmul="fast")
 
@@ -96,7 +103,7 @@ def test_shapes_the_kernel_cannot_take_stay_on_xla() -> None:
     w = np.ones((48, 64), np.float32)
     assert isinstance(prepare(w, "int8", "kernel"), QuantWeight)
     assert isinstance(prepare(w, "float32", "kernel"), jax.Array)
-    with pytest.raises(ValueError, match="the CPU kernel takes float32 or int8 weights, not bfloat16"):
+    with pytest.raises(ValueError, match="the CPU kernel takes float32, int8 or gguf weights, not bfloat16"):
         kernel_weight(np.ones((64, 64), np.float32), "bfloat16")
 
 

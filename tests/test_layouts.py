@@ -62,13 +62,13 @@ def test_bitwise_invariance_int8_default_model(int8_model: LoadedModel) -> None:
     _assert_invariant(Engine(int8_model, **ENGINE_SHAPE), TARGET, (129, 220), seed=2)
 
 
-def test_int8_weights_are_int8(int8_model: LoadedModel, default_model: LoadedModel) -> None:
+def test_int8_weights_are_int8(int8_model: LoadedModel) -> None:
     p = int8_model.params
     for w in (p.embed, p.layers.wqkv, p.layers.wo, p.layers.w_gate_up, p.layers.w_down):  # tied head: the embed
         assert isinstance(w, QuantWeight) and w.q.dtype == jnp.int8 and w.scale.dtype == jnp.float32
     assert p.dtype == jnp.float32 and Engine(int8_model, lanes=1, max_seq=128, chunk=32, block=128).arena.k.dtype \
         == jnp.float32
-    assert p.nbytes < 0.3 * default_model.params.nbytes
+    assert p.nbytes < 0.3 * weight_bytes(int8_model.cfg, "float32")
     assert p.nbytes == weight_bytes(int8_model.cfg, "int8")
 
 
@@ -124,11 +124,11 @@ def test_mistral_7b_bf16_fits_an_l4_with_8_lanes_of_4096() -> None:
     assert weight_bytes(cfg, "int8") < 0.55 * weight_bytes(cfg, "bfloat16")  # + a float32 embedding on CPU
 
 
-def test_random_model_matches_a_loaded_one_in_layout_and_bytes(default_model: LoadedModel) -> None:
-    random = random_model("smollm2-135m", "float32", default_model.params.layer_loop, matmul="kernel")
-    assert random.cfg == dataclasses.replace(default_model.cfg, rms_norm_eps=1e-5)  # GGUF stores it as float32
-    assert random.params.nbytes == default_model.params.nbytes == weight_bytes(random.cfg, "float32")
+def test_random_model_matches_a_loaded_one_in_layout_and_bytes(float32_model: LoadedModel) -> None:
+    random = random_model("smollm2-135m", "float32", float32_model.params.layer_loop, matmul="kernel")
+    assert random.cfg == dataclasses.replace(float32_model.cfg, rms_norm_eps=1e-5)  # GGUF stores it as float32
+    assert random.params.nbytes == float32_model.params.nbytes == weight_bytes(random.cfg, "float32")
     shapes = [x.shape for x in jax.tree_util.tree_leaves(random.params)]
-    assert shapes == [x.shape for x in jax.tree_util.tree_leaves(default_model.params)]
+    assert shapes == [x.shape for x in jax.tree_util.tree_leaves(float32_model.params)]
     unrolled = random_model("smollm2-135m", "int8", "unroll")
     assert isinstance(unrolled.params.layers, tuple) and len(unrolled.params.layers) == 30

@@ -31,8 +31,8 @@ def full_logits(default_model, smollm_reference):
     return {p: np.asarray(forward_full(m.cfg, m.params, jnp.asarray(padded[p])))[:len(prompts[p])] for p in PROMPTS}
 
 
-def test_default_model_is_float32(default_model):
-    assert default_model.params.dtype == jnp.float32 and default_model.params.embed.w.dtype == jnp.float32
+def test_default_model_computes_in_float32_from_its_gguf_blocks(default_model):
+    assert default_model.params.dtype == jnp.float32 and default_model.params.embed.blocks == "Q8_0"
     assert EOS in default_model.tokenizer.eos_ids
 
 

@@ -1,17 +1,20 @@
 """The CPU kernels (jaxstation/kernels/cpu_kernels.cc): build them once, register them with XLA, call them.
 
 XLA's CPU dot has two problems for a decode step. With int8 weights it converts them to float32 in memory before the
-dot, so a step moves more bytes than with float32 weights. And it picks a different algorithm for one row than for
-several, so a row's bits depend on how many rows share the call. The matmul kernel reads int8 (or float32) weights
-straight from their buffers, and computes each output with one fixed sequence of operations whatever the number of
-rows. The decode attention kernel reads each row's own lane of the KV arena in place, only the positions the row
-attends to, with no per-block loop; a row's result again depends on nothing else. The RMSNorm kernel normalises each
-row in one call where XLA needs a handful of fusions for a row-invariant sum: an unrolled 30-layer step then has
-about half the fusions, and compiles faster.
+dot, so a step moves more bytes than with float32 weights (and it has no GGUF block formats at all). And it picks a
+different algorithm for one row than for several, so a row's bits depend on how many rows share the call. The matmul
+kernel reads int8 (or float32) weights straight from their buffers, and computes each output with one fixed sequence
+of operations whatever the number of rows; GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) are read as stored and
+rebuilt in registers into exactly the float32 weights the gguf package's dequantization gives. The decode attention
+kernel reads each row's own lane of the KV arena in place, only the positions the row attends to, with no per-block
+loop; a row's result again depends on nothing else. The RMSNorm kernel normalises each row in one call where XLA
+needs a handful of fusions for a row-invariant sum: an unrolled 30-layer step then has about half the fusions, and
+compiles faster.
 
 It is compiled at first use with the system C++ compiler against the jaxlib headers (`jax.ffi.include_dir()`), for
-this machine's CPU (`-march=native`), and cached under ~/.cache/jaxstation/kernels keyed by source, flags, compiler
-and jaxlib. Without a compiler, or off x86-64 with AVX2 and FMA, `available()` says why and the station keeps XLA's dot.
+this machine's CPU (`-march=native`: the AVX-512 variant where the CPU has it, else AVX2), and cached under
+~/.cache/jaxstation/kernels keyed by source, flags, compiler, jaxlib and the CPU. Without a compiler, or off x86-64
+with AVX2, FMA and F16C, `available()` says why and the station keeps XLA's dot.
 """
 
 from __future__ import annotations
@@ -36,10 +39,17 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
+# "avx2" builds the AVX2 variant on a CPU that has AVX-512 too (to test or compare it); unset, the CPU decides.
+ISA_ENV = "JAXSTATION_KERNEL_ISA"
+# GGUF block formats the matmul reads as stored: (columns per block, bytes per block)
+BLOCK_FORMATS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176),
+                 "Q6_K": (256, 210)}
 TARGETS = {"int8": ("jaxstation_rowwise_matmul_s8", "RowwiseMatmulS8"),
            "float32": ("jaxstation_rowwise_matmul_f32", "RowwiseMatmulF32"),
            "attention": ("jaxstation_decode_attention", "DecodeAttention"),
-           "rms_norm": ("jaxstation_rms_norm", "RmsNorm")}
+           "rms_norm": ("jaxstation_rms_norm", "RmsNorm"),
+           **{f"matmul_{f}": (f"jaxstation_rowwise_matmul_{f.lower()}", f"RowwiseMatmul{f}") for f in BLOCK_FORMATS},
+           **{f"rows_{f}": (f"jaxstation_block_rows_{f.lower()}", f"BlockRows{f}") for f in BLOCK_FORMATS}}
 K_MULTIPLE, N_MULTIPLE = 32, 4  # the kernel's shape contract
 
 
@@ -74,19 +84,23 @@ def _cache_dir() -> Path:
 def _build() -> Path:
     """The shared library for this machine, compiled if the cache does not hold it. Raises KernelUnavailable."""
     model, flags = _cpu()
-    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= flags:
-        raise KernelUnavailable(f"needs x86-64 with AVX2 and FMA (this is {platform.machine()})")
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma", "f16c"} <= flags:
+        raise KernelUnavailable(f"needs x86-64 with AVX2, FMA and F16C (this is {platform.machine()})")
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx:
         raise KernelUnavailable("no C++ compiler found (set CXX, or install g++)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, jaxlib.__version__, model,
+    isa = os.environ.get(ISA_ENV, "")
+    if isa not in ("", "avx2"):
+        raise KernelUnavailable(f"{ISA_ENV}={isa!r} must be avx2 or unset")
+    build_flags = (*FLAGS, "-mno-avx512f") if isa else FLAGS
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *build_flags, version, jaxlib.__version__, model,
                                     " ".join(sorted(flags))]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     tmp = target.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp)]
+    cmd = [cxx, *build_flags, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         tmp.unlink(missing_ok=True)
@@ -96,8 +110,8 @@ def _build() -> Path:
 
 
 @functools.cache
-def _load() -> str | None:
-    """Build, load and register the kernel once per process. Returns None, or why it is unavailable."""
+def _library() -> ctypes.CDLL | str:
+    """Build, load and register the kernel once per process. Returns the library, or why it is unavailable."""
     try:
         library = ctypes.cdll.LoadLibrary(str(_build()))
     except (KernelUnavailable, OSError) as e:
@@ -105,7 +119,13 @@ def _load() -> str | None:
         return str(e)
     for name, symbol in TARGETS.values():
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
-    return None
+    return library
+
+
+def vector_lanes() -> int:
+    """float32 lanes per vector in the built kernels: 16 for the AVX-512 variant, 8 for AVX2."""
+    require()
+    return int(_library().jaxstation_vector_lanes())
 
 
 def available() -> bool:
@@ -121,9 +141,9 @@ def require() -> None:
     """Raise KernelUnavailable, with the reason, unless the kernel can run here."""
     if jax.default_backend() != "cpu":
         raise KernelUnavailable(f"the CPU kernel needs the CPU backend, not {jax.default_backend()}")
-    reason = _load()
-    if reason is not None:
-        raise KernelUnavailable(reason)
+    library = _library()
+    if isinstance(library, str):
+        raise KernelUnavailable(library)
 
 
 def attention_serves(head_dim: int, group_size: int, dtype: jnp.dtype) -> bool:
@@ -158,15 +178,34 @@ def fits(in_features: int, out_features: int) -> bool:
     return in_features % K_MULTIPLE == 0 and out_features % N_MULTIPLE == 0
 
 
-def rowwise_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> jax.Array:
-    """x [..., K] float32 times w [N, K] (int8 with scale [N], or float32 without) -> [..., N] float32."""
+def fits_blocks(fmt: str, in_features: int, out_features: int) -> bool:
+    """Whether the kernel reads this GGUF block format at this shape."""
+    return fmt in BLOCK_FORMATS and in_features % BLOCK_FORMATS[fmt][0] == 0 and out_features % N_MULTIPLE == 0
+
+
+def rowwise_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None, blocks: str | None = None) -> jax.Array:
+    """x [..., K] float32 times w [N, K] (int8 with scale [N], or float32 without), or w uint8 [N, K / block * block
+    bytes] in the GGUF block format `blocks` -> [..., N] float32."""
     require()
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.shape[0]
     rows = x.reshape(-1, k).astype(jnp.float32)
     out = jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32)
-    if scale is None:
+    if blocks is not None:
+        y = jax.ffi.ffi_call(TARGETS[f"matmul_{blocks}"][0], out)(rows, w)
+    elif scale is None:
         y = jax.ffi.ffi_call(TARGETS["float32"][0], out)(rows, w)
     else:
         y = jax.ffi.ffi_call(TARGETS["int8"][0], out)(rows, w, scale)
     return y.reshape(*lead, n)
+
+
+def block_rows(w: jax.Array, ids: jax.Array, blocks: str) -> jax.Array:
+    """Rows `ids` [...] of GGUF block weights w [N, K / block * block bytes] as float32 [..., K]: the weights the
+    matmul rebuilds from the same blocks."""
+    require()
+    per_block, block_bytes = BLOCK_FORMATS[blocks]
+    k = w.shape[1] // block_bytes * per_block
+    flat = ids.reshape(-1).astype(jnp.int32)
+    out = jax.ShapeDtypeStruct((flat.shape[0], k), jnp.float32)
+    return jax.ffi.ffi_call(TARGETS[f"rows_{blocks}"][0], out)(w, flat).reshape(*ids.shape, k)

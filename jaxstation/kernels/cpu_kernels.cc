@@ -1,15 +1,19 @@
 // Row-invariant matmul for XLA's CPU backend: y[m, n] = scale[n] * dot(x[m, :], w[n, :]).
 //
-// Weights are stored out-major, w [N, K], as int8 (with one float32 scale per output channel) or float32. The int8
-// values are widened in registers, so a step reads one byte per weight instead of the four that XLA's CPU dot reads
-// after it materializes the converted weights.
+// Weights are stored out-major, w [N, K]: float32; int8 with one float32 scale per output channel; or a GGUF file's
+// own blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), each row of w its channel's blocks along K. Int8 and block
+// weights are widened in registers, so a step reads their bytes, not the four per weight that XLA's CPU dot reads
+// after it materializes converted weights. A block weight is rebuilt exactly as the gguf package's dequantization
+// computes it (the same float32 multiplies and adds), so the output is the float32 path's on the dequantized weights,
+// bit for bit.
 //
 // Every output element is computed by one fixed sequence of operations: two vector accumulators (16 float32 lanes with
 // AVX-512, else 8), one over the even and one over the odd vector-wide column groups of K, fused multiply-adds in K
 // order, then one fixed horizontal sum.
 // How many rows a call has, which rows share a register tile and which thread takes a channel range never change that
 // sequence, so a row's result does not depend on the other rows in the call: batch invariance by construction, at
-// any wave width. Requires K % 32 == 0 and N % 4 == 0 (the Python side checks and otherwise uses XLA's dot).
+// any wave width. Requires K % 32 == 0 (K % 256 for the K-quants) and N % 4 == 0 (the Python side checks and
+// otherwise uses XLA's dot).
 
 #include <immintrin.h>
 
@@ -17,6 +21,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -101,25 +106,154 @@ inline float Finish(Vec even, Vec odd) {
   return _mm_cvtss_f32(h);
 }
 
-// R rows x C channels, the whole K: R * C * 2 accumulators in registers.
-template <int R, int C, typename W>
-inline void Tile(const float* x, const W* w, const float* scale, float* y, int64_t K, int64_t N, int64_t m0,
-                 int64_t n0) {
+// ---- weight formats: a channel's weights for 32 consecutive columns (one group), as float32 vectors ----
+// Plain<W> reads float32 or int8 [N, K] in place. A block format decodes a group into a Quants (32 small integers and
+// the affine map gguf applies to them), once per tile and channel, for every row of the tile.
+constexpr int64_t kGroup = 32;
+
+template <typename W>
+struct Plain {
+  using Elem = W;
+  using Group = const W*;
+  static Group Decode(const W* row, int64_t k) { return row + k; }
+  static Vec Weight(Group g, int64_t i) { return LoadW(g + i); }
+};
+
+struct Quants {
+  alignas(64) int8_t q[kGroup];
+  float d[2];  // the scale of columns 0-15 and of 16-31 (they differ in Q6_K only)
+  float m;     // added after the scale when kOffset: Q4_1's minimum, the K-quants' -dmin * min
+};
+
+inline float HalfToFloat(const uint8_t* p) { return _cvtsh_ss(static_cast<uint16_t>(p[0] | (p[1] << 8))); }
+
+// out[i] = (p[i] & 15) + bias and out[16 + i] = (p[i] >> 4) + bias for i < 16: a block's nibbles in column order.
+inline void Nibbles(const uint8_t* p, int8_t* out, int8_t bias) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), low = _mm_set1_epi8(0x0F);
+  const __m128i b = _mm_set1_epi8(bias);
+  _mm_store_si128(reinterpret_cast<__m128i*>(out), _mm_add_epi8(_mm_and_si128(v, low), b));
+  _mm_store_si128(reinterpret_cast<__m128i*>(out + 16), _mm_add_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), low), b));
+}
+
+// Block formats: kBlock columns in kBytes bytes; Fill decodes group `j` of the block at `b` (layouts and arithmetic
+// as gguf's quants.py dequantize_blocks).
+template <typename Format>
+struct Blocks {
+  using Elem = uint8_t;
+  using Group = Quants;
+  static constexpr int64_t kBlock = Format::kBlock, kBytes = Format::kBytes;
+  static Quants Decode(const uint8_t* row, int64_t k) {
+    Quants g;
+    Format::Fill(row + k / kBlock * kBytes, k % kBlock / kGroup, g);
+    return g;
+  }
+  static Vec Weight(const Quants& g, int64_t i) {
+    const Vec w = Mul(Set1(g.d[i / 16]), LoadW(g.q + i));
+    return Format::kOffset ? Add(w, Set1(g.m)) : w;
+  }
+};
+
+struct Q4_0 {  // d (f16), 16 bytes of nibbles; w = d * (q - 8)
+  static constexpr int64_t kBlock = 32, kBytes = 18;
+  static constexpr bool kOffset = false;
+  static void Fill(const uint8_t* b, int64_t, Quants& g) {
+    g.d[0] = g.d[1] = HalfToFloat(b);
+    Nibbles(b + 2, g.q, -8);
+  }
+};
+
+struct Q4_1 {  // d, m (f16), 16 bytes of nibbles; w = d * q + m
+  static constexpr int64_t kBlock = 32, kBytes = 20;
+  static constexpr bool kOffset = true;
+  static void Fill(const uint8_t* b, int64_t, Quants& g) {
+    g.d[0] = g.d[1] = HalfToFloat(b);
+    g.m = HalfToFloat(b + 2);
+    Nibbles(b + 4, g.q, 0);
+  }
+};
+
+struct Q8_0 {  // d (f16), 32 int8; w = d * q
+  static constexpr int64_t kBlock = 32, kBytes = 34;
+  static constexpr bool kOffset = false;
+  static void Fill(const uint8_t* b, int64_t, Quants& g) {
+    g.d[0] = g.d[1] = HalfToFloat(b);
+    std::memcpy(g.q, b + 2, kGroup);
+  }
+};
+
+// Q4_K and Q5_K: d, dmin (f16), 12 bytes of 6-bit scales and mins for 8 groups; w = (d * sc) * q - dmin * min.
+inline void ScaleMin(const uint8_t* b, int64_t j, Quants& g) {
+  const uint8_t* s = b + 4;
+  const int sc = j < 4 ? s[j] & 0x3F : (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+  const int mn = j < 4 ? s[j + 4] & 0x3F : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+  g.d[0] = g.d[1] = HalfToFloat(b) * static_cast<float>(sc);
+  g.m = -(HalfToFloat(b + 2) * static_cast<float>(mn));
+}
+
+struct Q4_K {  // 256 columns: d, dmin, scales[12], qs[128] (group j: nibble j % 2 of bytes 32 * (j / 2) on)
+  static constexpr int64_t kBlock = 256, kBytes = 144;
+  static constexpr bool kOffset = true;
+  static void Fill(const uint8_t* b, int64_t j, Quants& g) {
+    ScaleMin(b, j, g);
+    const uint8_t* qs = b + 16 + 32 * (j / 2);
+    const int shift = 4 * (j % 2);
+    for (int i = 0; i < kGroup; ++i) g.q[i] = static_cast<int8_t>((qs[i] >> shift) & 0x0F);
+  }
+};
+
+struct Q5_K {  // 256 columns: d, dmin, scales[12], qh[32] (bit j: group j's fifth bit), qs[128] as Q4_K
+  static constexpr int64_t kBlock = 256, kBytes = 176;
+  static constexpr bool kOffset = true;
+  static void Fill(const uint8_t* b, int64_t j, Quants& g) {
+    ScaleMin(b, j, g);
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + 48 + 32 * (j / 2);
+    const int shift = 4 * (j % 2);
+    for (int i = 0; i < kGroup; ++i)
+      g.q[i] = static_cast<int8_t>(((qs[i] >> shift) & 0x0F) | (((qh[i] >> j) & 1) << 4));
+  }
+};
+
+struct Q6_K {  // 256 columns: ql[128], qh[64], int8 scales[16] (one per 16 columns), d (f16); w = (d * sc) * (q - 32)
+  static constexpr int64_t kBlock = 256, kBytes = 210;
+  static constexpr bool kOffset = false;
+  static void Fill(const uint8_t* b, int64_t j, Quants& g) {
+    const int64_t half = j / 4, quarter = j % 4;
+    const uint8_t* ql = b + 64 * half + 32 * (quarter % 2);
+    const uint8_t* qh = b + 128 + 32 * half;
+    const int low_shift = 4 * (quarter / 2), high_shift = 2 * quarter;
+    for (int i = 0; i < kGroup; ++i)
+      g.q[i] = static_cast<int8_t>((((ql[i] >> low_shift) & 0x0F) | (((qh[i] >> high_shift) & 3) << 4)) - 32);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = HalfToFloat(b + 208);
+    g.d[0] = d * static_cast<float>(scales[2 * j]);
+    g.d[1] = d * static_cast<float>(scales[2 * j + 1]);
+  }
+};
+
+// R rows x C channels, the whole K: R * C * 2 accumulators in registers. `row_len` is a channel's length in F::Elem.
+template <int R, int C, typename F>
+inline void Tile(const float* x, const typename F::Elem* w, int64_t row_len, const float* scale, float* y, int64_t K,
+                 int64_t N, int64_t m0, int64_t n0) {
   Vec acc[R][C][2];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = Zero();
-  for (int64_t k = 0; k < K; k += kStep) {
-    Vec w0[C], w1[C];
-    for (int c = 0; c < C; ++c) {
-      w0[c] = LoadW(w + (n0 + c) * K + k);
-      w1[c] = LoadW(w + (n0 + c) * K + k + kLanes);
-    }
-    for (int r = 0; r < R; ++r) {
-      const Vec x0 = LoadX(x + (m0 + r) * K + k);
-      const Vec x1 = LoadX(x + (m0 + r) * K + k + kLanes);
+  for (int64_t k = 0; k < K; k += kGroup) {
+    typename F::Group g[C];
+    for (int c = 0; c < C; ++c) g[c] = F::Decode(w + (n0 + c) * row_len, k);
+    for (int64_t i = 0; i < kGroup; i += kStep) {
+      Vec w0[C], w1[C];
       for (int c = 0; c < C; ++c) {
-        acc[r][c][0] = Fma(x0, w0[c], acc[r][c][0]);
-        acc[r][c][1] = Fma(x1, w1[c], acc[r][c][1]);
+        w0[c] = F::Weight(g[c], i);
+        w1[c] = F::Weight(g[c], i + kLanes);
+      }
+      for (int r = 0; r < R; ++r) {
+        const Vec x0 = LoadX(x + (m0 + r) * K + k + i);
+        const Vec x1 = LoadX(x + (m0 + r) * K + k + i + kLanes);
+        for (int c = 0; c < C; ++c) {
+          acc[r][c][0] = Fma(x0, w0[c], acc[r][c][0]);
+          acc[r][c][1] = Fma(x1, w1[c], acc[r][c][1]);
+        }
       }
     }
   }
@@ -132,25 +266,25 @@ inline void Tile(const float* x, const W* w, const float* scale, float* y, int64
 
 // Channels [n_begin, n_end) of every row, in blocks of kBlock channels that stay in L2 while every row tile passes
 // over them: rows in tiles of 4 down to 1, channels in pairs (fours for a lone row).
-constexpr int64_t kBlock = 64;
+constexpr int64_t kChannelBlock = 64;
 
-template <typename W>
-void Channels(const float* x, const W* w, const float* scale, float* y, int64_t M, int64_t K, int64_t N,
-              int64_t n_begin, int64_t n_end) {
-  for (int64_t b = n_begin; b < n_end; b += kBlock) {
-    const int64_t b_end = std::min(n_end, b + kBlock);
+template <typename F>
+void Channels(const float* x, const typename F::Elem* w, int64_t row_len, const float* scale, float* y, int64_t M,
+              int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
+  for (int64_t b = n_begin; b < n_end; b += kChannelBlock) {
+    const int64_t b_end = std::min(n_end, b + kChannelBlock);
     int64_t m = 0;
     for (; m + 4 <= M; m += 4)
-      for (int64_t n = b; n < b_end; n += 2) Tile<4, 2>(x, w, scale, y, K, N, m, n);
+      for (int64_t n = b; n < b_end; n += 2) Tile<4, 2, F>(x, w, row_len, scale, y, K, N, m, n);
     switch (M - m) {
       case 3:
-        for (int64_t n = b; n < b_end; n += 2) Tile<3, 2>(x, w, scale, y, K, N, m, n);
+        for (int64_t n = b; n < b_end; n += 2) Tile<3, 2, F>(x, w, row_len, scale, y, K, N, m, n);
         break;
       case 2:
-        for (int64_t n = b; n < b_end; n += 2) Tile<2, 2>(x, w, scale, y, K, N, m, n);
+        for (int64_t n = b; n < b_end; n += 2) Tile<2, 2, F>(x, w, row_len, scale, y, K, N, m, n);
         break;
       case 1:
-        for (int64_t n = b; n < b_end; n += 4) Tile<1, 4>(x, w, scale, y, K, N, m, n);
+        for (int64_t n = b; n < b_end; n += 4) Tile<1, 4, F>(x, w, row_len, scale, y, K, N, m, n);
         break;
     }
   }
@@ -182,16 +316,15 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, const F& task) {
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
-template <typename W>
-ffi::Error Run(ffi::ThreadPool pool, const float* x, const W* w, const float* scale, float* y, int64_t M, int64_t K,
-               int64_t N) {
-  if (K % kStep || N % 4) return ffi::Error::InvalidArgument("rowwise_matmul needs K % 32 == 0 and N % 4 == 0");
+template <typename F>
+ffi::Error Run(ffi::ThreadPool pool, const float* x, const typename F::Elem* w, int64_t row_len, const float* scale,
+               float* y, int64_t M, int64_t K, int64_t N) {
   // Channel ranges of a multiple of 4, about 4 per thread, at least 32 channels each.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t per = std::max<int64_t>(32, (N / (4 * threads) + 3) / 4 * 4);
   const int64_t items = (N + per - 1) / per;
   ParallelFor(pool, items, [&](int64_t i) {
-    Channels(x, w, scale, y, M, K, N, i * per, std::min(N, (i + 1) * per));
+    Channels<F>(x, w, row_len, scale, y, M, K, N, i * per, std::min(N, (i + 1) * per));
   });
   return ffi::Error::Success();
 }
@@ -199,17 +332,55 @@ ffi::Error Run(ffi::ThreadPool pool, const float* x, const W* w, const float* sc
 ffi::Error MatmulS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
                     ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || scale.element_count() != size_t(wd[0]))
-    return ffi::Error::InvalidArgument("rowwise_matmul_s8: x [M, K], w [N, K], scale [N]");
-  return Run(pool, x.typed_data(), w.typed_data(), scale.typed_data(), y->typed_data(), xd[0], xd[1], wd[0]);
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || scale.element_count() != size_t(wd[0]) ||
+      xd[1] % kGroup || wd[0] % 4)
+    return ffi::Error::InvalidArgument("rowwise_matmul_s8: x [M, K], w [N, K], scale [N], K % 32 == 0, N % 4 == 0");
+  return Run<Plain<int8_t>>(pool, x.typed_data(), w.typed_data(), xd[1], scale.typed_data(), y->typed_data(), xd[0],
+                            xd[1], wd[0]);
 }
 
 ffi::Error MatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                      ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
-    return ffi::Error::InvalidArgument("rowwise_matmul_f32: x [M, K], w [N, K]");
-  return Run<float>(pool, x.typed_data(), w.typed_data(), nullptr, y->typed_data(), xd[0], xd[1], wd[0]);
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || xd[1] % kGroup || wd[0] % 4)
+    return ffi::Error::InvalidArgument("rowwise_matmul_f32: x [M, K], w [N, K], K % 32 == 0, N % 4 == 0");
+  return Run<Plain<float>>(pool, x.typed_data(), w.typed_data(), xd[1], nullptr, y->typed_data(), xd[0], xd[1],
+                           wd[0]);
+}
+
+// x [M, K] times block weights w [N, K / kBlock * kBytes] (uint8) -> y [M, N].
+template <typename Format>
+ffi::Error MatmulBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                        ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] % Format::kBlock || wd[1] != xd[1] / Format::kBlock * Format::kBytes ||
+      wd[0] % 4)
+    return ffi::Error::InvalidArgument("rowwise_matmul (blocks): x [M, K], w [N, K / block * block bytes], N % 4 == 0");
+  return Run<Blocks<Format>>(pool, x.typed_data(), w.typed_data(), wd[1], nullptr, y->typed_data(), xd[0], xd[1],
+                             wd[0]);
+}
+
+// Rows `ids` of block weights w [N, K / kBlock * kBytes], rebuilt as float32 (the same weights the matmul uses):
+// an embedding table looked up in its stored form. y [M, K].
+template <typename Format>
+ffi::Error BlockRows(ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> y) {
+  using F = Blocks<Format>;
+  const auto wd = w.dimensions(), yd = y->dimensions();
+  if (wd.size() != 2 || yd.size() != 2 || size_t(yd[0]) != ids.element_count() || yd[1] % Format::kBlock ||
+      wd[1] != yd[1] / Format::kBlock * Format::kBytes)
+    return ffi::Error::InvalidArgument("block_rows: w [N, K / block * block bytes], ids [M], y [M, K]");
+  const int64_t n = wd[0], row_len = wd[1], K = yd[1];
+  const int32_t* id = ids.typed_data();
+  float* out = y->typed_data();
+  for (int64_t m = 0; m < yd[0]; ++m) {
+    if (id[m] < 0 || id[m] >= n) return ffi::Error::InvalidArgument("block_rows: id out of range");
+    const uint8_t* row = w.typed_data() + id[m] * row_len;
+    for (int64_t k = 0; k < K; k += kGroup) {
+      const Quants g = F::Decode(row, k);
+      for (int64_t i = 0; i < kGroup; i += kLanes) Store(out + m * K + k + i, F::Weight(g, i));
+    }
+  }
+  return ffi::Error::Success();
 }
 
 // Decode attention of one query row per arena lane over that lane's own positions: for row r and kv head h, the
@@ -327,6 +498,9 @@ ffi::Error RmsNormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Re
 
 }  // namespace
 
+// The variant built: 16 float32 lanes per vector with AVX-512, 8 with AVX2.
+extern "C" int jaxstation_vector_lanes() { return static_cast<int>(kLanes); }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -361,3 +535,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNorm, RmsNormImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("eps"));
+
+// One matmul and one row lookup per block format: RowwiseMatmulQ4_1, BlockRowsQ4_1, ...
+#define JAXSTATION_BLOCK_FORMAT(F)                                                                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(RowwiseMatmul##F, MatmulBlocks<F>,                                         \
+                                ffi::Ffi::Bind()                                                            \
+                                    .Ctx<ffi::ThreadPool>()                                                 \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                           \
+                                    .Arg<ffi::Buffer<ffi::U8>>()                                            \
+                                    .Ret<ffi::Buffer<ffi::F32>>());                                         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockRows##F, BlockRows<F>,                                                \
+                                ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::S32>>().Ret< \
+                                    ffi::Buffer<ffi::F32>>());
+
+JAXSTATION_BLOCK_FORMAT(Q4_0)
+JAXSTATION_BLOCK_FORMAT(Q4_1)
+JAXSTATION_BLOCK_FORMAT(Q8_0)
+JAXSTATION_BLOCK_FORMAT(Q4_K)
+JAXSTATION_BLOCK_FORMAT(Q5_K)
+JAXSTATION_BLOCK_FORMAT(Q6_K)

@@ -22,7 +22,6 @@ from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxstation.kernels import cpu_kernel
 from jaxstation.kernels.rowwise import row_sum
@@ -30,6 +29,7 @@ from jaxstation.model.config import ModelConfig
 from jaxstation.model.quant import (
     MATMULS,
     KernelWeight,
+    Tensor,
     Weight,
     compute_dtype,
     matmul,
@@ -37,6 +37,8 @@ from jaxstation.model.quant import (
     precision_for,
     prepare,
     prepare_embedding,
+    projection,
+    stack,
     take_rows,
 )
 
@@ -89,30 +91,33 @@ class Params:
         return "unroll" if isinstance(self.layers, tuple) else "scan"
 
 
-WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
+WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "gguf")  # gguf: a GGUF file's blocks as stored, on the CPU kernel
 
 
-def pack_params(cfg: ModelConfig, tensor: Callable[[int | None, str], np.ndarray | jax.Array], weights: str = "float32",
+def pack_params(cfg: ModelConfig, tensor: Callable[[int | None, str], Tensor], weights: str = "float32",
                 layer_loop: str = "scan", matmul: str = "xla") -> Params:
     """Build Params from checkpoint-oriented tensors ([out, in], HF slot names via `tensor(layer, slot)`): fuse q/k/v
     and gate/up, transpose to [in, out], cast or quantize, and lay the layers out for `layer_loop`.
-    matmul "kernel" lays float32 and int8 projections out for the CPU kernel (`quant.KernelWeight`)."""
+    matmul "kernel" lays float32 and int8 projections out for the CPU kernel (`quant.KernelWeight`); weights "gguf"
+    keeps GGUF blocks (`quant.GGUFBlocks`) as stored there, and reads any other tensor as float32."""
     if weights not in WEIGHT_DTYPES:
         raise ValueError(f"weights must be one of {WEIGHT_DTYPES}, got {weights!r}")
+    if weights == "gguf" and matmul != "kernel":
+        raise ValueError("weights 'gguf' need matmul 'kernel': only the CPU kernel reads GGUF blocks")
     if layer_loop not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
     if matmul not in MATMULS:
         raise ValueError(f"matmul must be one of {MATMULS}, got {matmul!r}")
     dtype = compute_dtype(weights)
 
-    def proj(w) -> Weight:  # [in, out], or [layers, in, out]
+    def proj(w: Tensor) -> Weight:  # [in, out] or [layers, in, out]; GGUF blocks out-major
         return prepare(w, weights, matmul)
 
-    def layer_arrays(i: int) -> dict[str, np.ndarray]:
+    def layer_arrays(i: int) -> dict[str, Tensor]:
         t = functools.partial(tensor, i)
-        return {"attn_norm": t("attn_norm"), "wqkv": np.concatenate([t("q"), t("k"), t("v")], axis=0).T,
-                "wo": t("o").T, "mlp_norm": t("mlp_norm"),
-                "w_gate_up": np.concatenate([t("gate"), t("up")], axis=0).T, "w_down": t("down").T}
+        return {"attn_norm": t("attn_norm"), "wqkv": projection([t("q"), t("k"), t("v")]), "wo": projection([t("o")]),
+                "mlp_norm": t("mlp_norm"), "w_gate_up": projection([t("gate"), t("up")]),
+                "w_down": projection([t("down")])}
 
     def build(a: dict) -> LayerParams:
         norms = {k: jnp.asarray(a[k], dtype) for k in ("attn_norm", "mlp_norm")}
@@ -122,9 +127,9 @@ def pack_params(cfg: ModelConfig, tensor: Callable[[int | None, str], np.ndarray
         layers: LayerParams | tuple[LayerParams, ...] = tuple(build(layer_arrays(i)) for i in range(cfg.num_layers))
     else:
         per_layer = [layer_arrays(i) for i in range(cfg.num_layers)]
-        layers = build({k: np.stack([a[k] for a in per_layer]) for k in per_layer[0]})
+        layers = build({k: stack([a[k] for a in per_layer]) for k in per_layer[0]})
     embed_w = prepare_embedding(tensor(None, "embed"), weights, matmul, cfg.tie_word_embeddings)
-    lm_head = None if cfg.tie_word_embeddings else proj(np.asarray(tensor(None, "lm_head")).T)
+    lm_head = None if cfg.tie_word_embeddings else proj(projection([tensor(None, "lm_head")]))
     return Params(embed=embed_w, layers=layers, final_norm=jnp.asarray(tensor(None, "final_norm"), dtype),
                   lm_head=lm_head)
 

@@ -14,13 +14,16 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxstation.kernels.cpu_kernel import BLOCK_FORMATS
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.default_model import default_model_path
 from jaxstation.model.gguf_file import GGUFFile
 from jaxstation.model.layers import WEIGHT_DTYPES, Params, pack_params
+from jaxstation.model.quant import GGUFBlocks, Tensor
 from jaxstation.model.tokenizer import Tokenizer
 
-GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+_MATRICES = ("embed", "lm_head", "q", "k", "v", "o", "gate", "up", "down")  # the slots a GGUF file may keep in blocks
 _LAYER_SLOTS = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
 
 
@@ -74,7 +77,7 @@ def _map_name(name: str, globals_: Mapping[str, str], layer_re: re.Pattern, laye
     raise CheckpointError(f"unknown tensor {name!r}: not part of a {num_layers}-layer Llama-family checkpoint")
 
 
-def _assemble(cfg: ModelConfig, tensors: Mapping[tuple[int | None, str], np.ndarray], names: Mapping, weights: str,
+def _assemble(cfg: ModelConfig, tensors: Mapping[tuple[int | None, str], Tensor], names: Mapping, weights: str,
               layer_loop: str, source: str, matmul: str) -> Params:
     """Check every tensor's presence and shape, then pack them (`model.pack_params`)."""
     shapes = _expected_shapes(cfg)
@@ -151,8 +154,11 @@ def _gguf_name(key: tuple[int | None, str]) -> str:
     return f"blk.{layer}." + next(n for n, s in _GGUF_LAYER_NAMES.items() if s == slot)
 
 
-def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp stores q/k rows interleaved for its pairwise RoPE; restore HF's rotate-half row order."""
+def _unpermute_rope(w: Tensor, n_heads: int) -> Tensor:
+    """llama.cpp stores q/k rows interleaved for its pairwise RoPE; restore HF's rotate-half row order (of a dense
+    matrix, or of the rows of its blocks)."""
+    if isinstance(w, GGUFBlocks):
+        return dataclasses.replace(w, data=_unpermute_rope(w.data, n_heads))
     half = w.shape[0] // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -174,23 +180,27 @@ def open_gguf(path: Path) -> GGUFFile:
 
 def load_gguf(path: Path, dtype: str = "float32", reader: GGUFFile | None = None, layer_loop: str = "scan",
               matmul: str = "xla") -> tuple[ModelConfig, Params]:
-    """A GGUF file: config from metadata, tensors dequantized with the gguf package."""
+    """A GGUF file: config from metadata, tensors dequantized with the gguf package; with dtype "gguf", matrices in a
+    block format the CPU kernel reads stay in their blocks (`quant.GGUFBlocks`)."""
     from gguf import GGMLQuantizationType, dequantize
 
     reader = reader or open_gguf(path)
     cfg = gguf_config(reader)
-    tensors: dict[tuple[int | None, str], np.ndarray] = {}
+    tensors: dict[tuple[int | None, str], Tensor] = {}
     names: dict[tuple[int | None, str], str] = {k: _gguf_name(k) for k in _all_keys(cfg)}
     for t in reader.tensors:
         key = _map_name(t.name, _GGUF_GLOBAL, _GGUF_LAYER, _GGUF_LAYER_NAMES, cfg.num_layers)
         qtype = GGMLQuantizationType(t.tensor_type)
         if qtype.name not in GGUF_TYPES:
             raise CheckpointError(f"tensor {t.name!r} has unsupported GGUF type {qtype.name}; supported: {GGUF_TYPES}")
-        try:
-            arr = np.asarray(dequantize(t.data, qtype), np.float32)
-        except Exception as e:
-            raise CheckpointError(f"cannot dequantize tensor {t.name!r} ({qtype.name}) in {path}: {e}") from e
-        arr = arr.reshape(tuple(int(n) for n in reversed(t.shape)))  # ggml dims are [in, out]
+        shape = tuple(int(n) for n in reversed(t.shape))  # ggml dims are [in, out]
+        if dtype == "gguf" and qtype.name in BLOCK_FORMATS and key[1] in _MATRICES and len(shape) == 2:
+            arr: Tensor = GGUFBlocks(np.asarray(t.data).reshape(shape[0], -1), qtype.name, shape)
+        else:
+            try:
+                arr = np.asarray(dequantize(t.data, qtype), np.float32).reshape(shape)
+            except Exception as e:
+                raise CheckpointError(f"cannot dequantize tensor {t.name!r} ({qtype.name}) in {path}: {e}") from e
         if key[1] in ("q", "k") and arr.shape == _expected_shapes(cfg)[key[1]]:
             arr = _unpermute_rope(arr, cfg.num_heads if key[1] == "q" else cfg.num_kv_heads)
         tensors[key] = arr

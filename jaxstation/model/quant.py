@@ -5,7 +5,9 @@ activation dtype inside the compiled step and applies the scales to the product,
 `x @ (q * scale)` up to rounding and lets the compiler fuse the convert into the matmul where it can (a GPU's does).
 
 A `KernelWeight` is a float32 or int8 weight laid out out-major for the CPU kernel (kernels/cpu_kernel.py), which
-reads int8 without converting it in memory and gives each row the same bits whatever the other rows are.
+reads int8 without converting it in memory and gives each row the same bits whatever the other rows are; or a GGUF
+matrix in its stored block format (weights "gguf": Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), which the kernel rebuilds in
+registers into exactly the float32 weights the gguf package's dequantization gives, so the bits are float32's.
 """
 
 from __future__ import annotations
@@ -35,34 +37,84 @@ class QuantWeight:
         return self.q.nbytes + self.scale.nbytes
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["w", "scale"], meta_fields=[])
+@partial(jax.tree_util.register_dataclass, data_fields=["w", "scale"], meta_fields=["blocks"])
 @dataclasses.dataclass(frozen=True)
 class KernelWeight:
-    w: jax.Array  # [..., out, in]: int8, or float32
-    scale: jax.Array | None  # float32 [..., out] for int8; None for float32
+    w: jax.Array  # [..., out, in]: int8, or float32; uint8 [..., out, in / block * block bytes] for GGUF blocks
+    scale: jax.Array | None  # float32 [..., out] for int8; None otherwise
+    blocks: str | None = None  # the GGUF block format of w ("Q4_1", ...); None for int8 and float32
 
     @property
     def nbytes(self) -> int:
         return self.w.nbytes + (0 if self.scale is None else self.scale.nbytes)
 
 
+@dataclasses.dataclass(frozen=True)
+class GGUFBlocks:
+    """A matrix as a GGUF file stores it: data uint8 [..., out, in / block * block bytes] in block format `fmt`."""
+
+    data: np.ndarray
+    fmt: str
+    shape: tuple[int, ...]  # the matrix's: [..., out, in]
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [..., out, in], as the gguf package computes it."""
+        from gguf import GGMLQuantizationType, dequantize
+
+        return np.asarray(dequantize(self.data, GGMLQuantizationType[self.fmt]), np.float32).reshape(self.shape)
+
+
 Weight = jax.Array | QuantWeight | KernelWeight
+Tensor = np.ndarray | jax.Array | GGUFBlocks
 MATMULS = ("xla", "kernel")  # how projections multiply: XLA's dot, or the CPU kernel over KernelWeights
 
 
-def prepare(w, weights: str, matmul: str) -> Weight:
-    """A projection [..., in, out] as the step will read it: cast, quantized, or out-major for the kernel (when its
-    shape fits the kernel; otherwise XLA's dot serves that weight)."""
+def dense(w: Tensor) -> np.ndarray | jax.Array:
+    return w.dequantize() if isinstance(w, GGUFBlocks) else w
+
+
+def projection(parts: list[Tensor]) -> Tensor:
+    """Checkpoint matrices [out_i, in] as one projection: GGUF blocks of one format stay as stored, out-major (their
+    rows concatenated); anything else becomes a dense [in, sum(out_i)]."""
+    if all(isinstance(p, GGUFBlocks) for p in parts) and len({p.fmt for p in parts}) == 1:
+        out = sum(p.shape[0] for p in parts)
+        return GGUFBlocks(np.concatenate([p.data for p in parts]), parts[0].fmt, (out, parts[0].shape[1]))
+    if len(parts) == 1:
+        return np.asarray(dense(parts[0])).T
+    return np.concatenate([np.asarray(dense(p)) for p in parts], axis=0).T
+
+
+def stack(layers: list[Tensor]) -> Tensor:
+    """Per-layer tensors on a leading layer axis (GGUF blocks of one format stay as stored)."""
+    if isinstance(layers[0], GGUFBlocks) and all(isinstance(w, GGUFBlocks) and w.fmt == layers[0].fmt for w in layers):
+        return GGUFBlocks(np.stack([w.data for w in layers]), layers[0].fmt, (len(layers), *layers[0].shape))
+    return np.stack([np.asarray(dense(w)) for w in layers])
+
+
+def prepare(w: Tensor, weights: str, matmul: str) -> Weight:
+    """A projection as the step will read it: cast, quantized, or out-major for the kernel (when its shape fits the
+    kernel; otherwise XLA's dot serves that weight). `w` is [..., in, out], or GGUF blocks [..., out, in], which
+    weights "gguf" keeps as stored for the kernel."""
+    if isinstance(w, GGUFBlocks):
+        if weights == "gguf" and matmul == "kernel" and cpu_kernel.fits_blocks(w.fmt, w.shape[-1], w.shape[-2]):
+            return KernelWeight(jnp.asarray(w.data), None, w.fmt)
+        w = np.swapaxes(w.dequantize(), -1, -2)
     if matmul == "kernel" and cpu_kernel.fits(w.shape[-2], w.shape[-1]):
         return kernel_weight(np.swapaxes(np.asarray(w), -1, -2), weights)
     if weights == "int8":
         return quantize(w, reduce_axis=-2)
-    return jnp.asarray(w, weights)
+    return jnp.asarray(w, compute_dtype(weights))
 
 
-def prepare_embedding(embed, weights: str, matmul: str, tied: bool) -> Weight:
+def prepare_embedding(embed: Tensor, weights: str, matmul: str, tied: bool) -> Weight:
     """The embedding table [vocab, d]. Tied, its rows are the lm_head's output channels: quantized per row for int8,
-    or out-major for the kernel as it stands. Untied, it is only looked up, so it stays in the compute dtype."""
+    out-major for the kernel as it stands, or (weights "gguf") in its GGUF blocks. Untied, it is only looked up, so it
+    stays in the compute dtype."""
+    if isinstance(embed, GGUFBlocks):
+        if (tied and weights == "gguf" and matmul == "kernel"
+                and cpu_kernel.fits_blocks(embed.fmt, embed.shape[1], embed.shape[0])):
+            return KernelWeight(jnp.asarray(embed.data), None, embed.fmt)
+        embed = embed.dequantize()
     if tied and matmul == "kernel" and cpu_kernel.fits(embed.shape[1], embed.shape[0]):
         return kernel_weight(embed, weights)
     if tied and weights == "int8":
@@ -71,12 +123,13 @@ def prepare_embedding(embed, weights: str, matmul: str, tied: bool) -> Weight:
 
 
 def kernel_weight(w_out_in, weights: str) -> KernelWeight:
-    """A weight already out-major ([..., out, in], e.g. a tied embedding) for the kernel: int8 or float32."""
+    """A dense weight already out-major ([..., out, in], e.g. a tied embedding) for the kernel: int8, or float32 (for
+    weights "gguf" too: a tensor the file stores unquantized, or in a format the kernel does not read)."""
     if weights == "int8":
         q = quantize(w_out_in, reduce_axis=-1)
         return KernelWeight(q.q, q.scale)
-    if weights != "float32":
-        raise ValueError(f"the CPU kernel takes float32 or int8 weights, not {weights}")
+    if weights not in ("float32", "gguf"):
+        raise ValueError(f"the CPU kernel takes float32, int8 or gguf weights, not {weights}")
     return KernelWeight(jnp.asarray(w_out_in, jnp.float32), None)
 
 
@@ -91,7 +144,10 @@ def quantize(w: jax.Array | np.ndarray, reduce_axis: int) -> QuantWeight:
 
 
 def compute_dtype(weights: str) -> jnp.dtype:
-    """Activations, norms and the arena: the weights' float dtype; for int8, bfloat16 on a GPU and float32 on CPU."""
+    """Activations, norms and the arena: the weights' float dtype; float32 for GGUF blocks (the CPU kernel's); for
+    int8, bfloat16 on a GPU and float32 on CPU."""
+    if weights == "gguf":
+        return jnp.dtype(jnp.float32)
     if weights == "int8":
         return jnp.dtype(jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
     return jnp.dtype(weights)
@@ -105,7 +161,7 @@ def precision_for(dtype: jnp.dtype) -> jax.lax.Precision | None:
 def matmul(x: jax.Array, w: Weight) -> jax.Array:
     """x [..., in] @ w [in, out] in x's dtype."""
     if isinstance(w, KernelWeight):
-        return cpu_kernel.rowwise_matmul(x, w.w, w.scale)
+        return cpu_kernel.rowwise_matmul(x, w.w, w.scale, w.blocks)
     precision = precision_for(x.dtype)
     if isinstance(w, QuantWeight):
         return jnp.matmul(x, w.q.astype(x.dtype), precision=precision) * w.scale.astype(x.dtype)
@@ -115,7 +171,7 @@ def matmul(x: jax.Array, w: Weight) -> jax.Array:
 def matmul_transposed(x: jax.Array, w: Weight) -> jax.Array:
     """x [..., d] @ w.T for w [out, d] (the tied lm_head over the embedding table) in x's dtype."""
     if isinstance(w, KernelWeight):
-        return cpu_kernel.rowwise_matmul(x, w.w, w.scale)
+        return cpu_kernel.rowwise_matmul(x, w.w, w.scale, w.blocks)
     dims = (((x.ndim - 1,), (1,)), ((), ()))
     precision = precision_for(x.dtype)
     if isinstance(w, QuantWeight):
@@ -125,6 +181,8 @@ def matmul_transposed(x: jax.Array, w: Weight) -> jax.Array:
 
 def take_rows(w: Weight, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """Rows `ids` of an embedding table [vocab, d], dequantized to `dtype`."""
+    if isinstance(w, KernelWeight) and w.blocks:
+        return cpu_kernel.block_rows(w.w, ids, w.blocks).astype(dtype)
     if isinstance(w, KernelWeight):
         rows = w.w[ids].astype(dtype)
         return rows if w.scale is None else rows * w.scale[ids][..., None].astype(dtype)

@@ -27,16 +27,17 @@ def use_gpu_memory_fraction() -> None:
 
 def weight_bytes(cfg: ModelConfig, dtype: str) -> int:
     """Bytes the model's weights take once loaded as `dtype` (int8: one byte per projection weight plus a float32
-    scale per output channel; norms and an untied embedding in the compute dtype)."""
+    scale per output channel; gguf: at most Q8_0's 34 bytes per 32 weights, the largest block format the kernel reads;
+    norms and an untied embedding in the compute dtype)."""
     d, hd, f, v = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
     proj_in_out = [(d, cfg.qkv_size), (cfg.num_heads * hd, d), (d, 2 * f), (f, d)]
     float_size = jnp.dtype(compute_dtype(dtype)).itemsize
-    weight_size = 1 if dtype == "int8" else float_size
+    weight_size = {"int8": 1, "gguf": 34 / 32}.get(dtype, float_size)
     proj = cfg.num_layers * sum(i * o for i, o in proj_in_out) + (0 if cfg.tie_word_embeddings else d * v)
     scales = 4 * (cfg.num_layers * sum(o for _, o in proj_in_out) + v) if dtype == "int8" else 0
     embed = v * d * (weight_size if cfg.tie_word_embeddings else float_size)
     norms = (2 * cfg.num_layers + 1) * d * float_size
-    return proj * weight_size + scales + embed + norms
+    return int(proj * weight_size + scales + embed + norms)
 
 
 def available_memory() -> tuple[int | None, str]:

@@ -86,8 +86,10 @@ SETTINGS: tuple[_Setting, ...] = (
     _Setting("model", "MOONSHINE_MODEL", "--model", _parse_str,
              "HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)"),
     _Setting("dtype", "MOONSHINE_DTYPE", "--dtype", _parse_str,
-             "weight dtype: float32, bfloat16 or int8 (weight-only, per output channel; activations and the KV "
-             "arena stay float32 on CPU, bfloat16 on a GPU) (default: float32 on CPU, bfloat16 on a GPU)"),
+             "weight dtype: gguf (a GGUF model's matrices in their stored blocks, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or "
+             "Q6_K, on the CPU kernel: float32's exact bits at the file's bytes), float32, bfloat16 or int8 "
+             "(weight-only, per output channel; activations and the KV arena stay float32 on CPU, bfloat16 on a GPU) "
+             "(default: gguf on CPU for a GGUF model where the CPU kernel builds, else float32; bfloat16 on a GPU)"),
     _Setting("attention", "MOONSHINE_ATTENTION", "--attention", _parse_str,
              "decode attention: blocked (online softmax over KV blocks), kernel (the CPU decode attention kernel), xla "
              "or cudnn (jax.nn.dot_product_attention with per-lane lengths); auto is cudnn on a GPU for bfloat16, "
@@ -280,8 +282,24 @@ class StationConfig:
 
     @property
     def weights(self) -> str:
-        """The weight dtype: the setting, or the backend's default."""
-        return self.dtype or ("bfloat16" if on_gpu() else "float32")
+        """The weight dtype: the setting, or the backend's default (on CPU, a GGUF model's blocks as stored where the
+        kernel runs, else float32; bfloat16 on a GPU). Raises ConfigError for gguf where it cannot run."""
+        if self.dtype == "gguf":
+            if not self.model_is_gguf:
+                raise ConfigError(f"{self.named('dtype')}=gguf needs a .gguf model, not {self.model}")
+            if on_gpu() or self.matmul == "xla":
+                raise ConfigError(f"{self.named('dtype')}=gguf needs the CPU kernel ({self.named('matmul')}=kernel or "
+                                  "auto, on CPU)")
+        if self.dtype:
+            return self.dtype
+        if on_gpu():
+            return "bfloat16"
+        return "gguf" if self.model_is_gguf and self.matmul != "xla" and cpu_kernel.available() else "float32"
+
+    @property
+    def model_is_gguf(self) -> bool:
+        """The model is a GGUF file (the embedded default model is one)."""
+        return self.model is None or str(self.model).endswith(".gguf")
 
     @property
     def decode_widths(self) -> tuple[int, ...] | None:
@@ -301,12 +319,13 @@ class StationConfig:
 
     @property
     def matmul_impl(self) -> str:
-        """How projections multiply: the setting, or the CPU kernel on CPU for float32 and int8 weights when it builds
-        here. Raises ConfigError if the kernel is asked for and cannot run."""
-        kernel_dtypes = ("float32", "int8")
+        """How projections multiply: the setting, or the CPU kernel on CPU for float32, int8 and gguf weights when it
+        builds here. Raises ConfigError if the kernel is asked for and cannot run."""
+        kernel_dtypes = ("float32", "int8", "gguf")
         if self.matmul == "kernel":
             if self.weights not in kernel_dtypes:
-                raise ConfigError(f"{self.named('matmul')}=kernel takes float32 or int8 weights, not {self.weights}")
+                raise ConfigError(f"{self.named('matmul')}=kernel takes float32, int8 or gguf weights, "
+                                  f"not {self.weights}")
             try:
                 cpu_kernel.require()
             except cpu_kernel.KernelUnavailable as e:
