@@ -56,6 +56,12 @@ inline Vec Round(Vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_I
 inline Vec Pow2(Vec n) {  // 2^n for integral n in [-126, 127]
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
 }
+// Columns i..i+15 (i = 0 or 16) of a block's 16 nibble bytes as int32 lanes: the low nibbles, then the high ones.
+inline Vec Nibbles(__m128i bytes, int64_t i, int bias) {
+  const __m512i v = _mm512_cvtepu8_epi32(bytes);
+  const __m512i q = i < 16 ? _mm512_and_si512(v, _mm512_set1_epi32(0x0F)) : _mm512_srli_epi32(v, 4);
+  return _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(bias)));
+}
 #else
 using Vec = __m256;
 constexpr int64_t kLanes = 8;
@@ -76,6 +82,12 @@ inline Vec Max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
 inline Vec Round(Vec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline Vec Pow2(Vec n) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+// Columns i..i+7 (i = 0, 8, 16 or 24) of a block's 16 nibble bytes as int32 lanes: low nibbles, then high ones.
+inline Vec Nibbles(__m128i bytes, int64_t i, int bias) {
+  const __m256i v = _mm256_cvtepu8_epi32(i % 16 ? _mm_srli_si128(bytes, 8) : bytes);
+  const __m256i q = i < 16 ? _mm256_and_si256(v, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(v, 4);
+  return _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(bias)));
 }
 #endif
 
@@ -119,26 +131,55 @@ struct Plain {
   static Vec Weight(Group g, int64_t i) { return LoadW(g + i); }
 };
 
+inline float HalfToFloat(const uint8_t* p) { return _cvtsh_ss(static_cast<uint16_t>(p[0] | (p[1] << 8))); }
+
+// Q4_0 (d, 16 bytes of nibbles; w = d * (q - 8)) and Q4_1 (d, m, 16 bytes of nibbles; w = d * q + m), all
+// float16 scales: one block is one group, its nibbles widened straight into vectors.
+template <bool kMin>
+struct Q4 {
+  using Elem = uint8_t;
+  static constexpr int64_t kBlock = 32, kBytes = kMin ? 20 : 18;
+  struct Group {
+    __m128i q;
+    Vec d, m;
+  };
+  static Group Decode(const uint8_t* row, int64_t k) {
+    const uint8_t* b = row + k / kBlock * kBytes;
+    return {_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kBytes - 16)), Set1(HalfToFloat(b)),
+            Set1(kMin ? HalfToFloat(b + 2) : 0.0f)};
+  }
+  static Vec Weight(const Group& g, int64_t i) {
+    const Vec w = Mul(g.d, Nibbles(g.q, i, kMin ? 0 : 8));
+    return kMin ? Add(w, g.m) : w;
+  }
+};
+using Q4_0 = Q4<false>;
+using Q4_1 = Q4<true>;
+
+struct Q8_0 {  // d (f16), 32 int8; w = d * q
+  using Elem = uint8_t;
+  static constexpr int64_t kBlock = 32, kBytes = 34;
+  struct Group {
+    const int8_t* q;
+    Vec d;
+  };
+  static Group Decode(const uint8_t* row, int64_t k) {
+    const uint8_t* b = row + k / kBlock * kBytes;
+    return {reinterpret_cast<const int8_t*>(b + 2), Set1(HalfToFloat(b))};
+  }
+  static Vec Weight(const Group& g, int64_t i) { return Mul(g.d, LoadW(g.q + i)); }
+};
+
+// The K-quants: 256 columns a block in 8 groups, each decoded into a Quants (32 small integers and the affine map
+// gguf applies to them) once per tile and channel.
 struct Quants {
   alignas(64) int8_t q[kGroup];
   float d[2];  // the scale of columns 0-15 and of 16-31 (they differ in Q6_K only)
-  float m;     // added after the scale when kOffset: Q4_1's minimum, the K-quants' -dmin * min
+  float m;     // added after the scale when kOffset: -dmin * min
 };
 
-inline float HalfToFloat(const uint8_t* p) { return _cvtsh_ss(static_cast<uint16_t>(p[0] | (p[1] << 8))); }
-
-// out[i] = (p[i] & 15) + bias and out[16 + i] = (p[i] >> 4) + bias for i < 16: a block's nibbles in column order.
-inline void Nibbles(const uint8_t* p, int8_t* out, int8_t bias) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), low = _mm_set1_epi8(0x0F);
-  const __m128i b = _mm_set1_epi8(bias);
-  _mm_store_si128(reinterpret_cast<__m128i*>(out), _mm_add_epi8(_mm_and_si128(v, low), b));
-  _mm_store_si128(reinterpret_cast<__m128i*>(out + 16), _mm_add_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), low), b));
-}
-
-// Block formats: kBlock columns in kBytes bytes; Fill decodes group `j` of the block at `b` (layouts and arithmetic
-// as gguf's quants.py dequantize_blocks).
 template <typename Format>
-struct Blocks {
+struct Staged {
   using Elem = uint8_t;
   using Group = Quants;
   static constexpr int64_t kBlock = Format::kBlock, kBytes = Format::kBytes;
@@ -153,34 +194,6 @@ struct Blocks {
   }
 };
 
-struct Q4_0 {  // d (f16), 16 bytes of nibbles; w = d * (q - 8)
-  static constexpr int64_t kBlock = 32, kBytes = 18;
-  static constexpr bool kOffset = false;
-  static void Fill(const uint8_t* b, int64_t, Quants& g) {
-    g.d[0] = g.d[1] = HalfToFloat(b);
-    Nibbles(b + 2, g.q, -8);
-  }
-};
-
-struct Q4_1 {  // d, m (f16), 16 bytes of nibbles; w = d * q + m
-  static constexpr int64_t kBlock = 32, kBytes = 20;
-  static constexpr bool kOffset = true;
-  static void Fill(const uint8_t* b, int64_t, Quants& g) {
-    g.d[0] = g.d[1] = HalfToFloat(b);
-    g.m = HalfToFloat(b + 2);
-    Nibbles(b + 4, g.q, 0);
-  }
-};
-
-struct Q8_0 {  // d (f16), 32 int8; w = d * q
-  static constexpr int64_t kBlock = 32, kBytes = 34;
-  static constexpr bool kOffset = false;
-  static void Fill(const uint8_t* b, int64_t, Quants& g) {
-    g.d[0] = g.d[1] = HalfToFloat(b);
-    std::memcpy(g.q, b + 2, kGroup);
-  }
-};
-
 // Q4_K and Q5_K: d, dmin (f16), 12 bytes of 6-bit scales and mins for 8 groups; w = (d * sc) * q - dmin * min.
 inline void ScaleMin(const uint8_t* b, int64_t j, Quants& g) {
   const uint8_t* s = b + 4;
@@ -190,7 +203,7 @@ inline void ScaleMin(const uint8_t* b, int64_t j, Quants& g) {
   g.m = -(HalfToFloat(b + 2) * static_cast<float>(mn));
 }
 
-struct Q4_K {  // 256 columns: d, dmin, scales[12], qs[128] (group j: nibble j % 2 of bytes 32 * (j / 2) on)
+struct Q4_KFill {  // 256 columns: d, dmin, scales[12], qs[128] (group j: nibble j % 2 of bytes 32 * (j / 2) on)
   static constexpr int64_t kBlock = 256, kBytes = 144;
   static constexpr bool kOffset = true;
   static void Fill(const uint8_t* b, int64_t j, Quants& g) {
@@ -201,7 +214,7 @@ struct Q4_K {  // 256 columns: d, dmin, scales[12], qs[128] (group j: nibble j %
   }
 };
 
-struct Q5_K {  // 256 columns: d, dmin, scales[12], qh[32] (bit j: group j's fifth bit), qs[128] as Q4_K
+struct Q5_KFill {  // 256 columns: d, dmin, scales[12], qh[32] (bit j: group j's fifth bit), qs[128] as Q4_K
   static constexpr int64_t kBlock = 256, kBytes = 176;
   static constexpr bool kOffset = true;
   static void Fill(const uint8_t* b, int64_t j, Quants& g) {
@@ -214,7 +227,8 @@ struct Q5_K {  // 256 columns: d, dmin, scales[12], qh[32] (bit j: group j's fif
   }
 };
 
-struct Q6_K {  // 256 columns: ql[128], qh[64], int8 scales[16] (one per 16 columns), d (f16); w = (d * sc) * (q - 32)
+// 256 columns: ql[128], qh[64], int8 scales[16] (one per 16 columns), d (f16); w = (d * sc) * (q - 32)
+struct Q6_KFill {
   static constexpr int64_t kBlock = 256, kBytes = 210;
   static constexpr bool kOffset = false;
   static void Fill(const uint8_t* b, int64_t j, Quants& g) {
@@ -230,6 +244,10 @@ struct Q6_K {  // 256 columns: ql[128], qh[64], int8 scales[16] (one per 16 colu
     g.d[1] = d * static_cast<float>(scales[2 * j + 1]);
   }
 };
+
+using Q4_K = Staged<Q4_KFill>;
+using Q5_K = Staged<Q5_KFill>;
+using Q6_K = Staged<Q6_KFill>;
 
 // R rows x C channels, the whole K: R * C * 2 accumulators in registers. `row_len` is a channel's length in F::Elem.
 template <int R, int C, typename F>
@@ -349,25 +367,23 @@ ffi::Error MatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 }
 
 // x [M, K] times block weights w [N, K / kBlock * kBytes] (uint8) -> y [M, N].
-template <typename Format>
+template <typename F>
 ffi::Error MatmulBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                         ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] % Format::kBlock || wd[1] != xd[1] / Format::kBlock * Format::kBytes ||
-      wd[0] % 4)
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] % F::kBlock || wd[1] != xd[1] / F::kBlock * F::kBytes || wd[0] % 4)
     return ffi::Error::InvalidArgument("rowwise_matmul (blocks): x [M, K], w [N, K / block * block bytes], N % 4 == 0");
-  return Run<Blocks<Format>>(pool, x.typed_data(), w.typed_data(), wd[1], nullptr, y->typed_data(), xd[0], xd[1],
+  return Run<F>(pool, x.typed_data(), w.typed_data(), wd[1], nullptr, y->typed_data(), xd[0], xd[1],
                              wd[0]);
 }
 
 // Rows `ids` of block weights w [N, K / kBlock * kBytes], rebuilt as float32 (the same weights the matmul uses):
 // an embedding table looked up in its stored form. y [M, K].
-template <typename Format>
+template <typename F>
 ffi::Error BlockRows(ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> y) {
-  using F = Blocks<Format>;
   const auto wd = w.dimensions(), yd = y->dimensions();
-  if (wd.size() != 2 || yd.size() != 2 || size_t(yd[0]) != ids.element_count() || yd[1] % Format::kBlock ||
-      wd[1] != yd[1] / Format::kBlock * Format::kBytes)
+  if (wd.size() != 2 || yd.size() != 2 || size_t(yd[0]) != ids.element_count() || yd[1] % F::kBlock ||
+      wd[1] != yd[1] / F::kBlock * F::kBytes)
     return ffi::Error::InvalidArgument("block_rows: w [N, K / block * block bytes], ids [M], y [M, K]");
   const int64_t n = wd[0], row_len = wd[1], K = yd[1];
   const int32_t* id = ids.typed_data();
@@ -376,7 +392,7 @@ ffi::Error BlockRows(ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> ids, ffi::Res
     if (id[m] < 0 || id[m] >= n) return ffi::Error::InvalidArgument("block_rows: id out of range");
     const uint8_t* row = w.typed_data() + id[m] * row_len;
     for (int64_t k = 0; k < K; k += kGroup) {
-      const Quants g = F::Decode(row, k);
+      const typename F::Group g = F::Decode(row, k);
       for (int64_t i = 0; i < kGroup; i += kLanes) Store(out + m * K + k + i, F::Weight(g, i));
     }
   }
