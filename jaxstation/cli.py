@@ -35,7 +35,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from jaxstation.model.loader import load_model
 
     t0 = time.perf_counter()
-    station = StationConfig(dtype=args.dtype)  # the backend's defaults for what generate does not expose
+    station = StationConfig(dtype=args.dtype, model=args.model)  # the backend's defaults for the rest
     model = load_model(args.model, station.weights, station.loop, station.matmul_impl)
     tok = model.tokenizer
     if args.chat:
@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="1 is off")
     gen.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)")
     gen.add_argument("--dtype", default=None, choices=DTYPES,
-                     help="weight dtype; int8 is weight-only (default: float32 on CPU, bfloat16 on a GPU)")
+                     help="weight dtype; gguf keeps a GGUF model's blocks as stored (float32's exact bits), int8 is "
+                     "weight-only (default: gguf on CPU for a GGUF model, else float32; bfloat16 on a GPU)")
     gen.set_defaults(func=cmd_generate, command_parser=gen)
 
     exp = sub.add_parser("export-tokenizer", help="write the model's tokenizer as a Hugging Face tokenizer directory",

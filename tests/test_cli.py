@@ -65,13 +65,14 @@ def test_help_shows_defaults_and_routes() -> None:
                     "(default: 32) [env MOONSHINE_PREFILL_CHUNK]", "(default: 128) [env MOONSHINE_KV_BLOCK]",
                     "(default: 64) [env MOONSHINE_MAX_QUEUE]", "(default: 30.0) [env MOONSHINE_DRAIN_S]",
                     "(default: 1048576) [env MOONSHINE_MAX_BODY_BYTES]",
-                    "(default: float32 on CPU, bfloat16 on a GPU) [env MOONSHINE_DTYPE]",
+                    "(default: gguf on CPU for a GGUF model where the CPU kernel builds, else float32; bfloat16 on a "
+                    "GPU) [env MOONSHINE_DTYPE]",
                     "(default: auto) [env MOONSHINE_ATTENTION]", "(default: auto) [env MOONSHINE_LAYER_LOOP]",
                     "(default: off) [env MOONSHINE_CONTINUOUS_BATCH]"):
         assert default in serve
     generate = " ".join(run_cli("generate", "--help").stdout.split())
     assert "--max-new-tokens MAX_NEW_TOKENS the most tokens to generate" in generate
-    assert "--dtype {float32,bfloat16,int8} weight dtype; int8 is weight-only" in generate
+    assert "--dtype {float32,bfloat16,int8,gguf} weight dtype; gguf keeps a GGUF model's blocks as stored" in generate
 
 
 def test_a_corrupt_model_file_is_one_line_on_serve(tmp_path: Path) -> None:

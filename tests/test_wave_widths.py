@@ -75,12 +75,13 @@ def _neighbours(engine: Engine, target_lane: int, n: int, rng: np.random.Generat
     return lanes
 
 
-# float32: the wide engine, the target among 15 others at full width; int8: the station shape, widths 1, 2 and 4
-WIDTH_CHECKS = {"float32": ("wide_engine", [(7, 2, 4), (12, 15, 16)]),
+# gguf (the default model's blocks as stored): the wide engine, the target among 15 others at full width; int8: the
+# station shape, widths 1, 2 and 4
+WIDTH_CHECKS = {"gguf": ("wide_engine", [(7, 2, 4), (12, 15, 16)]),
                 "int8": ("int8_engine", [(1, 1, 2), (3, 3, 4)])}
 
 
-@pytest.mark.parametrize("weights", ["float32", "int8"])
+@pytest.mark.parametrize("weights", ["gguf", "int8"])
 def test_bits_are_equal_at_every_width(weights: str, request) -> None:
     fixture, placements = WIDTH_CHECKS[weights]
     engine: Engine = request.getfixturevalue(fixture)

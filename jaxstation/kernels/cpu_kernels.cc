@@ -399,6 +399,13 @@ ffi::Error BlockRows(ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> ids, ffi::Res
   return ffi::Error::Success();
 }
 
+// A lane's positions lie kv_heads * head_dim floats apart, one head's slice of each a few cache lines: the walks
+// over keys and values ask for the slice kAhead positions on, so that many lines are in flight at once.
+constexpr int64_t kAhead = 16;
+inline void Prefetch(const float* p, int64_t floats) {
+  for (int64_t f = 0; f < floats; f += 16) _mm_prefetch(reinterpret_cast<const char*>(p + f), _MM_HINT_T0);
+}
+
 // Decode attention of one query row per arena lane over that lane's own positions: for row r and kv head h, the
 // group's query heads attend to k/v[layer, lanes[r], lo..positions[r], h] with lo = positions[r] - window + 1 (or 0),
 // softmax over exactly those positions (scores by the same two-accumulator dot as the matmul, exp by one polynomial,
@@ -438,6 +445,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     // scores[g][i] = scale * q_g . k_(lo + i), each dot in the matmul kernel's order
     for (int64_t i = 0; i < n; ++i) {
       const float* kr = kp + base + i * stride;
+      if (i + kAhead < n) Prefetch(kr + kAhead * stride, hd);
       for (int64_t g = 0; g < group; ++g) {
         const float* qr = qp + (r * heads + h * group + g) * hd;
         Vec even = Zero(), odd = Zero();
@@ -473,6 +481,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
       const float* pg = scores.data() + g * n;
       for (int64_t i = 0; i < n; ++i) {
         const float* vr = vp + base + i * stride;
+        if (g == 0 && i + kAhead < n) Prefetch(vr + kAhead * stride, hd);  // later heads of the group find it cached
         const Vec w = Set1(pg[i]);
         for (int64_t c = 0; c < nv; ++c) acc[c] = Fma(w, LoadX(vr + c * kLanes), acc[c]);
       }
