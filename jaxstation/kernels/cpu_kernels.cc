@@ -400,10 +400,10 @@ ffi::Error BlockRows(ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> ids, ffi::Res
 }
 
 // A lane's positions lie kv_heads * head_dim floats apart, one head's slice of each a few cache lines: the walks
-// over keys and values ask for the slice kAhead positions on, so that many lines are in flight at once.
-constexpr int64_t kAhead = 16;
+// over keys and values ask for the slice kAhead positions on (into L2), so that many lines are in flight at once.
+constexpr int64_t kAhead = 24;
 inline void Prefetch(const float* p, int64_t floats) {
-  for (int64_t f = 0; f < floats; f += 16) _mm_prefetch(reinterpret_cast<const char*>(p + f), _MM_HINT_T0);
+  for (int64_t f = 0; f < floats; f += 16) _mm_prefetch(reinterpret_cast<const char*>(p + f), _MM_HINT_T1);
 }
 
 // Decode attention of one query row per arena lane over that lane's own positions: for row r and kv head h, the
