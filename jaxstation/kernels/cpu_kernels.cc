@@ -62,6 +62,15 @@ inline Vec Nibbles(__m128i bytes, int64_t i, int bias) {
   const __m512i q = i < 16 ? _mm512_and_si512(v, _mm512_set1_epi32(0x0F)) : _mm512_srli_epi32(v, 4);
   return _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(bias)));
 }
+// ((p[c] >> shift) & mask) << up for the kLanes bytes p[0..15], as int32 lanes.
+inline __m512i Bits(const uint8_t* p, int shift, int mask, int up) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_sll_epi32(_mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(shift)), _mm512_set1_epi32(mask)),
+                          _mm_cvtsi32_si128(up));
+}
+inline Vec Int(__m512i a, __m512i b, int bias) {  // float(a | b) - bias
+  return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(a, b), _mm512_set1_epi32(bias)));
+}
 #else
 using Vec = __m256;
 constexpr int64_t kLanes = 8;
@@ -88,6 +97,15 @@ inline Vec Nibbles(__m128i bytes, int64_t i, int bias) {
   const __m256i v = _mm256_cvtepu8_epi32(i % 16 ? _mm_srli_si128(bytes, 8) : bytes);
   const __m256i q = i < 16 ? _mm256_and_si256(v, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(v, 4);
   return _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(bias)));
+}
+// ((p[c] >> shift) & mask) << up for the kLanes bytes p[0..7], as int32 lanes.
+inline __m256i Bits(const uint8_t* p, int shift, int mask, int up) {
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_sll_epi32(_mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi32(mask)),
+                          _mm_cvtsi32_si128(up));
+}
+inline Vec Int(__m256i a, __m256i b, int bias) {  // float(a | b) - bias
+  return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(a, b), _mm256_set1_epi32(bias)));
 }
 #endif
 
@@ -170,84 +188,88 @@ struct Q8_0 {  // d (f16), 32 int8; w = d * q
   static Vec Weight(const Group& g, int64_t i) { return Mul(g.d, LoadW(g.q + i)); }
 };
 
-// The K-quants: 256 columns a block in 8 groups, each decoded into a Quants (32 small integers and the affine map
-// gguf applies to them) once per tile and channel.
-struct Quants {
-  alignas(64) int8_t q[kGroup];
-  float d[2];  // the scale of columns 0-15 and of 16-31 (they differ in Q6_K only)
-  float m;     // added after the scale when kOffset: -dmin * min
+// The K-quants: 256 columns a block in 8 groups of 32, each column a low field in `ql` and (Q5_K, Q6_K) a high one in
+// `qh`: q = ((ql >> low_shift) & low_mask) | (((qh >> high_shift) & high_mask) << 4) - bias, w = d[half] * q + m.
+struct KGroup {
+  const uint8_t* ql;
+  const uint8_t* qh;
+  int low_shift, high_shift;
+  Vec d[2];  // the scale of columns 0-15 and of 16-31 (they differ in Q6_K only)
+  Vec m;     // Q4_K and Q5_K: -dmin * min
 };
 
 template <typename Format>
-struct Staged {
+struct KQuant {
   using Elem = uint8_t;
-  using Group = Quants;
-  static constexpr int64_t kBlock = Format::kBlock, kBytes = Format::kBytes;
-  static Quants Decode(const uint8_t* row, int64_t k) {
-    Quants g;
+  using Group = KGroup;
+  static constexpr int64_t kBlock = 256, kBytes = Format::kBytes;
+  static KGroup Decode(const uint8_t* row, int64_t k) {
+    KGroup g;
     Format::Fill(row + k / kBlock * kBytes, k % kBlock / kGroup, g);
     return g;
   }
-  static Vec Weight(const Quants& g, int64_t i) {
-    const Vec w = Mul(Set1(g.d[i / 16]), LoadW(g.q + i));
-    return Format::kOffset ? Add(w, Set1(g.m)) : w;
+  static Vec Weight(const KGroup& g, int64_t i) {
+    const auto low = Bits(g.ql + i, g.low_shift, 0x0F, 0);
+    const auto high = Format::kHighMask ? Bits(g.qh + i, g.high_shift, Format::kHighMask, 4) : low;
+    const Vec w = Mul(g.d[i / 16], Int(low, high, Format::kBias));
+    return Format::kOffset ? Add(w, g.m) : w;
   }
 };
 
 // Q4_K and Q5_K: d, dmin (f16), 12 bytes of 6-bit scales and mins for 8 groups; w = (d * sc) * q - dmin * min.
-inline void ScaleMin(const uint8_t* b, int64_t j, Quants& g) {
+inline void ScaleMin(const uint8_t* b, int64_t j, KGroup& g) {
   const uint8_t* s = b + 4;
   const int sc = j < 4 ? s[j] & 0x3F : (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
   const int mn = j < 4 ? s[j + 4] & 0x3F : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
-  g.d[0] = g.d[1] = HalfToFloat(b) * static_cast<float>(sc);
-  g.m = -(HalfToFloat(b + 2) * static_cast<float>(mn));
+  g.d[0] = g.d[1] = Set1(HalfToFloat(b) * static_cast<float>(sc));
+  g.m = Set1(-(HalfToFloat(b + 2) * static_cast<float>(mn)));
 }
 
-struct Q4_KFill {  // 256 columns: d, dmin, scales[12], qs[128] (group j: nibble j % 2 of bytes 32 * (j / 2) on)
-  static constexpr int64_t kBlock = 256, kBytes = 144;
+struct Q4_KFormat {  // 256 columns: d, dmin, scales[12], qs[128] (group j: nibble j % 2 of bytes 32 * (j / 2) on)
+  static constexpr int64_t kBytes = 144;
+  static constexpr int kHighMask = 0, kBias = 0;  // (a | a) == a: no high field
   static constexpr bool kOffset = true;
-  static void Fill(const uint8_t* b, int64_t j, Quants& g) {
+  static void Fill(const uint8_t* b, int64_t j, KGroup& g) {
     ScaleMin(b, j, g);
-    const uint8_t* qs = b + 16 + 32 * (j / 2);
-    const int shift = 4 * (j % 2);
-    for (int i = 0; i < kGroup; ++i) g.q[i] = static_cast<int8_t>((qs[i] >> shift) & 0x0F);
+    g.ql = b + 16 + 32 * (j / 2);
+    g.low_shift = 4 * (j % 2);
   }
 };
 
-struct Q5_KFill {  // 256 columns: d, dmin, scales[12], qh[32] (bit j: group j's fifth bit), qs[128] as Q4_K
-  static constexpr int64_t kBlock = 256, kBytes = 176;
+struct Q5_KFormat {  // 256 columns: d, dmin, scales[12], qh[32] (bit j: group j's fifth bit), qs[128] as Q4_K
+  static constexpr int64_t kBytes = 176;
+  static constexpr int kHighMask = 1, kBias = 0;
   static constexpr bool kOffset = true;
-  static void Fill(const uint8_t* b, int64_t j, Quants& g) {
+  static void Fill(const uint8_t* b, int64_t j, KGroup& g) {
     ScaleMin(b, j, g);
-    const uint8_t* qh = b + 16;
-    const uint8_t* qs = b + 48 + 32 * (j / 2);
-    const int shift = 4 * (j % 2);
-    for (int i = 0; i < kGroup; ++i)
-      g.q[i] = static_cast<int8_t>(((qs[i] >> shift) & 0x0F) | (((qh[i] >> j) & 1) << 4));
+    g.ql = b + 48 + 32 * (j / 2);
+    g.low_shift = 4 * (j % 2);
+    g.qh = b + 16;
+    g.high_shift = static_cast<int>(j);
   }
 };
 
 // 256 columns: ql[128], qh[64], int8 scales[16] (one per 16 columns), d (f16); w = (d * sc) * (q - 32)
-struct Q6_KFill {
-  static constexpr int64_t kBlock = 256, kBytes = 210;
+struct Q6_KFormat {
+  static constexpr int64_t kBytes = 210;
+  static constexpr int kHighMask = 3, kBias = 32;
   static constexpr bool kOffset = false;
-  static void Fill(const uint8_t* b, int64_t j, Quants& g) {
+  static void Fill(const uint8_t* b, int64_t j, KGroup& g) {
     const int64_t half = j / 4, quarter = j % 4;
-    const uint8_t* ql = b + 64 * half + 32 * (quarter % 2);
-    const uint8_t* qh = b + 128 + 32 * half;
-    const int low_shift = 4 * (quarter / 2), high_shift = 2 * quarter;
-    for (int i = 0; i < kGroup; ++i)
-      g.q[i] = static_cast<int8_t>((((ql[i] >> low_shift) & 0x0F) | (((qh[i] >> high_shift) & 3) << 4)) - 32);
+    g.ql = b + 64 * half + 32 * (quarter % 2);
+    g.low_shift = static_cast<int>(4 * (quarter / 2));
+    g.qh = b + 128 + 32 * half;
+    g.high_shift = static_cast<int>(2 * quarter);
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
     const float d = HalfToFloat(b + 208);
-    g.d[0] = d * static_cast<float>(scales[2 * j]);
-    g.d[1] = d * static_cast<float>(scales[2 * j + 1]);
+    g.d[0] = Set1(d * static_cast<float>(scales[2 * j]));
+    g.d[1] = Set1(d * static_cast<float>(scales[2 * j + 1]));
   }
 };
 
-using Q4_K = Staged<Q4_KFill>;
-using Q5_K = Staged<Q5_KFill>;
-using Q6_K = Staged<Q6_KFill>;
+using Q4_K = KQuant<Q4_KFormat>;
+using Q5_K = KQuant<Q5_KFormat>;
+using Q6_K = KQuant<Q6_KFormat>;
 
 // R rows x C channels, the whole K: R * C * 2 accumulators in registers. `row_len` is a channel's length in F::Elem.
 template <int R, int C, typename F>
