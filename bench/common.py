@@ -105,7 +105,8 @@ def bench_model(args, max_seq: int):
     from jaxstation.model.shapes import random_model
     from jaxstation.serving.settings import StationConfig
 
-    station = StationConfig(dtype=args.dtype, layer_loop=args.layer_loop, matmul=args.matmul, attention=args.attention,
+    station = StationConfig(model=args.shape and f"random:{args.shape}",  # random weights are no GGUF file
+                            dtype=args.dtype, layer_loop=args.layer_loop, matmul=args.matmul, attention=args.attention,
                             max_seq=max_seq, prefill_chunk=1, kv_block=1)
     if args.shape:
         model = random_model(args.shape, station.weights, station.loop, matmul=station.matmul_impl)

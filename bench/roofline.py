@@ -19,7 +19,16 @@ import argparse
 import json
 import math
 
-from bench.common import RESULTS, copy_bandwidth, read_bandwidth, summary, timed, write_result
+from bench.common import (
+    RESULTS,
+    add_model_args,
+    bench_model,
+    copy_bandwidth,
+    read_bandwidth,
+    summary,
+    timed,
+    write_result,
+)
 
 
 def matmul_flops(n: int, reps: int) -> float:
@@ -43,14 +52,14 @@ def step_flops(cfg, lanes: int, live: int) -> float:
     return 2.0 * lanes * (matmul + attention)
 
 
-def measured_steps(model, lanes_list, live_list, reps: int) -> list[dict]:
+def measured_steps(model, lanes_list, live_list, reps: int, engine_kw: dict) -> list[dict]:
     from jaxstation.engine.engine import Engine
     from jaxstation.engine.rows import DecodeRow, SamplingParams
 
     rows = []
     max_seq = 128 * math.ceil((max(live_list) + 1) / 128)
     for lanes in lanes_list:
-        engine = Engine(model, lanes=lanes, max_seq=max_seq, chunk=32, block=128)
+        engine = Engine(model, lanes=lanes, max_seq=max_seq, chunk=32, block=128, **engine_kw)
         engine.warmup()
         for live in live_list:
             wave = [DecodeRow(1, live - 1, SamplingParams(), 0)] * lanes
@@ -76,7 +85,7 @@ def main() -> None:
     ap.add_argument("--live", type=int, nargs="+", default=[128, 1024])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--matmul-n", type=int, default=2048)
-    ap.add_argument("--dtype", default="float32")
+    add_model_args(ap)
     ap.add_argument("--from-step", action="store_true", help="read the newest step-*.json instead of timing")
     ap.add_argument("--quick", action="store_true", help="lanes 1 8, live 128, 3 reps, 1024 matmul")
     args = ap.parse_args()
@@ -85,12 +94,12 @@ def main() -> None:
 
     import jax.numpy as jnp
 
-    from jaxstation.model.loader import load_model
+    from jaxstation.model.quant import compute_dtype
 
-    model = load_model(dtype=args.dtype)
+    model, engine_kw = bench_model(args, 128 * math.ceil((max(args.live) + 1) / 128))
     cfg = model.cfg
     weight_bytes = model.params.nbytes
-    itemsize = jnp.dtype(args.dtype).itemsize
+    itemsize = jnp.dtype(compute_dtype(args.dtype)).itemsize  # the arena's
     kv_per_pos = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize  # k and v, one lane, one position
     copy_bw, read_bw = copy_bandwidth(), read_bandwidth()
     bandwidth = max(copy_bw, read_bw)
@@ -101,7 +110,7 @@ def main() -> None:
     if args.from_step:
         measured, source = from_step_file()
     else:
-        measured, source = measured_steps(model, args.lanes, args.live, args.reps), "measured here"
+        measured, source = measured_steps(model, args.lanes, args.live, args.reps, engine_kw), "measured here"
     rows = []
     for m in measured:
         lanes, live = m["lanes"], m["live"]
