@@ -258,8 +258,10 @@ def main() -> None:
     result: dict = {}
     if {"steps", "burst", "steady"} & set(args.only):
         from jaxstation.model.loader import load_model
+        from jaxstation.serving.settings import StationConfig
 
-        model = load_model(dtype="float32", layer_loop="unroll", matmul="kernel")
+        station = StationConfig()  # the station's defaults on this machine
+        model = load_model(dtype=station.weights, layer_loop=station.loop, matmul=station.matmul_impl)
         if "steps" in args.only:
             result["steps"] = {lanes: steps_section(model, lanes, args.reps) for lanes in (8, 32)}
             print(f"steps: {result['steps']}", flush=True)

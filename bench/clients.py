@@ -147,7 +147,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None, help="per level (default: 2 x concurrency, at least 16)")
     ap.add_argument("--isl", type=int, default=128, help="prompt tokens")
     ap.add_argument("--osl", type=int, default=128, help="output tokens")
-    ap.add_argument("--dtype", nargs="+", default=["float32"],
+    ap.add_argument("--dtype", nargs="+", default=["gguf"],
                     help="jaxstation's weights, one station per dtype in turn (llama.cpp reads the GGUF's Q4_1)")
     ap.add_argument("--aiperf", help="path of the aiperf command (default: PATH)")
     ap.add_argument("--guidellm", help="path of the guidellm command (default: PATH)")

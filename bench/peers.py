@@ -89,7 +89,7 @@ class DirectStation(System):
     name = "jaxstation"
     serves_http = False
 
-    def __init__(self, dtype: str, lanes: int, max_seq: int) -> None:
+    def __init__(self, dtype: str | None, lanes: int, max_seq: int) -> None:
         from jaxstation.engine.engine import Engine
         from jaxstation.engine.scheduler import Scheduler
         from jaxstation.model.loader import load_model
@@ -212,8 +212,8 @@ def main() -> None:
     ap.add_argument("--latency-new-tokens", type=int, default=64)
     ap.add_argument("--no-latency", action="store_true")
     ap.add_argument("--slots", type=int, default=8, help="llama-server -np and jaxstation --lanes")
-    ap.add_argument("--dtype", default="float32", help="jaxstation's weights: float32 or int8 (llama.cpp reads the "
-                                                       "GGUF's Q4_1 as it is)")
+    ap.add_argument("--dtype", default=None, help="jaxstation's weights: gguf, float32 or int8 (default: the "
+                                                  "station's, gguf on CPU; llama.cpp reads the GGUF's Q4_1 as it is)")
     ap.add_argument("--llama-server", help="path of the llama-server binary (default: the build cache, then PATH)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--seed", type=int, default=0)

@@ -166,19 +166,19 @@ def server_process(cmd: Sequence[str], ready_url: str, timeout_s: float = 300.0,
 
 def station_available() -> str | None:
     """None if `python -m jaxstation serve` can be tried, else why not."""
-    for f in ("server.py", "cli.py", "__main__.py"):
+    for f in ("serving/server.py", "cli.py", "__main__.py"):
         if not (REPO / "jaxstation" / f).exists():
-            return f"jaxstation/{f} does not exist yet"
+            return f"jaxstation/{f} is missing"
     return None
 
 
 def station_cmd(port: int, lanes: int, max_seq: int, chunk: int = 32, block: int = 128,
-                max_queue: int = 256, dtype: str = "float32", prefix_reuse: str = "off") -> list[str]:
-    """A station subprocess. Prefix reuse is off by default: the benches repeat their prompts and measure fresh
-    prefill (bench.prefix measures reuse)."""
+                max_queue: int = 256, dtype: str | None = None, prefix_reuse: str = "off") -> list[str]:
+    """A station subprocess (dtype None: the station's default). Prefix reuse is off by default: the benches repeat
+    their prompts and measure fresh prefill (bench.prefix measures reuse)."""
     return [sys.executable, "-m", "jaxstation", "serve", "--port", str(port), "--lanes", str(lanes),
             "--continuous-batch", "--max-seq", str(max_seq), "--prefill-chunk", str(chunk), "--kv-block", str(block),
-            "--max-queue", str(max_queue), "--dtype", dtype, "--prefix-reuse", prefix_reuse]
+            "--max-queue", str(max_queue), *(["--dtype", dtype] if dtype else []), "--prefix-reuse", prefix_reuse]
 
 
 def reply_problems(reply: object, prompt_tokens: int, max_new: int) -> list[str]:
