@@ -56,19 +56,13 @@ inline Vec Round(Vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_I
 inline Vec Pow2(Vec n) {  // 2^n for integral n in [-126, 127]
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
 }
-// Columns i..i+15 (i = 0 or 16) of a block's 16 nibble bytes as int32 lanes: the low nibbles, then the high ones.
-inline Vec Nibbles(__m128i bytes, int64_t i, int bias) {
-  const __m512i v = _mm512_cvtepu8_epi32(bytes);
-  const __m512i q = i < 16 ? _mm512_and_si512(v, _mm512_set1_epi32(0x0F)) : _mm512_srli_epi32(v, 4);
-  return _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(bias)));
-}
 // ((p[c] >> shift) & mask) << up for the kLanes bytes p[0..15], as int32 lanes.
 inline __m512i Bits(const uint8_t* p, int shift, int mask, int up) {
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm512_sll_epi32(_mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(shift)), _mm512_set1_epi32(mask)),
                           _mm_cvtsi32_si128(up));
 }
-inline Vec Int(__m512i a, __m512i b, int bias) {  // float(a | b) - bias
+inline Vec Int(__m512i a, __m512i b, int bias) {  // float((a | b) - bias)
   return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(a, b), _mm512_set1_epi32(bias)));
 }
 #else
@@ -92,19 +86,13 @@ inline Vec Round(Vec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | 
 inline Vec Pow2(Vec n) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
-// Columns i..i+7 (i = 0, 8, 16 or 24) of a block's 16 nibble bytes as int32 lanes: low nibbles, then high ones.
-inline Vec Nibbles(__m128i bytes, int64_t i, int bias) {
-  const __m256i v = _mm256_cvtepu8_epi32(i % 16 ? _mm_srli_si128(bytes, 8) : bytes);
-  const __m256i q = i < 16 ? _mm256_and_si256(v, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(v, 4);
-  return _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(bias)));
-}
 // ((p[c] >> shift) & mask) << up for the kLanes bytes p[0..7], as int32 lanes.
 inline __m256i Bits(const uint8_t* p, int shift, int mask, int up) {
   const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   return _mm256_sll_epi32(_mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi32(mask)),
                           _mm_cvtsi32_si128(up));
 }
-inline Vec Int(__m256i a, __m256i b, int bias) {  // float(a | b) - bias
+inline Vec Int(__m256i a, __m256i b, int bias) {  // float((a | b) - bias)
   return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(a, b), _mm256_set1_epi32(bias)));
 }
 #endif
@@ -158,16 +146,16 @@ struct Q4 {
   using Elem = uint8_t;
   static constexpr int64_t kBlock = 32, kBytes = kMin ? 20 : 18;
   struct Group {
-    __m128i q;
+    const uint8_t* q;  // 16 bytes: column c's nibble is the low one of byte c, or the high one of byte c - 16
     Vec d, m;
   };
   static Group Decode(const uint8_t* row, int64_t k) {
     const uint8_t* b = row + k / kBlock * kBytes;
-    return {_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kBytes - 16)), Set1(HalfToFloat(b)),
-            Set1(kMin ? HalfToFloat(b + 2) : 0.0f)};
+    return {b + kBytes - 16, Set1(HalfToFloat(b)), Set1(kMin ? HalfToFloat(b + 2) : 0.0f)};
   }
   static Vec Weight(const Group& g, int64_t i) {
-    const Vec w = Mul(g.d, Nibbles(g.q, i, kMin ? 0 : 8));
+    const auto q = Bits(g.q + i % 16, i < 16 ? 0 : 4, 0x0F, 0);
+    const Vec w = Mul(g.d, Int(q, q, kMin ? 0 : 8));
     return kMin ? Add(w, g.m) : w;
   }
 };
