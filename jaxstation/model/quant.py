@@ -70,7 +70,16 @@ MATMULS = ("xla", "kernel")  # how projections multiply: XLA's dot, or the CPU k
 
 
 def dense(w: Tensor) -> np.ndarray | jax.Array:
+    """The tensor's values: GGUF blocks dequantized, anything else as it is."""
     return w.dequantize() if isinstance(w, GGUFBlocks) else w
+
+
+def stored(w: GGUFBlocks, weights: str, matmul: str) -> KernelWeight | None:
+    """GGUF blocks as stored, for the kernel: where weights "gguf" ask for them and the kernel reads that format at
+    that shape; else None."""
+    if weights == "gguf" and matmul == "kernel" and cpu_kernel.fits_blocks(w.fmt, w.shape[-1], w.shape[-2]):
+        return KernelWeight(jnp.asarray(w.data), None, w.fmt)
+    return None
 
 
 def projection(parts: list[Tensor]) -> Tensor:
@@ -86,7 +95,7 @@ def projection(parts: list[Tensor]) -> Tensor:
 
 def stack(layers: list[Tensor]) -> Tensor:
     """Per-layer tensors on a leading layer axis (GGUF blocks of one format stay as stored)."""
-    if isinstance(layers[0], GGUFBlocks) and all(isinstance(w, GGUFBlocks) and w.fmt == layers[0].fmt for w in layers):
+    if all(isinstance(w, GGUFBlocks) and w.fmt == layers[0].fmt for w in layers):
         return GGUFBlocks(np.stack([w.data for w in layers]), layers[0].fmt, (len(layers), *layers[0].shape))
     return np.stack([np.asarray(dense(w)) for w in layers])
 
@@ -96,8 +105,8 @@ def prepare(w: Tensor, weights: str, matmul: str) -> Weight:
     kernel; otherwise XLA's dot serves that weight). `w` is [..., in, out], or GGUF blocks [..., out, in], which
     weights "gguf" keeps as stored for the kernel."""
     if isinstance(w, GGUFBlocks):
-        if weights == "gguf" and matmul == "kernel" and cpu_kernel.fits_blocks(w.fmt, w.shape[-1], w.shape[-2]):
-            return KernelWeight(jnp.asarray(w.data), None, w.fmt)
+        if kw := stored(w, weights, matmul):
+            return kw
         w = np.swapaxes(w.dequantize(), -1, -2)
     if matmul == "kernel" and cpu_kernel.fits(w.shape[-2], w.shape[-1]):
         return kernel_weight(np.swapaxes(np.asarray(w), -1, -2), weights)
@@ -111,9 +120,8 @@ def prepare_embedding(embed: Tensor, weights: str, matmul: str, tied: bool) -> W
     out-major for the kernel as it stands, or (weights "gguf") in its GGUF blocks. Untied, it is only looked up, so it
     stays in the compute dtype."""
     if isinstance(embed, GGUFBlocks):
-        if (tied and weights == "gguf" and matmul == "kernel"
-                and cpu_kernel.fits_blocks(embed.fmt, embed.shape[1], embed.shape[0])):
-            return KernelWeight(jnp.asarray(embed.data), None, embed.fmt)
+        if tied and (kw := stored(embed, weights, matmul)):
+            return kw
         embed = embed.dequantize()
     if tied and matmul == "kernel" and cpu_kernel.fits(embed.shape[1], embed.shape[0]):
         return kernel_weight(embed, weights)
