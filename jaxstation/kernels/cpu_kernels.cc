@@ -125,8 +125,8 @@ inline float Finish(Vec even, Vec odd) {
 }
 
 // ---- weight formats: a channel's weights for 32 consecutive columns (one group), as float32 vectors ----
-// Plain<W> reads float32 or int8 [N, K] in place. A block format decodes a group into a Quants (32 small integers and
-// the affine map gguf applies to them), once per tile and channel, for every row of the tile.
+// Plain<W> reads float32 or int8 [N, K] in place. A block format's Decode reads a group's scales once per tile and
+// channel (its Group), and Weight rebuilds kLanes of its columns in registers, for every row of the tile.
 constexpr int64_t kGroup = 32;
 
 template <typename W>
