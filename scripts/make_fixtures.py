@@ -7,6 +7,8 @@ Writes, under ``tests/fixtures/``:
   (``model.safetensors.index.json`` + several shards).
 * ``tiny-mistral/`` -- ``MistralForCausalLM`` with ``sliding_window=16`` and tied embeddings,
   saved as a single ``model.safetensors``.
+* ``tiny-qwen2/``, ``tiny-qwen3/`` -- ``Qwen2ForCausalLM`` (q/k/v biases) and ``Qwen3ForCausalLM`` (q/k norms,
+  head_dim 32), each with a byte-level tokenizer and the same weights as ``model.gguf``.
 
 Each directory also gets ``config.json`` (from ``save_pretrained``) and ``reference.npz`` with
 ``input_ids`` [48] int32, ``logits`` [48, 256] float32 (one full forward pass), ``greedy_ids`` [16]
@@ -14,19 +16,29 @@ int32 (greedy continuation of the first ``greedy_prompt_len`` = 20 input ids, eo
 ``greedy_prompt_len``.
 
 Needs torch + transformers (``pip install -e .[fixtures]``); the tests themselves do not.
-Usage: ``python scripts/make_fixtures.py``
+Usage: ``python scripts/make_fixtures.py [tiny-qwen2 ...]`` (every fixture when none is named)
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -69,6 +81,16 @@ def llama3_config() -> LlamaConfig:
 
 def mistral_config(sliding_window: int | None = 16) -> MistralConfig:
     return MistralConfig(**COMMON, sliding_window=sliding_window, rope_theta=10000.0, tie_word_embeddings=True)
+
+
+def qwen2_config() -> Qwen2Config:
+    return Qwen2Config(**COMMON, rope_theta=1e6, tie_word_embeddings=True, use_sliding_window=False)
+
+
+def qwen3_config() -> Qwen3Config:
+    # head_dim 32, not hidden / heads (16): q is wider than the residual, as in Qwen3's larger models
+    return Qwen3Config(**COMMON, head_dim=32, rope_theta=1e6, tie_word_embeddings=False, attention_bias=False,
+                       use_sliding_window=False)
 
 
 def init_weights(model: torch.nn.Module, seed: int) -> None:
@@ -206,6 +228,121 @@ def make_mistral() -> None:
     print(f"  total size {dir_size(out)} bytes")
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+# HF tensor names -> llama.cpp's (convert_hf_to_gguf.py); qwen2 and qwen3 keep HF's q/k row order.
+GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+               "lm_head.weight": "output.weight"}
+GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def gguf_name(name: str) -> str:
+    if name in GGUF_GLOBAL:
+        return GGUF_GLOBAL[name]
+    _, _, layer, rest = name.split(".", 3)  # model.layers.N.rest
+    return f"blk.{layer}.{GGUF_LAYER[rest]}"
+
+
+def write_gguf(model, arch: str, path: Path, matrices: str = "F32") -> None:
+    """The same weights as a GGUF file of llama.cpp's `arch`: every tensor float32, or the 2-D ones quantized to
+    `matrices` (Q8_0) with the gguf package."""
+    import gguf
+
+    config = model.config
+    heads, hidden = config.num_attention_heads, config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    if head_dim != hidden // heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    spelling = bytes_to_unicode()
+    writer.add_token_list([spelling[b] for b in range(VOCAB)])
+    writer.add_token_types([gguf.TokenType.NORMAL] * VOCAB)
+    writer.add_chat_template(CHATML)
+    qtype = gguf.GGMLQuantizationType[matrices]
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        data = tensor.detach().float().numpy()
+        if data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name(name), gguf.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name(name), data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path.chmod(0o644)
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (the spelling of byte-level BPE vocabularies)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs), strict=True))
+
+
+def write_tokenizer(out: Path) -> None:
+    """A byte-level BPE of the 256 bytes and no merges (token i is byte i), with Qwen's ChatML template: enough for
+    a station to serve the fixture over HTTP."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    spelling = bytes_to_unicode()
+    tok = Tokenizer(models.BPE({spelling[b]: b for b in range(VOCAB)}, [], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}, indent=2) + "\n")
+
+
+def make_qwen(name: str, model_cls, config, arch: str, seed: int) -> None:
+    """A Qwen fixture: safetensors with its reference, and the same weights as model.gguf (float32, so that the
+    reference holds for it too)."""
+    out = FIXTURES / name
+    print(f"[{name}] -> {out}")
+    model = build(model_cls, config, seed=seed)
+    save(model, out, make_input_ids(seed=seed + 1))
+    write_tokenizer(out)
+    write_gguf(model, arch, out / "model.gguf")
+    print(f"  total size {dir_size(out)} bytes")
+
+
+def make_qwen2() -> None:
+    model_cls, config = Qwen2ForCausalLM, qwen2_config()
+    make_qwen("tiny-qwen2", model_cls, config, "qwen2", seed=4)
+    params = dict(build(model_cls, config, seed=4).named_parameters())
+    assert params["model.layers.0.self_attn.q_proj.bias"].abs().sum() > 0, "the q/k/v biases must be non-zero"
+
+
+def make_qwen3() -> None:
+    make_qwen("tiny-qwen3", Qwen3ForCausalLM, qwen3_config(), "qwen3", seed=6)
+
+
 def write_readme() -> None:
     text = f"""# Test fixtures
 
@@ -232,6 +369,17 @@ python scripts/make_fixtures.py
   (`model.safetensors.index.json` + `model-0000X-of-0000N.safetensors`).
 - `tiny-mistral/`: `MistralForCausalLM`, same sizes, sliding_window 16, rope_theta 10000, tied
   embeddings (no `lm_head.weight` in the file). Single `model.safetensors`.
+- `tiny-qwen2/`: `Qwen2ForCausalLM`, same sizes, biases on q, k and v, rope_theta 1e6, tied
+  embeddings.
+- `tiny-qwen3/`: `Qwen3ForCausalLM`, same sizes but head_dim 32 (hidden / heads is 16), q/k
+  RMSNorm, rope_theta 1e6, untied lm_head.
+
+The Qwen fixtures also hold `model.gguf`: the same weights, every tensor float32, written with the
+`gguf` package under llama.cpp's names for the `qwen2` / `qwen3` architectures (q/k rows in HF's
+order, as llama.cpp's converter leaves them for these), so `reference.npz` holds for both files.
+Both carry a tokenizer (`tokenizer.json` and the GGUF's `tokenizer.*` keys): byte-level BPE over
+the 256 bytes with no merges, so token i is byte i, and a ChatML chat template; a station serves
+them over HTTP.
 
 Weights are N(0, 0.2), RMSNorm weights 1 + 0.1 N(0, 1), float32, eager attention.
 
@@ -252,8 +400,10 @@ def main() -> None:
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     torch.use_deterministic_algorithms(True)
     FIXTURES.mkdir(parents=True, exist_ok=True)
-    make_llama3()
-    make_mistral()
+    makers = {"tiny-llama3": make_llama3, "tiny-mistral": make_mistral, "tiny-qwen2": make_qwen2,
+              "tiny-qwen3": make_qwen3}
+    for name in sys.argv[1:] or makers:
+        makers[name]()
     write_readme()
     print("done")
 

@@ -57,9 +57,9 @@ def test_copies_load(mistral, llama3):
 
 
 def test_hf_unknown_tensor(mistral):
-    name = "model.layers.0.self_attn.q_proj.bias"
-    _edit_safetensors(mistral / "model.safetensors", lambda t: t.update({name: np.zeros(64, np.float32)}))
-    with pytest.raises(CheckpointError, match=r"unknown tensor 'model\.layers\.0\.self_attn\.q_proj\.bias'"):
+    name = "model.layers.0.mlp.gate_proj.bias"
+    _edit_safetensors(mistral / "model.safetensors", lambda t: t.update({name: np.zeros(128, np.float32)}))
+    with pytest.raises(CheckpointError, match=r"unknown tensor 'model\.layers\.0\.mlp\.gate_proj\.bias'"):
         load_hf_dir(mistral)
 
 
@@ -334,8 +334,8 @@ def test_gguf_tied_when_no_output(tmp_path):
 
 
 def test_gguf_unknown_tensor(tmp_path):
-    path = _complete_file(tmp_path / "x.gguf", blk__0__attn_q__bias=(np.zeros(D, np.float32), None))
-    with pytest.raises(CheckpointError, match=r"unknown tensor 'blk\.0\.attn_q\.bias'"):
+    path = _complete_file(tmp_path / "x.gguf", blk__0__ffn_up__bias=(np.zeros(D, np.float32), None))
+    with pytest.raises(CheckpointError, match=r"unknown tensor 'blk\.0\.ffn_up\.bias'"):
         load_gguf(path)
 
 

@@ -13,8 +13,11 @@ from typing import Any
 import jax
 import numpy as np
 
-SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+# The family of each served architecture: what its layers add to the Llama layer (`ModelConfig.family`).
+HF_FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+               "Qwen3ForCausalLM": "qwen3"}
+SUPPORTED_HF_ARCHITECTURES = tuple(HF_FAMILIES)
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 # HF config keys that do not change the forward pass we compute (bookkeeping, generation defaults, dtypes).
@@ -70,6 +73,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
+    qkv_bias: bool = False  # Qwen2: a bias on the q, k and v projections
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k (weights [head_dim]) before RoPE
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -112,11 +117,17 @@ class ModelConfig:
         """Build from an HF config.json dict; refuse architectures and fields we do not implement."""
         archs = config.get("architectures") or []
         model_type = config.get("model_type")
-        if not any(a in SUPPORTED_HF_ARCHITECTURES for a in archs) and model_type not in ("llama", "mistral"):
+        family = next((HF_FAMILIES[a] for a in archs if a in HF_FAMILIES), None)
+        if family is None and model_type in HF_FAMILIES.values():
+            family = model_type
+        if family is None:
             raise ValueError(
                 f"unsupported architecture {archs or model_type!r}: "
                 f"jaxstation serves {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
             )
+        if family in ("qwen2", "qwen3") and config.get("use_sliding_window"):
+            raise ValueError("unsupported config field use_sliding_window=true: a window on some layers only "
+                             "(max_window_layers) is not implemented")
         unknown = sorted(k for k in config if k not in _HF_IGNORED_KEYS and k not in _HF_USED_KEYS)
         if unknown:
             raise ValueError(f"unsupported config field(s) {unknown} in config.json")
@@ -141,7 +152,7 @@ class ModelConfig:
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         window = config.get("sliding_window")
-        if config.get("use_sliding_window") is False:
+        if config.get("use_sliding_window") is False or family in ("qwen2", "qwen3"):
             window = None
         return cls(
             vocab_size=int(config["vocab_size"]),
@@ -157,6 +168,8 @@ class ModelConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             rope_scaling=scaling,
             sliding_window=int(window) if window else None,
+            qkv_bias=family == "qwen2",
+            qk_norm=family == "qwen3",
         )
 
     @classmethod
@@ -174,9 +187,11 @@ class ModelConfig:
 
         heads = int(need("attention.head_count"))
         hidden = int(need("embedding_length"))
-        head_dim = int(meta.get(f"{arch}.rope.dimension_count", hidden // heads))
-        if head_dim != hidden // heads:
-            raise ValueError(f"unsupported GGUF metadata {arch}.rope.dimension_count={head_dim} (partial RoPE)")
+        head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+        for key in ("attention.value_length", "rope.dimension_count"):
+            if int(meta.get(f"{arch}.{key}", head_dim)) != head_dim:
+                raise ValueError(f"unsupported GGUF metadata {arch}.{key}={meta[f'{arch}.{key}']}: it must equal the "
+                                 f"head dimension ({head_dim}; partial RoPE or unequal k/v heads)")
         scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
         if scaling_type not in ("none",):
             raise ValueError(f"unsupported GGUF metadata {arch}.rope.scaling.type={scaling_type!r}")
@@ -194,6 +209,8 @@ class ModelConfig:
             max_position=int(need("context_length")),
             tie_word_embeddings=tied,
             sliding_window=int(window) if window else None,
+            qkv_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
         )
 
 

@@ -22,6 +22,7 @@ from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxstation.kernels import cpu_kernel
 from jaxstation.kernels.rowwise import row_sum
@@ -43,14 +44,16 @@ from jaxstation.model.quant import (
 )
 
 LAYER_LOOPS = ("scan", "unroll")
+VECTOR_SLOTS = ("attn_norm", "mlp_norm", "bqkv", "q_norm", "k_norm")  # a layer's weights that are not projections
 Carry = TypeVar("Carry")
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=[
-    "attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"], meta_fields=[])
+    "attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down", "bqkv", "q_norm", "k_norm"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class LayerParams:
-    """One layer's weights ("unroll"), or every layer's stacked on a leading axis ("scan")."""
+    """One layer's weights ("unroll"), or every layer's stacked on a leading axis ("scan"). The optional ones are
+    what a family adds to the Llama layer (`ModelConfig.qkv_bias`, `qk_norm`); None where it has none."""
 
     attn_norm: jax.Array  # [d]
     wqkv: Weight  # [d, (heads + 2 * kv_heads) * head_dim]
@@ -58,6 +61,9 @@ class LayerParams:
     mlp_norm: jax.Array  # [d]
     w_gate_up: Weight  # [d, 2 * ffn]
     w_down: Weight  # [ffn, d]
+    bqkv: jax.Array | None = None  # [(heads + 2 * kv_heads) * head_dim]
+    q_norm: jax.Array | None = None  # [head_dim]
+    k_norm: jax.Array | None = None  # [head_dim]
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["embed", "layers", "final_norm", "lm_head"], meta_fields=[])
@@ -115,13 +121,18 @@ def pack_params(cfg: ModelConfig, tensor: Callable[[int | None, str], Tensor], w
 
     def layer_arrays(i: int) -> dict[str, Tensor]:
         t = functools.partial(tensor, i)
-        return {"attn_norm": t("attn_norm"), "wqkv": projection([t("q"), t("k"), t("v")]), "wo": projection([t("o")]),
-                "mlp_norm": t("mlp_norm"), "w_gate_up": projection([t("gate"), t("up")]),
-                "w_down": projection([t("down")])}
+        arrays = {"attn_norm": t("attn_norm"), "wqkv": projection([t("q"), t("k"), t("v")]),
+                  "wo": projection([t("o")]), "mlp_norm": t("mlp_norm"), "w_gate_up": projection([t("gate"), t("up")]),
+                  "w_down": projection([t("down")])}
+        if cfg.qkv_bias:
+            arrays["bqkv"] = np.concatenate([t("bq"), t("bk"), t("bv")])
+        if cfg.qk_norm:
+            arrays["q_norm"], arrays["k_norm"] = t("q_norm"), t("k_norm")
+        return arrays
 
     def build(a: dict) -> LayerParams:
-        norms = {k: jnp.asarray(a[k], dtype) for k in ("attn_norm", "mlp_norm")}
-        return LayerParams(**norms, **{k: proj(a[k]) for k in ("wqkv", "wo", "w_gate_up", "w_down")})
+        vectors = {k: jnp.asarray(v, dtype) for k, v in a.items() if k in VECTOR_SLOTS}
+        return LayerParams(**vectors, **{k: proj(a[k]) for k in ("wqkv", "wo", "w_gate_up", "w_down")})
 
     if layer_loop == "unroll":
         layers: LayerParams | tuple[LayerParams, ...] = tuple(build(layer_arrays(i)) for i in range(cfg.num_layers))
@@ -188,11 +199,15 @@ def qkv_proj(cfg: ModelConfig, layer: LayerParams, x: jax.Array, rot: Rotary):
     """Norm, fused q/k/v projection and RoPE. x: [..., T, d] -> q [..., T, heads, hd], k/v [..., T, kv_heads, hd]."""
     h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps, feeds=layer.wqkv)
     qkv = matmul(h, layer.wqkv)
+    if layer.bqkv is not None:
+        qkv = qkv + layer.bqkv
     nq, nk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     lead = x.shape[:-1]
     q = qkv[..., :nq].reshape(*lead, cfg.num_heads, cfg.head_dim)
     k = qkv[..., nq:nq + nk].reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     v = qkv[..., nq + nk:].reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    if layer.q_norm is not None:
+        q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
     return rope(q, rot), rope(k, rot), v
 
 

@@ -25,6 +25,8 @@ from jaxstation.model.tokenizer import Tokenizer
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 _MATRICES = ("embed", "lm_head", "q", "k", "v", "o", "gate", "up", "down")  # the slots a GGUF file may keep in blocks
 _LAYER_SLOTS = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
+_BIAS_SLOTS = ("bq", "bk", "bv")  # ModelConfig.qkv_bias
+_QK_NORM_SLOTS = ("q_norm", "k_norm")  # ModelConfig.qk_norm
 
 
 class CheckpointError(ValueError):
@@ -46,6 +48,8 @@ _HF_LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "q", "self_attn.k_proj.weight": "k",
     "self_attn.v_proj.weight": "v", "self_attn.o_proj.weight": "o", "post_attention_layernorm.weight": "mlp_norm",
     "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
+    "self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv",
+    "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
 }
 _HF_SKIPPED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 _GGUF_GLOBAL = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
@@ -53,7 +57,8 @@ _GGUF_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "attn_norm", "attn_q.weight": "q", "attn_k.weight": "k", "attn_v.weight": "v",
     "attn_output.weight": "o", "ffn_norm.weight": "mlp_norm", "ffn_gate.weight": "gate", "ffn_up.weight": "up",
-    "ffn_down.weight": "down",
+    "ffn_down.weight": "down", "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv",
+    "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
 }
 
 
@@ -63,8 +68,14 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "embed": (cfg.vocab_size, d), "final_norm": (d,), "lm_head": (cfg.vocab_size, d),
         "attn_norm": (d,), "q": (cfg.num_heads * hd, d), "k": (cfg.num_kv_heads * hd, d),
         "v": (cfg.num_kv_heads * hd, d), "o": (d, cfg.num_heads * hd), "mlp_norm": (d,), "gate": (f, d),
-        "up": (f, d), "down": (d, f),
+        "up": (f, d), "down": (d, f), "bq": (cfg.num_heads * hd,), "bk": (cfg.num_kv_heads * hd,),
+        "bv": (cfg.num_kv_heads * hd,), "q_norm": (hd,), "k_norm": (hd,),
     }
+
+
+def _layer_slots(cfg: ModelConfig) -> tuple[str, ...]:
+    """The tensors each layer of this architecture has."""
+    return _LAYER_SLOTS + (_BIAS_SLOTS if cfg.qkv_bias else ()) + (_QK_NORM_SLOTS if cfg.qk_norm else ())
 
 
 def _map_name(name: str, globals_: Mapping[str, str], layer_re: re.Pattern, layer_names: Mapping[str, str],
@@ -81,12 +92,15 @@ def _assemble(cfg: ModelConfig, tensors: Mapping[tuple[int | None, str], Tensor]
               layer_loop: str, source: str, matmul: str) -> Params:
     """Check every tensor's presence and shape, then pack them (`model.pack_params`)."""
     shapes = _expected_shapes(cfg)
-    required = [(None, "embed"), (None, "final_norm")] + [(i, s) for i in range(cfg.num_layers) for s in _LAYER_SLOTS]
+    required = [(None, "embed"), (None, "final_norm")] + [
+        (i, s) for i in range(cfg.num_layers) for s in _layer_slots(cfg)]
     if not cfg.tie_word_embeddings:
         required.append((None, "lm_head"))
     for key in required:
         if key not in tensors:
-            raise CheckpointError(f"missing tensor {names.get(key, key)!r} in {source}")
+            raise CheckpointError(f"missing tensor {names[key]!r} in {source}")
+    for key in tensors.keys() - set(required):
+        raise CheckpointError(f"unexpected tensor {names[key]!r} in {source}: this architecture's layers have none")
     for key, arr in tensors.items():
         if tuple(arr.shape) != shapes[key[1]]:
             raise CheckpointError(
@@ -136,8 +150,9 @@ def load_hf_dir(path: Path, dtype: str = "float32", layer_loop: str = "scan", ma
 
 
 def _all_keys(cfg: ModelConfig) -> list[tuple[int | None, str]]:
+    """Every key a checkpoint's names may map to (what `_assemble` then requires or refuses)."""
     return [(None, s) for s in ("embed", "final_norm", "lm_head")] + [
-        (i, s) for i in range(cfg.num_layers) for s in _LAYER_SLOTS]
+        (i, s) for i in range(cfg.num_layers) for s in _LAYER_SLOTS + _BIAS_SLOTS + _QK_NORM_SLOTS]
 
 
 def _hf_name(key: tuple[int | None, str]) -> str:
@@ -155,8 +170,8 @@ def _gguf_name(key: tuple[int | None, str]) -> str:
 
 
 def _unpermute_rope(w: Tensor, n_heads: int) -> Tensor:
-    """llama.cpp stores q/k rows interleaved for its pairwise RoPE; restore HF's rotate-half row order (of a dense
-    matrix, or of the rows of its blocks)."""
+    """llama.cpp stores a `llama` model's q/k rows interleaved for its pairwise RoPE (other architectures keep HF's
+    order and rotate halves); restore HF's rotate-half row order (of a dense matrix, or of the rows of its blocks)."""
     if isinstance(w, GGUFBlocks):
         return dataclasses.replace(w, data=_unpermute_rope(w.data, n_heads))
     half = w.shape[0] // n_heads // 2
@@ -188,6 +203,7 @@ def load_gguf(path: Path, dtype: str = "float32", reader: GGUFFile | None = None
     cfg = gguf_config(reader)
     tensors: dict[tuple[int | None, str], Tensor] = {}
     names: dict[tuple[int | None, str], str] = {k: _gguf_name(k) for k in _all_keys(cfg)}
+    interleaved = reader.fields.get("general.architecture") == "llama"  # its converter permuted q/k rows (see above)
     for t in reader.tensors:
         key = _map_name(t.name, _GGUF_GLOBAL, _GGUF_LAYER, _GGUF_LAYER_NAMES, cfg.num_layers)
         qtype = GGMLQuantizationType(t.tensor_type)
@@ -201,7 +217,7 @@ def load_gguf(path: Path, dtype: str = "float32", reader: GGUFFile | None = None
                 arr = np.asarray(dequantize(t.data, qtype), np.float32).reshape(shape)
             except Exception as e:
                 raise CheckpointError(f"cannot dequantize tensor {t.name!r} ({qtype.name}) in {path}: {e}") from e
-        if key[1] in ("q", "k") and arr.shape == _expected_shapes(cfg)[key[1]]:
+        if interleaved and key[1] in ("q", "k") and arr.shape == _expected_shapes(cfg)[key[1]]:
             arr = _unpermute_rope(arr, cfg.num_heads if key[1] == "q" else cfg.num_kv_heads)
         tensors[key] = arr
     return cfg, _assemble(cfg, tensors, names, dtype, layer_loop, str(path), matmul)

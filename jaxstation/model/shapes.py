@@ -26,6 +26,12 @@ ARCHITECTURES: dict[str, ModelConfig] = {
     "llama3-8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                              num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
                              max_position=8192, tie_word_embeddings=False),
+    "qwen2.5-7b": ModelConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+                              num_heads=28, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+                              max_position=32768, tie_word_embeddings=False, qkv_bias=True),
+    "qwen3-8b": ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                            num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+                            max_position=40960, tie_word_embeddings=False, qk_norm=True),
 }
 
 
@@ -43,9 +49,13 @@ def random_params(cfg: ModelConfig, weights: str = "bfloat16", layer_loop: str =
         return prepare(normal(shape), weights, matmul)
 
     def layer(lead: tuple[int, ...]) -> LayerParams:
+        hd = cfg.head_dim
         return LayerParams(attn_norm=jnp.ones((*lead, d), dtype), wqkv=proj((*lead, d, cfg.qkv_size)),
-                           wo=proj((*lead, cfg.num_heads * cfg.head_dim, d)), mlp_norm=jnp.ones((*lead, d), dtype),
-                           w_gate_up=proj((*lead, d, 2 * f)), w_down=proj((*lead, f, d)))
+                           wo=proj((*lead, cfg.num_heads * hd, d)), mlp_norm=jnp.ones((*lead, d), dtype),
+                           w_gate_up=proj((*lead, d, 2 * f)), w_down=proj((*lead, f, d)),
+                           bqkv=normal((*lead, cfg.qkv_size)) if cfg.qkv_bias else None,
+                           q_norm=jnp.ones((*lead, hd), dtype) if cfg.qk_norm else None,
+                           k_norm=jnp.ones((*lead, hd), dtype) if cfg.qk_norm else None)
 
     layers = (tuple(layer(()) for _ in range(cfg.num_layers)) if layer_loop == "unroll"
               else layer((cfg.num_layers,)))

@@ -1,0 +1,153 @@
+"""Model families beyond Llama (tests/fixtures/README.md): Qwen2 (biases on q, k and v) and Qwen3 (an RMSNorm over
+each head's q and k; a head dimension of 32 where hidden / heads is 16), each from HF safetensors and from the same
+weights as a GGUF file.
+
+Against transformers: logits within 1e-4 from the full forward, the engine's prefill and its greedy continuation;
+the station's own promises: a request's bits alone equal its bits beside three others (every narrow width), in
+float32 and int8; and a real station serves each file over HTTP, /generate and the OpenAI chat route, with the
+tokenizer and chat template the checkpoint carries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import openai
+import pytest
+from conftest import FIXTURES, prefill_all, run_wave, tiny_reference
+from server_util import ServerThread, wait_for
+
+from jaxstation.app import create_app
+from jaxstation.engine.engine import Engine, generate
+from jaxstation.engine.rows import SamplingParams
+from jaxstation.model.config import ModelConfig
+from jaxstation.model.layers import forward_full
+from jaxstation.model.loader import CheckpointError, LoadedModel, load_model
+from jaxstation.serving.settings import StationConfig
+from jaxstation.serving.station import Station
+
+FAMILIES = ("tiny-qwen2", "tiny-qwen3")
+FORMATS = ("safetensors", "gguf")
+TOLERANCE = 1e-4
+
+
+def path_of(name: str, fmt: str) -> str:
+    return str(FIXTURES / name / "model.gguf") if fmt == "gguf" else str(FIXTURES / name)
+
+
+def load(name: str, fmt: str, weights: str = "float32", loop: str = "unroll", matmul: str = "kernel") -> LoadedModel:
+    return load_model(path_of(name, fmt), weights, loop, matmul)
+
+
+def test_each_config_declares_its_family() -> None:
+    qwen2, qwen3 = load("tiny-qwen2", "safetensors"), load("tiny-qwen3", "safetensors")
+    assert qwen2.cfg.qkv_bias and not qwen2.cfg.qk_norm and qwen2.cfg.tie_word_embeddings
+    assert qwen2.cfg.head_dim == 16 and qwen2.params.layers[0].bqkv.shape == (16 * (4 + 2 * 2),)
+    assert qwen3.cfg.qk_norm and not qwen3.cfg.qkv_bias and not qwen3.cfg.tie_word_embeddings
+    assert qwen3.cfg.head_dim == 32 and qwen3.params.layers[0].q_norm.shape == (32,)
+    for name in FAMILIES:  # the GGUF file declares the same model (its epsilon stored as float32)
+        hf, gguf = load(name, "safetensors").cfg, load(name, "gguf").cfg
+        assert gguf == dataclasses.replace(hf, rms_norm_eps=float(np.float32(hf.rms_norm_eps)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize(("loop", "matmul"), [("unroll", "kernel"), ("scan", "xla")])
+def test_logits_match_transformers(name: str, fmt: str, loop: str, matmul: str) -> None:
+    model, ref = load(name, fmt, loop=loop, matmul=matmul), tiny_reference(name)
+    full = np.asarray(forward_full(model.cfg, model.params, jnp.asarray(ref["input_ids"])))
+    err = float(np.abs(full - ref["logits"]).max())
+    assert err <= TOLERANCE, f"{name} {fmt} {loop}/{matmul}: max |logit - transformers| {err}"
+
+
+@pytest.fixture(scope="module", params=[(n, f) for n in FAMILIES for f in FORMATS], ids="-".join)
+def engine(request) -> Engine:
+    name, fmt = request.param
+    return Engine(load(name, fmt), lanes=4, max_seq=64, chunk=8, block=16, attention="kernel")
+
+
+def test_the_engine_prefills_and_continues_as_transformers(engine: Engine) -> None:
+    name = engine.model.source.parent.name if engine.model.source.is_file() else engine.model.source.name
+    ref = tiny_reference(name)
+    ids, n = ref["input_ids"].tolist(), int(ref["greedy_prompt_len"])
+    for length in (5, 20, 37):
+        _, logits = prefill_all(engine, 1, ids[:length], SamplingParams(), return_logits=True)
+        assert np.abs(np.asarray(logits)[-1] - ref["logits"][length - 1]).max() <= TOLERANCE, length
+    assert generate(engine, ids[:n], 16, SamplingParams(), lane=2) == ref["greedy_ids"].tolist()
+
+
+def _alone_and_among_others(engine: Engine) -> None:
+    rng = np.random.default_rng(7)
+    vocab = engine.cfg.vocab_size
+    target = (rng.integers(3, vocab, 13).tolist(), SamplingParams(temperature=0.8, top_p=0.9, seed=3))
+    alone = run_wave(engine, {2: target}, steps=6)[2]
+    others = {lane: (rng.integers(3, vocab, int(rng.integers(2, 30))).tolist(), SamplingParams())
+              for lane in (0, 1, 3)}
+    among = run_wave(engine, {2: target, **others}, steps=6)[2]
+    assert alone[0] == among[0]
+    for a, b in zip(alone[1], among[1], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_request_alone_equals_it_among_others(engine: Engine) -> None:
+    assert engine.widths == (1, 2, 4)
+    _alone_and_among_others(engine)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_int8_a_request_alone_equals_it_among_others(name: str) -> None:
+    _alone_and_among_others(Engine(load(name, "safetensors", "int8"), lanes=4, max_seq=64, chunk=8, block=16,
+                                   attention="kernel"))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_station_serves_the_family_over_http(fmt: str) -> None:
+    name = "tiny-qwen3" if fmt == "gguf" else "tiny-qwen2"
+    ref = tiny_reference(name)
+    n = int(ref["greedy_prompt_len"])
+    station = Station(StationConfig(model=path_of(name, fmt), lanes=4, max_seq=64, prefill_chunk=8, kv_block=16,
+                                    continuous=True, drain_s=5))
+    with ServerThread(create_app(station)) as server, server.client(timeout=120) as http:
+        wait_for(lambda: http.get("/ready").status_code == 200, 120, "the station did not turn ready", 0.1)
+        r = http.post("/generate", json={"tokens": ref["input_ids"][:n].tolist(), "max_new_tokens": 16})
+        assert r.status_code == 200, r.text
+        assert r.json()["generated"] == ref["greedy_ids"].tolist()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+        chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                              temperature=0)
+        # the fixture's tokenizer spells byte i as token i, and its template is ChatML
+        prompt = b"<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        assert chat.usage.prompt_tokens == len(prompt) and chat.usage.completion_tokens == 5
+        expected = generate(station.engine, list(prompt), 5, SamplingParams())
+        assert chat.choices[0].message.content == bytes(expected).decode("utf-8", errors="replace")
+
+
+def test_a_qwen_checkpoint_without_its_biases_is_refused(tmp_path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    src = FIXTURES / "tiny-qwen2"
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / f).write_bytes((src / f).read_bytes())
+    tensors = load_file(src / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.bias"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.1\.self_attn\.k_proj\.bias'"):
+        load_model(tmp_path)
+    # a Llama checkpoint with a bias its architecture does not have is refused by name too
+    llama = FIXTURES / "tiny-mistral"
+    (tmp_path / "config.json").write_bytes((llama / "config.json").read_bytes())
+    tensors = load_file(llama / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros(64, np.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.q_proj\.bias'"):
+        load_model(tmp_path)
+
+
+def test_a_window_on_some_layers_only_is_refused() -> None:
+    import json
+
+    config = json.loads((FIXTURES / "tiny-qwen2" / "config.json").read_text())
+    with pytest.raises(ValueError, match="use_sliding_window=true"):
+        ModelConfig.from_hf({**config, "use_sliding_window": True})
