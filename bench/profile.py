@@ -25,13 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import add_lane_sweep_args, add_model_args, bench_model, summary, timed, write_result
-from jaxstation.engine.attention import blocked_attention, dense_decode_attention
+from jaxstation.engine.attention import blocked_attention, dense_decode_attention, kernel_decode_attention
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import DecodeRow, SamplingParams, sampling_arrays
 from jaxstation.engine.sampling import sample
 from jaxstation.engine.steps import decode_step_batch
-from jaxstation.kernels import cpu_kernel
-from jaxstation.model.layers import attn_out, lm_logits, mlp_block, over_layers, qkv_proj, rotary
+from jaxstation.model.layers import attn_out, lm_logits, mlp_block, over_layers, qkv_proj, rotary, rotary_at
 
 
 def _median_ms(fn, reps: int) -> dict:
@@ -43,14 +42,14 @@ def _median_ms(fn, reps: int) -> dict:
 def parts(engine: Engine, live: int, reps: int) -> dict:
     cfg, params, lanes = engine.cfg, engine.params, engine.lanes
     positions = jnp.full((lanes, 1), live - 1, jnp.int32)
-    rot = rotary(cfg, positions)
+    rots = rotary(cfg, positions)
     x = jnp.ones((lanes, 1, cfg.hidden_size), params.dtype)
 
     @jax.jit
     def projections(params, x):
         def body(i, layer, x):
-            q, _, _ = qkv_proj(cfg, layer, x, rot)
-            return mlp_block(cfg, layer, attn_out(layer, x, q.reshape(lanes, 1, -1)))
+            q, _, _ = qkv_proj(cfg, layer, x, rotary_at(cfg, rots, i))
+            return mlp_block(cfg, layer, attn_out(cfg, layer, x, q.reshape(lanes, 1, -1)))
         return over_layers(params, body, x)
 
     q = jnp.ones((lanes, 1, cfg.num_kv_heads, cfg.group_size, cfg.head_dim), params.dtype)
@@ -62,8 +61,8 @@ def parts(engine: Engine, live: int, reps: int) -> dict:
             if engine.attention == "blocked":
                 return blocked_attention(cfg, q, positions, arena, i, jnp.arange(lanes), n_blocks, engine.block)
             if engine.attention == "kernel":
-                return cpu_kernel.decode_attention(q.reshape(lanes, cfg.num_heads, -1), arena.k, arena.v, i,
-                                                   jnp.arange(lanes), positions[:, 0], cfg.sliding_window)
+                return kernel_decode_attention(cfg, q.reshape(lanes, cfg.num_heads, -1), positions[:, 0], arena, i,
+                                               jnp.arange(lanes))
             return dense_decode_attention(cfg, q.reshape(lanes, cfg.num_heads, -1), positions[:, 0], arena.k[i],
                                            arena.v[i], engine.attention)
         return sum(one(i) for i in range(cfg.num_layers))

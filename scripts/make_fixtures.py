@@ -7,8 +7,9 @@ Writes, under ``tests/fixtures/``:
   (``model.safetensors.index.json`` + several shards).
 * ``tiny-mistral/`` -- ``MistralForCausalLM`` with ``sliding_window=16`` and tied embeddings,
   saved as a single ``model.safetensors``.
-* ``tiny-qwen2/``, ``tiny-qwen3/`` -- ``Qwen2ForCausalLM`` (q/k/v biases) and ``Qwen3ForCausalLM`` (q/k norms,
-  head_dim 32), each with a byte-level tokenizer and the same weights as ``model.gguf``.
+* ``tiny-qwen2/``, ``tiny-qwen3/``, ``tiny-gemma2/``, ``tiny-gemma3/`` -- ``Qwen2ForCausalLM`` (q/k/v biases),
+  ``Qwen3ForCausalLM`` (q/k norms, head_dim 32), ``Gemma2ForCausalLM`` and ``Gemma3ForCausalLM``, each with a byte-level
+  tokenizer and the same weights as ``model.gguf``.
 
 Each directory also gets ``config.json`` (from ``save_pretrained``) and ``reference.npz`` with
 ``input_ids`` [48] int32, ``logits`` [48, 256] float32 (one full forward pass), ``greedy_ids`` [16]
@@ -30,6 +31,10 @@ import numpy as np
 import torch
 import transformers
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -93,14 +98,36 @@ def qwen3_config() -> Qwen3Config:
                        use_sliding_window=False)
 
 
+GEMMA = dict(COMMON, head_dim=32, query_pre_attn_scalar=24, sliding_window=8, pad_token_id=0, tie_word_embeddings=True,
+             hidden_activation="gelu_pytorch_tanh")
+
+
+def gemma2_config() -> Gemma2Config:
+    # caps small enough to bend these random logits (the released models use 50 and 30)
+    return Gemma2Config(**GEMMA, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                        attn_logit_softcapping=3.0, final_logit_softcapping=5.0)
+
+
+def gemma3_config() -> Gemma3TextConfig:
+    # a global layer first, then two local ones: a mesh split after layer 0 crosses the boundary. Untied: with a tied
+    # head, random weights and the embedding scaled by sqrt(hidden), every token predicts itself
+    rope = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    return Gemma3TextConfig(**dict(GEMMA, num_hidden_layers=3, tie_word_embeddings=False),
+                            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                            rope_parameters=rope)
+
+
 def init_weights(model: torch.nn.Module, seed: int) -> None:
-    """Larger-than-default init so logits are far from zero: N(0, 0.2) weights, norms 1 + 0.1 N(0, 1)."""
+    """Larger-than-default init so logits are far from zero: N(0, 0.2) weights, norms 1 + 0.1 N(0, 1) (Gemma's norms
+    scale by 1 + w, so theirs are 0.1 N(0, 1))."""
     gen = torch.Generator().manual_seed(seed)
+    centre = 0.0 if model.config.model_type.startswith("gemma") else 1.0
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             if "norm" in name:
-                p.copy_(1.0 + 0.1 * noise)
+                p.copy_(centre + 0.1 * noise)
             else:
                 p.copy_(0.2 * noise)
 
@@ -244,13 +271,17 @@ GGUF_LAYER = {
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# Gemma's four norms a layer (llama.cpp's gemma2 / gemma3 names)
+GGUF_SANDWICH = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                 "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                 "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 
 
-def gguf_name(name: str) -> str:
+def gguf_name(name: str, sandwich: bool) -> str:
     if name in GGUF_GLOBAL:
         return GGUF_GLOBAL[name]
     _, _, layer, rest = name.split(".", 3)  # model.layers.N.rest
-    return f"blk.{layer}.{GGUF_LAYER[rest]}"
+    return f"blk.{layer}.{(GGUF_SANDWICH if sandwich and rest in GGUF_SANDWICH else GGUF_LAYER)[rest]}"
 
 
 def write_gguf(model, arch: str, path: Path, matrices: str = "F32") -> None:
@@ -269,8 +300,21 @@ def write_gguf(model, arch: str, path: Path, matrices: str = "F32") -> None:
     writer.add_head_count(heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    if head_dim != hidden // heads:
+    gemma = arch.startswith("gemma")
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if gemma:
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_attention_scale(config.query_pre_attn_scalar ** -0.5)  # not llama.cpp's head_dim ** -0.5 here
+        if arch == "gemma2":
+            writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        else:  # which layers are local, per layer (no repeating pattern fits [full, local, local])
+            writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
+    if head_dim != hidden // heads or gemma:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_tokenizer_model("gpt2")
@@ -284,10 +328,12 @@ def write_gguf(model, arch: str, path: Path, matrices: str = "F32") -> None:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         data = tensor.detach().float().numpy()
+        if gemma and name.endswith("norm.weight"):  # llama.cpp's converter stores Gemma's norms as 1 + w
+            data = (1.0 + data).astype(np.float32)
         if data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name(name), gguf.quantize(data, qtype), raw_dtype=qtype)
+            writer.add_tensor(gguf_name(name, gemma), gguf.quantize(data, qtype), raw_dtype=qtype)
         else:
-            writer.add_tensor(gguf_name(name), data)
+            writer.add_tensor(gguf_name(name, gemma), data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -320,9 +366,9 @@ def write_tokenizer(out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}, indent=2) + "\n")
 
 
-def make_qwen(name: str, model_cls, config, arch: str, seed: int) -> None:
-    """A Qwen fixture: safetensors with its reference, and the same weights as model.gguf (float32, so that the
-    reference holds for it too)."""
+def make_with_gguf(name: str, model_cls, config, arch: str, seed: int) -> None:
+    """A fixture with a tokenizer: safetensors with its reference, and the same weights as model.gguf (float32, so
+    that the reference holds for it too)."""
     out = FIXTURES / name
     print(f"[{name}] -> {out}")
     model = build(model_cls, config, seed=seed)
@@ -334,13 +380,21 @@ def make_qwen(name: str, model_cls, config, arch: str, seed: int) -> None:
 
 def make_qwen2() -> None:
     model_cls, config = Qwen2ForCausalLM, qwen2_config()
-    make_qwen("tiny-qwen2", model_cls, config, "qwen2", seed=4)
+    make_with_gguf("tiny-qwen2", model_cls, config, "qwen2", seed=4)
     params = dict(build(model_cls, config, seed=4).named_parameters())
     assert params["model.layers.0.self_attn.q_proj.bias"].abs().sum() > 0, "the q/k/v biases must be non-zero"
 
 
 def make_qwen3() -> None:
-    make_qwen("tiny-qwen3", Qwen3ForCausalLM, qwen3_config(), "qwen3", seed=6)
+    make_with_gguf("tiny-qwen3", Qwen3ForCausalLM, qwen3_config(), "qwen3", seed=6)
+
+
+def make_gemma2() -> None:
+    make_with_gguf("tiny-gemma2", Gemma2ForCausalLM, gemma2_config(), "gemma2", seed=8)
+
+
+def make_gemma3() -> None:
+    make_with_gguf("tiny-gemma3", Gemma3ForCausalLM, gemma3_config(), "gemma3", seed=10)
 
 
 def write_readme() -> None:
@@ -373,10 +427,19 @@ python scripts/make_fixtures.py
   embeddings.
 - `tiny-qwen3/`: `Qwen3ForCausalLM`, same sizes but head_dim 32 (hidden / heads is 16), q/k
   RMSNorm, rope_theta 1e6, untied lm_head.
+- `tiny-gemma2/`: `Gemma2ForCausalLM`, head_dim 32, query_pre_attn_scalar 24, GeGLU, four norms a
+  layer, sliding window 8 on layer 0 (layer 1 global), attention soft cap 3 and final soft cap 5
+  (small enough to bend these random logits), tied embeddings (so its greedy continuation repeats one
+  token: with random weights and the embedding scaled by 8, each token predicts itself).
+- `tiny-gemma3/`: `Gemma3ForCausalLM`, 3 layers: layer 0 global (rope_theta 1e6, linear scaling 4),
+  layers 1 and 2 local (window 8, rope_theta 1e4); q/k norms, head_dim 32, query_pre_attn_scalar
+  24, untied lm_head. Gemma's norm weights are drawn around 0 (it scales by 1 + w).
 
-The Qwen fixtures also hold `model.gguf`: the same weights, every tensor float32, written with the
-`gguf` package under llama.cpp's names for the `qwen2` / `qwen3` architectures (q/k rows in HF's
-order, as llama.cpp's converter leaves them for these), so `reference.npz` holds for both files.
+The Qwen and Gemma fixtures also hold `model.gguf`: the same weights, every tensor float32, written
+with the `gguf` package under llama.cpp's names for the `qwen2`, `qwen3`, `gemma2` and `gemma3`
+architectures (q/k rows in HF's order, as llama.cpp's converter leaves them for these; Gemma's norms
+stored as 1 + w, as its converter stores them; the scores' scale in `attention.scale` and Gemma 3's
+local layers in `attention.sliding_window_pattern`), so `reference.npz` holds for both files.
 Both carry a tokenizer (`tokenizer.json` and the GGUF's `tokenizer.*` keys): byte-level BPE over
 the 256 bytes with no merges, so token i is byte i, and a ChatML chat template; a station serves
 them over HTTP.
@@ -401,7 +464,7 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)
     FIXTURES.mkdir(parents=True, exist_ok=True)
     makers = {"tiny-llama3": make_llama3, "tiny-mistral": make_mistral, "tiny-qwen2": make_qwen2,
-              "tiny-qwen3": make_qwen3}
+              "tiny-qwen3": make_qwen3, "tiny-gemma2": make_gemma2, "tiny-gemma3": make_gemma3}
     for name in sys.argv[1:] or makers:
         makers[name]()
     write_readme()

@@ -1,6 +1,8 @@
-"""Model families beyond Llama (tests/fixtures/README.md): Qwen2 (biases on q, k and v) and Qwen3 (an RMSNorm over
-each head's q and k; a head dimension of 32 where hidden / heads is 16), each from HF safetensors and from the same
-weights as a GGUF file.
+"""Model families beyond Llama (tests/fixtures/README.md), each from HF safetensors and from the same weights as a GGUF
+file: Qwen2 (biases on q, k and v), Qwen3 (an RMSNorm over each head's q and k; a head dimension of 32 where
+hidden / heads is 16), Gemma 2 (norms as 1 + w, before and after attention and MLP, scaled embeddings, GeGLU, soft caps
+on scores and logits, a sliding window on alternate layers, query_pre_attn_scalar) and Gemma 3 (q/k norms, a global
+layer then two local ones with RoPE bases of their own, linear RoPE scaling on the global one).
 
 Against transformers: logits within 1e-4 from the full forward, the engine's prefill and its greedy continuation;
 the station's own promises: a request's bits alone equal its bits beside three others (every narrow width), in
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import openai
@@ -28,8 +31,7 @@ from jaxstation.model.loader import CheckpointError, LoadedModel, load_model
 from jaxstation.serving.settings import StationConfig
 from jaxstation.serving.station import Station
 
-FAMILIES = ("tiny-qwen2", "tiny-qwen3")
-FORMATS = ("safetensors", "gguf")
+FAMILIES = ("tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3")
 TOLERANCE = 1e-4
 
 
@@ -47,14 +49,22 @@ def test_each_config_declares_its_family() -> None:
     assert qwen2.cfg.head_dim == 16 and qwen2.params.layers[0].bqkv.shape == (16 * (4 + 2 * 2),)
     assert qwen3.cfg.qk_norm and not qwen3.cfg.qkv_bias and not qwen3.cfg.tie_word_embeddings
     assert qwen3.cfg.head_dim == 32 and qwen3.params.layers[0].q_norm.shape == (32,)
-    for name in FAMILIES:  # the GGUF file declares the same model (its epsilon stored as float32)
+    gemma2, gemma3 = load("tiny-gemma2", "safetensors").cfg, load("tiny-gemma3", "safetensors").cfg
+    assert gemma2.local_layers == (True, False) and gemma2.sliding_window == 8 and gemma2.local_rope_theta is None
+    assert (gemma2.attn_softcap, gemma2.final_softcap, gemma2.hidden_act) == (3.0, 5.0, "gelu_tanh")
+    assert gemma3.local_layers == (False, True, True) and gemma3.local_rope_theta == 10000.0
+    assert gemma3.rope_linear_factor == 4.0 and gemma3.qk_norm and gemma3.attn_softcap is None
+    for cfg in (gemma2, gemma3):
+        assert cfg.embed_scale == 8.0 and cfg.sandwich_norms and cfg.query_scale == 24 ** -0.5
+    for name in FAMILIES:  # the GGUF file declares the same model (its numbers stored as float32, its norms as 1 + w)
         hf, gguf = load(name, "safetensors").cfg, load(name, "gguf").cfg
-        assert gguf == dataclasses.replace(hf, rms_norm_eps=float(np.float32(hf.rms_norm_eps)))
+        f32 = {f: float(np.float32(getattr(hf, f))) for f in ("rms_norm_eps", "query_scale") if getattr(hf, f)}
+        assert gguf == dataclasses.replace(hf, **f32, norm_offset=0.0)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+# the station's CPU layout from the GGUF file, the stacked walk on XLA's dot from safetensors
 @pytest.mark.parametrize("name", FAMILIES)
-@pytest.mark.parametrize(("loop", "matmul"), [("unroll", "kernel"), ("scan", "xla")])
+@pytest.mark.parametrize(("fmt", "loop", "matmul"), [("gguf", "unroll", "kernel"), ("safetensors", "scan", "xla")])
 def test_logits_match_transformers(name: str, fmt: str, loop: str, matmul: str) -> None:
     model, ref = load(name, fmt, loop=loop, matmul=matmul), tiny_reference(name)
     full = np.asarray(forward_full(model.cfg, model.params, jnp.asarray(ref["input_ids"])))
@@ -62,10 +72,31 @@ def test_logits_match_transformers(name: str, fmt: str, loop: str, matmul: str) 
     assert err <= TOLERANCE, f"{name} {fmt} {loop}/{matmul}: max |logit - transformers| {err}"
 
 
-@pytest.fixture(scope="module", params=[(n, f) for n in FAMILIES for f in FORMATS], ids="-".join)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_both_files_hold_the_same_weights(name: str) -> None:
+    """So the engine and HTTP checks below, each on one of the two files, hold for both."""
+    hf, gguf = load(name, "safetensors").params, load(name, "gguf").params
+    assert jax.tree_util.tree_structure(hf) == jax.tree_util.tree_structure(gguf)
+    for a, b in zip(jax.tree_util.tree_leaves(hf), jax.tree_util.tree_leaves(gguf), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# each family through the engine from one file, and over HTTP from the other
+ENGINE_FILES = [("tiny-qwen2", "safetensors"), ("tiny-qwen3", "gguf"), ("tiny-gemma2", "gguf"),
+                ("tiny-gemma3", "safetensors")]
+HTTP_FILES = [(n, "gguf" if f == "safetensors" else "safetensors") for n, f in ENGINE_FILES]
+
+
+@pytest.fixture(scope="module", params=ENGINE_FILES, ids="-".join)
 def engine(request) -> Engine:
     name, fmt = request.param
-    return Engine(load(name, fmt), lanes=4, max_seq=64, chunk=8, block=16, attention="kernel")
+    return family_engine(load(name, fmt))
+
+
+def family_engine(model: LoadedModel) -> Engine:
+    """Four lanes on the CPU kernels: the decode attention kernel, or the blocked walk for soft-capped scores."""
+    attention = "blocked" if model.cfg.attn_softcap else "kernel"
+    return Engine(model, lanes=4, max_seq=64, chunk=8, block=16, attention=attention)
 
 
 def test_the_engine_prefills_and_continues_as_transformers(engine: Engine) -> None:
@@ -96,19 +127,17 @@ def test_a_request_alone_equals_it_among_others(engine: Engine) -> None:
     _alone_and_among_others(engine)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_int8_a_request_alone_equals_it_among_others(name: str) -> None:
-    _alone_and_among_others(Engine(load(name, "safetensors", "int8"), lanes=4, max_seq=64, chunk=8, block=16,
-                                   attention="kernel"))
+def test_int8_a_request_alone_equals_it_among_others() -> None:
+    _alone_and_among_others(family_engine(load("tiny-gemma3", "safetensors", "int8")))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_a_station_serves_the_family_over_http(fmt: str) -> None:
-    name = "tiny-qwen3" if fmt == "gguf" else "tiny-qwen2"
+@pytest.mark.parametrize(("name", "fmt"), HTTP_FILES, ids="-".join)
+def test_a_station_serves_the_family_over_http(name: str, fmt: str) -> None:
     ref = tiny_reference(name)
     n = int(ref["greedy_prompt_len"])
+    # one decode width and one packed step: fewer programs to compile (the widths are the engine tests')
     station = Station(StationConfig(model=path_of(name, fmt), lanes=4, max_seq=64, prefill_chunk=8, kv_block=16,
-                                    continuous=True, drain_s=5))
+                                    wave_widths="full", prefill_budget="16", continuous=True, drain_s=5))
     with ServerThread(create_app(station)) as server, server.client(timeout=120) as http:
         wait_for(lambda: http.get("/ready").status_code == 200, 120, "the station did not turn ready", 0.1)
         r = http.post("/generate", json={"tokens": ref["input_ids"][:n].tolist(), "max_new_tokens": 16})

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from jaxstation.engine.arena import KVArena
 from jaxstation.kernels import cpu_kernel
 from jaxstation.kernels.rowwise import row_sum
-from jaxstation.model.config import ModelConfig
+from jaxstation.model.config import NO_WINDOW, ModelConfig
+from jaxstation.model.layers import softcap, window_at
 from jaxstation.model.quant import precision_for
 
 
@@ -29,9 +30,10 @@ def blocked_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, arena: K
     """
     rows, nq = q.shape[:2]
     kvh, hd = cfg.num_kv_heads, cfg.head_dim
-    scale = 1.0 / jnp.sqrt(jnp.float32(hd))
+    scale = 1.0 / jnp.sqrt(jnp.float32(hd)) if cfg.query_scale is None else jnp.float32(cfg.query_scale)
     stat_shape = (rows, nq, kvh, cfg.group_size)
     precision = precision_for(q.dtype)
+    window = window_at(cfg, layer)
 
     def body(b, carry):
         m, denom, acc = carry  # [rows, Q, kvh, group], same, [rows, Q, kvh, group, hd]
@@ -39,9 +41,10 @@ def blocked_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, arena: K
         kb = arena.k[layer, lanes[:, None], k_pos[None, :]]  # [rows, block, kvh, hd]
         vb = arena.v[layer, lanes[:, None], k_pos[None, :]]
         s = jnp.einsum("rqkgd,rbkd->rqkgb", q, kb, preferred_element_type=jnp.float32, precision=precision) * scale
+        s = softcap(s, cfg.attn_softcap)
         mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [rows, Q, block]
-        if cfg.sliding_window is not None:
-            mask &= k_pos[None, None, :] > q_pos[:, :, None] - cfg.sliding_window
+        if window is not None:
+            mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
         s = jnp.where(mask[:, :, None, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         alpha = jnp.exp(m - m_new)
@@ -66,15 +69,24 @@ def dense_decode_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, k: 
     q: [lanes, heads, hd]; q_pos: [lanes]; k, v: [lanes, max_seq, kv_heads, hd] -> [lanes, heads * hd]. The
     shapes never change, so neither do a lane's bits; what lies past a lane's length is masked, never read into it.
     """
-    out = jax.nn.dot_product_attention(q[:, None], k, v, scale=1.0 / cfg.head_dim ** 0.5,
+    out = jax.nn.dot_product_attention(q[:, None], k, v, scale=cfg.query_scale or 1.0 / cfg.head_dim ** 0.5,
                                        key_value_seq_lengths=q_pos + 1, implementation=implementation)
     return out.reshape(q.shape[0], cfg.num_heads * cfg.head_dim)
 
 
 def kernel_decode_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, arena: KVArena, layer: jax.Array,
                             lanes: jax.Array) -> jax.Array:
-    """q: [rows, heads, hd]; q_pos, lanes: [rows] -> [rows, heads * hd], each row over its own lane in place."""
-    o = cpu_kernel.decode_attention(q, arena.k, arena.v, layer, lanes, q_pos, cfg.sliding_window)
+    """q: [rows, heads, hd]; q_pos, lanes: [rows] -> [rows, heads * hd], each row over its own lane in place. The
+    window is an attribute of the kernel's call: in a stacked walk a layer's comes from a choice of two calls."""
+
+    def call(window: int | None) -> jax.Array:
+        return cpu_kernel.decode_attention(q, arena.k, arena.v, layer, lanes, q_pos, window, cfg.query_scale)
+
+    window = window_at(cfg, layer)
+    if window is None or isinstance(window, int):
+        o = call(window)
+    else:
+        o = jax.lax.cond(window < NO_WINDOW, lambda: call(cfg.sliding_window), lambda: call(None))
     return o.reshape(q.shape[0], cfg.num_heads * cfg.head_dim)
 
 

@@ -84,6 +84,9 @@ class Engine:
                                                                      model.params.dtype):
             raise ValueError("attention='kernel' needs float32 activations, head_dim a multiple of 16 (up to 256), at "
                              "most 8 query heads per kv head, and the CPU kernel built here")
+        if attention != "blocked" and model.cfg.attn_softcap is not None:
+            raise ValueError(f"attention={attention!r} does not soft-cap scores; this model caps them at "
+                             f"{model.cfg.attn_softcap}: it needs attention='blocked'")
         window = model.cfg.sliding_window
         if attention in ("xla", "cudnn") and window is not None and max_seq > window:
             raise ValueError(f"attention={attention!r} does not window; with a sliding window of "

@@ -37,6 +37,7 @@ from jaxstation.model.layers import (
     over_layers,
     qkv_proj,
     rotary,
+    rotary_at,
 )
 
 
@@ -49,11 +50,11 @@ def run_layers(cfg: ModelConfig, params: Params, arena: KVArena, x: jax.Array, p
     prefill chunk). attention: the decode waves' attention (`attention.attend`).
     """
     nq = x.shape[1]
-    rot = rotary(cfg, positions)
+    rots = rotary(cfg, positions)
 
     def body(i, layer, carry):
         x, k_all, v_all = carry
-        q, k, v = qkv_proj(cfg, layer, x, rot)  # [rows, Q, heads|kvh, hd]
+        q, k, v = qkv_proj(cfg, layer, x, rotary_at(cfg, rots, i))  # [rows, Q, heads|kvh, hd]
         # k and v are computed whole before they are written: fused into the arena's scatter, XLA 0.11+ on CPU
         # computes them differently at different wave widths (a row's bits changed between 1 and 4 rows)
         k, v = jax.lax.optimization_barrier((k, v))
@@ -65,7 +66,7 @@ def run_layers(cfg: ModelConfig, params: Params, arena: KVArena, x: jax.Array, p
             k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
             v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
         o = attend(cfg, attention, q, positions, KVArena(k_all, v_all), i, lanes, n_blocks, block)
-        return mlp_block(cfg, layer, attn_out(layer, x, o)), k_all, v_all
+        return mlp_block(cfg, layer, attn_out(cfg, layer, x, o)), k_all, v_all
 
     x, k_all, v_all = over_layers(params, body, (x, arena.k, arena.v))
     return x, dataclasses.replace(arena, k=k_all, v=v_all)
@@ -102,7 +103,7 @@ def decode_step_batch(cfg: ModelConfig, params: Params, arena: KVArena, position
         lanes = jnp.arange(rows, dtype=jnp.int32)
     elif attention not in ("blocked", "kernel"):
         raise ValueError(f"attention={attention!r} runs full-width waves only")
-    x = embed_tokens(params, tokens)[:, None, :]  # [rows, 1, d]
+    x = embed_tokens(cfg, params, tokens)[:, None, :]  # [rows, 1, d]
     x, arena = run_layers(cfg, params, arena, x, positions[:, None], lanes, n_blocks, block, attention=attention)
     h = x[:, 0] if picks is None else x[picks, 0]  # [slots, d]
     logits = lm_logits(cfg, params, h)  # [slots, vocab]
@@ -128,7 +129,7 @@ def prefill_chunk(cfg: ModelConfig, params: Params, arena: KVArena, lane: jax.Ar
     chunk = tokens.shape[0]
     positions = (start + jnp.arange(chunk, dtype=jnp.int32))[None]  # [1, chunk]
     n_blocks = (start + n_valid + block - 1) // block
-    x = embed_tokens(params, tokens)[None]  # [1, chunk, d]
+    x = embed_tokens(cfg, params, tokens)[None]  # [1, chunk, d]
     x, arena = run_layers(cfg, params, arena, x, positions, jnp.reshape(lane, (1,)), n_blocks, block)
     scored = None
     if prompt_logprobs:

@@ -154,16 +154,18 @@ def attention_serves(head_dim: int, group_size: int, dtype: jnp.dtype) -> bool:
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array | int, lanes: jax.Array,
-                     positions: jax.Array, window: int | None) -> jax.Array:
+                     positions: jax.Array, window: int | None, scale: float | None = None) -> jax.Array:
     """One query per row over its own arena lane: q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd]
     float32; lanes, positions [rows] -> [rows, heads, hd]. A row attends to positions (positions - window,
     positions] of its lane (from 0 without a window), softmax over exactly those; a row at the lane's last position
-    (the scratch slot idle rows write) attends to itself only."""
+    (the scratch slot idle rows write) attends to itself only. Scores are scaled by `scale` (default: head_dim **
+    -0.5)."""
     require()
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call(TARGETS["attention"][0], out)(
         q.astype(jnp.float32), k, v, jnp.asarray(layer, jnp.int32), lanes.astype(jnp.int32),
-        positions.astype(jnp.int32), window=np.int64(window or 0), scale=np.float32(q.shape[-1] ** -0.5))
+        positions.astype(jnp.int32), window=np.int64(window or 0),
+        scale=np.float32(q.shape[-1] ** -0.5 if scale is None else scale))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

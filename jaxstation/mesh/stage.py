@@ -61,7 +61,7 @@ def slice_params(cfg: ModelConfig, params: Params, layers: LayerRange) -> tuple[
     else:
         sub = jax.tree_util.tree_map(lambda a: a[layers.start:layers.stop], params.layers)
     keep_embed = first or (last and params.lm_head is None)
-    return (dataclasses.replace(cfg, num_layers=layers.stop - layers.start),
+    return (cfg.layers(layers.start, layers.stop),
             Params(embed=params.embed if keep_embed else None, layers=sub, final_norm=params.final_norm,
                    lm_head=params.lm_head if last else None))
 
@@ -71,7 +71,7 @@ def forward_step(cfg: ModelConfig, params: Params, arena: KVArena, inputs: jax.A
                  lane0: jax.Array, n_blocks: jax.Array, *, block: int, attention: str) -> tuple[jax.Array, KVArena]:
     """inputs: token ids [K, Q] int32 (first station) or residuals [K, Q, d]; positions [K, Q] -> residuals.
     attention: the decode attention (a prefill chunk always walks KV blocks)."""
-    x = embed_tokens(params, inputs) if inputs.dtype == jnp.int32 else inputs
+    x = embed_tokens(cfg, params, inputs) if inputs.dtype == jnp.int32 else inputs
     lanes = lane0 + jnp.arange(x.shape[0], dtype=jnp.int32)  # rows sit on consecutive lanes
     return run_layers(cfg, params, arena, x, positions, lanes, n_blocks, block, attention=attention)
 

@@ -15,10 +15,15 @@ import numpy as np
 
 # The family of each served architecture: what its layers add to the Llama layer (`ModelConfig.family`).
 HF_FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-               "Qwen3ForCausalLM": "qwen3"}
+               "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+_HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+                   "gemma3_text": "gemma3"}
 SUPPORTED_HF_ARCHITECTURES = tuple(HF_FAMILIES)
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+ACTIVATIONS = ("silu", "gelu_tanh")
+_HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+NO_WINDOW = 1 << 30  # a global layer's window where a step needs one number per layer
 
 # HF config keys that do not change the forward pass we compute (bookkeeping, generation defaults, dtypes).
 _HF_IGNORED_KEYS = frozenset(
@@ -35,7 +40,8 @@ _HF_IGNORED_KEYS = frozenset(
         "suppress_tokens", "begin_suppress_tokens", "add_cross_attention", "cross_attention_hidden_size",
         "is_encoder_decoder", "early_stopping", "diversity_penalty", "num_beam_groups", "typical_p",
         "encoder_no_repeat_ngram_size", "tf_legacy_loss", "use_bfloat16", "pruned_heads", "chunk_size",
-        "quantization_config", "max_window_layers", "use_sliding_window", "layer_types", "sep_token",
+        "quantization_config", "max_window_layers", "use_sliding_window", "sep_token", "_sliding_window_pattern",
+        "sliding_window_pattern",
     }
 )
 _HF_USED_KEYS = frozenset(
@@ -43,9 +49,14 @@ _HF_USED_KEYS = frozenset(
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
         "max_position_embeddings", "tie_word_embeddings", "sliding_window", "hidden_act", "attention_bias",
-        "mlp_bias",
+        "mlp_bias", "layer_types", "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping",
+        "final_logit_softcapping", "use_bidirectional_attention", "rope_local_base_freq",
     }
 )
+
+
+def _cap(value: Any) -> float | None:
+    return float(value) if value else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +85,18 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
     qkv_bias: bool = False  # Qwen2: a bias on the q, k and v projections
-    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k (weights [head_dim]) before RoPE
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head's q and k (weights [head_dim]) before RoPE
+    # Gemma 2 and 3:
+    local_layers: tuple[bool, ...] = ()  # the layers sliding_window and local_rope_theta apply to; (): every layer
+    local_rope_theta: float | None = None  # Gemma 3: the local layers' RoPE base (rope_theta is the global ones')
+    rope_linear_factor: float | None = None  # linear RoPE scaling of the global layers' positions
+    hidden_act: str = "silu"  # the MLP's gate: silu (SwiGLU) or gelu_tanh (GeGLU)
+    embed_scale: float | None = None  # embeddings times this (sqrt(hidden_size)); a tied head reads them unscaled
+    sandwich_norms: bool = False  # an RMSNorm on the attention's and the MLP's output too, before each residual add
+    query_scale: float | None = None  # the scores' scale (query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap), before the mask
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    norm_offset: float = 0.0  # HF stores Gemma's norm weights as w - 1 (it scales by 1 + w): its loader adds this
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -87,6 +109,22 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.local_layers and len(self.local_layers) != self.num_layers:
+            raise ValueError(f"local_layers names {len(self.local_layers)} layers, the model has {self.num_layers}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
+
+    def is_local(self, layer: int) -> bool:
+        """Whether the sliding window (if any) and the local RoPE base apply to this layer."""
+        return not self.local_layers or self.local_layers[layer]
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of this layer, or None."""
+        return self.sliding_window if self.is_local(layer) else None
+
+    def layers(self, start: int, stop: int) -> ModelConfig:
+        """The config of layers [start, stop) alone (a mesh station's)."""
+        return dataclasses.replace(self, num_layers=stop - start, local_layers=self.local_layers[start:stop])
 
     @property
     def group_size(self) -> int:
@@ -96,10 +134,15 @@ class ModelConfig:
     def qkv_size(self) -> int:
         return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
-    def inv_freq(self) -> np.ndarray:
-        """RoPE inverse frequencies [head_dim // 2], float32, as HF computes them (Llama-3 scaling included)."""
+    def inv_freq(self, local: bool = False) -> np.ndarray:
+        """RoPE inverse frequencies [head_dim // 2], float32, as HF computes them (Llama-3 or linear scaling
+        included), of the global layers or (`local`) of the local layers where they have a base of their own."""
         exponents = np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(self.head_dim)
+        if local and self.local_rope_theta is not None:
+            return (1.0 / (np.float32(self.local_rope_theta) ** exponents)).astype(np.float32)
         inv = (1.0 / (np.float32(self.rope_theta) ** exponents)).astype(np.float32)
+        if self.rope_linear_factor is not None:
+            return (inv / np.float32(self.rope_linear_factor)).astype(np.float32)
         s = self.rope_scaling
         if s is None:
             return inv
@@ -117,30 +160,39 @@ class ModelConfig:
         """Build from an HF config.json dict; refuse architectures and fields we do not implement."""
         archs = config.get("architectures") or []
         model_type = config.get("model_type")
-        family = next((HF_FAMILIES[a] for a in archs if a in HF_FAMILIES), None)
-        if family is None and model_type in HF_FAMILIES.values():
-            family = model_type
+        family = next((HF_FAMILIES[a] for a in archs if a in HF_FAMILIES), _HF_MODEL_TYPES.get(model_type))
         if family is None:
             raise ValueError(
                 f"unsupported architecture {archs or model_type!r}: "
                 f"jaxstation serves {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
             )
+        gemma = family in ("gemma2", "gemma3")
         if family in ("qwen2", "qwen3") and config.get("use_sliding_window"):
             raise ValueError("unsupported config field use_sliding_window=true: a window on some layers only "
                              "(max_window_layers) is not implemented")
         unknown = sorted(k for k in config if k not in _HF_IGNORED_KEYS and k not in _HF_USED_KEYS)
         if unknown:
             raise ValueError(f"unsupported config field(s) {unknown} in config.json")
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported config field hidden_act={config['hidden_act']!r}: only 'silu' is served")
-        for flag in ("attention_bias", "mlp_bias"):
+        act_key = "hidden_activation" if gemma else "hidden_act"
+        act = _HF_ACTIVATIONS.get(config.get(act_key, "gelu_pytorch_tanh" if gemma else "silu"))
+        if act is None:
+            raise ValueError(f"unsupported config field {act_key}={config[act_key]!r}: served are "
+                             f"{', '.join(_HF_ACTIVATIONS)}")
+        for flag in ("attention_bias", "mlp_bias", "use_bidirectional_attention"):
             if config.get(flag):
-                raise ValueError(f"unsupported config field {flag}=true: biases are not implemented")
+                raise ValueError(f"unsupported config field {flag}=true: not implemented")
+        layer_types = list(config.get("layer_types") or ["full_attention"] * int(config["num_hidden_layers"]))
+        if set(layer_types) - {"full_attention", "sliding_attention"} or (not gemma and len(set(layer_types)) > 1):
+            raise ValueError(f"unsupported config field layer_types={layer_types}")
         rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        local_rope = rope.pop("sliding_attention", None)  # Gemma 3: a RoPE per layer type
+        rope = rope.pop("full_attention", rope)
         rope_theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported config field rope_scaling.rope_type={rope_type!r}")
+        if local_rope is not None and local_rope.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported config field rope_parameters.sliding_attention={local_rope}")
         scaling = None
         if rope_type == "llama3":
             scaling = RopeScaling(
@@ -151,9 +203,12 @@ class ModelConfig:
             )
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
+        head_dim = int(config.get("head_dim") or hidden // heads)
         window = config.get("sliding_window")
         if config.get("use_sliding_window") is False or family in ("qwen2", "qwen3"):
             window = None
+        local_theta = config.get("rope_local_base_freq", (local_rope or {}).get("rope_theta"))
+        scalar = config.get("query_pre_attn_scalar")
         return cls(
             vocab_size=int(config["vocab_size"]),
             hidden_size=hidden,
@@ -161,15 +216,25 @@ class ModelConfig:
             num_layers=int(config["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             max_position=int(config.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
             rope_scaling=scaling,
             sliding_window=int(window) if window else None,
             qkv_bias=family == "qwen2",
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "gemma3"),
+            local_layers=tuple(t == "sliding_attention" for t in layer_types) if gemma else (),
+            local_rope_theta=float(local_theta) if gemma and local_theta is not None else None,
+            rope_linear_factor=float(rope["factor"]) if rope_type == "linear" else None,
+            hidden_act=act,
+            embed_scale=float(np.float32(hidden ** 0.5)) if gemma else None,
+            sandwich_norms=gemma,
+            query_scale=float(scalar) ** -0.5 if gemma and scalar is not None else None,
+            attn_softcap=_cap(config.get("attn_logit_softcapping")),
+            final_softcap=_cap(config.get("final_logit_softcapping")),
+            norm_offset=1.0 if gemma else 0.0,
         )
 
     @classmethod
@@ -193,14 +258,25 @@ class ModelConfig:
                 raise ValueError(f"unsupported GGUF metadata {arch}.{key}={meta[f'{arch}.{key}']}: it must equal the "
                                  f"head dimension ({head_dim}; partial RoPE or unequal k/v heads)")
         scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
-        if scaling_type not in ("none",):
+        if scaling_type not in ("none", "linear"):
             raise ValueError(f"unsupported GGUF metadata {arch}.rope.scaling.type={scaling_type!r}")
         window = meta.get(f"{arch}.attention.sliding_window")
+        layers = int(need("block_count"))
+        gemma = arch in ("gemma2", "gemma3")
+        local_layers: tuple[bool, ...] = ()
+        scale = meta.get(f"{arch}.attention.scale")
+        if gemma:  # llama.cpp's defaults: local layers alternate (gemma2) or 5 of every 6 (gemma3); the 27B models
+            # (46 and 62 layers) scale scores by hidden / heads, the others by head_dim
+            pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+            local_layers = (tuple(bool(b) for b in pattern) if isinstance(pattern, (list, tuple))
+                            else tuple(i % int(pattern) < int(pattern) - 1 for i in range(layers)))
+            if scale is None:
+                scale = (hidden / heads if layers in (46, 62) else head_dim) ** -0.5
         return cls(
             vocab_size=int(meta.get(f"{arch}.vocab_size", vocab_size)),
             hidden_size=hidden,
             intermediate_size=int(need("feed_forward_length")),
-            num_layers=int(need("block_count")),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
             head_dim=head_dim,
@@ -210,7 +286,16 @@ class ModelConfig:
             tie_word_embeddings=tied,
             sliding_window=int(window) if window else None,
             qkv_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
+            local_layers=local_layers,
+            local_rope_theta=float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
+            rope_linear_factor=float(need("rope.scaling.factor")) if scaling_type == "linear" else None,
+            hidden_act="gelu_tanh" if gemma else "silu",
+            embed_scale=float(np.float32(hidden ** 0.5)) if gemma else None,
+            sandwich_norms=gemma,
+            query_scale=float(scale) if scale is not None else None,
+            attn_softcap=_cap(meta.get(f"{arch}.attn_logit_softcapping")),
+            final_softcap=_cap(meta.get(f"{arch}.final_logit_softcapping")),
         )
 
 

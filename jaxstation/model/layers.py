@@ -1,4 +1,6 @@
-"""The Llama-family decoder in functional JAX: parameter pytree, layer pieces and the full-sequence oracle.
+"""The decoder in functional JAX: parameter pytree, layer pieces and the full-sequence oracle. One layer serves every
+family: the Llama layer, plus what the config declares (biases, q/k norms, sandwich norms, soft caps, per-layer windows
+and RoPE bases; docs/models.md).
 
 Weights are stored [in, out] so activations multiply on the left; q/k/v and gate/up are fused so that each layer
 reads its weights in three matmuls plus the output projections. A projection is a float array, an int8
@@ -26,7 +28,7 @@ import numpy as np
 
 from jaxstation.kernels import cpu_kernel
 from jaxstation.kernels.rowwise import row_sum
-from jaxstation.model.config import ModelConfig
+from jaxstation.model.config import NO_WINDOW, ModelConfig
 from jaxstation.model.quant import (
     MATMULS,
     KernelWeight,
@@ -44,16 +46,19 @@ from jaxstation.model.quant import (
 )
 
 LAYER_LOOPS = ("scan", "unroll")
-VECTOR_SLOTS = ("attn_norm", "mlp_norm", "bqkv", "q_norm", "k_norm")  # a layer's weights that are not projections
+# a layer's weights that are not projections
+VECTOR_SLOTS = ("attn_norm", "mlp_norm", "bqkv", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
 Carry = TypeVar("Carry")
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=[
-    "attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down", "bqkv", "q_norm", "k_norm"], meta_fields=[])
+    "attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down", "bqkv", "q_norm", "k_norm", "post_attn_norm",
+    "post_mlp_norm"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class LayerParams:
     """One layer's weights ("unroll"), or every layer's stacked on a leading axis ("scan"). The optional ones are
-    what a family adds to the Llama layer (`ModelConfig.qkv_bias`, `qk_norm`); None where it has none."""
+    what a family adds to the Llama layer (`ModelConfig.qkv_bias`, `qk_norm`, `sandwich_norms`); None where it has
+    none."""
 
     attn_norm: jax.Array  # [d]
     wqkv: Weight  # [d, (heads + 2 * kv_heads) * head_dim]
@@ -64,6 +69,8 @@ class LayerParams:
     bqkv: jax.Array | None = None  # [(heads + 2 * kv_heads) * head_dim]
     q_norm: jax.Array | None = None  # [head_dim]
     k_norm: jax.Array | None = None  # [head_dim]
+    post_attn_norm: jax.Array | None = None  # [d]
+    post_mlp_norm: jax.Array | None = None  # [d]
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["embed", "layers", "final_norm", "lm_head"], meta_fields=[])
@@ -128,6 +135,8 @@ def pack_params(cfg: ModelConfig, tensor: Callable[[int | None, str], Tensor], w
             arrays["bqkv"] = np.concatenate([t("bq"), t("bk"), t("bv")])
         if cfg.qk_norm:
             arrays["q_norm"], arrays["k_norm"] = t("q_norm"), t("k_norm")
+        if cfg.sandwich_norms:
+            arrays["post_attn_norm"], arrays["post_mlp_norm"] = t("post_attn_norm"), t("post_mlp_norm")
         return arrays
 
     def build(a: dict) -> LayerParams:
@@ -160,9 +169,27 @@ def over_layers(params: Params, body: Callable[[jax.Array | int, LayerParams, Ca
     return jax.lax.fori_loop(0, n, lambda i, c: body(i, layer_at(params.layers, i), c), carry)
 
 
-def embed_tokens(params: Params, tokens: jax.Array) -> jax.Array:
-    """tokens [...] int32 -> [..., d] in the compute dtype."""
-    return take_rows(params.embed, tokens, params.dtype)
+def embed_tokens(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    """tokens [...] int32 -> [..., d] in the compute dtype (times cfg.embed_scale where the family scales them). The
+    scaled rows are computed whole: folded into the ops after them, XLA computed a layer's output differently in
+    programs of different depths (a mesh stage's residuals then differed from the whole model's)."""
+    x = take_rows(params.embed, tokens, params.dtype)
+    return x if cfg.embed_scale is None else jax.lax.optimization_barrier(x * jnp.asarray(cfg.embed_scale, x.dtype))
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap), or x without a cap."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+def window_at(cfg: ModelConfig, layer: jax.Array | int) -> jax.Array | int | None:
+    """Layer `layer`'s sliding window: an int or None for a Python index; for a traced one (a stacked walk) an int32,
+    NO_WINDOW on a global layer."""
+    if cfg.sliding_window is None or isinstance(layer, int):
+        return None if cfg.sliding_window is None else cfg.window(layer)
+    if not cfg.local_layers:
+        return cfg.sliding_window
+    return jnp.where(jnp.asarray(cfg.local_layers)[layer], cfg.sliding_window, NO_WINDOW)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, feeds: Weight | None = None) -> jax.Array:
@@ -176,15 +203,32 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, feeds: Weight | None =
 
 
 Rotary = tuple[jax.Array, jax.Array]  # cos, sin: [..., T, 1, head_dim] float32
+Rotaries = tuple[Rotary, Rotary]  # the global layers' and the local layers' (the same where they share a base)
 
 
-def rotary(cfg: ModelConfig, positions: jax.Array) -> Rotary:
+def rotary(cfg: ModelConfig, positions: jax.Array) -> Rotaries:
     """RoPE's cos and sin at `positions` ([..., T] int32): computed once per step and shared by every layer, so that an
-    unrolled step carries one copy, not two per layer."""
-    inv_freq = jnp.asarray(cfg.inv_freq())  # [head_dim // 2]
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, head_dim // 2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # [..., T, 1, head_dim]
-    return jnp.cos(emb), jnp.sin(emb)
+    unrolled step carries one copy (two where local layers have a base of their own), not two per layer."""
+
+    def at(local: bool) -> Rotary:
+        inv_freq = jnp.asarray(cfg.inv_freq(local))  # [head_dim // 2]
+        freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, head_dim // 2]
+        emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # [..., T, 1, head_dim]
+        return jnp.cos(emb), jnp.sin(emb)
+
+    glob = at(False)
+    return glob, (at(True) if cfg.local_rope_theta is not None else glob)
+
+
+def rotary_at(cfg: ModelConfig, rots: Rotaries, layer: jax.Array | int) -> Rotary:
+    """Layer `layer`'s RoPE (a Python index, or a traced one in a stacked walk)."""
+    glob, local = rots
+    if local is glob:
+        return glob
+    if isinstance(layer, int):
+        return local if cfg.is_local(layer) else glob
+    is_local = jnp.asarray(cfg.local_layers or (True,) * cfg.num_layers)[layer]
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(is_local, a, b), local, glob)
 
 
 def rope(x: jax.Array, rot: Rotary) -> jax.Array:
@@ -211,17 +255,22 @@ def qkv_proj(cfg: ModelConfig, layer: LayerParams, x: jax.Array, rot: Rotary):
     return rope(q, rot), rope(k, rot), v
 
 
-def attn_out(layer: LayerParams, x: jax.Array, o: jax.Array) -> jax.Array:
-    """The residual after attention: x + o @ wo. o: [..., heads * head_dim]."""
-    return x + matmul(o, layer.wo)
+def attn_out(cfg: ModelConfig, layer: LayerParams, x: jax.Array, o: jax.Array) -> jax.Array:
+    """The residual after attention: x + o @ wo (normed first with sandwich norms). o: [..., heads * head_dim]."""
+    return x + _post_norm(cfg, matmul(o, layer.wo), layer.post_attn_norm)
 
 
 def mlp_block(cfg: ModelConfig, layer: LayerParams, x: jax.Array) -> jax.Array:
-    """Residual SwiGLU block: x + down(silu(gate) * up)."""
+    """Residual gated MLP: x + down(act(gate) * up), SwiGLU or GeGLU (tanh GELU)."""
     h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps, feeds=layer.w_gate_up)
     gate_up = matmul(h, layer.w_gate_up)
     gate, up = gate_up[..., :cfg.intermediate_size], gate_up[..., cfg.intermediate_size:]
-    return x + matmul(jax.nn.silu(gate) * up, layer.w_down)
+    act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+    return x + _post_norm(cfg, matmul(act * up, layer.w_down), layer.post_mlp_norm)
+
+
+def _post_norm(cfg: ModelConfig, y: jax.Array, weight: jax.Array | None) -> jax.Array:
+    return y if weight is None else rms_norm(y, weight, cfg.rms_norm_eps)
 
 
 def lm_logits(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
@@ -232,7 +281,7 @@ def lm_logits(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
         logits = matmul_transposed(h, params.embed)
     else:
         logits = matmul(h, params.lm_head)
-    return logits.astype(jnp.float32)
+    return softcap(logits.astype(jnp.float32), cfg.final_softcap)
 
 
 @partial(jax.jit, static_argnames=("cfg",))
@@ -240,21 +289,21 @@ def forward_full(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Arr
     """The oracle: a plain causal forward over a whole sequence, no cache. tokens [T] -> logits [T, vocab]."""
     t = tokens.shape[0]
     positions = jnp.arange(t, dtype=jnp.int32)
-    rot = rotary(cfg, positions)
+    rots = rotary(cfg, positions)
     qpos, kpos = positions[:, None], positions[None, :]
-    mask = kpos <= qpos  # [T, T]
-    if cfg.sliding_window is not None:
-        mask &= kpos > qpos - cfg.sliding_window
     precision = precision_for(params.dtype)
 
     def body(i, layer: LayerParams, x):
-        q, k, v = qkv_proj(cfg, layer, x, rot)
+        q, k, v = qkv_proj(cfg, layer, x, rotary_at(cfg, rots, i))
         q = q.reshape(t, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
-        s = jnp.einsum("qkgd,skd->kgqs", q, k, preferred_element_type=jnp.float32,
-                       precision=precision) / jnp.sqrt(cfg.head_dim)
+        s = jnp.einsum("qkgd,skd->kgqs", q, k, preferred_element_type=jnp.float32, precision=precision)
+        s = softcap(s / jnp.sqrt(cfg.head_dim) if cfg.query_scale is None else s * cfg.query_scale, cfg.attn_softcap)
+        mask = kpos <= qpos  # [T, T]
+        if (window := window_at(cfg, i)) is not None:
+            mask &= kpos > qpos - window
         p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
         o = jnp.einsum("kgqs,skd->qkgd", p.astype(v.dtype), v,
                        precision=precision).reshape(t, cfg.num_heads * cfg.head_dim)
-        return mlp_block(cfg, layer, attn_out(layer, x, o))
+        return mlp_block(cfg, layer, attn_out(cfg, layer, x, o))
 
-    return lm_logits(cfg, params, over_layers(params, body, embed_tokens(params, tokens)))
+    return lm_logits(cfg, params, over_layers(params, body, embed_tokens(cfg, params, tokens)))

@@ -27,6 +27,8 @@ _MATRICES = ("embed", "lm_head", "q", "k", "v", "o", "gate", "up", "down")  # th
 _LAYER_SLOTS = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
 _BIAS_SLOTS = ("bq", "bk", "bv")  # ModelConfig.qkv_bias
 _QK_NORM_SLOTS = ("q_norm", "k_norm")  # ModelConfig.qk_norm
+_SANDWICH_SLOTS = ("post_attn_norm", "post_mlp_norm")  # ModelConfig.sandwich_norms
+_NORMS = ("final_norm", "attn_norm", "mlp_norm") + _QK_NORM_SLOTS + _SANDWICH_SLOTS
 
 
 class CheckpointError(ValueError):
@@ -51,6 +53,10 @@ _HF_LAYER_NAMES = {
     "self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv",
     "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
 }
+# Gemma names its four norms a layer after their place: its post-attention norm is not the MLP's input norm
+_HF_SANDWICH_NAMES = {**_HF_LAYER_NAMES, "post_attention_layernorm.weight": "post_attn_norm",
+                      "pre_feedforward_layernorm.weight": "mlp_norm",
+                      "post_feedforward_layernorm.weight": "post_mlp_norm"}
 _HF_SKIPPED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 _GGUF_GLOBAL = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 _GGUF_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
@@ -58,7 +64,8 @@ _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "attn_norm", "attn_q.weight": "q", "attn_k.weight": "k", "attn_v.weight": "v",
     "attn_output.weight": "o", "ffn_norm.weight": "mlp_norm", "ffn_gate.weight": "gate", "ffn_up.weight": "up",
     "ffn_down.weight": "down", "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv",
-    "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
+    "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm", "post_attention_norm.weight": "post_attn_norm",
+    "post_ffw_norm.weight": "post_mlp_norm",
 }
 
 
@@ -69,13 +76,15 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "attn_norm": (d,), "q": (cfg.num_heads * hd, d), "k": (cfg.num_kv_heads * hd, d),
         "v": (cfg.num_kv_heads * hd, d), "o": (d, cfg.num_heads * hd), "mlp_norm": (d,), "gate": (f, d),
         "up": (f, d), "down": (d, f), "bq": (cfg.num_heads * hd,), "bk": (cfg.num_kv_heads * hd,),
-        "bv": (cfg.num_kv_heads * hd,), "q_norm": (hd,), "k_norm": (hd,),
+        "bv": (cfg.num_kv_heads * hd,), "q_norm": (hd,), "k_norm": (hd,), "post_attn_norm": (d,),
+        "post_mlp_norm": (d,),
     }
 
 
 def _layer_slots(cfg: ModelConfig) -> tuple[str, ...]:
     """The tensors each layer of this architecture has."""
-    return _LAYER_SLOTS + (_BIAS_SLOTS if cfg.qkv_bias else ()) + (_QK_NORM_SLOTS if cfg.qk_norm else ())
+    return (_LAYER_SLOTS + (_BIAS_SLOTS if cfg.qkv_bias else ()) + (_QK_NORM_SLOTS if cfg.qk_norm else ())
+            + (_SANDWICH_SLOTS if cfg.sandwich_norms else ()))
 
 
 def _map_name(name: str, globals_: Mapping[str, str], layer_re: re.Pattern, layer_names: Mapping[str, str],
@@ -85,7 +94,7 @@ def _map_name(name: str, globals_: Mapping[str, str], layer_re: re.Pattern, laye
     m = layer_re.fullmatch(name)
     if m and m.group(2) in layer_names and int(m.group(1)) < num_layers:
         return int(m.group(1)), layer_names[m.group(2)]
-    raise CheckpointError(f"unknown tensor {name!r}: not part of a {num_layers}-layer Llama-family checkpoint")
+    raise CheckpointError(f"unknown tensor {name!r}: not part of a {num_layers}-layer checkpoint of a served family")
 
 
 def _assemble(cfg: ModelConfig, tensors: Mapping[tuple[int | None, str], Tensor], names: Mapping, weights: str,
@@ -128,7 +137,8 @@ def load_hf_dir(path: Path, dtype: str = "float32", layer_loop: str = "scan", ma
     else:
         raise CheckpointError(f"missing file {path / 'model.safetensors'} (and no model.safetensors.index.json)")
     tensors: dict[tuple[int | None, str], np.ndarray] = {}
-    names = {k: _hf_name(k) for k in _all_keys(cfg)}
+    layer_names = _HF_SANDWICH_NAMES if cfg.sandwich_norms else _HF_LAYER_NAMES
+    names = {k: _hf_name(k, layer_names) for k in _all_keys(cfg) if k[0] is None or k[1] in layer_names.values()}
     for fname in files:
         fpath = path / fname
         if not fpath.is_file():
@@ -138,8 +148,10 @@ def load_hf_dir(path: Path, dtype: str = "float32", layer_loop: str = "scan", ma
                 for name in f.keys():
                     if _HF_SKIPPED.fullmatch(name):
                         continue
-                    key = _map_name(name, _HF_GLOBAL, _HF_LAYER, _HF_LAYER_NAMES, cfg.num_layers)
+                    key = _map_name(name, _HF_GLOBAL, _HF_LAYER, layer_names, cfg.num_layers)
                     tensors[key] = np.asarray(f.get_tensor(name), np.float32)
+                    if key[1] in _NORMS and cfg.norm_offset:  # (GGUF files store them with the offset added)
+                        tensors[key] = tensors[key] + np.float32(cfg.norm_offset)
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
@@ -152,14 +164,14 @@ def load_hf_dir(path: Path, dtype: str = "float32", layer_loop: str = "scan", ma
 def _all_keys(cfg: ModelConfig) -> list[tuple[int | None, str]]:
     """Every key a checkpoint's names may map to (what `_assemble` then requires or refuses)."""
     return [(None, s) for s in ("embed", "final_norm", "lm_head")] + [
-        (i, s) for i in range(cfg.num_layers) for s in _LAYER_SLOTS + _BIAS_SLOTS + _QK_NORM_SLOTS]
+        (i, s) for i in range(cfg.num_layers) for s in _LAYER_SLOTS + _BIAS_SLOTS + _QK_NORM_SLOTS + _SANDWICH_SLOTS]
 
 
-def _hf_name(key: tuple[int | None, str]) -> str:
+def _hf_name(key: tuple[int | None, str], layer_names: Mapping[str, str]) -> str:
     layer, slot = key
     if layer is None:
         return next(n for n, s in _HF_GLOBAL.items() if s == slot)
-    return f"model.layers.{layer}." + next(n for n, s in _HF_LAYER_NAMES.items() if s == slot)
+    return f"model.layers.{layer}." + next(n for n, s in layer_names.items() if s == slot)
 
 
 def _gguf_name(key: tuple[int | None, str]) -> str:

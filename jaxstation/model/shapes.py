@@ -32,6 +32,12 @@ ARCHITECTURES: dict[str, ModelConfig] = {
     "qwen3-8b": ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
                             num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
                             max_position=40960, tie_word_embeddings=False, qk_norm=True),
+    "gemma-3-4b": ModelConfig(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_layers=34,
+                              num_heads=8, num_kv_heads=4, head_dim=256, rms_norm_eps=1e-6, rope_theta=1e6,
+                              max_position=131072, tie_word_embeddings=True, sliding_window=1024, qk_norm=True,
+                              local_layers=tuple(i % 6 != 5 for i in range(34)), local_rope_theta=10000.0,
+                              rope_linear_factor=8.0, hidden_act="gelu_tanh", embed_scale=float(2560 ** 0.5),
+                              sandwich_norms=True, query_scale=256 ** -0.5, norm_offset=1.0),
 }
 
 
@@ -55,7 +61,9 @@ def random_params(cfg: ModelConfig, weights: str = "bfloat16", layer_loop: str =
                            w_gate_up=proj((*lead, d, 2 * f)), w_down=proj((*lead, f, d)),
                            bqkv=normal((*lead, cfg.qkv_size)) if cfg.qkv_bias else None,
                            q_norm=jnp.ones((*lead, hd), dtype) if cfg.qk_norm else None,
-                           k_norm=jnp.ones((*lead, hd), dtype) if cfg.qk_norm else None)
+                           k_norm=jnp.ones((*lead, hd), dtype) if cfg.qk_norm else None,
+                           post_attn_norm=jnp.ones((*lead, d), dtype) if cfg.sandwich_norms else None,
+                           post_mlp_norm=jnp.ones((*lead, d), dtype) if cfg.sandwich_norms else None)
 
     layers = (tuple(layer(()) for _ in range(cfg.num_layers)) if layer_loop == "unroll"
               else layer((cfg.num_layers,)))

@@ -346,10 +346,13 @@ class StationConfig:
     def attention_for(self, cfg: ModelConfig) -> str:
         """The decode attention: the setting, or cuDNN on a GPU for bfloat16 activations (cuDNN's flash attention has
         no float32; float32 keeps the blocked walk at highest precision) unless the model's sliding window would be
-        cut; on CPU the decode attention kernel for float32 activations when it builds and fits the heads."""
+        cut; on CPU the decode attention kernel for float32 activations when it builds and fits the heads. Scores
+        with a soft cap (Gemma 2) take the blocked walk: neither the kernel nor cuDNN caps them."""
         if self.attention != "auto":
             return self.attention
         dtype = compute_dtype(self.weights)
+        if cfg.attn_softcap is not None:
+            return "blocked"
         if on_gpu():
             windowed = cfg.sliding_window is not None and self.max_seq > cfg.sliding_window
             return "cudnn" if dtype == jnp.bfloat16 and not windowed else "blocked"
