@@ -81,9 +81,11 @@ def summary(samples: list[float]) -> dict:
 
 def add_model_args(ap) -> None:
     """--shape / --dtype / --layer-loop / --matmul / --attention: which model a bench runs, and how."""
+    from jaxstation.model.shapes import ARCHITECTURES
+
     ap.add_argument("--shape", default=None,
-                    help="a named architecture with random weights (smollm2-135m, mistral-7b, llama3-8b) instead of "
-                         "the default model; needs no checkpoint")
+                    help=f"a named architecture with random weights ({', '.join(ARCHITECTURES)}) instead of the "
+                         "default model; needs no checkpoint")
     ap.add_argument("--dtype", default=None, help="gguf, float32, bfloat16 or int8 (default: the backend's)")
     ap.add_argument("--layer-loop", default="auto", help="scan, unroll or auto (the backend's)")
     ap.add_argument("--matmul", default="auto", help="kernel, xla or auto (the backend's)")
