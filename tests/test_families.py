@@ -20,11 +20,16 @@ import numpy as np
 import openai
 import pytest
 from conftest import FIXTURES, prefill_all, run_wave, tiny_reference
+from mesh_util import TOKEN, start_mesh
 from server_util import ServerThread, wait_for
 
 from jaxstation.app import create_app
 from jaxstation.engine.engine import Engine, generate
+from jaxstation.engine.jobs import Job
 from jaxstation.engine.rows import SamplingParams
+from jaxstation.engine.scheduler import Scheduler
+from jaxstation.mesh.host import MeshEngine
+from jaxstation.mesh.stage import fingerprint
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.layers import forward_full
 from jaxstation.model.loader import CheckpointError, LoadedModel, load_model
@@ -184,3 +189,31 @@ def test_a_window_on_some_layers_only_is_refused() -> None:
     config = json.loads((FIXTURES / "tiny-qwen2" / "config.json").read_text())
     with pytest.raises(ValueError, match="use_sliding_window=true"):
         ModelConfig.from_hf({**config, "use_sliding_window": True})
+
+
+def test_a_two_station_mesh_of_gemma3_gives_the_single_station_tokens() -> None:
+    """Two station processes split tiny-gemma3 between its global layer 0 and its local layers 1-2; the host's engine
+    runs jobs through them (greedy and seeded, more jobs than lanes) and gets the local engine's tokens."""
+    path = FIXTURES / "tiny-gemma3" / "model.gguf"
+    shape = {"lanes": 4, "max_seq": 64, "prefill_chunk": 8, "kv_block": 16, "layer_loop": "unroll"}
+    procs = start_mesh(["0:1", "1:3"], extra=("--model", str(path)), shape=shape)
+    try:
+        model = load_model(path, "gguf", "unroll", "kernel")  # as the stations load it
+        local = Engine(model, lanes=4, max_seq=64, chunk=8, block=16, attention="kernel")
+        rng = np.random.default_rng(3)
+        jobs = [(rng.integers(3, 256, int(n)).tolist(), SamplingParams(temperature=0.9, seed=i) if i % 2 else
+                 SamplingParams()) for i, n in enumerate(rng.integers(2, 40, 6))]
+        expected = [generate(local, p, 10, sp) for p, sp in jobs]
+        config = StationConfig(stations=",".join(p.url for p in procs), mesh_token=TOKEN, continuous=True,
+                               **shape)
+        mesh = MeshEngine.connect(config, model.cfg, fingerprint(model))
+        sched = Scheduler(mesh, continuous=True, max_queue=16, terminal_ids=frozenset())
+        futures = [sched.submit(Job(tokens=p, max_new_tokens=10, sampling=sp)) for p, sp in jobs]
+        sched.start()
+        try:
+            assert [f.result(timeout=120).generated for f in futures] == expected
+        finally:
+            assert sched.drain(10)
+    finally:
+        for p in procs:
+            p.stop()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import secrets
 import threading
@@ -82,7 +81,7 @@ class MeshStation:
             model = self.model or load_model(c.model, c.weights, c.loop, c.matmul_impl)
             if layers.stop > model.cfg.num_layers:
                 raise ValueError(f"MOONSHINE_LAYERS={layers} reaches past the model's {model.cfg.num_layers} layers")
-            check_memory(dataclasses.replace(model.cfg, num_layers=layers.stop - layers.start), c,
+            check_memory(model.cfg.layers(layers.start, layers.stop), c,
                          weights_resident=True)
             stage = Stage(model, layers, c.lanes, c.max_seq, c.prefill_chunk, c.kv_block,
                           attention=c.attention_for(model.cfg))
