@@ -100,9 +100,11 @@ def engine(request) -> Engine:
 
 
 def family_engine(model: LoadedModel) -> Engine:
-    """Four lanes on the CPU kernels: the decode attention kernel, or the blocked walk for soft-capped scores."""
+    """The engine the HTTP test's station builds: four lanes on the CPU kernels (the decode attention kernel, or the
+    blocked walk for soft-capped scores), narrow waves and 16-row packed steps, so that the station reads these
+    programs from the run's compilation cache."""
     attention = "blocked" if model.cfg.attn_softcap else "kernel"
-    return Engine(model, lanes=4, max_seq=64, chunk=8, block=16, attention=attention)
+    return Engine(model, lanes=4, max_seq=64, chunk=8, block=16, attention=attention, pack_budget=16)
 
 
 def test_the_engine_prefills_and_continues_as_transformers(engine: Engine) -> None:
@@ -144,9 +146,9 @@ def test_int8_a_request_alone_equals_it_among_others() -> None:
 def test_a_station_serves_the_family_over_http(name: str, fmt: str) -> None:
     ref = tiny_reference(name)
     n = int(ref["greedy_prompt_len"])
-    # one decode width and one packed step: fewer programs to compile (the widths are the engine tests')
     station = Station(StationConfig(model=path_of(name, fmt), lanes=4, max_seq=64, prefill_chunk=8, kv_block=16,
-                                    wave_widths="full", prefill_budget="16", continuous=True, drain_s=5))
+                                    prefill_budget="16", layer_loop="scan" if name == "tiny-gemma2" else "auto",
+                                    continuous=True, drain_s=5))
     with ServerThread(create_app(station)) as server, server.client(timeout=120) as http:
         wait_for(lambda: http.get("/ready").status_code == 200, 120, "the station did not turn ready", 0.1)
         r = http.post("/generate", json={"tokens": ref["input_ids"][:n].tolist(), "max_new_tokens": 16})

@@ -100,12 +100,12 @@ def test_per_layer_and_int8_weights_split_bitwise(dtype):
     _check_split(Engine(model, **SHAPE), ["0:1", "1:2"], SamplingParams(temperature=0.9, seed=5))
 
 
-@pytest.mark.parametrize("loop", ["unroll", "scan"])
-def test_gemma3_split_across_its_global_and_local_layers_bitwise(loop: str):
+def test_gemma3_split_across_its_global_and_local_layers_bitwise():
     """tiny-gemma3's layer 0 is global, layers 1 and 2 local (their own window and RoPE base): the second station's
-    layer 0 is the model's layer 1. Unrolled and stacked, on the decode attention kernel (the blocked walk's windows
-    in the stacked walk are tests/test_families.py's Gemma 2 engine)."""
-    model = tiny_model("tiny-gemma3", "float32", loop, "kernel")
+    layer 0 is the model's layer 1. In the stacked walk, where the decode attention kernel's window is chosen by the
+    traced layer index (tests/test_families.py runs the unrolled split as two station processes, and the blocked
+    walk's stacked windows in its Gemma 2 engine)."""
+    model = tiny_model("tiny-gemma3", "float32", "scan", "kernel")
     assert model.cfg.local_layers == (False, True, True)
     assert slice_params(model.cfg, model.params, LayerRange(1, 3))[0].local_layers == (True, True)
     _check_split(Engine(model, **SHAPE, attention="kernel"), ["0:1", "1:3"], SamplingParams(temperature=0.9, seed=2))
