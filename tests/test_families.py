@@ -142,7 +142,7 @@ def test_int8_a_request_alone_equals_it_among_others() -> None:
     _alone_and_among_others(family_engine(load("tiny-gemma3", "safetensors", "int8")))
 
 
-@pytest.mark.parametrize(("name", "fmt"), HTTP_FILES, ids="-".join)
+@pytest.mark.parametrize(("name", "fmt"), HTTP_FILES)
 def test_a_station_serves_the_family_over_http(name: str, fmt: str) -> None:
     ref = tiny_reference(name)
     n = int(ref["greedy_prompt_len"])
