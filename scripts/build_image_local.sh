@@ -4,8 +4,8 @@
 # check the exit code and how long the stop took against Cloud Run's 10 s.
 #
 # Where the registry's python image is unreachable, the base is made from Debian packages (debootstrap bookworm, with
-# its Python 3.11) and imported as localhost/jaxstation-base:bookworm. Podman runs with runc, raised nofile and nproc
-# limits (a containers.conf of its own), and this machine's CA bundle mounted into the build for pip and apt, so a
+# its Python 3.11) and imported as localhost/jaxstation-base:bookworm. Podman runs with runc and this machine's nofile
+# and nproc limits (a containers.conf of its own), and this machine's CA bundle mounted into the build for pip and apt, so a
 # build works behind a TLS-inspecting proxy. It needs root (or a docker daemon), the network to PyPI and Debian, and,
 # for the default CUDA image, about 6 GB of disk for the CUDA wheels. Not part of .ci/run.
 #
@@ -53,9 +53,12 @@ else
     apt-get install -y --no-install-recommends podman runc debootstrap >&2
   fi
   ENGINE=podman
-  cat > "$WORK/containers.conf" <<'EOF'
+  # podman raises nofile and nproc past this machine's hard limits unless told; runc then refuses to start a step
+  NOFILE=$(ulimit -Hn)
+  NPROC=$(ulimit -Hu)
+  cat > "$WORK/containers.conf" <<EOF
 [containers]
-default_ulimits = ["nofile=65536:65536", "nproc=65536:65536"]
+default_ulimits = ["nofile=$NOFILE:$NOFILE", "nproc=$NPROC:$NPROC"]
 
 [engine]
 runtime = "runc"
