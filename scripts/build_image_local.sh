@@ -4,9 +4,9 @@
 # check the exit code and how long the stop took against Cloud Run's 10 s.
 #
 # Where the registry's python image is unreachable, the base is made from Debian packages (debootstrap bookworm, with
-# its Python 3.11) and imported as localhost/jaxstation-base:bookworm. Podman runs with runc and this machine's nofile
-# and nproc limits (a containers.conf of its own), and this machine's CA bundle mounted into the build for pip and apt, so a
-# build works behind a TLS-inspecting proxy. It needs root (or a docker daemon), the network to PyPI and Debian, and,
+# its Python 3.11) and imported as localhost/jaxstation-base:bookworm. Podman runs with runc, nofile and nproc limits
+# this machine allows (a containers.conf of its own), and this machine's CA bundle mounted into the build for pip, so
+# a build works behind a TLS-inspecting proxy. It needs root (or a docker daemon), the network to PyPI and Debian, and,
 # for the default CUDA image, about 6 GB of disk for the CUDA wheels. Not part of .ci/run.
 #
 #   scripts/build_image_local.sh                 # the default image (DEVICE=cuda), run here on CPU
@@ -53,9 +53,11 @@ else
     apt-get install -y --no-install-recommends podman runc debootstrap >&2
   fi
   ENGINE=podman
-  # podman raises nofile and nproc past this machine's hard limits unless told; runc then refuses to start a step
+  # podman raises nofile and nproc past what this kind of machine allows unless told, and runc then refuses to start
+  # a step ("error setting rlimit"): nofile at the hard limit, nproc at most 32768 (the hard limit itself is refused)
   NOFILE=$(ulimit -Hn)
   NPROC=$(ulimit -Hu)
+  [[ $NPROC == unlimited ]] || (( NPROC > 32768 )) && NPROC=32768
   cat > "$WORK/containers.conf" <<EOF
 [containers]
 default_ulimits = ["nofile=$NOFILE:$NOFILE", "nproc=$NPROC:$NPROC"]
