@@ -25,6 +25,17 @@ from jaxstation.serving.settings import (
 )
 
 
+def _plugin_error_in_one_line(record: logging.LogRecord) -> bool:
+    """A JAX plug-in that cannot start logs its traceback: the CUDA image on a machine without a GPU driver
+    (`cuInit(0) failed`). Keep one line, the error itself: JAX then runs on the backends that started (CPU)."""
+    if record.exc_info and record.exc_info[1] is not None:
+        error = record.exc_info[1]
+        record.msg = f"{record.getMessage()}: {type(error).__name__}: {error}"
+        record.args, record.exc_info, record.exc_text = (), None, None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+    return True
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -185,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     use_gpu_memory_fraction()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)  # not the backend probe's INFO lines
+    logging.getLogger("jax._src.xla_bridge").addFilter(_plugin_error_in_one_line)
     try:
         return args.func(args)
     except (ConfigError, CheckpointError) as e:  # the user's mistake: say what it is, no traceback

@@ -120,3 +120,22 @@ def test_a_bad_generate_flag_prints_generate_usage() -> None:
     assert r.stderr.startswith("usage: jaxstation generate"), r.stderr
     assert r.stderr.splitlines()[-1] == ("jaxstation generate: error: need --temperature >= 0, --top-k >= 0 and "
                                          "--top-p in (0, 1]")
+
+
+def test_a_jax_plugin_that_cannot_start_is_one_line(tmp_path: Path) -> None:
+    """The CUDA image on a machine without a GPU driver: the CUDA plug-in's initialize() raises. The station logs one
+    line naming the error, no traceback, and runs on CPU. A plug-in of the same kind stands in for it here."""
+    plugin = tmp_path / "jax_plugins" / "no_driver"
+    plugin.mkdir(parents=True)
+    (plugin / "__init__.py").write_text(
+        "def initialize():\n    raise RuntimeError('operation cuInit(0) failed: Unknown CUDA error 303')\n")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # as in the image: JAX picks its backends
+    r = subprocess.run([sys.executable, "-m", "jaxstation", "generate", "--prompt", "hi", "--max-new-tokens", "2",
+                        "--model", str(ROOT / "tests/fixtures/tiny-qwen2")], capture_output=True, text=True,
+                       env={**env, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "jax_plugins.no_driver" in ln]
+    assert len(lines) == 1 and lines[0].endswith(
+        "WARNING jax._src.xla_bridge: Jax plugin configuration error: Exception when calling "
+        "jax_plugins.no_driver.initialize(): RuntimeError: operation cuInit(0) failed: Unknown CUDA error 303"), lines
