@@ -150,6 +150,7 @@ LONG_STATUS=$(cat "$WORK/long.status")
 EXIT_CODE=$("$ENGINE" inspect --format '{{.State.ExitCode}}' "$CONTAINER")
 "$ENGINE" logs "$CONTAINER" > "$WORK/station.log" 2>&1
 TRACEBACKS=$(grep -c Traceback "$WORK/station.log" || true)
+grep -E ' (WARNING|ERROR) ' "$WORK/station.log" | sed 's/^/   station: /' >&2 || true
 say "stop: $STOP_S s, exit code $EXIT_CODE, the request in flight got $LONG_STATUS"
 
 RESULT=$(python3 - "$DEVICE" "$ENGINE" "${BASE_ARGS[*]:-python:3.12-slim}" "$BUILD_S" "$IMAGE_BYTES" "$READY_S" \
