@@ -24,6 +24,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -123,6 +124,46 @@ inline float Finish(Vec even, Vec odd) {
   h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));                                     // + lane 1
   return _mm_cvtss_f32(h);
 }
+
+// Finish for kLanes vectors at once: lane p of the result is the sum of v[kSlot[p]]'s lanes by Finish's own tree (lane
+// i + lane i + kLanes / 2, then i + 4, i + 2, i + 1), so each sum has Finish's bits. v is overwritten.
+#if defined(__AVX512F__)
+inline Vec FoldLanes(Vec* v) {
+  for (int j = 0; j < 8; ++j)
+    v[j] = Add(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44), _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+  for (int j = 0; j < 4; ++j)
+    v[j] = Add(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x88), _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xDD));
+  for (int j = 0; j < 2; ++j)
+    v[j] = Add(_mm512_shuffle_ps(v[2 * j], v[2 * j + 1], 0x44), _mm512_shuffle_ps(v[2 * j], v[2 * j + 1], 0xEE));
+  return Add(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+}
+#else
+inline Vec FoldLanes(Vec* v) {
+  for (int j = 0; j < 4; ++j)
+    v[j] = Add(_mm256_permute2f128_ps(v[2 * j], v[2 * j + 1], 0x20),
+               _mm256_permute2f128_ps(v[2 * j], v[2 * j + 1], 0x31));
+  for (int j = 0; j < 2; ++j)
+    v[j] = Add(_mm256_shuffle_ps(v[2 * j], v[2 * j + 1], 0x44), _mm256_shuffle_ps(v[2 * j], v[2 * j + 1], 0xEE));
+  return Add(_mm256_shuffle_ps(v[0], v[1], 0x88), _mm256_shuffle_ps(v[0], v[1], 0xDD));
+}
+#endif
+
+// kSlot[p]: the input of FoldLanes whose sum lands in lane p (found by folding one-hot vectors).
+struct FoldSlots {
+  int slot[kLanes];
+  FoldSlots() {
+    Vec v[kLanes];
+    for (int j = 0; j < kLanes; ++j) {
+      float one[kLanes] = {};
+      one[0] = static_cast<float>(j);
+      v[j] = LoadX(one);
+    }
+    float lane[kLanes];
+    Store(lane, FoldLanes(v));
+    for (int p = 0; p < kLanes; ++p) slot[p] = static_cast<int>(lane[p]);
+  }
+};
+const FoldSlots kSlot;
 
 // ---- weight formats: a channel's weights for 32 consecutive columns (one group), as float32 vectors ----
 // Plain<W> reads float32 or int8 [N, K] in place. A block format's Decode reads a group's scales once per tile and
@@ -411,7 +452,7 @@ ffi::Error BlockRows(ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> ids, ffi::Res
 
 // A lane's positions lie kv_heads * head_dim floats apart, one head's slice of each a few cache lines: the walks
 // over keys and values ask for the slice kAhead positions on (into L2), so that many lines are in flight at once.
-constexpr int64_t kAhead = 24;
+constexpr int64_t kAhead = 64;
 inline void Prefetch(const float* p, int64_t floats) {
   for (int64_t f = 0; f < floats; f += 16) _mm_prefetch(reinterpret_cast<const char*>(p + f), _MM_HINT_T1);
 }
@@ -419,8 +460,10 @@ inline void Prefetch(const float* p, int64_t floats) {
 // Decode attention of one query row per arena lane over that lane's own positions: for row r and kv head h, the
 // group's query heads attend to k/v[layer, lanes[r], lo..positions[r], h] with lo = positions[r] - window + 1 (or 0),
 // softmax over exactly those positions (scores by the same two-accumulator dot as the matmul, exp by one polynomial,
-// sums and the weighted sum of v in position order). Each (row, kv head) is one task with one fixed order of operations, so a
-// row's result depends on nothing but its own lane. q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd].
+// sums and the weighted sum of v in position order). Each (row, kv head) is one task with one fixed order of
+// operations, so a row's result depends on nothing but its own lane. The walks take kLanes positions at a time: their
+// keys' horizontal sums fold together, and their values stay in L1 while each query head of the group passes; neither
+// changes any operation's order. q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd].
 ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                                ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lanes,
                                ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out, int64_t window,
@@ -451,53 +494,79 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     const int64_t lo = scratch ? hi : window > 0 ? std::max<int64_t>(0, hi - window + 1) : 0, n = hi - lo + 1;
     const int64_t stride = kvh * hd;  // floats between consecutive positions
     const int64_t base = ((l * n_lanes + lane[r]) * seq + lo) * stride + h * hd;
+    const float* qh = qp + (r * heads + h * group) * hd;  // the group's query heads
     std::vector<float> scores(group * n);
-    // scores[g][i] = scale * q_g . k_(lo + i), each dot in the matmul kernel's order
-    for (int64_t i = 0; i < n; ++i) {
-      const float* kr = kp + base + i * stride;
-      if (i + kAhead < n) Prefetch(kr + kAhead * stride, hd);
+    // scores[g][i] = scale * q_g . k_(lo + i), each dot in the matmul kernel's order: kLanes positions at a time,
+    // their horizontal sums folded together (FoldLanes: Finish's bits)
+    const auto dot = [&](const float* qr, const float* kr) {
+      Vec even = Zero(), odd = Zero();
+      for (int64_t c = 0; c < nv; c += 2) {
+        even = Fma(LoadX(qr + c * kLanes), LoadX(kr + c * kLanes), even);
+        if (c + 1 < nv) odd = Fma(LoadX(qr + (c + 1) * kLanes), LoadX(kr + (c + 1) * kLanes), odd);
+      }
+      return std::pair<Vec, Vec>(even, odd);
+    };
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+      for (int64_t p = 0; p < kLanes && i + kAhead + p < n; ++p) Prefetch(kp + base + (i + kAhead + p) * stride, hd);
       for (int64_t g = 0; g < group; ++g) {
-        const float* qr = qp + (r * heads + h * group + g) * hd;
-        Vec even = Zero(), odd = Zero();
-        for (int64_t c = 0; c < nv; c += 2) {
-          even = Fma(LoadX(qr + c * kLanes), LoadX(kr + c * kLanes), even);
-          if (c + 1 < nv) odd = Fma(LoadX(qr + (c + 1) * kLanes), LoadX(kr + (c + 1) * kLanes), odd);
+        Vec s[kLanes];
+        for (int64_t p = 0; p < kLanes; ++p) {  // position i + p into the input that lands in lane p
+          const auto [even, odd] = dot(qh + g * hd, kp + base + (i + p) * stride);
+          s[kSlot.slot[p]] = Add(even, odd);
         }
+        Store(scores.data() + g * n + i, Mul(FoldLanes(s), Set1(scale)));
+      }
+    }
+    for (; i < n; ++i)
+      for (int64_t g = 0; g < group; ++g) {
+        const auto [even, odd] = dot(qh + g * hd, kp + base + i * stride);
         scores[g * n + i] = Finish(even, odd) * scale;
       }
-    }
-    float denom[8];
+    float denom[8] = {};
     for (int64_t g = 0; g < group; ++g) {
       float* sg = scores.data() + g * n;
-      float m = sg[0];
-      for (int64_t i = 1; i < n; ++i) m = std::max(m, sg[i]);
-      const Vec mv = Set1(m);
-      int64_t i = 0;
-      for (; i + kLanes <= n; i += kLanes) Store(sg + i, ExpNonPositive(Sub(LoadX(sg + i), mv)));
-      if (i < n) {  // the tail through a padded vector, so every score takes the same exp
+      Vec mv = Set1(sg[0]);
+      int64_t j = 0;
+      for (; j + kLanes <= n; j += kLanes) mv = Max(mv, LoadX(sg + j));
+      float lanes_max[kLanes];
+      Store(lanes_max, mv);
+      float m = *std::max_element(lanes_max, lanes_max + kLanes);
+      for (; j < n; ++j) m = std::max(m, sg[j]);
+      mv = Set1(m);
+      for (j = 0; j + kLanes <= n; j += kLanes) Store(sg + j, ExpNonPositive(Sub(LoadX(sg + j), mv)));
+      if (j < n) {  // the tail through a padded vector, so every score takes the same exp
         float tail[kLanes];
-        for (int64_t j = 0; j < kLanes; ++j) tail[j] = i + j < n ? sg[i + j] - m : 0.0f;
+        for (int64_t t = 0; t < kLanes; ++t) tail[t] = j + t < n ? sg[j + t] - m : 0.0f;
         Store(tail, ExpNonPositive(LoadX(tail)));
-        for (int64_t j = 0; i + j < n; ++j) sg[i + j] = tail[j];
+        for (int64_t t = 0; j + t < n; ++t) sg[j + t] = tail[t];
       }
-      float sum = 0.0f;
-      for (int64_t j = 0; j < n; ++j) sum += sg[j];
-      denom[g] = sum;
     }
-    // out_g = sum_i p_gi v_i / denom_g, positions in order
-    for (int64_t g = 0; g < group; ++g) {
-      Vec acc[32];  // up to head_dim 256
-      for (int64_t c = 0; c < nv; ++c) acc[c] = Zero();
-      const float* pg = scores.data() + g * n;
-      for (int64_t i = 0; i < n; ++i) {
-        const float* vr = vp + base + i * stride;
-        if (g == 0 && i + kAhead < n) Prefetch(vr + kAhead * stride, hd);  // later heads of the group find it cached
-        const Vec w = Set1(pg[i]);
-        for (int64_t c = 0; c < nv; ++c) acc[c] = Fma(w, LoadX(vr + c * kLanes), acc[c]);
+    for (int64_t j = 0; j < n; ++j)  // each sum in position order, the group's chains side by side
+      for (int64_t g = 0; g < group; ++g) denom[g] += scores[g * n + j];
+    // out_g = sum_i p_gi v_i / denom_g, positions in order: kLanes positions at a time (in L1), each query head over
+    // them, its accumulators kept between blocks
+    std::vector<float> acc(group * hd, 0.0f);
+    for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
+      const int64_t m = std::min<int64_t>(kLanes, n - i0);
+      for (int64_t p = 0; p < m && i0 + kAhead + p < n; ++p) Prefetch(vp + base + (i0 + kAhead + p) * stride, hd);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* pg = scores.data() + g * n + i0;
+        float* a = acc.data() + g * hd;
+        Vec av[32];  // up to head_dim 256
+        for (int64_t c = 0; c < nv; ++c) av[c] = LoadX(a + c * kLanes);
+        for (int64_t p = 0; p < m; ++p) {
+          const Vec w = Set1(pg[p]);
+          const float* vr = vp + base + (i0 + p) * stride;
+          for (int64_t c = 0; c < nv; ++c) av[c] = Fma(w, LoadX(vr + c * kLanes), av[c]);
+        }
+        for (int64_t c = 0; c < nv; ++c) Store(a + c * kLanes, av[c]);
       }
+    }
+    for (int64_t g = 0; g < group; ++g) {
       const Vec inv = Set1(1.0f / denom[g]);
       float* o = op + (r * heads + h * group + g) * hd;
-      for (int64_t c = 0; c < nv; ++c) Store(o + c * kLanes, Mul(acc[c], inv));
+      for (int64_t c = 0; c < nv; ++c) Store(o + c * kLanes, Mul(LoadX(acc.data() + g * hd + c * kLanes), inv));
     }
   });
   return ffi::Error::Success();
