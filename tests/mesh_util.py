@@ -84,17 +84,11 @@ class StationProcess:
 
 
 def start_mesh(splits: list[str], **kwargs) -> list[StationProcess]:
-    """Start every station (they load in parallel), then wait for all. A split named twice starts once the first is
-    ready, so that it reads the programs the first compiled from the run's compilation cache."""
+    """Start every station (they load in parallel), then wait for all."""
     stations = [StationProcess(s, **kwargs) for s in splits]
-    first = {s: next(t for t in stations if t.layers == s) for s in splits}
     try:
-        for s in first.values():
-            s.start()
         for s in stations:
-            if s.proc is None:  # a twin: once the first is ready
-                first[s.layers].wait_ready()
-                s.start()
+            s.start()
         for s in stations:
             s.wait_ready()
     except BaseException:

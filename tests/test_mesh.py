@@ -1,4 +1,5 @@
-"""The mesh on the default model: 2- and 3-station meshes as real processes on loopback ports, split unevenly.
+"""The mesh on the default model: a 3-station mesh as real processes on loopback ports, split unevenly (a 2-station
+mesh of another family is in test_families.py).
 
 Parity: the parity-gate style workload (more jobs than lanes, greedy and seeded sampling, lanes=4) gives, through
 the unchanged Scheduler on a MeshEngine (continuous with and without pipelining, and serialize-all) and through the
@@ -37,7 +38,6 @@ from jaxstation.mesh.wire import CONTENT_TYPE, DTYPES, decode, encode
 from jaxstation.serving.settings import ConfigError, StationConfig
 
 SPLIT3 = ["0:7", "7:19", "19:30"]
-SPLIT2 = ["0:19", "19:30"]  # its last station runs the programs of SPLIT3's last one
 ENGINE_SHAPE = {"lanes": SHAPE["lanes"], "max_seq": SHAPE["max_seq"], "chunk": SHAPE["prefill_chunk"],
                 "block": SHAPE["kv_block"]}
 
@@ -56,9 +56,9 @@ class Spec:
 
 @pytest.fixture(scope="module")
 def stations():
-    """Both meshes' five station processes (start_mesh: a repeated split starts once its twin is ready)."""
-    procs = start_mesh(SPLIT3 + SPLIT2)
-    yield {"3": procs[:3], "2": procs[3:]}
+    """The mesh's three station processes."""
+    procs = start_mesh(SPLIT3)
+    yield {"3": procs}
     for p in procs:
         p.stop()
 
@@ -134,15 +134,15 @@ def run_jobs(engine, specs: list[Spec], eos: frozenset[int], continuous: bool) -
 
 
 @pytest.mark.parametrize(("pipeline", "continuous"), [(False, True), (True, True), (False, False)])
-def test_two_station_mesh_gives_the_single_station_tokens(stations, default_model, workload, pipeline, continuous):
+def test_the_mesh_gives_the_single_station_tokens(stations, default_model, workload, pipeline, continuous):
     specs, reference = workload
-    engine = connect(stations["2"], default_model, mesh_pipeline=pipeline)
+    engine = connect(stations["3"], default_model, mesh_pipeline=pipeline)
     try:
         assert engine.group_size == (2 if pipeline else 4)
         assert run_jobs(engine, specs, frozenset(default_model.tokenizer.eos_ids), continuous) == reference
         hops = [h for c in engine.clients for h in c.hops]
         assert {h.path for h in hops} == {"/forward", "/lm_head"}
-        assert {h.station for h in hops} == {0, 1}
+        assert {h.station for h in hops} == {0, 1, 2}
     finally:
         engine.close()
 
@@ -244,13 +244,13 @@ def test_stations_report_their_epoch_and_geometry(stations):
 
 # ---- refusals ----------------------------------------------------------------------------------------------------
 def test_the_host_refuses_a_mesh_that_does_not_cover_every_layer_once(stations, default_model):
-    s3, s2 = stations["3"], stations["2"]
+    s3 = stations["3"]
     cases = [
         ([s3[0], s3[2]], "layer gap: no station holds layers 7:19"),
         ([s3[0], s3[1]], "layer gap: no station holds layers 19:30"),
         ([s3[1], s3[2]], "layer gap: no station holds layers 0:7"),
-        ([s2[0], s3[1], s3[2]], f"layer overlap: station {s3[1].url} (layers 7:19) holds layers 7:19 again"),
-        ([s3[0], s3[1], s3[2], s2[1]], f"layer overlap: station {s2[1].url} (layers 19:30) holds layers 19:30 again"),
+        ([s3[0], s3[1], s3[1], s3[2]], f"layer overlap: station {s3[1].url} (layers 7:19) holds layers 7:19 again"),
+        ([s3[0], s3[1], s3[2], s3[2]], f"layer overlap: station {s3[2].url} (layers 19:30) holds layers 19:30 again"),
     ]
     for procs, message in cases:
         with pytest.raises(MeshError) as e:
@@ -259,25 +259,25 @@ def test_the_host_refuses_a_mesh_that_does_not_cover_every_layer_once(stations, 
 
 
 def test_the_host_refuses_stations_of_another_shape_model_or_dtype(stations, default_model):
-    first = stations["2"][0]
+    first = stations["3"][0]
     for kw, message in [({"lanes": 2}, "has lanes=4 but the host has lanes=2"),
                         ({"max_seq": 256}, "has max_seq=512 but the host has max_seq=256"),
                         ({"prefill_chunk": 64}, "has chunk=32 but the host has chunk=64"),
                         ({"dtype": "bfloat16"}, "has dtype='float32' but the host has dtype='bfloat16'")]:
-        with pytest.raises(MeshError, match=re.escape(f"station {first.url} (layers 0:19) {message}")):
-            connect(stations["2"], default_model, **kw)
+        with pytest.raises(MeshError, match=re.escape(f"station {first.url} (layers 0:7) {message}")):
+            connect(stations["3"], default_model, **kw)
     tiny = tiny_model("tiny-llama3")
-    with pytest.raises(MeshError, match=re.escape(f"station {first.url} (layers 0:19) serves a different model")):
-        MeshEngine.connect(host_config(stations["2"]), default_model.cfg, model_fp(tiny))
+    with pytest.raises(MeshError, match=re.escape(f"station {first.url} (layers 0:7) serves a different model")):
+        MeshEngine.connect(host_config(stations["3"]), default_model.cfg, model_fp(tiny))
 
 
 def test_the_host_refuses_a_wrong_or_missing_token(stations, default_model):
-    first = stations["2"][0]
+    first = stations["3"][0]
     for kw in ({"mesh_token": "not-the-token"}, {"mesh_token": None, "insecure_mesh": True}):
         with pytest.raises(MeshError, match=re.escape(f"station {first.url} refused /info: HTTP 401")):
-            connect(stations["2"], default_model, **kw)
+            connect(stations["3"], default_model, **kw)
     with pytest.raises(ConfigError, match="MOONSHINE_MESH_TOKEN is not set.*--insecure-mesh"):
-        connect(stations["2"], default_model, mesh_token=None)
+        connect(stations["3"], default_model, mesh_token=None)
 
 
 def test_the_host_refuses_a_station_without_a_token_unless_insecure(default_model):
@@ -420,7 +420,7 @@ def test_prompt_logprobs_through_the_mesh_equal_the_local_engine(stations, defau
     """The scheduler's scored prefill (echo / prompt logprobs): /score on the last station, bit for bit."""
     rng = np.random.default_rng(11)
     prompt = [int(t) for t in rng.integers(0, default_model.cfg.vocab_size, 45)]
-    engine = connect(stations["2"], default_model)
+    engine = connect(stations["3"], default_model)
     try:
         for start in (0, SHAPE["prefill_chunk"]):
             got_sample, got = engine.prefill_scored(2, prompt, start, SamplingParams())
