@@ -51,7 +51,7 @@ def check_formats_bitwise(n_in: int = 512, n_out: int = 40) -> None:
         as_float32 = kernel_weight(dense, "float32")
         full = np.asarray(f(jnp.asarray(x), stored))
         assert np.array_equal(full, np.asarray(f(jnp.asarray(x), as_float32))), fmt
-        for rows in (1, 2, 3, 4, 5, 8, 32):  # every register-tile remainder, and the waves' widths
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 32):  # every register-tile remainder, rebuilt or not, and wave widths
             assert np.array_equal(np.asarray(f(jnp.asarray(x[:rows]), stored)), full[:rows]), (fmt, rows)
         ids = jnp.asarray([[3, 0], [39, 3]], jnp.int32)
         rows = np.asarray(jax.jit(take_rows, static_argnums=2)(stored, ids, jnp.float32))

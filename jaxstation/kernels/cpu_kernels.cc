@@ -24,6 +24,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -300,7 +301,8 @@ using Q4_K = KQuant<Q4_KFormat>;
 using Q5_K = KQuant<Q5_KFormat>;
 using Q6_K = KQuant<Q6_KFormat>;
 
-// R rows x C channels, the whole K: R * C * 2 accumulators in registers. `row_len` is a channel's length in F::Elem.
+// R rows x C channels, the whole K: R * C * 2 accumulators in registers. `w` is channel n0's weights, each channel
+// `row_len` F::Elem after the one before.
 template <int R, int C, typename F>
 inline void Tile(const float* x, const typename F::Elem* w, int64_t row_len, const float* scale, float* y, int64_t K,
                  int64_t N, int64_t m0, int64_t n0) {
@@ -309,7 +311,7 @@ inline void Tile(const float* x, const typename F::Elem* w, int64_t row_len, con
     for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = Zero();
   for (int64_t k = 0; k < K; k += kGroup) {
     typename F::Group g[C];
-    for (int c = 0; c < C; ++c) g[c] = F::Decode(w + (n0 + c) * row_len, k);
+    for (int c = 0; c < C; ++c) g[c] = F::Decode(w + c * row_len, k);
     for (int64_t i = 0; i < kGroup; i += kStep) {
       Vec w0[C], w1[C];
       for (int c = 0; c < C; ++c) {
@@ -333,8 +335,9 @@ inline void Tile(const float* x, const typename F::Elem* w, int64_t row_len, con
     }
 }
 
-// Channels [n_begin, n_end) of every row, in blocks of kBlock channels that stay in L2 while every row tile passes
-// over them: rows in tiles of 4 down to 1, channels in pairs (fours for a lone row).
+// Channels [n_begin, n_end) of every row (`w` is channel n_begin's weights), in blocks of kChannelBlock channels that
+// stay in L2 while every row tile passes over them: rows in tiles of 4 down to 1, channels in pairs (fours for a lone
+// row). Each tile rebuilds the weights it reads, so this suits a few rows.
 constexpr int64_t kChannelBlock = 64;
 
 template <typename F>
@@ -342,20 +345,44 @@ void Channels(const float* x, const typename F::Elem* w, int64_t row_len, const 
               int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
   for (int64_t b = n_begin; b < n_end; b += kChannelBlock) {
     const int64_t b_end = std::min(n_end, b + kChannelBlock);
+    const auto at = [&](int64_t n) { return w + (n - n_begin) * row_len; };
     int64_t m = 0;
     for (; m + 4 <= M; m += 4)
-      for (int64_t n = b; n < b_end; n += 2) Tile<4, 2, F>(x, w, row_len, scale, y, K, N, m, n);
+      for (int64_t n = b; n < b_end; n += 2) Tile<4, 2, F>(x, at(n), row_len, scale, y, K, N, m, n);
     switch (M - m) {
       case 3:
-        for (int64_t n = b; n < b_end; n += 2) Tile<3, 2, F>(x, w, row_len, scale, y, K, N, m, n);
+        for (int64_t n = b; n < b_end; n += 2) Tile<3, 2, F>(x, at(n), row_len, scale, y, K, N, m, n);
         break;
       case 2:
-        for (int64_t n = b; n < b_end; n += 2) Tile<2, 2, F>(x, w, row_len, scale, y, K, N, m, n);
+        for (int64_t n = b; n < b_end; n += 2) Tile<2, 2, F>(x, at(n), row_len, scale, y, K, N, m, n);
         break;
       case 1:
-        for (int64_t n = b; n < b_end; n += 4) Tile<1, 4, F>(x, w, row_len, scale, y, K, N, m, n);
+        for (int64_t n = b; n < b_end; n += 4) Tile<1, 4, F>(x, at(n), row_len, scale, y, K, N, m, n);
         break;
     }
+  }
+}
+
+// Channels for many rows: a block of channels is rebuilt once into float32 (at most kRebuiltFloats, in L2), then the
+// float32 tiles run over it. Rebuilding stores the vectors Weight gives, and the tiles do the same multiply-adds in
+// the same order, so every output keeps Channels' bits; a weight is rebuilt once per call, not once per row tile.
+constexpr int64_t kRebuiltFloats = 1 << 17;
+
+template <typename F>
+void RebuiltChannels(const float* x, const typename F::Elem* w, int64_t row_len, const float* scale, float* y,
+                     int64_t M, int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
+  const int64_t per = std::clamp<int64_t>(kRebuiltFloats / K / 4 * 4, 4, kChannelBlock);  // a multiple of 4
+  thread_local std::vector<float> rebuilt;
+  rebuilt.resize(per * K);
+  float* f = rebuilt.data();
+  for (int64_t b = n_begin; b < n_end; b += per) {
+    const int64_t b_end = std::min(n_end, b + per);
+    for (int64_t n = b; n < b_end; ++n)
+      for (int64_t k = 0; k < K; k += kGroup) {
+        const typename F::Group g = F::Decode(w + (n - n_begin) * row_len, k);
+        for (int64_t i = 0; i < kGroup; i += kLanes) Store(f + (n - b) * K + k + i, F::Weight(g, i));
+      }
+    Channels<Plain<float>>(x, f, K, scale, y, M, K, N, b, b_end);
   }
 }
 
@@ -392,8 +419,14 @@ ffi::Error Run(ffi::ThreadPool pool, const float* x, const typename F::Elem* w, 
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t per = std::max<int64_t>(32, (N / (4 * threads) + 3) / 4 * 4);
   const int64_t items = (N + per - 1) / per;
+  // float32 weights need no rebuilding; the others are rebuilt once per call where more than one row tile reads them
+  const bool rebuild = M > 4 && !std::is_same_v<F, Plain<float>>;
   ParallelFor(pool, items, [&](int64_t i) {
-    Channels<F>(x, w, row_len, scale, y, M, K, N, i * per, std::min(N, (i + 1) * per));
+    const int64_t n0 = i * per, n1 = std::min(N, (i + 1) * per);
+    if (rebuild)
+      RebuiltChannels<F>(x, w + n0 * row_len, row_len, scale, y, M, K, N, n0, n1);
+    else
+      Channels<F>(x, w + n0 * row_len, row_len, scale, y, M, K, N, n0, n1);
   });
   return ffi::Error::Success();
 }
