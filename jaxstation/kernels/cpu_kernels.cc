@@ -182,13 +182,33 @@ struct Plain {
 inline float HalfToFloat(const uint8_t* p) { return _cvtsh_ss(static_cast<uint16_t>(p[0] | (p[1] << 8))); }
 
 // Q4_0 (d, 16 bytes of nibbles; w = d * (q - 8)) and Q4_1 (d, m, 16 bytes of nibbles; w = d * q + m), all
-// float16 scales: one block is one group, its nibbles widened straight into vectors.
+// float16 scales: one block is one group. Column c's nibble is the low one of byte c, or the high one of byte c - 16.
+// With AVX-512 a block's 16 possible weights fill one vector, each computed by that same multiply (and add), and a
+// column's weight is one permute by its nibble; with AVX2 the nibbles are widened straight into vectors.
 template <bool kMin>
 struct Q4 {
   using Elem = uint8_t;
   static constexpr int64_t kBlock = 32, kBytes = kMin ? 20 : 18;
+#if defined(__AVX512F__)
   struct Group {
-    const uint8_t* q;  // 16 bytes: column c's nibble is the low one of byte c, or the high one of byte c - 16
+    __m512i q;  // byte c as int32 lane c
+    Vec table;  // lane q: the weight of nibble q
+  };
+  static Group Decode(const uint8_t* row, int64_t k) {
+    const uint8_t* b = row + k / kBlock * kBytes;
+    const Vec d = Set1(HalfToFloat(b));
+    const Vec q = _mm512_cvtepi32_ps(_mm512_sub_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kMin ? 0 : 8)));
+    const Vec w = Mul(d, q);
+    return {_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kBytes - 16))),
+            kMin ? Add(w, Set1(HalfToFloat(b + 2))) : w};
+  }
+  static Vec Weight(const Group& g, int64_t i) {  // the permute reads each lane's low 4 bits
+    return _mm512_permutexvar_ps(i < 16 ? g.q : _mm512_srli_epi32(g.q, 4), g.table);
+  }
+#else
+  struct Group {
+    const uint8_t* q;  // 16 bytes
     Vec d, m;
   };
   static Group Decode(const uint8_t* row, int64_t k) {
@@ -200,6 +220,7 @@ struct Q4 {
     const Vec w = Mul(g.d, Int(q, q, kMin ? 0 : 8));
     return kMin ? Add(w, g.m) : w;
   }
+#endif
 };
 using Q4_0 = Q4<false>;
 using Q4_1 = Q4<true>;
