@@ -129,8 +129,44 @@ def test_a_budget_wider_than_the_context_warms_up_and_serves() -> None:
     wide = Engine(model, lanes=4, max_seq=32, chunk=16, block=16, attention="kernel", pack_budget=64)
     narrow = Engine(model, lanes=4, max_seq=32, chunk=16, block=16, attention="kernel", pack_budget=16)
     wide.warmup()
+    assert set(wide.step_s) == {("decode", w) for w in wide.widths} | {("pack", w) for w in wide.pack_widths}
+    assert all(t > 0 for t in wide.step_s.values())
     prompt = list(range(3, 30))
     assert generate(wide, prompt, 4, SEEDED, lane=2) == generate(narrow, prompt, 4, SEEDED, lane=2)
+
+
+def test_a_turn_with_decode_rows_keeps_within_twice_their_wave(default_model: LoadedModel) -> None:
+    """`turn_rows`: the widest packed step timed at most DECODE_WAIT x the decode rows' plain wave, never less than
+    room for one prompt row; a turn without decode rows has the whole budget."""
+    engine = Engine(default_model, lanes=8, max_seq=256, chunk=32, block=128, attention="kernel", pack_budget=64)
+    assert engine.widths == (1, 2, 4, 8) and engine.pack_widths == (16, 32, 64)
+    assert [engine.turn_rows(d) for d in (0, 1, 8)] == [64, 64, 64]  # not timed yet: the budget
+    engine.step_s = {("decode", 1): 0.010, ("decode", 2): 0.012, ("decode", 4): 0.015, ("decode", 8): 0.025,
+                     ("pack", 16): 0.030, ("pack", 32): 0.050, ("pack", 64): 0.090}
+    assert engine.turn_rows(0) == 64
+    assert [engine.turn_rows(d) for d in (1, 2, 3, 4, 5, 8)] == [16, 16, 16, 16, 32, 32]
+    engine.step_s[("pack", 64)] = 0.049
+    assert engine.turn_rows(8) == 64
+
+
+def test_the_scheduler_gives_a_turn_with_decode_rows_the_engines_turn_rows() -> None:
+    fake = FakeEngine(lanes=4, chunk=4)
+    fake.pack_budget, fake.decode_turn_rows = 16, 8
+    sched = Scheduler(fake, continuous=True, max_queue=8, terminal_ids=frozenset())
+    jobs = [Job(tokens=p, max_new_tokens=4) for p in ([5, 5], [1] * 30, [2] * 30)]
+    for job in jobs:
+        sched.submit(job)
+    with sched.cond:
+        sched._fill()
+    decoding = next(i for i, lane in enumerate(sched.lanes) if lane is not None and lane.job is jobs[0])
+    sched.lanes[decoding].fed = 2  # past its prompt, with its first token: it decodes this turn
+    sched.lanes[decoding].samples.append(Sample(7, -0.5, ()))
+    sched.prefill_order.remove(decoding)
+    plan = sched.schedule()
+    assert sum(r is not None for r in plan.decode_rows) == 1
+    assert [(p.prompt[0], p.length) for p in plan.pieces] == [(1, 4), (2, 3)]  # 8 rows less the decode row
+    fake.decode_turn_rows = None
+    assert [(p.prompt[0], p.length) for p in sched.schedule().pieces] == [(1, 11), (2, 4)]
 
 
 def test_pack_rejects_what_does_not_fit(wide_engine: Engine) -> None:

@@ -7,11 +7,15 @@ at the narrowest of the engine's `widths` that holds its live lanes. Narrower wi
 every matmul runs on the CPU kernel, which computes a row alike at any width; otherwise every wave is full width.
 Prefill and decode steps always return the logits they compute, and the host drops them unless asked: one program
 per shape whether or not a caller reads logits.
+The warm-up times one greedy run of each decode and packed step after compiling it; `turn_rows` reads those times to
+keep a packed turn that carries decode rows within DECODE_WAIT of their plain wave, so running lanes keep their pace
+while prompts enter.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -40,6 +44,7 @@ ATTENTIONS = ("blocked", "kernel", "xla", "cudnn")
 ROW_ATTENTIONS = ("blocked", "kernel")  # those that take any subset of lanes, so waves may run narrow
 PACK_BUDGET_AUTO = 64  # rows per packed admission step where packing is on by default (bench/admission.py)
 PACK_FLOOR = 16  # the narrowest packed step
+DECODE_WAIT = 2.0  # a packed turn that carries decode rows takes at most about this many of their plain waves
 
 
 def pack_widths(budget: int, lanes: int) -> tuple[int, ...]:
@@ -117,6 +122,7 @@ class Engine:
         self.scratch_pos = max_seq - 1  # never holds a request's k/v: prompt + new tokens <= max_seq - 1 fed
         self.arena = None
         self.lane_versions = LaneVersions(lanes)
+        self.step_s: dict[tuple[str, int], float] = {}  # ("decode" | "pack", width) -> one greedy run, at warm-up
         self.reset()
 
     @property
@@ -269,6 +275,24 @@ class Engine:
             samples[lane] = sample
         return samples
 
+    def turn_rows(self, decode_rows: int) -> int:
+        """The most rows of a packed turn that carries `decode_rows` decode rows: the widest packed step whose warm-up
+        run took at most DECODE_WAIT times the plain wave of those rows, and at least the narrowest with room for one
+        prompt row (every width before the warm-up has timed them)."""
+        if not decode_rows:
+            return self.pack_budget
+        wave = self.step_s.get(("decode", next(w for w in self.widths if w >= decode_rows)))
+        fits = [w for w in self.pack_widths
+                if wave is None or self.step_s.get(("pack", w), float("inf")) <= DECODE_WAIT * wave]
+        room = next((w for w in self.pack_widths if w > decode_rows), self.pack_budget)
+        return max([*fits, room])
+
+    def _timed(self, key: tuple[str, int], run: Callable[[], object]) -> None:
+        t0 = time.perf_counter()
+        run()
+        jax.block_until_ready(self.arena)
+        self.step_s[key] = time.perf_counter() - t0
+
     def warmup_steps(self) -> list[tuple[str, Callable[[], object]]]:
         """Every step shape the station runs, as (name, run it once on lane 0, and on more lanes where a packed step is
         wider than one context); the first run of each compiles it."""
@@ -284,12 +308,16 @@ class Engine:
         ]
         for w in self.widths:
             name = "decode" if w == self.lanes else f"decode_{w}"
-            steps.append((name, lambda w=w: (self._wave(sampled, w, False), self._wave(greedy, w, False))))
+            steps.append((name, lambda w=w: (self._wave(sampled, w, False), self._wave(greedy, w, False),
+                                             self._timed(("decode", w), lambda: self._wave(greedy, w, False)))))
         for w in self.pack_widths:
-            steps.append((f"pack_{w}", lambda w=w: self.pack(self._warmup_pieces(w), [None] * self.lanes)))
+            steps.append((f"pack_{w}", lambda w=w: (
+                self.pack(self._warmup_pieces(w, sampled[0].sampling), [None] * self.lanes),
+                self._timed(("pack", w), lambda: self.pack(self._warmup_pieces(w, SamplingParams()),
+                                                           [None] * self.lanes)))))
         return steps
 
-    def _warmup_pieces(self, rows: int) -> list[PromptPiece]:
+    def _warmup_pieces(self, rows: int, sampling: SamplingParams) -> list[PromptPiece]:
         """Whole prompts that fill `rows` rows of a packed step: lane 0 first, each lane at most a context's worth
         (max_seq - 1 tokens), so a budget wider than the context spreads over lanes. A budget wider than every lane's
         context together runs the widest step those prompts reach, the widest any request can."""
@@ -298,7 +326,7 @@ class Engine:
             n = min(left, self.max_seq - 1)
             if n < 1:
                 break
-            pieces.append(PromptPiece(lane, [0] * n, 0, n, SamplingParams(temperature=1.0, top_p=0.9)))
+            pieces.append(PromptPiece(lane, [0] * n, 0, n, sampling))
             left -= n
         return pieces
 

@@ -42,6 +42,9 @@ class Runner(Protocol):
         """One packed step (only where pack_budget > 0): the pieces' prompt tokens and the decode rows in one call.
         One sample per lane that decodes or whose piece ends its prompt."""
 
+    def turn_rows(self, decode_rows: int) -> int:
+        """(Only where pack_budget > 0) the most rows of a packed turn that carries `decode_rows` decode rows."""
+
     def decode(self, rows: Sequence[DecodeRow | None], return_logits: bool = False
                ) -> tuple[list[Sample | None], Any]:
         """One wave: rows[i] feeds lane i (None = idle). One sample per live lane."""

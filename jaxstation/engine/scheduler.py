@@ -21,11 +21,13 @@ prefill wrote. `_fill` gives a job the free lane with the longest reusable prefi
 used) and starts its prefill at the last chunk boundary at or below the match, so its tokens equal a fresh run's.
 
 Admission. On an engine that packs (`pack_budget` > 0), a turn's prompt work is pieces of every prefilling lane's
-prompt under the budget, less the decode rows: up to a chunk for each lane, oldest first, then the rest to the oldest,
-so neither a long prompt nor a stream of short ones holds the other back. The pieces and the decode rows run as one
-packed step (`Engine.pack`); a turn without pieces runs a decode wave. Otherwise a turn prefills at most one chunk
-(the oldest prefilling lane's next one), then runs the decode wave. Either way a running lane waits at most one
-budget's or one chunk's time per token. A job that scores its prompt is always prefilled one chunk per turn.
+prompt under the turn's rows, less the decode rows: up to a chunk for each lane, oldest first, then the rest to the
+oldest, so neither a long prompt nor a stream of short ones holds the other back. A turn without decode rows may fill
+the whole budget; one with decode rows takes `Engine.turn_rows` (a packed step at most about twice their plain wave,
+as timed at warm-up, and always room for a prompt row), so running lanes keep their pace while prompts enter. The
+pieces and the decode rows run as one packed step (`Engine.pack`); a turn without pieces runs a decode wave.
+Otherwise a turn prefills at most one chunk (the oldest prefilling lane's next one), then runs the decode wave. A job
+that scores its prompt is always prefilled one chunk per turn.
 
 Serialize-all (continuous=False). The same loop admits a job only when no lane is busy: one request holds the engine
 for its whole prefill and decode, through the same compiled shapes.
@@ -252,7 +254,8 @@ class Scheduler:
             if lane is not None and not lane.prefilling and (masked := self._mask(i))[0]:
                 job, n = lane.job, len(lane.samples)
                 rows[i] = DecodeRow(lane.samples[-1].token, len(job.tokens) + n - 1, job.sampling, n, masked[1])
-        pieces = self._pieces(self.engine.pack_budget - sum(r is not None for r in rows)) if packs else []
+        decoding = sum(r is not None for r in rows)
+        pieces = self._pieces(self.engine.turn_rows(decoding) - decoding) if packs else []
         return Plan(prefill_lane, rows, prefill_mask, pieces)
 
     def _pieces(self, budget: int) -> list[PromptPiece]:
