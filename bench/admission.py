@@ -34,6 +34,7 @@ import numpy as np
 from bench.common import result_path, write_result
 from bench.workload import (
     free_port,
+    llama_server_cmd,
     llama_server_completion,
     percentiles,
     server_process,
@@ -123,8 +124,8 @@ def churn_section(lanes_list: list[int], n_requests: int, clients: int, llama: s
             port = free_port()
             from jaxstation.model.default_model import default_model_path
 
-            cmd = [llama, "-m", str(default_model_path()), "--host", "127.0.0.1", "--port", str(port), "-np",
-                   str(lanes), "-c", str(512 * lanes)]
+            cmd = llama_server_cmd(llama, str(default_model_path()), port, lanes, 512 * lanes)
+            out["llama_server_cmd"] = cmd[4:]
             base = f"http://127.0.0.1:{port}"
             with server_process(cmd, f"{base}/health", timeout_s=300):
                 run(lambda c, t, n, b=base: llama_server_completion(c, b, t, n), 2 * clients)

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from bench.common import RESULTS, fingerprint, read_bandwidth, write_result
 from bench.peers import find_llama_server
-from bench.workload import first_executable, free_port, server_process, station_cmd
+from bench.workload import first_executable, free_port, llama_server_cmd, server_process, station_cmd
 
 CLIENTS = ("aiperf", "guidellm")
 SYSTEMS = ("jaxstation", "llama-server")
@@ -195,8 +195,7 @@ def main() -> None:
                           "note": "not built: run scripts/build_llama_server.sh"} for c in clients
                          for k in args.concurrency]
                 continue
-            cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(lanes),
-                   "-c", str(ctx * lanes), "-t", str(args.threads)]
+            cmd = llama_server_cmd(binary, str(gguf), port, lanes, ctx * lanes, args.threads)
             ready = f"{base}/health"
         commands[system] = cmd
         with contextlib.ExitStack() as stack:

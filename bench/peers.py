@@ -40,6 +40,7 @@ from bench.workload import (
     first_executable,
     free_port,
     llama_cpp_python_completion,
+    llama_server_cmd,
     llama_server_completion,
     make_prompts,
     med_spread,
@@ -269,9 +270,10 @@ def main() -> None:
             else:
                 port = free_port()
                 base = f"http://127.0.0.1:{port}"
-                cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(args.slots),
-                       "-c", str(ctx * args.slots), "-t", str(args.threads)]
+                cmd = llama_server_cmd(binary, str(gguf), port, args.slots, ctx * args.slots, args.threads)
                 serve("llama-server", cmd, f"{base}/health", lambda b=base: LlamaServer(b))
+                if "--no-repack" in cmd:
+                    notes["llama-server"] = "--no-repack: its repacked (AMX) weights crash on this machine"
         if "llama-cpp-python" in args.only:
             if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("uvicorn") is None:
                 notes["llama-cpp-python"] = "not installed: pip install 'llama-cpp-python[server]'"

@@ -6,6 +6,7 @@ Not a script: `bench.throughput`, `bench.latency`, `bench.roofline` and `bench.p
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import socket
@@ -216,6 +217,33 @@ def station_generate(client, base: str, tokens: list[int], max_new: int) -> dict
     out["client_s"] = time.perf_counter() - t0
     out["n_generated"] = len(out["generated"])
     return out
+
+
+@functools.cache
+def _repacking_crashes(binary: str) -> bool:
+    """Whether this llama-server dies at start with its CPU weight repacking on: on a CPU that advertises AMX, the
+    AMX buffers crash the process in some virtual machines (a SIGSEGV in the warm-up run). Probed once per binary."""
+    from jaxstation.model.default_model import default_model_path
+
+    port = free_port()
+    proc = subprocess.Popen([binary, "-m", str(default_model_path()), "--host", "127.0.0.1", "--port", str(port),
+                             "-np", "1", "-c", "512"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 120, proc)
+        return False
+    except RuntimeError:
+        return proc.returncode is not None and proc.returncode < 0
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def llama_server_cmd(binary: str, gguf: str, port: int, slots: int, context: int, threads: int | None = None
+                     ) -> list[str]:
+    """llama-server on `gguf` with `slots` parallel slots sharing `context` positions; `--no-repack` where its
+    repacked weights crash here (`_repacking_crashes`: the benches' notes say so)."""
+    return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots), "-c", str(context),
+            *(["-t", str(threads)] if threads else []), *(["--no-repack"] if _repacking_crashes(binary) else [])]
 
 
 def llama_server_completion(client, base: str, tokens: list[int], max_new: int) -> dict:
