@@ -357,8 +357,8 @@ inline void Tile(const float* x, const typename F::Elem* w, int64_t row_len, con
 }
 
 // Channels [n_begin, n_end) of every row (`w` is channel n_begin's weights), in blocks of kChannelBlock channels that
-// stay in L2 while every row tile passes over them: rows in tiles of 4 down to 1, channels in pairs (fours for a lone
-// row). Each tile rebuilds the weights it reads, so this suits a few rows.
+// stay in L2 while every row tile passes over them: rows in tiles of 6 (from 16 rows on) or 4 down to 1, channels in
+// pairs (fours for a lone row). Each tile rebuilds the weights it reads, so this suits a few rows.
 constexpr int64_t kChannelBlock = 64;
 
 template <typename F>
@@ -368,6 +368,8 @@ void Channels(const float* x, const typename F::Elem* w, int64_t row_len, const 
     const int64_t b_end = std::min(n_end, b + kChannelBlock);
     const auto at = [&](int64_t n) { return w + (n - n_begin) * row_len; };
     int64_t m = 0;
+    for (; M >= 16 && m + 6 <= M; m += 6)  // many rows: six a tile, fewer weight loads per multiply-add
+      for (int64_t n = b; n < b_end; n += 2) Tile<6, 2, F>(x, at(n), row_len, scale, y, K, N, m, n);
     for (; m + 4 <= M; m += 4)
       for (int64_t n = b; n < b_end; n += 2) Tile<4, 2, F>(x, at(n), row_len, scale, y, K, N, m, n);
     switch (M - m) {
