@@ -14,7 +14,7 @@ import pytest
 from conftest import tiny_model
 from fake_engine import FakeEngine
 
-from jaxstation.engine.engine import Engine, generate, pack_widths
+from jaxstation.engine.engine import Engine, generate, pack_slots, pack_widths
 from jaxstation.engine.jobs import Job
 from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample, SamplingParams
 from jaxstation.engine.scheduler import Scheduler
@@ -111,9 +111,9 @@ def test_int8_request_equals_its_run_alone_at_every_pack_position(int8_engine: E
 
 
 def test_pack_widths_and_refusals(default_model: LoadedModel, xla_model: LoadedModel) -> None:
-    assert pack_widths(64, 8) == (16, 32, 64)
-    assert pack_widths(64, 32) == (32, 64)
-    assert pack_widths(48, 4) == (12, 24, 48)
+    assert pack_widths(64) == (16, 32, 64)
+    assert pack_widths(48) == (12, 24, 48)
+    assert pack_widths(96) == (12, 24, 48, 96)
     with pytest.raises(ValueError, match="packed admission needs every matmul on the CPU kernel"):
         Engine(default_model, lanes=4, max_seq=256, chunk=32, block=128, attention="kernel", pack_budget=2)
     xla = xla_model
@@ -129,7 +129,7 @@ def test_a_budget_wider_than_the_context_warms_up_and_serves() -> None:
     wide = Engine(model, lanes=4, max_seq=32, chunk=16, block=16, attention="kernel", pack_budget=64)
     narrow = Engine(model, lanes=4, max_seq=32, chunk=16, block=16, attention="kernel", pack_budget=16)
     wide.warmup()
-    assert set(wide.step_s) == {("decode", w) for w in wide.widths} | {("pack", w) for w in wide.pack_widths}
+    assert set(wide.step_s) == {("decode", w) for w in wide.widths} | {("pack", w, 4) for w in wide.pack_widths}
     assert all(t > 0 for t in wide.step_s.values())
     prompt = list(range(3, 30))
     assert generate(wide, prompt, 4, SEEDED, lane=2) == generate(narrow, prompt, 4, SEEDED, lane=2)
@@ -142,11 +142,26 @@ def test_a_turn_with_decode_rows_keeps_within_twice_their_wave(default_model: Lo
     assert engine.widths == (1, 2, 4, 8) and engine.pack_widths == (16, 32, 64)
     assert [engine.turn_rows(d) for d in (0, 1, 8)] == [64, 64, 64]  # not timed yet: the budget
     engine.step_s = {("decode", 1): 0.010, ("decode", 2): 0.012, ("decode", 4): 0.015, ("decode", 8): 0.025,
-                     ("pack", 16): 0.030, ("pack", 32): 0.050, ("pack", 64): 0.090}
+                     ("pack", 16, 8): 0.030, ("pack", 32, 8): 0.050, ("pack", 64, 8): 0.090}
     assert engine.turn_rows(0) == 64
-    assert [engine.turn_rows(d) for d in (1, 2, 3, 4, 5, 8)] == [16, 16, 16, 16, 32, 32]
-    engine.step_s[("pack", 64)] = 0.049
-    assert engine.turn_rows(8) == 64
+    assert [engine.turn_rows(d) for d in (1, 2, 3, 4, 5, 7)] == [16, 16, 16, 16, 32, 32]
+    engine.step_s[("pack", 64, 8)] = 0.049
+    assert engine.turn_rows(7) == 64
+    assert engine.turn_rows(8) == 16  # every lane decodes: no slot for a prompt's end in any step, the narrowest
+
+
+def test_a_packed_step_samples_few_rows_where_few_need_it(default_model: LoadedModel) -> None:
+    """`pack_slots`: the head and the sampling run over SLOT_FLOOR rows where a step could sample more than twice
+    as many; the same request's samples either way."""
+    assert pack_slots(16, 8) == (8,) and pack_slots(64, 16) == (16,) and pack_slots(32, 32) == (8, 32)
+    assert pack_slots(64, 32) == (8, 32) and pack_slots(16, 32) == (16,)
+    engine = Engine(default_model, lanes=24, max_seq=128, chunk=32, block=128, attention="kernel", pack_budget=32)
+    prompt = list(range(40, 60))
+    piece = [PromptPiece(3, prompt, 0, len(prompt), SEEDED)]
+    few = engine.pack(piece, [None] * 24, sampled=8)[3]
+    assert engine.pack(piece, [None] * 24)[3] == few == engine.pack(piece, [None] * 24, sampled=24)[3]
+    with pytest.raises(ValueError, match="cannot run as 4 of a 32-row step"):
+        engine.pack(piece, [None] * 24, sampled=4)
 
 
 def test_the_scheduler_gives_a_turn_with_decode_rows_the_engines_turn_rows() -> None:

@@ -44,17 +44,26 @@ ATTENTIONS = ("blocked", "kernel", "xla", "cudnn")
 ROW_ATTENTIONS = ("blocked", "kernel")  # those that take any subset of lanes, so waves may run narrow
 PACK_BUDGET_AUTO = 64  # rows per packed admission step where packing is on by default (bench/admission.py)
 PACK_FLOOR = 16  # the narrowest packed step
+SLOT_FLOOR = 8  # the fewest sampled rows of a packed step, where it may sample more than twice as many
 DECODE_WAIT = 2.0  # a packed turn that carries decode rows takes at most about this many of their plain waves
 
 
-def pack_widths(budget: int, lanes: int) -> tuple[int, ...]:
+def pack_widths(budget: int) -> tuple[int, ...]:
     """The row counts of packed steps under a budget of `budget` rows: halvings of the budget down to the first at or
-    below the lanes or PACK_FLOOR, so that a turn of short prompts runs a narrow step (each width one more compiled
-    program)."""
+    below PACK_FLOOR, so that a turn of short prompts, or one kept to its decode rows' pace (`Engine.turn_rows`), runs a
+    narrow step (each width one more compiled program)."""
     widths = [budget]
-    while widths[-1] > max(lanes, PACK_FLOOR) and widths[-1] % 2 == 0:
+    while widths[-1] > PACK_FLOOR and widths[-1] % 2 == 0:
         widths.append(widths[-1] // 2)
     return tuple(sorted(widths))
+
+
+def pack_slots(width: int, lanes: int) -> tuple[int, ...]:
+    """The sampled-row counts of a packed step of `width` rows: one row per lane at most (`min(width, lanes)`), and
+    SLOT_FLOOR too where that is more than twice as many, so that a turn that ends few prompts and decodes few lanes
+    runs the head and the sampling over few rows (each count one more compiled program)."""
+    full = min(width, lanes)
+    return (SLOT_FLOOR, full) if full > 2 * SLOT_FLOOR else (full,)
 
 
 def wave_widths(lanes: int) -> tuple[int, ...]:
@@ -114,7 +123,7 @@ class Engine:
                              f"{model.params.row_invariant}, attention {attention})")
         self.widths = widths
         self.pack_budget = pack_budget
-        self.pack_widths = pack_widths(pack_budget, lanes) if pack_budget else ()
+        self.pack_widths = pack_widths(pack_budget) if pack_budget else ()
         self.model = model
         self.cfg = model.cfg
         self.lanes, self.max_seq, self.chunk, self.block = lanes, max_seq, chunk, block
@@ -122,7 +131,8 @@ class Engine:
         self.scratch_pos = max_seq - 1  # never holds a request's k/v: prompt + new tokens <= max_seq - 1 fed
         self.arena = None
         self.lane_versions = LaneVersions(lanes)
-        self.step_s: dict[tuple[str, int], float] = {}  # ("decode" | "pack", width) -> one greedy run, at warm-up
+        # one greedy run at warm-up: ("decode", width) and ("pack", width, sampled rows) -> seconds
+        self.step_s: dict[tuple[str, int] | tuple[str, int, int], float] = {}
         self.reset()
 
     @property
@@ -228,11 +238,12 @@ class Engine:
             logits = jax.numpy.zeros((self.lanes, logits.shape[1]), logits.dtype).at[np.array(order)].set(logits)
         return samples, logits
 
-    def pack(self, pieces: Sequence[PromptPiece], rows: Sequence[DecodeRow | None]
+    def pack(self, pieces: Sequence[PromptPiece], rows: Sequence[DecodeRow | None], sampled: int | None = None
              ) -> list[Sample | None]:
         """One packed step: every piece's prompt tokens and every decode row (rows[i] feeds lane i) as rows of one
-        call, at the narrowest pack width that holds them. Returns, per lane, the sample of its decode row or of its
-        piece that ends its prompt (None elsewhere). Pieces of one lane go in order, after `begin`."""
+        call, at the narrowest pack width that holds them, sampling `sampled` rows (default: the fewest of the width's
+        `pack_slots` that hold them). Returns, per lane, the sample of its decode row or of its piece that ends its
+        prompt (None elsewhere). Pieces of one lane go in order, after `begin`."""
         if not self.pack_budget:
             raise ValueError("this engine does not pack (pack_budget 0)")
         if len(rows) != self.lanes:
@@ -261,7 +272,11 @@ class Engine:
         if len(tokens) > self.pack_budget or len({s[0] for s in slots}) < len(slots):
             raise ValueError(f"{len(tokens)} rows exceed the pack budget ({self.pack_budget}), or a lane samples twice")
         width = next(w for w in self.pack_widths if w >= len(tokens))
-        pad, idle = width - len(tokens), [None] * (min(width, self.lanes) - len(slots))  # padding rows and slots
+        options = pack_slots(width, self.lanes)
+        slots_n = next(n for n in options if n >= len(slots)) if sampled is None else sampled
+        if slots_n not in options or slots_n < len(slots):
+            raise ValueError(f"{len(slots)} sampled rows cannot run as {slots_n} of a {width}-row step ({options})")
+        pad, idle = width - len(tokens), [None] * (slots_n - len(slots))  # padding rows and slots
         per_slot = [(sp, counter) for _, sp, counter, _ in slots] + idle
         self.lane_versions.touch(sorted(set(lanes)))  # padding rows write only lane 0's scratch slot
         self.arena, out, _ = decode_step_batch(
@@ -277,13 +292,17 @@ class Engine:
 
     def turn_rows(self, decode_rows: int) -> int:
         """The most rows of a packed turn that carries `decode_rows` decode rows: the widest packed step whose warm-up
-        run took at most DECODE_WAIT times the plain wave of those rows, and at least the narrowest with room for one
-        prompt row (every width before the warm-up has timed them)."""
+        run (sampling those rows and one more) took at most DECODE_WAIT times the plain wave of those rows, and at
+        least the narrowest with room for one prompt row (every width before the warm-up has timed them)."""
         if not decode_rows:
             return self.pack_budget
         wave = self.step_s.get(("decode", next(w for w in self.widths if w >= decode_rows)))
-        fits = [w for w in self.pack_widths
-                if wave is None or self.step_s.get(("pack", w), float("inf")) <= DECODE_WAIT * wave]
+
+        def took(w: int) -> float:
+            n = next((n for n in pack_slots(w, self.lanes) if n > decode_rows), None)
+            return float("inf") if n is None else self.step_s.get(("pack", w, n), float("inf"))
+
+        fits = [w for w in self.pack_widths if w > decode_rows and (wave is None or took(w) <= DECODE_WAIT * wave)]
         room = next((w for w in self.pack_widths if w > decode_rows), self.pack_budget)
         return max([*fits, room])
 
@@ -311,10 +330,14 @@ class Engine:
             steps.append((name, lambda w=w: (self._wave(sampled, w, False), self._wave(greedy, w, False),
                                              self._timed(("decode", w), lambda: self._wave(greedy, w, False)))))
         for w in self.pack_widths:
-            steps.append((f"pack_{w}", lambda w=w: (
-                self.pack(self._warmup_pieces(w, sampled[0].sampling), [None] * self.lanes),
-                self._timed(("pack", w), lambda: self.pack(self._warmup_pieces(w, SamplingParams()),
-                                                           [None] * self.lanes)))))
+            for n in pack_slots(w, self.lanes):
+                if len(self._warmup_pieces(w, greedy[0].sampling)) > n:  # a context too short to fill w from n lanes
+                    continue
+                name = f"pack_{w}" if n == min(w, self.lanes) else f"pack_{w}_{n}"
+                steps.append((name, lambda w=w, n=n: (
+                    self.pack(self._warmup_pieces(w, sampled[0].sampling), [None] * self.lanes, n),
+                    self._timed(("pack", w, n), lambda: self.pack(self._warmup_pieces(w, greedy[0].sampling),
+                                                                  [None] * self.lanes, n)))))
         return steps
 
     def _warmup_pieces(self, rows: int, sampling: SamplingParams) -> list[PromptPiece]:
