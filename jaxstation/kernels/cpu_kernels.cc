@@ -356,6 +356,14 @@ inline void Tile(const float* x, const typename F::Elem* w, int64_t row_len, con
     }
 }
 
+// Up to 4 rows (one row tile) a call reads each weight once, straight from memory: before each four channels, the four
+// after the next four are asked for, into L1.
+template <typename E>
+inline void PrefetchRows(const E* p, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
 // Channels [n_begin, n_end) of every row (`w` is channel n_begin's weights), in blocks of kChannelBlock channels that
 // stay in L2 while every row tile passes over them: rows in tiles of 6 (from 16 rows on) or 4 down to 1, channels in
 // pairs (fours for a lone row). Each tile rebuilds the weights it reads, so this suits a few rows.
@@ -364,6 +372,7 @@ constexpr int64_t kChannelBlock = 64;
 template <typename F>
 void Channels(const float* x, const typename F::Elem* w, int64_t row_len, const float* scale, float* y, int64_t M,
               int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
+  const int64_t tile_bytes = 4 * row_len * sizeof(typename F::Elem);  // four channels
   for (int64_t b = n_begin; b < n_end; b += kChannelBlock) {
     const int64_t b_end = std::min(n_end, b + kChannelBlock);
     const auto at = [&](int64_t n) { return w + (n - n_begin) * row_len; };
@@ -371,16 +380,28 @@ void Channels(const float* x, const typename F::Elem* w, int64_t row_len, const 
     for (; M >= 16 && m + 6 <= M; m += 6)  // many rows: six a tile, fewer weight loads per multiply-add
       for (int64_t n = b; n < b_end; n += 2) Tile<6, 2, F>(x, at(n), row_len, scale, y, K, N, m, n);
     for (; m + 4 <= M; m += 4)
-      for (int64_t n = b; n < b_end; n += 2) Tile<4, 2, F>(x, at(n), row_len, scale, y, K, N, m, n);
+      for (int64_t n = b; n < b_end; n += 2) {
+        if (M == 4 && n % 4 == 0 && n + 12 <= n_end) PrefetchRows(at(n + 8), tile_bytes);
+        Tile<4, 2, F>(x, at(n), row_len, scale, y, K, N, m, n);
+      }
     switch (M - m) {
       case 3:
-        for (int64_t n = b; n < b_end; n += 2) Tile<3, 2, F>(x, at(n), row_len, scale, y, K, N, m, n);
+        for (int64_t n = b; n < b_end; n += 2) {
+          if (M == 3 && n % 4 == 0 && n + 12 <= n_end) PrefetchRows(at(n + 8), tile_bytes);
+          Tile<3, 2, F>(x, at(n), row_len, scale, y, K, N, m, n);
+        }
         break;
       case 2:
-        for (int64_t n = b; n < b_end; n += 2) Tile<2, 2, F>(x, at(n), row_len, scale, y, K, N, m, n);
+        for (int64_t n = b; n < b_end; n += 2) {
+          if (M == 2 && n % 4 == 0 && n + 12 <= n_end) PrefetchRows(at(n + 8), tile_bytes);
+          Tile<2, 2, F>(x, at(n), row_len, scale, y, K, N, m, n);
+        }
         break;
       case 1:
-        for (int64_t n = b; n < b_end; n += 4) Tile<1, 4, F>(x, at(n), row_len, scale, y, K, N, m, n);
+        for (int64_t n = b; n < b_end; n += 4) {
+          if (M == 1 && n + 12 <= n_end) PrefetchRows(at(n + 8), tile_bytes);
+          Tile<1, 4, F>(x, at(n), row_len, scale, y, K, N, m, n);
+        }
         break;
     }
   }
@@ -400,11 +421,13 @@ void RebuiltChannels(const float* x, const typename F::Elem* w, int64_t row_len,
   float* f = rebuilt.data();
   for (int64_t b = n_begin; b < n_end; b += per) {
     const int64_t b_end = std::min(n_end, b + per);
-    for (int64_t n = b; n < b_end; ++n)
+    for (int64_t n = b; n < b_end; ++n) {
+      if (n + 3 <= n_end) PrefetchRows(w + (n + 2 - n_begin) * row_len, row_len * sizeof(typename F::Elem));
       for (int64_t k = 0; k < K; k += kGroup) {
         const typename F::Group g = F::Decode(w + (n - n_begin) * row_len, k);
         for (int64_t i = 0; i < kGroup; i += kLanes) Store(f + (n - b) * K + k + i, F::Weight(g, i));
       }
+    }
     Channels<Plain<float>>(x, f, K, scale, y, M, K, N, b, b_end);
   }
 }
