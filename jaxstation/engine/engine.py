@@ -42,7 +42,7 @@ from jaxstation.model.loader import LoadedModel
 # per-block loop; cuDNN skips what lies past a lane's length).
 ATTENTIONS = ("blocked", "kernel", "xla", "cudnn")
 ROW_ATTENTIONS = ("blocked", "kernel")  # those that take any subset of lanes, so waves may run narrow
-PACK_BUDGET_AUTO = 64  # rows per packed admission step where packing is on by default (bench/admission.py)
+PACK_BUDGET_AUTO = 128  # rows per packed admission step where packing is on by default (bench/admission.py)
 PACK_FLOOR = 16  # the narrowest packed step
 SLOT_FLOOR = 8  # the fewest sampled rows of a packed step, where it may sample more than twice as many
 DECODE_WAIT = 2.0  # a packed turn that carries decode rows takes at most about this many of their plain waves
