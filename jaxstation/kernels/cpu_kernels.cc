@@ -536,12 +536,59 @@ inline void Prefetch(const float* p, int64_t floats) {
   for (int64_t f = 0; f < floats; f += 16) _mm_prefetch(reinterpret_cast<const char*>(p + f), _MM_HINT_T1);
 }
 
+// The attention's output for a group of query heads: out_g = sum_i p_gi v_i / denom_g over n positions, each head's
+// sum in position order. NV vectors a head; the heads go side by side, as many at a time as keep their accumulators in
+// registers, so each value vector is read once for all of them and their chains of multiply-adds overlap. p: [group,
+// n] weights; v: position 0's vector, positions `stride` floats apart; out: [group, NV * kLanes].
+template <int NV>
+void WeightedSum(const float* p, int64_t n, int64_t group, const float* v, int64_t stride, const float* denom,
+                 float* out) {
+  constexpr int64_t kHeads = std::max(1, 24 / NV);
+  for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
+    const int64_t heads = std::min(kHeads, group - g0);
+    Vec acc[kHeads][NV];
+    for (int64_t g = 0; g < kHeads; ++g)
+      for (int c = 0; c < NV; ++c) acc[g][c] = Zero();
+    for (int64_t i = 0; i < n; ++i) {
+      if (g0 == 0 && i % kLanes == 0)
+        for (int64_t a = i + kAhead; a < std::min(n, i + kAhead + kLanes); ++a) Prefetch(v + a * stride, NV * kLanes);
+      const float* vi = v + i * stride;
+      Vec x[NV];
+      for (int c = 0; c < NV; ++c) x[c] = LoadX(vi + c * kLanes);
+      for (int64_t g = 0; g < kHeads; ++g) {
+        if (g >= heads) break;
+        const Vec w = Set1(p[(g0 + g) * n + i]);
+        for (int c = 0; c < NV; ++c) acc[g][c] = Fma(w, x[c], acc[g][c]);
+      }
+    }
+    for (int64_t g = 0; g < heads; ++g) {
+      const Vec inv = Set1(1.0f / denom[g0 + g]);
+      for (int c = 0; c < NV; ++c) Store(out + (g0 + g) * NV * kLanes + c * kLanes, Mul(acc[g][c], inv));
+    }
+  }
+}
+
+// WeightedSum for any number of vectors a head (up to 32), one head at a time.
+inline void WeightedSumAny(const float* p, int64_t n, int64_t group, int64_t nv, const float* v, int64_t stride,
+                           const float* denom, float* out) {
+  for (int64_t g = 0; g < group; ++g) {
+    Vec acc[32];
+    for (int64_t c = 0; c < nv; ++c) acc[c] = Zero();
+    for (int64_t i = 0; i < n; ++i) {
+      const Vec w = Set1(p[g * n + i]);
+      for (int64_t c = 0; c < nv; ++c) acc[c] = Fma(w, LoadX(v + i * stride + c * kLanes), acc[c]);
+    }
+    const Vec inv = Set1(1.0f / denom[g]);
+    for (int64_t c = 0; c < nv; ++c) Store(out + g * nv * kLanes + c * kLanes, Mul(acc[c], inv));
+  }
+}
+
 // Decode attention of one query row per arena lane over that lane's own positions: for row r and kv head h, the
 // group's query heads attend to k/v[layer, lanes[r], lo..positions[r], h] with lo = positions[r] - window + 1 (or 0),
 // softmax over exactly those positions (scores by the same two-accumulator dot as the matmul, exp by one polynomial,
 // sums and the weighted sum of v in position order). Each (row, kv head) is one task with one fixed order of
-// operations, so a row's result depends on nothing but its own lane. The walks take kLanes positions at a time: their
-// keys' horizontal sums fold together, and their values stay in L1 while each query head of the group passes; neither
+// operations, so a row's result depends on nothing but its own lane. The key walk takes kLanes positions at a time,
+// their horizontal sums folded together, and the value walk (WeightedSum) takes the group's heads side by side; neither
 // changes any operation's order. q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd].
 ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                                ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lanes,
@@ -623,29 +670,16 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     }
     for (int64_t j = 0; j < n; ++j)  // each sum in position order, the group's chains side by side
       for (int64_t g = 0; g < group; ++g) denom[g] += scores[g * n + j];
-    // out_g = sum_i p_gi v_i / denom_g, positions in order: kLanes positions at a time (in L1), each query head over
-    // them, its accumulators kept between blocks
-    std::vector<float> acc(group * hd, 0.0f);
-    for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
-      const int64_t m = std::min<int64_t>(kLanes, n - i0);
-      for (int64_t p = 0; p < m && i0 + kAhead + p < n; ++p) Prefetch(vp + base + (i0 + kAhead + p) * stride, hd);
-      for (int64_t g = 0; g < group; ++g) {
-        const float* pg = scores.data() + g * n + i0;
-        float* a = acc.data() + g * hd;
-        Vec av[32];  // up to head_dim 256
-        for (int64_t c = 0; c < nv; ++c) av[c] = LoadX(a + c * kLanes);
-        for (int64_t p = 0; p < m; ++p) {
-          const Vec w = Set1(pg[p]);
-          const float* vr = vp + base + (i0 + p) * stride;
-          for (int64_t c = 0; c < nv; ++c) av[c] = Fma(w, LoadX(vr + c * kLanes), av[c]);
-        }
-        for (int64_t c = 0; c < nv; ++c) Store(a + c * kLanes, av[c]);
-      }
-    }
-    for (int64_t g = 0; g < group; ++g) {
-      const Vec inv = Set1(1.0f / denom[g]);
-      float* o = op + (r * heads + h * group + g) * hd;
-      for (int64_t c = 0; c < nv; ++c) Store(o + c * kLanes, Mul(LoadX(acc.data() + g * hd + c * kLanes), inv));
+    const float* vr = vp + base;
+    float* o = op + (r * heads + h * group) * hd;
+    switch (nv) {
+      case 1: WeightedSum<1>(scores.data(), n, group, vr, stride, denom, o); break;
+      case 2: WeightedSum<2>(scores.data(), n, group, vr, stride, denom, o); break;
+      case 3: WeightedSum<3>(scores.data(), n, group, vr, stride, denom, o); break;
+      case 4: WeightedSum<4>(scores.data(), n, group, vr, stride, denom, o); break;
+      case 8: WeightedSum<8>(scores.data(), n, group, vr, stride, denom, o); break;
+      case 16: WeightedSum<16>(scores.data(), n, group, vr, stride, denom, o); break;
+      default: WeightedSumAny(scores.data(), n, group, nv, vr, stride, denom, o);
     }
   });
   return ffi::Error::Success();
