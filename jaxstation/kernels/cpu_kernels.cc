@@ -536,6 +536,79 @@ inline void Prefetch(const float* p, int64_t floats) {
   for (int64_t f = 0; f < floats; f += 16) _mm_prefetch(reinterpret_cast<const char*>(p + f), _MM_HINT_T1);
 }
 
+// The attention's scores for a group of query heads: scores[g][i] = scale * q_g . k_i over n positions, each dot in
+// the matmul kernel's order (two accumulators over alternate vectors, then Finish's sum): kLanes positions at a time,
+// their horizontal sums folded together (FoldLanes: Finish's bits). NV vectors a head; the heads go side by side with
+// their queries in registers, so each key vector is read once for all of them. q: [group, NV * kLanes]; k: position
+// 0's key, positions `stride` floats apart; scores: [group, n].
+template <int NV>
+inline void Dot(const Vec* q, const float* k, Vec& even, Vec& odd) {
+  even = Zero(), odd = Zero();
+  for (int c = 0; c < NV; c += 2) {
+    even = Fma(q[c], LoadX(k + c * kLanes), even);
+    if (c + 1 < NV) odd = Fma(q[c + 1], LoadX(k + (c + 1) * kLanes), odd);
+  }
+}
+
+template <int NV>
+void Scores(const float* q, int64_t group, const float* k, int64_t stride, int64_t n, float scale, float* scores) {
+  constexpr int64_t kHeads = std::max(1, 16 / NV);
+  for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
+    const int64_t heads = std::min(kHeads, group - g0);
+    Vec qv[kHeads][NV];
+    for (int64_t g = 0; g < heads; ++g)
+      for (int c = 0; c < NV; ++c) qv[g][c] = LoadX(q + (g0 + g) * NV * kLanes + c * kLanes);
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+      if (g0 == 0)
+        for (int64_t p = 0; p < kLanes && i + kAhead + p < n; ++p) Prefetch(k + (i + kAhead + p) * stride, NV * kLanes);
+      Vec s[kHeads][kLanes];
+      for (int64_t p = 0; p < kLanes; ++p)  // position i + p into the input that lands in lane p
+        for (int64_t g = 0; g < heads; ++g) {
+          Vec even, odd;
+          Dot<NV>(qv[g], k + (i + p) * stride, even, odd);
+          s[g][kSlot.slot[p]] = Add(even, odd);
+        }
+      for (int64_t g = 0; g < heads; ++g) Store(scores + (g0 + g) * n + i, Mul(FoldLanes(s[g]), Set1(scale)));
+    }
+    for (; i < n; ++i)
+      for (int64_t g = 0; g < heads; ++g) {
+        Vec even, odd;
+        Dot<NV>(qv[g], k + i * stride, even, odd);
+        scores[(g0 + g) * n + i] = Finish(even, odd) * scale;
+      }
+  }
+}
+
+// Scores for any number of vectors a head (up to 32), one head at a time.
+inline void ScoresAny(const float* q, int64_t group, int64_t nv, const float* k, int64_t stride, int64_t n, float scale,
+                      float* scores) {
+  const auto dot = [&](const float* qr, const float* kr) {
+    Vec even = Zero(), odd = Zero();
+    for (int64_t c = 0; c < nv; c += 2) {
+      even = Fma(LoadX(qr + c * kLanes), LoadX(kr + c * kLanes), even);
+      if (c + 1 < nv) odd = Fma(LoadX(qr + (c + 1) * kLanes), LoadX(kr + (c + 1) * kLanes), odd);
+    }
+    return std::pair<Vec, Vec>(even, odd);
+  };
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q + g * nv * kLanes;
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+      Vec s[kLanes];
+      for (int64_t p = 0; p < kLanes; ++p) {
+        const auto [even, odd] = dot(qg, k + (i + p) * stride);
+        s[kSlot.slot[p]] = Add(even, odd);
+      }
+      Store(scores + g * n + i, Mul(FoldLanes(s), Set1(scale)));
+    }
+    for (; i < n; ++i) {
+      const auto [even, odd] = dot(qg, k + i * stride);
+      scores[g * n + i] = Finish(even, odd) * scale;
+    }
+  }
+}
+
 // The attention's output for a group of query heads: out_g = sum_i p_gi v_i / denom_g over n positions, each head's
 // sum in position order. NV vectors a head; the heads go side by side, as many at a time as keep their accumulators in
 // registers, so each value vector is read once for all of them and their chains of multiply-adds overlap. p: [group,
@@ -587,9 +660,9 @@ inline void WeightedSumAny(const float* p, int64_t n, int64_t group, int64_t nv,
 // group's query heads attend to k/v[layer, lanes[r], lo..positions[r], h] with lo = positions[r] - window + 1 (or 0),
 // softmax over exactly those positions (scores by the same two-accumulator dot as the matmul, exp by one polynomial,
 // sums and the weighted sum of v in position order). Each (row, kv head) is one task with one fixed order of
-// operations, so a row's result depends on nothing but its own lane. The key walk takes kLanes positions at a time,
-// their horizontal sums folded together, and the value walk (WeightedSum) takes the group's heads side by side; neither
-// changes any operation's order. q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd].
+// operations, so a row's result depends on nothing but its own lane. The key walk (Scores) takes kLanes positions at a
+// time, their horizontal sums folded together, and both it and the value walk (WeightedSum) take the group's heads
+// side by side; none of that changes any operation's order. q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd].
 ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                                ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lanes,
                                ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out, int64_t window,
@@ -622,33 +695,17 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     const int64_t base = ((l * n_lanes + lane[r]) * seq + lo) * stride + h * hd;
     const float* qh = qp + (r * heads + h * group) * hd;  // the group's query heads
     std::vector<float> scores(group * n);
-    // scores[g][i] = scale * q_g . k_(lo + i), each dot in the matmul kernel's order: kLanes positions at a time,
-    // their horizontal sums folded together (FoldLanes: Finish's bits)
-    const auto dot = [&](const float* qr, const float* kr) {
-      Vec even = Zero(), odd = Zero();
-      for (int64_t c = 0; c < nv; c += 2) {
-        even = Fma(LoadX(qr + c * kLanes), LoadX(kr + c * kLanes), even);
-        if (c + 1 < nv) odd = Fma(LoadX(qr + (c + 1) * kLanes), LoadX(kr + (c + 1) * kLanes), odd);
-      }
-      return std::pair<Vec, Vec>(even, odd);
-    };
-    int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes) {
-      for (int64_t p = 0; p < kLanes && i + kAhead + p < n; ++p) Prefetch(kp + base + (i + kAhead + p) * stride, hd);
-      for (int64_t g = 0; g < group; ++g) {
-        Vec s[kLanes];
-        for (int64_t p = 0; p < kLanes; ++p) {  // position i + p into the input that lands in lane p
-          const auto [even, odd] = dot(qh + g * hd, kp + base + (i + p) * stride);
-          s[kSlot.slot[p]] = Add(even, odd);
-        }
-        Store(scores.data() + g * n + i, Mul(FoldLanes(s), Set1(scale)));
-      }
+    const float* kr = kp + base;
+    float* sc = scores.data();
+    switch (nv) {
+      case 1: Scores<1>(qh, group, kr, stride, n, scale, sc); break;
+      case 2: Scores<2>(qh, group, kr, stride, n, scale, sc); break;
+      case 3: Scores<3>(qh, group, kr, stride, n, scale, sc); break;
+      case 4: Scores<4>(qh, group, kr, stride, n, scale, sc); break;
+      case 8: Scores<8>(qh, group, kr, stride, n, scale, sc); break;
+      case 16: Scores<16>(qh, group, kr, stride, n, scale, sc); break;
+      default: ScoresAny(qh, group, nv, kr, stride, n, scale, sc);
     }
-    for (; i < n; ++i)
-      for (int64_t g = 0; g < group; ++g) {
-        const auto [even, odd] = dot(qh + g * hd, kp + base + i * stride);
-        scores[g * n + i] = Finish(even, odd) * scale;
-      }
     float denom[8] = {};
     for (int64_t g = 0; g < group; ++g) {
       float* sg = scores.data() + g * n;
