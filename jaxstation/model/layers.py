@@ -214,7 +214,8 @@ def rotary(cfg: ModelConfig, positions: jax.Array) -> Rotaries:
         inv_freq = jnp.asarray(cfg.inv_freq(local))  # [head_dim // 2]
         freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, head_dim // 2]
         emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # [..., T, 1, head_dim]
-        return jnp.cos(emb), jnp.sin(emb)
+        # computed whole: otherwise XLA folds cos and sin into every layer's RoPE, once per head and per layer
+        return jax.lax.optimization_barrier((jnp.cos(emb), jnp.sin(emb)))
 
     glob = at(False)
     return glob, (at(True) if cfg.local_rope_theta is not None else glob)
