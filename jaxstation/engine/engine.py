@@ -306,7 +306,7 @@ class Engine:
         room = next((w for w in self.pack_widths if w > decode_rows), self.pack_budget)
         return max([*fits, room])
 
-    def _timed(self, key: tuple[str, int], run: Callable[[], object]) -> None:
+    def _timed(self, key: tuple[str, int] | tuple[str, int, int], run: Callable[[], object]) -> None:
         t0 = time.perf_counter()
         run()
         jax.block_until_ready(self.arena)
