@@ -201,7 +201,7 @@ def test_cancelled_mid_prefill_leaves_its_prefilled_chunks(station):
     fake, sched = station(lanes=1)
     prompt = list(range(1, 30))  # 29 tokens: 8 chunks
     job = Job(tokens=prompt, max_new_tokens=3)
-    fake.on_step = lambda kind: len(fake.prefills) == 2 and job.cancel()  # cancelled as its 3rd chunk starts
+    fake.on_step = lambda kind: len(fake.prefills) == 2 and sched.cancel(job)  # cancelled as its 3rd chunk starts
     sched.submit(job)
     with pytest.raises(Cancelled):
         job.future.result(TIMEOUT)

@@ -20,13 +20,16 @@ class ShuttingDown(Exception):
     """The station is draining or stopped and takes no new work."""
 
 
-class StepFailed(Exception):
-    """A compiled step raised; the jobs in flight are failed with its message. `status` is the HTTP status to
-    answer with: the step error's own `http_status` (a mesh station that is down: 502), else 500."""
+class UpstreamFailed(Exception):
+    """A part of a step that runs elsewhere (a mesh station) failed or stopped answering."""
 
-    def __init__(self, message: str, status: int = 500) -> None:
+
+class StepFailed(Exception):
+    """A compiled step raised; the jobs in flight are failed with its message. `cause` is what the step raised."""
+
+    def __init__(self, message: str, cause: BaseException | None = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.cause = cause
 
 
 class Cancelled(Exception):
@@ -55,14 +58,10 @@ class Job:
     on_token: Callable[[Sample], None] | None = None
     future: Future = dataclasses.field(default_factory=Future, repr=False)
     submitted_at: float = 0.0
-    cancelled: bool = False
-    stop_requested: bool = False
+    cancelled: bool = False  # written under Scheduler.cond (Scheduler.cancel)
+    stop_requested: bool = False  # written under Scheduler.cond (Scheduler.finish_early)
     cached_tokens: int = 0
     constraint: Constraint | None = None
-
-    def cancel(self) -> None:
-        """Ask the scheduler to drop this job; its lane is freed within one wave."""
-        self.cancelled = True
 
 
 @dataclasses.dataclass(frozen=True)

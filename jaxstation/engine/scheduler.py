@@ -13,6 +13,16 @@ A constrained job (engine/constraints.py) gets its mask computed here before eac
 grammar takes each token after: a complete grammar retires it ("stop"); one that leaves no token fails it alone.
 With no live lane and nothing pending the thread waits on the condition variable: no polling.
 
+Who owns what. `cond` (a re-entrant lock with its condition) guards `pending`, `_accepting`, `_stop`,
+`_prefix_resets`, every job's `cancelled` and `stop_requested`, and which lanes are busy: `lanes` is written only by
+the decode thread and only under `cond`, so another thread may read it (`busy_lanes`, `drain`) under it. The decode
+thread alone owns the engine, the prefix cache, `prefill_order` and each lane's progress (`Lane`'s fields), and reads
+them without the lock. Requests from other threads never touch that state: `cancel` and
+`finish_early` set a job's flag under `cond`, `reset_prefix_cache` queues a Future that the decode thread answers at
+the start of its next turn (directly, under `cond`, when no decode thread runs), and `drain` stops the queue and waits
+on `cond`. A Future's callbacks run on the thread that answers it (the decode thread, or a draining thread once the
+decode thread is gone).
+
 Backpressure. The queue holds at most `max_queue` jobs; `submit` past that raises QueueFull (the server answers 503
 with Retry-After) instead of letting latency grow without bound. Once `drain` starts, `submit` raises ShuttingDown.
 
@@ -99,14 +109,15 @@ class Scheduler:
         self.max_queue = max_queue
         self.terminal_ids = terminal_ids
         self.metrics = metrics or StationMetrics()
-        self.lanes: list[Lane | None] = [None] * engine.lanes
+        self.lanes: list[Lane | None] = [None] * engine.lanes  # written under cond
         self.pending: deque[Job] = deque()
-        self.cond = threading.Condition()
-        self.waves = 0  # loop turns that ran a step; flat while idle
-        self.prefill_order: deque[int] = deque()  # lanes waiting for prefill, oldest first
-        self.prefix_cache = PrefixCache(engine.lanes, engine.chunk)
-        self._accepting = True
-        self._stop = False
+        self.cond = threading.Condition()  # re-entrant; what it guards: the module's "Who owns what"
+        self.waves = 0  # loop turns that ran a step; flat while idle (the decode thread's)
+        self.prefill_order: deque[int] = deque()  # lanes waiting for prefill, oldest first (the decode thread's)
+        self.prefix_cache = PrefixCache(engine.lanes, engine.chunk)  # the decode thread's
+        self._prefix_resets: list[Future] = []  # reset_prefix_cache requests for the next turn (under cond)
+        self._accepting = True  # under cond
+        self._stop = False  # under cond
         self._thread: threading.Thread | None = None
 
     # ---- called from request threads -------------------------------------------------------------------------
@@ -120,7 +131,14 @@ class Scheduler:
 
     @property
     def busy_lanes(self) -> int:
-        return sum(lane is not None for lane in self.lanes)
+        with self.cond:
+            return sum(lane is not None for lane in self.lanes)
+
+    @property
+    def accepting(self) -> bool:
+        """Whether `submit` takes new jobs (False once `drain` starts)."""
+        with self.cond:
+            return self._accepting
 
     def submit(self, job: Job) -> Future:
         with self.cond:
@@ -135,22 +153,31 @@ class Scheduler:
         return job.future
 
     def cancel(self, job: Job) -> None:
-        job.cancel()
+        """Drop `job`: a queued job never runs, a running one frees its lane within one wave."""
         with self.cond:
+            job.cancelled = True
             self.cond.notify()
 
     def finish_early(self, job: Job) -> None:
         """End a running job with finish_reason "stop" and what it has generated (e.g. a host matched a stop
         string); its lane is freed within one wave."""
-        job.stop_requested = True
         with self.cond:
+            job.stop_requested = True
             self.cond.notify()
 
-    def reset_prefix_cache(self) -> int:
+    def reset_prefix_cache(self) -> Future:
         """Forget every free lane's cached prefix (vLLM's /reset_prefix_cache): the next requests prefill in full,
-        as a cold station's do. Lanes in flight are untouched. Returns how many entries were dropped."""
+        as a cold station's do. The decode thread does it between two turns, so every lane freed before the returned
+        Future answers loses its prefix, and lanes in flight are untouched. The Future answers how many entries were
+        dropped."""
+        done: Future = Future()
         with self.cond:
-            return self.prefix_cache.clear()
+            if self.alive and not self._stop:
+                self._prefix_resets.append(done)
+                self.cond.notify()
+            else:  # no decode thread owns the cache
+                done.set_result(self.prefix_cache.clear())
+        return done
 
     def drain(self, timeout_s: float) -> bool:
         """Stop taking work, let queued and running jobs finish for up to timeout_s, fail the rest, stop the thread.
@@ -188,22 +215,41 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self.cond:
-                while not self._stop and not self.pending and not self.busy_lanes:
+                while not (self._stop or self.pending or self.busy_lanes or self._prefix_resets):
                     self.cond.wait()
                 if self._stop:
+                    self._reset_prefixes()
                     self._fail_lanes(ShuttingDown("the station shut down before this request finished"))
                     return
+                self._reset_prefixes()
+                ending = self._ending()
                 self._fill()
-            plan = self.schedule()
+            plan = self.schedule(ending)
             try:
                 self._execute(plan)
             except Exception as e:  # a failed step: fail the lanes in flight, rebuild, keep serving
                 log.exception("step failed")
-                self._fail_lanes(StepFailed(f"step failed: {type(e).__name__}: {e}", getattr(e, "http_status", 500)))
+                self._fail_lanes(StepFailed(f"step failed: {type(e).__name__}: {e}", cause=e))
                 self.engine.reset()
                 self.prefix_cache.clear()
             with self.cond:
                 self.cond.notify_all()  # wake a drain waiting for the last job
+
+    def _reset_prefixes(self) -> None:
+        """Answer the queued reset_prefix_cache requests. Holds cond."""
+        for done in self._prefix_resets:
+            done.set_result(self.prefix_cache.clear())
+        self._prefix_resets.clear()
+
+    def _ending(self) -> dict[int, str]:
+        """Lanes whose job was cancelled ("cancel") or asked to finish early ("stop"). Holds cond."""
+        ending = {}
+        for i, lane in enumerate(self.lanes):
+            if lane is not None and (lane.job.cancelled or lane.job.future.cancelled()):
+                ending[i] = "cancel"
+            elif lane is not None and lane.job.stop_requested:
+                ending[i] = "stop"
+        return ending
 
     def _fill(self) -> None:
         """Move pending jobs into free lanes (in serialize-all mode only when every lane is free), each into the
@@ -232,15 +278,13 @@ class Scheduler:
         self.metrics.queue_depth.set(len(self.pending))
         self.metrics.busy_lanes.set(self.busy_lanes)
 
-    def schedule(self) -> Plan:
-        """Retire cancelled and early-finished lanes, then pick this turn's prefill chunk and decode rows."""
-        for i, lane in enumerate(self.lanes):
-            if lane is None:
-                continue
-            if lane.job.cancelled or lane.job.future.cancelled():
-                self._free(i)
-                self._finish_cancelled(lane.job)
-            elif lane.job.stop_requested:
+    def schedule(self, ending: dict[int, str] | None = None) -> Plan:
+        """Retire the `ending` lanes (lane -> "cancel" or "stop"), then pick this turn's prefill chunk and decode
+        rows."""
+        for i, how in (ending or {}).items():
+            if how == "cancel":
+                self._finish_cancelled(self._free(i).job)
+            else:
                 self._retire(i, "stop")
         packs = self.engine.pack_budget > 0
         prefill_lane, prefill_mask = None, None
@@ -372,7 +416,7 @@ class Scheduler:
                 job.on_token(sample)
             except Exception:  # a broken consumer cancels its own job, never the wave
                 log.exception("on_token callback failed; cancelling the job")
-                job.cancel()
+                self.cancel(job)
         if job.constraint is not None:
             try:
                 job.constraint.advance(sample.token)
@@ -403,13 +447,14 @@ class Scheduler:
 
     def _free(self, i: int) -> Lane:
         """Free lane i; its prefill-written KV stays behind for reuse (not a scored prefill's: another program)."""
-        lane = self.lanes[i]
-        self.lanes[i] = None
-        kept = [] if lane.job.prompt_logprobs else lane.job.tokens[:lane.fed]
-        self.prefix_cache.store(i, kept, self.engine.lane_versions[i])
+        with self.cond:
+            lane = self.lanes[i]
+            self.lanes[i] = None
+            self.metrics.busy_lanes.set(self.busy_lanes)
         if i in self.prefill_order:
             self.prefill_order.remove(i)
-        self.metrics.busy_lanes.set(self.busy_lanes)
+        kept = [] if lane.job.prompt_logprobs else lane.job.tokens[:lane.fed]
+        self.prefix_cache.store(i, kept, self.engine.lane_versions[i])
         return lane
 
     def _finish_cancelled(self, job: Job) -> None:
@@ -439,6 +484,9 @@ class Scheduler:
         self.metrics.queue_depth.set(0)
 
     def _fail_all(self, error: Exception) -> None:
+        """Fail every job and answer every reset request: the decode thread has ended (or is stuck past a drain's
+        deadline), so this thread takes over its state."""
         with self.cond:
             self._fail_lanes(error)
             self._fail_pending(error)
+            self._reset_prefixes()
