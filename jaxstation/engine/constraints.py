@@ -60,7 +60,12 @@ class ConstraintError(ValueError):
 
 
 class ConstraintFailed(Exception):
-    """A constrained request that cannot go on: no token is allowed, or the grammar refused a token."""
+    """A constrained request that cannot go on: no token is allowed, or the grammar refused a token. `field` is the
+    request field the constraint came from."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,9 +116,9 @@ class Constraint:
         try:
             self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         except Exception as e:
-            raise ConstraintFailed(f"the {self.field} constraint failed: {e}") from None
+            raise ConstraintFailed(self.field, f"the {self.field} constraint failed: {e}") from None
         if self._matcher.is_error():
-            raise ConstraintFailed(f"the {self.field} constraint failed: {self._matcher.get_error()}")
+            raise ConstraintFailed(self.field, f"the {self.field} constraint failed: {self._matcher.get_error()}")
 
     def next_mask(self, generated: int, min_tokens: int, stop_ids: Iterable[int], allowed: Sequence[int]
                   ) -> np.ndarray:
@@ -131,8 +136,8 @@ class Constraint:
         if only is not None:
             mask &= only
         if not mask.any():
-            raise ConstraintFailed(f"the {self.field} constraint allows no token after {generated} generated "
-                                   "(min_tokens or allowed_token_ids may rule out all it allows)")
+            raise ConstraintFailed(self.field, f"the {self.field} constraint allows no token after {generated} "
+                                   "generated (min_tokens or allowed_token_ids may rule out all it allows)")
         return mask
 
     def advance(self, token: int) -> None:
@@ -140,9 +145,10 @@ class Constraint:
         try:
             ok = self._matcher.consume_token(token)
         except Exception as e:
-            raise ConstraintFailed(f"the {self.field} constraint failed: {e}") from None
+            raise ConstraintFailed(self.field, f"the {self.field} constraint failed: {e}") from None
         if not ok:
-            raise ConstraintFailed(f"the {self.field} constraint refused token {token}: {self._matcher.get_error()}")
+            raise ConstraintFailed(self.field, f"the {self.field} constraint refused token {token}: "
+                                               f"{self._matcher.get_error()}")
 
 
 class Grammars:

@@ -14,6 +14,7 @@ import httpx
 import jax.numpy as jnp
 import numpy as np
 
+from jaxstation.engine.jobs import UpstreamFailed
 from jaxstation.mesh.wire import CONTENT_TYPE, WireError, decode, encode
 from jaxstation.model.config import LayerRange, ModelConfig
 from jaxstation.model.layers import compute_dtype
@@ -22,10 +23,8 @@ from jaxstation.serving.settings import StationConfig
 RETRY_S = 0.25  # between probes of a lost station
 
 
-class MeshError(Exception):
+class MeshError(UpstreamFailed):
     """The mesh cannot serve as configured; the message names the station. Answered as 502 Bad Gateway."""
-
-    http_status = 502
 
 
 class StationDown(MeshError):

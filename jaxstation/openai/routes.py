@@ -21,15 +21,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from jaxstation.engine.constraints import ConstraintError
 from jaxstation.model.default_model import DEFAULT_GGUF_NAME
 from jaxstation.model.tokenizer import Tokenizer
 from jaxstation.openai import protocol as p
 from jaxstation.openai.parse import parse_chat, parse_completion, parse_detokenize, parse_tokenize
-from jaxstation.openai.run import Choice, Disconnected, Run, busy
+from jaxstation.openai.run import Choice, Run
 from jaxstation.serving.errors import OpenAIError
-from jaxstation.serving.http_common import BodyError, read_json, until_disconnect
+from jaxstation.serving.http_common import read_json, until_disconnect
 from jaxstation.serving.openapi import Endpoint
+from jaxstation.serving.outcomes import OPENAI_INVALID, OUTCOMES, Disconnected, NotReady, check_ready, failure
+from jaxstation.serving.routes import rejected
 from jaxstation.serving.station import Station
 
 
@@ -52,19 +53,17 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def tokenizer_config(tok: Tokenizer, max_model_len: int) -> dict:
+def tokenizer_config(tok: Tokenizer, max_model_len: int) -> p.TokenizerInfo:
     """What vLLM's /tokenizer_info returns (tokenizer_config.json's fields) and lm-eval's RemoteTokenizer reads:
     the special tokens' texts and ids, whether a BOS is prepended, the chat template and the vocabulary size."""
-    info = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": tok.bos_token, "eos_token": tok.eos_token, "pad_token": tok.pad_token, "unk_token": tok.unk_token,
-        "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_ids[0] if tok.eos_ids else None,
-        "pad_token_id": tok.pad_id, "unk_token_id": tok.unk_id,
-        "add_bos_token": tok.add_bos, "add_eos_token": False, "model_max_length": max_model_len,
-        "vocab_size": tok.vocab_size,
-    }
+    info = p.TokenizerInfo(
+        tokenizer_class="PreTrainedTokenizerFast",
+        bos_token=tok.bos_token, eos_token=tok.eos_token, pad_token=tok.pad_token, unk_token=tok.unk_token,
+        bos_token_id=tok.bos_id, eos_token_id=tok.eos_ids[0] if tok.eos_ids else None,
+        pad_token_id=tok.pad_id, unk_token_id=tok.unk_id,
+        add_bos_token=tok.add_bos, add_eos_token=False, model_max_length=max_model_len, vocab_size=tok.vocab_size)
     if tok.chat_template:
-        info["chat_template"] = tok.chat_template
+        info.chat_template = tok.chat_template
     return info
 
 
@@ -79,53 +78,53 @@ def served_model_name(station: Station) -> str:
     return source.name if source.is_dir() else source.stem
 
 
-def openai_endpoints(station: Station) -> list[Endpoint]:
-    """The OpenAI-compatible routes on `station`, sharing its scheduler with /generate."""
-    metrics = station.metrics
+def wire(reply: p.Reply | p.TokenizerInfo) -> dict[str, Any]:
+    """A reply model as sent: every field that was set, nulls included, and nothing else."""
+    return reply.model_dump(mode="json", exclude_unset=True)
 
-    def rejected(err: OpenAIError) -> JSONResponse:
-        metrics.requests.labels("invalid" if err.status < 500 else "rejected").inc()
-        return err.response()
 
-    def check_ready() -> None:
-        if station.draining:
-            raise OpenAIError(503, "the station is shutting down", None, "shutting_down")
-        if station.scheduler is None or not station.ready.is_set():
-            msg = f"the station failed to start: {station.load_error}" if station.load_error else "not ready yet"
-            raise busy(msg)
+class OpenAIRoutes:
+    """The OpenAI-compatible routes on one station, sharing its scheduler with /generate."""
 
-    async def read_body(request: Request) -> Any:
+    def __init__(self, station: Station) -> None:
+        self.station = station
+
+    async def _body(self, request: Request) -> Any:
+        return await read_json(request, self.station.config.max_body_bytes)
+
+    def _tokenizer(self) -> Tokenizer:
+        if self.station.model is None or self.station.model.tokenizer is None:
+            raise NotReady("the model is not loaded yet")
+        return self.station.model.tokenizer
+
+    def _rejected(self, request: Request, error: Exception) -> Response:
+        return rejected(self.station, request, error, OPENAI_INVALID)
+
+    async def _start(self, request: Request, chat: bool) -> Run:
+        """Parse the body, compile its constraint off the event loop, and submit the run's jobs."""
+        station = self.station
+        check_ready(station)
+        body = await self._body(request)
+        parse = parse_chat if chat else parse_completion
+        req = parse(body, station.model.tokenizer, station.model.cfg.vocab_size, station.config.max_request_tokens,
+                    station.eos_ids, station.engine.token_controls)
+        constraint = None
+        if req.constraint is not None:
+            constraint = await asyncio.to_thread(station.compile_constraint, req.constraint)
+        run = Run(station, req, constraint)
+        run.submit()
+        return run
+
+    async def completions(self, request: Request, chat: bool) -> Response:
         try:
-            return await read_json(request, station.config.max_body_bytes)
-        except BodyError as e:
-            code = "too_large" if e.status == 413 else "invalid_value"
-            raise OpenAIError(e.status, e.message, "body", code) from None
-
-    async def completions(request: Request, chat: bool) -> Response:
-        try:
-            check_ready()
-            body = await read_body(request)
-            tok = station.model.tokenizer
-            parse = parse_chat if chat else parse_completion
-            req = parse(body, tok, station.model.cfg.vocab_size, station.config.max_request_tokens, station.eos_ids,
-                        station.engine.token_controls)
-            constraint = None
-            if req.constraint is not None:
-                constraint = await asyncio.to_thread(station.compile_constraint, req.constraint)
-            run = Run(station, req, constraint)
-            run.submit()
-        except ConstraintError as e:
-            return rejected(OpenAIError(400, e.message, e.field.split(".")[0], "invalid_value"))
-        except OpenAIError as e:
-            return rejected(e)
-        request.state.token_counts = lambda: (run.usage()["prompt_tokens"], run.usage()["completion_tokens"])
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        head = {"id": ident, "object": "", "created": int(time.time()), "model": served_model_name(station)}
-        if req.stream:
-            return _SSEResponse(_stream(run, head), run.cancel_all)
-        return await _complete(request, run, head)
-
-    async def _complete(request: Request, run: Run, head: dict) -> Response:
+            run = await self._start(request, chat)
+        except OUTCOMES as e:
+            return self._rejected(request, e)
+        request.state.token_counts = lambda: (run.usage().prompt_tokens, run.usage().completion_tokens)
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": served_model_name(self.station)}
+        if run.req.stream:
+            return _SSEResponse(stream_events(run, head), run.cancel_all)
         gone = asyncio.ensure_future(until_disconnect(request))
         try:
             while not run.done:
@@ -133,123 +132,140 @@ def openai_endpoints(station: Station) -> list[Endpoint]:
         except Disconnected:
             run.cancel_all()
             return Response(status_code=499)
-        except OpenAIError as e:
+        except OUTCOMES as e:
             run.cancel_all()
-            return e.response()
+            return failure(e, OPENAI_INVALID).response(request.url.path)
         finally:
             gone.cancel()
-        choices = []
-        for c in run.choices:
-            if run.req.echo_texts is not None:
-                prefix, lp = run.echo(c)
-                c.text.insert(0, prefix)
-            else:
-                lp = run.logprobs_since(c)
-            if run.req.chat:
-                message: dict[str, Any] = {"role": "assistant", "content": "".join(c.text)}
-                if c.tool is not None:
-                    message["content"] = c.tool.content
-                    if c.tool.calls:
-                        message["tool_calls"] = c.tool.calls
-                choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": c.finish})
-            else:
-                choices.append({"index": c.index, "text": "".join(c.text), "logprobs": lp,
-                                "finish_reason": c.finish})
-        obj = "chat.completion" if run.req.chat else "text_completion"
-        return JSONResponse({**head, "object": obj, "choices": choices, "usage": run.usage()})
+        return JSONResponse(wire(whole_reply(run, head)))
 
-    async def _stream(run: Run, head: dict) -> AsyncIterator[str]:
-        chat = run.req.chat
-        head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-        usage_null = {"usage": None} if run.req.include_usage else {}
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.completions(request, chat=True)
 
-        def chunk(c: Choice, text: str, finish: str | None, first: bool = False, calls: list[dict] | None = None
-                  ) -> str:
-            lp = run.logprobs_since(c, streaming=True)
-            if chat:
-                delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-                if calls:
-                    delta["tool_calls"] = calls
-                choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-            else:
-                choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}
-            usage = {"usage": run.usage()} if run.req.continuous_usage else usage_null
-            return _sse({**head, "choices": [choice], **usage})
+    async def text_completions(self, request: Request) -> Response:
+        return await self.completions(request, chat=False)
 
+    async def models(self, request: Request) -> Response:
+        card = p.ModelCard(id=served_model_name(self.station), object="model", created=int(time.time()),
+                           owned_by="jaxstation", max_model_len=self.station.config.max_request_tokens)
+        return JSONResponse(wire(p.ModelList(object="list", data=[card])))
+
+    async def tokenize(self, request: Request) -> Response:
         try:
-            if chat:
-                for c in run.choices:
-                    yield chunk(c, "", None, first=True)
-            while not run.done:
-                update = await run.next()
-                if update is None:
-                    continue
-                # the text, then each tool-call delta in a chunk of its own; the last chunk carries the finish
-                pieces = ([(update.text, None)] if update.text else []) + [("", [d]) for d in update.tool_deltas]
-                if update.finished and not pieces:
-                    pieces = [("", None)]
-                for k, (text, calls) in enumerate(pieces):
-                    last = update.finished and k == len(pieces) - 1
-                    yield chunk(update.choice, text, update.choice.finish if last else None, calls=calls)
-            if run.req.include_usage:
-                yield _sse({**head, "choices": [], "usage": run.usage()})
-        except OpenAIError as e:
-            run.cancel_all()
-            yield _sse(e.body())
-        yield "data: [DONE]\n\n"
+            tokens = parse_tokenize(await self._body(request), self._tokenizer())
+        except OUTCOMES as e:
+            return self._rejected(request, e)
+        return JSONResponse(wire(p.TokenizeResponse(count=len(tokens), tokens=tokens,
+                                                    max_model_len=self.station.config.max_request_tokens)))
 
-    async def chat_completions(request: Request) -> Response:
-        return await completions(request, chat=True)
-
-    async def text_completions(request: Request) -> Response:
-        return await completions(request, chat=False)
-
-    async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            "id": served_model_name(station), "object": "model", "created": int(time.time()),
-            "owned_by": "jaxstation", "max_model_len": station.config.max_request_tokens}]})
-
-    def tokenizer() -> Tokenizer:
-        if station.model is None or station.model.tokenizer is None:
-            raise busy("the model is not loaded yet")
-        return station.model.tokenizer
-
-    async def tokenize(request: Request) -> Response:
+    async def detokenize(self, request: Request) -> Response:
         try:
-            tokens = parse_tokenize(await read_body(request), tokenizer())
-        except OpenAIError as e:
-            return rejected(e)
-        return JSONResponse({"count": len(tokens), "max_model_len": station.config.max_request_tokens,
-                             "tokens": tokens})
+            tok = self._tokenizer()
+            tokens = parse_detokenize(await self._body(request), self.station.model.cfg.vocab_size)
+        except OUTCOMES as e:
+            return self._rejected(request, e)
+        return JSONResponse(wire(p.DetokenizeResponse(prompt=tok.decode(tokens))))
 
-    async def detokenize(request: Request) -> Response:
+    async def tokenizer_info(self, request: Request) -> Response:
         try:
-            tok = tokenizer()
-            tokens = parse_detokenize(await read_body(request), station.model.cfg.vocab_size)
-        except OpenAIError as e:
-            return rejected(e)
-        return JSONResponse({"prompt": tok.decode(tokens)})
+            tok = self._tokenizer()
+        except OUTCOMES as e:
+            return self._rejected(request, e)
+        return JSONResponse(wire(tokenizer_config(tok, self.station.config.max_request_tokens)))
 
-    async def tokenizer_info(request: Request) -> Response:
-        try:
-            tok = tokenizer()
-        except OpenAIError as e:
-            return rejected(e)
-        return JSONResponse(tokenizer_config(tok, station.config.max_request_tokens))
+    def endpoints(self) -> list[Endpoint]:
+        err = p.OpenAIErrorResponse
+        limits = (400, 413, 500, 503)
+        return [
+            Endpoint("/v1/completions", "POST", self.text_completions, "OpenAI's completions", p.CompletionResponse,
+                     err, request=p.CompletionRequest, statuses=limits, stream=True,
+                     stream_chunk=p.CompletionResponse),
+            Endpoint("/v1/chat/completions", "POST", self.chat_completions, "OpenAI's chat completions",
+                     p.ChatCompletionResponse, err, request=p.ChatCompletionRequest, statuses=limits, stream=True,
+                     stream_chunk=p.ChatCompletionChunk),
+            Endpoint("/v1/models", "GET", self.models, "The served model", p.ModelList, err, statuses=()),
+            Endpoint("/tokenize", "POST", self.tokenize, "vLLM's: a prompt or chat messages to token ids",
+                     p.TokenizeResponse, err, request=p.TokenizeCompletionRequest | p.TokenizeChatRequest,
+                     statuses=(400, 413, 503)),
+            Endpoint("/detokenize", "POST", self.detokenize, "vLLM's: token ids to text", p.DetokenizeResponse, err,
+                     request=p.DetokenizeRequest, statuses=(400, 413, 503)),
+            Endpoint("/tokenizer_info", "GET", self.tokenizer_info, "vLLM's: the tokenizer's config", p.TokenizerInfo,
+                     err, statuses=(503,)),
+        ]
 
-    err = p.OpenAIErrorResponse
-    limits = (400, 413, 500, 503)
-    return [
-        Endpoint("/v1/completions", "POST", text_completions, "OpenAI's completions", p.CompletionResponse, err,
-                 request=p.CompletionRequest, statuses=limits, stream=True, stream_chunk=p.CompletionResponse),
-        Endpoint("/v1/chat/completions", "POST", chat_completions, "OpenAI's chat completions",
-                 p.ChatCompletionResponse, err, request=p.ChatCompletionRequest, statuses=limits, stream=True,
-                 stream_chunk=p.ChatCompletionChunk),
-        Endpoint("/v1/models", "GET", models, "The served model", p.ModelList, err, statuses=()),
-        Endpoint("/tokenize", "POST", tokenize, "vLLM's: a prompt or chat messages to token ids", p.TokenizeResponse,
-                 err, request=p.TokenizeCompletionRequest | p.TokenizeChatRequest, statuses=(400, 413, 503)),
-        Endpoint("/detokenize", "POST", detokenize, "vLLM's: token ids to text", p.DetokenizeResponse, err,
-                 request=p.DetokenizeRequest, statuses=(400, 413, 503)),
-        Endpoint("/tokenizer_info", "GET", tokenizer_info, "vLLM's: the tokenizer's config", p.TokenizerInfo, err,
-                 statuses=(503,)),
-    ]
+
+def openai_endpoints(station: Station) -> list[Endpoint]:
+    """The OpenAI-compatible routes on `station`, sharing its scheduler with /generate."""
+    return OpenAIRoutes(station).endpoints()
+
+
+def whole_reply(run: Run, head: dict) -> p.ChatCompletionResponse | p.CompletionResponse:
+    """The reply of a finished, non-streamed run."""
+    choices = []
+    for c in run.choices:
+        if run.req.echo_texts is not None:
+            prefix, lp = run.echo(c)
+            c.text.insert(0, prefix)
+        else:
+            lp = run.logprobs_since(c)
+        if not run.req.chat:
+            choices.append(p.CompletionChoice(index=c.index, text="".join(c.text), logprobs=lp,
+                                              finish_reason=c.finish))
+            continue
+        message = p.AssistantMessage(role="assistant", content="".join(c.text))
+        if c.tool is not None:
+            message = p.AssistantMessage(role="assistant", content=c.tool.content,
+                                         **({"tool_calls": c.tool.calls} if c.tool.calls else {}))
+        choices.append(p.ChatChoice(index=c.index, message=message, logprobs=lp, finish_reason=c.finish))
+    if run.req.chat:
+        return p.ChatCompletionResponse(**head, object="chat.completion", choices=choices, usage=run.usage())
+    return p.CompletionResponse(**head, object="text_completion", choices=choices, usage=run.usage())
+
+
+def _chunk(run: Run, head: dict, c: Choice, text: str, finish: str | None, first: bool = False,
+           calls: list[dict] | None = None) -> str:
+    """One streamed chunk of choice `c`."""
+    lp = run.logprobs_since(c, streaming=True)
+    usage = {"usage": run.usage()} if run.req.continuous_usage else ({"usage": None} if run.req.include_usage else {})
+    if not run.req.chat:
+        choice = p.CompletionChoice(index=c.index, text=text, logprobs=lp, finish_reason=finish)
+        return _sse(wire(p.CompletionResponse(**head, object="text_completion", choices=[choice], **usage)))
+    delta = p.ChatDelta(role="assistant", content=text) if first else (
+        p.ChatDelta(content=text) if text else p.ChatDelta())
+    if calls:
+        delta.tool_calls = [p.ToolCallDelta.model_validate(d) for d in calls]
+    choice = p.ChatChunkChoice(index=c.index, delta=delta, logprobs=lp, finish_reason=finish)
+    return _sse(wire(p.ChatCompletionChunk(**head, object="chat.completion.chunk", choices=[choice], **usage)))
+
+
+def _usage_chunk(run: Run, head: dict) -> str:
+    reply = p.ChatCompletionChunk if run.req.chat else p.CompletionResponse
+    obj = "chat.completion.chunk" if run.req.chat else "text_completion"
+    return _sse(wire(reply(**head, object=obj, choices=[], usage=run.usage())))
+
+
+async def stream_events(run: Run, head: dict) -> AsyncIterator[str]:
+    """A streamed run's server-sent events: the chat role first, then each update's text and each tool-call delta
+    in a chunk of its own (the last chunk carries the finish), the usage if asked, and "[DONE]". A failure ends the
+    stream with an error event."""
+    try:
+        if run.req.chat:
+            for c in run.choices:
+                yield _chunk(run, head, c, "", None, first=True)
+        while not run.done:
+            update = await run.next()
+            if update is None:
+                continue
+            pieces = ([(update.text, None)] if update.text else []) + [("", [d]) for d in update.tool_deltas]
+            if update.finished and not pieces:
+                pieces = [("", None)]
+            for k, (text, calls) in enumerate(pieces):
+                last = update.finished and k == len(pieces) - 1
+                yield _chunk(run, head, update.choice, text, update.choice.finish if last else None, calls=calls)
+        if run.req.include_usage:
+            yield _usage_chunk(run, head)
+    except OUTCOMES as e:
+        run.cancel_all()
+        f = failure(e, OPENAI_INVALID)
+        yield _sse(OpenAIError(f.status, f.message, f.field, f.code).body())
+    yield "data: [DONE]\n\n"

@@ -2,33 +2,30 @@
 text work on its tokens (incremental detokenizing, stop strings across token boundaries, logprobs in OpenAI's shapes).
 
 Each job's `on_token` callback runs on the decode thread and hands its `Sample` to the request's event loop with
-`loop.call_soon_threadsafe` into an `asyncio.Queue`; the job's Future does the same when it resolves. Non-streaming
-and streaming replies are built from the same events, so their text is the same.
+`loop.call_soon_threadsafe` into an `asyncio.Queue`; the job's Future does the same when it resolves. Everything else
+here runs on the request's event loop. Non-streaming and streaming replies are built from the same events, so their
+text is the same. A job's failure is raised as the engine's own exception (`serving.outcomes` maps it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import secrets
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from jaxstation.engine.constraints import Constraint, ConstraintFailed
-from jaxstation.engine.jobs import Cancelled, Job, QueueFull, Result, ShuttingDown, StepFailed
+from jaxstation.engine.constraints import Constraint
+from jaxstation.engine.jobs import Job, QueueFull, Result, ShuttingDown
 from jaxstation.engine.rows import SEED_LIMIT, Sample
 from jaxstation.model.detokenizer import IncrementalDetokenizer
 from jaxstation.model.tokenizer import Tokenizer
+from jaxstation.openai import protocol as p
+from jaxstation.openai.logprobs import chat_logprobs, completion_logprobs
 from jaxstation.openai.parse import RunRequest
 from jaxstation.openai.tools import ToolStream
-from jaxstation.serving.errors import OpenAIError
-from jaxstation.serving.http_common import RETRY_AFTER_S
+from jaxstation.serving.outcomes import wait_for
 from jaxstation.serving.station import Station
-
-
-def busy(message: str) -> OpenAIError:
-    return OpenAIError(503, message, None, "overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def _holdback(text: str, stops: tuple[str, ...]) -> int:
@@ -40,10 +37,6 @@ def _holdback(text: str, stops: tuple[str, ...]) -> int:
                 best = k
                 break
     return best
-
-
-def _finite(x: float) -> float:
-    return x if math.isfinite(x) else -9999.0
 
 
 @dataclasses.dataclass
@@ -81,11 +74,10 @@ class Run:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.choices: list[Choice] = []
-        self.error: OpenAIError | None = None
 
     def submit(self) -> None:
         req = self.req
-        for p, (prompt, max_tokens) in enumerate(zip(req.prompts, req.max_tokens, strict=True)):
+        for i, (prompt, max_tokens) in enumerate(zip(req.prompts, req.max_tokens, strict=True)):
             for j in range(req.n):
                 seed = (req.seed + j) % SEED_LIMIT if req.seed is not None else secrets.randbelow(SEED_LIMIT)
                 index = len(self.choices)
@@ -96,14 +88,14 @@ class Run:
                           constraint=self.constraint.copy() if self.constraint else None)
                 detok = IncrementalDetokenizer(self.tok, skip_special_tokens=req.skip_special)
                 tool = ToolStream(req.tools) if req.tools else None
-                self.choices.append(Choice(index, p, job, detok, tool=tool))
+                self.choices.append(Choice(index, i, job, detok, tool=tool))
         try:
             for choice in self.choices:
                 future = self.scheduler.submit(choice.job)
                 future.add_done_callback(self._on_done(choice.index))
-        except (QueueFull, ShuttingDown) as e:
+        except (QueueFull, ShuttingDown):
             self.cancel_all()
-            raise busy(str(e)) from None
+            raise
 
     def _on_token(self, index: int) -> Callable[[Sample], None]:
         def on_token(sample: Sample) -> None:  # the decode thread
@@ -157,15 +149,7 @@ class Run:
         """Wait for the next event and return what it changes (None when it changes nothing visible)."""
         get = asyncio.ensure_future(self.queue.get())
         try:
-            while True:
-                waits = {get} if disconnected is None else {get, disconnected}
-                done, _ = await asyncio.wait(waits, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-                if get in done:
-                    break
-                if disconnected is not None and disconnected in done:
-                    raise Disconnected
-                if not self.scheduler.alive and not all(c.job.future.done() for c in self.choices):
-                    raise OpenAIError(500, "the decode thread has died", None, "internal_error")
+            await wait_for(get, self.scheduler, lambda: [c.job.future for c in self.choices], disconnected)
         finally:
             if not get.done():
                 get.cancel()
@@ -179,17 +163,7 @@ class Run:
             if self.req.logprobs is not None:
                 c.logprobs.append((event, offset))
             return self._update(c, self._advance(c, c.detok.push(event.token), final=False), c.finish is not None)
-        try:
-            result: Result = event.result()
-        except StepFailed as e:
-            raise OpenAIError(e.status, str(e), None, "internal_error") from None
-        except ShuttingDown as e:
-            raise OpenAIError(503, str(e), None, "shutting_down") from None
-        except Cancelled as e:
-            raise OpenAIError(500, str(e), None, "internal_error") from None
-        except ConstraintFailed as e:
-            field = self.req.constraint.field.split(".")[0] if self.req.constraint else None
-            raise OpenAIError(400, str(e), field, "constraint_failed") from None
+        result: Result = event.result()  # raises the job's failure
         c.prompt_logprobs = result.prompt_logprobs
         text = self._advance(c, "", final=True)
         if result.stop_sample is not None and self.req.logprobs is not None:  # listed, as vLLM does; not in text
@@ -211,53 +185,16 @@ class Run:
                 c.finish = "tool_calls"
         return _Update(c, shown, finished, deltas)
 
-    def usage(self) -> dict:
+    def usage(self) -> p.Usage:
         """OpenAI's usage. Each prompt counts once; its cached tokens are the most any of its choices reused."""
-        prompt = sum(len(p) for p in self.req.prompts)
+        prompt = sum(len(t) for t in self.req.prompts)
         completion = sum(c.tokens for c in self.choices)
-        cached = sum(max(c.job.cached_tokens for c in self.choices if c.prompt == p)
-                     for p in range(len(self.req.prompts)))
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        cached = sum(max(c.job.cached_tokens for c in self.choices if c.prompt == i)
+                     for i in range(len(self.req.prompts)))
+        return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                       prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached))
 
-    # ---- logprobs in OpenAI's two shapes ----
-    def _token_text(self, token: int) -> str:
-        return self.tok.token_bytes(token).decode("utf-8", errors="replace")
-
-    def chat_logprobs(self, entries: list[tuple[Sample, int]]) -> dict:
-        k = self.req.logprobs or 0
-
-        def one(token: int, lp: float) -> dict:
-            raw = self.tok.token_bytes(token)
-            return {"token": raw.decode("utf-8", errors="replace"), "logprob": _finite(lp), "bytes": list(raw)}
-
-        return {"content": [{**one(s.token, s.logprob), "top_logprobs": [one(t, lp) for t, lp in s.top[:k]]}
-                            for s, _ in entries]}
-
-    def completion_logprobs(self, entries: list[tuple[Sample | None, int]], tokens: list[int] | None = None) -> dict:
-        """OpenAI's legacy shape. An entry without a Sample (echo's first prompt token) has null logprobs.
-
-        With echo, each position's top_logprobs holds its own token, then the top max(k, 1) (so the model's top-1 is
-        always there and a duplicate text keeps the top one's logprob)."""
-        k = self.req.logprobs or 0
-        echo = self.req.echo_texts is not None
-        tokens = tokens if tokens is not None else [s.token for s, _ in entries]
-
-        def top(s: Sample | None) -> dict | None:
-            if s is None:
-                return None
-            alternatives = s.top[:max(k, 1)] if echo else s.top[:k]
-            head = [(s.token, s.logprob)] if echo else []
-            return {self._token_text(t): _finite(lp) for t, lp in head + list(alternatives)}
-
-        return {
-            "tokens": [self._token_text(t) for t in tokens],
-            "token_logprobs": [None if s is None else _finite(s.logprob) for s, _ in entries],
-            "top_logprobs": [top(s) for s, _ in entries],
-            "text_offset": [off for _, off in entries],
-        }
-
-    def echo(self, c: Choice) -> tuple[str, dict | None]:
+    def echo(self, c: Choice) -> tuple[str, p.CompletionLogprobs | None]:
         """With echo: the prompt's text and, with logprobs, the logprobs of its tokens then the generated ones.
 
         A prompt token's text_offset is where it starts in the prompt's decoded text (the prompt as sent, when it
@@ -274,15 +211,14 @@ class Run:
         shift = len(text)  # generated offsets count from the end of the echoed prompt
         entries: list[tuple[Sample | None, int]] = list(zip([None, *c.prompt_logprobs], offsets, strict=True))
         entries += [(s, off + shift) for s, off in c.logprobs]
-        return text, self.completion_logprobs(entries, list(prompt) + [s.token for s, _ in c.logprobs])
+        tokens = list(prompt) + [s.token for s, _ in c.logprobs]
+        return text, completion_logprobs(self.tok, entries, self.req.logprobs, echo=True, tokens=tokens)
 
-    def logprobs_since(self, c: Choice, streaming: bool = False) -> dict | None:
+    def logprobs_since(self, c: Choice, streaming: bool = False) -> p.ChatLogprobs | p.CompletionLogprobs | None:
         """The logprobs of the tokens not reported yet (a stream's chunk without new tokens gets null)."""
         if self.req.logprobs is None or (streaming and c.lp_sent == len(c.logprobs)):
             return None
         entries, c.lp_sent = c.logprobs[c.lp_sent:], len(c.logprobs)
-        return self.chat_logprobs(entries) if self.req.chat else self.completion_logprobs(entries)
-
-
-class Disconnected(Exception):
-    """The client went away before the reply was complete."""
+        if self.req.chat:
+            return chat_logprobs(self.tok, entries, self.req.logprobs)
+        return completion_logprobs(self.tok, entries, self.req.logprobs, echo=self.req.echo_texts is not None)

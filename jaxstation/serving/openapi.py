@@ -94,15 +94,19 @@ def openapi_document(endpoints: Sequence[Endpoint], *, title: str, version: str,
     return doc
 
 
-def openapi_endpoint(endpoints: Sequence[Endpoint], errors: type[BaseModel], **info: Any) -> Endpoint:
-    """`GET /openapi.json`: the document of `endpoints` and of itself, built on first request."""
+def openapi_endpoint(endpoints: Sequence[Endpoint], errors: type[BaseModel], **info: Any
+                     ) -> tuple[Endpoint, Callable[[], dict[str, Any]]]:
+    """`GET /openapi.json`, the document of `endpoints` and of itself, and the function that builds it (once)."""
     cached: list[dict[str, Any]] = []
 
-    async def handler(request: Request) -> Response:
+    def document() -> dict[str, Any]:
         if not cached:
             cached.append(openapi_document([*endpoints, me], **info))
-        return JSONResponse(cached[0])
+        return cached[0]
+
+    async def handler(request: Request) -> Response:
+        return JSONResponse(document())
 
     me = Endpoint("/openapi.json", "GET", handler, "This document", response=dict[str, Any], errors=errors,
                   statuses=())
-    return me
+    return me, document

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import secrets
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -24,12 +25,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxstation import __version__
-from jaxstation.engine.constraints import ConstraintError, ConstraintFailed
-from jaxstation.engine.jobs import Cancelled, QueueFull, Result, ShuttingDown, StepFailed
+from jaxstation.engine.jobs import Job, Result
 from jaxstation.serving.access_log import AccessLogMiddleware
-from jaxstation.serving.errors import OPENAI_PATHS, ApiError, error_response
-from jaxstation.serving.http_common import RETRY_AFTER_S, BodyError, read_json, until_disconnect
+from jaxstation.serving.errors import OPENAI_PATHS, error_response
+from jaxstation.serving.http_common import read_json, until_disconnect
 from jaxstation.serving.openapi import Endpoint, openapi_endpoint
+from jaxstation.serving.outcomes import OUTCOMES, STATION_INVALID, Disconnected, check_ready, failure, wait_for
 from jaxstation.serving.protocol import (
     ErrorResponse,
     GenerateRequest,
@@ -70,92 +71,73 @@ def _retrieve(fut: asyncio.Future) -> None:
         fut.exception()  # mark retrieved: a cancelled job's Cancelled is expected and nobody awaits it
 
 
+def rejected(station: Station, request: Request, error: Exception, invalid: int) -> Response:
+    """The reply to a request refused before it ran (counted as "invalid" or "rejected")."""
+    f = failure(error, invalid)
+    station.metrics.requests.labels("invalid" if f.status < 500 else "rejected").inc()
+    return f.response(request.url.path)
+
+
 def station_endpoints(station: Station) -> list[Endpoint]:
     """/generate, /health, /ready, /reset_prefix_cache and /metrics on `station`."""
-    metrics = station.metrics
 
-    def rejected(err: ApiError) -> JSONResponse:
-        metrics.requests.labels("invalid" if err.status < 500 else "rejected").inc()
-        return err.response()
+    async def submit(request: Request) -> tuple[Job, Future]:
+        scheduler = check_ready(station)
+        body = await read_json(request, station.config.max_body_bytes)
+        job, spec = parse_generate(body, station.model.cfg.vocab_size, station.config.max_request_tokens,
+                                   station.eos_ids, station.config.reuse_prefix, station.engine.token_controls)
+        if spec is not None:
+            job.constraint = await asyncio.to_thread(station.compile_constraint, spec)
+        return job, scheduler.submit(job)
 
     async def generate(request: Request) -> Response:
-        if station.draining:
-            return rejected(ApiError(503, "the station is shutting down"))
-        scheduler = station.scheduler
-        if scheduler is None or not station.ready.is_set():
-            msg = f"the station failed to start: {station.load_error}" if station.load_error else "not ready yet"
-            return rejected(ApiError(503, msg, headers={"Retry-After": str(RETRY_AFTER_S)}))
         try:
-            try:
-                body = await read_json(request, station.config.max_body_bytes)
-            except BodyError as e:
-                raise ApiError(e.status, e.message, "body") from None
-            job, spec = parse_generate(body, station.model.cfg.vocab_size, station.config.max_request_tokens,
-                                       station.eos_ids, station.config.reuse_prefix, station.engine.token_controls)
-            if spec is not None:
-                job.constraint = await asyncio.to_thread(station.compile_constraint, spec)
-            future = scheduler.submit(job)
-        except ConstraintError as e:
-            return rejected(ApiError(422, e.message, "structured_outputs"))
-        except ApiError as e:
-            return rejected(e)
-        except QueueFull as e:
-            return rejected(ApiError(503, str(e), headers={"Retry-After": str(RETRY_AFTER_S)}))
-        except ShuttingDown as e:
-            return rejected(ApiError(503, str(e)))
-
+            job, future = await submit(request)
+        except OUTCOMES as e:
+            return rejected(station, request, e, STATION_INVALID)
         result_fut = asyncio.wrap_future(future)
         gone = asyncio.ensure_future(until_disconnect(request))
         try:
-            while True:
-                done, _ = await asyncio.wait({result_fut, gone}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-                if result_fut in done:
-                    break
-                if gone in done:
-                    scheduler.cancel(job)  # its lane is freed within one wave; nobody reads this reply
-                    result_fut.add_done_callback(_retrieve)
-                    return Response(status_code=499)
-                if not scheduler.alive and not future.done():  # the thread answers every Future before it ends
-                    return ApiError(500, "the decode thread has died").response()
+            await wait_for(result_fut, station.scheduler, lambda: [future], gone)
+            result: Result = result_fut.result()
+        except Disconnected:
+            station.scheduler.cancel(job)  # its lane is freed within one wave; nobody reads this reply
+            result_fut.add_done_callback(_retrieve)
+            return Response(status_code=499)
+        except OUTCOMES as e:
+            return failure(e, STATION_INVALID).response(request.url.path)
         finally:
             gone.cancel()
-        try:
-            result: Result = result_fut.result()
-        except StepFailed as e:
-            return ApiError(e.status, str(e)).response()
-        except ShuttingDown as e:
-            return ApiError(503, str(e)).response()
-        except Cancelled as e:
-            return ApiError(500, str(e)).response()
-        except ConstraintFailed as e:
-            return ApiError(422, str(e), "structured_outputs").response()
         request.state.token_counts = lambda: (result.prompt_tokens, len(result.generated))  # for the access line
-        return JSONResponse({"generated": result.generated, "finish_reason": result.finish_reason,
-                             "prompt_tokens": result.prompt_tokens, "timing": result.timing})
+        return JSONResponse(GenerateResponse(generated=result.generated, finish_reason=result.finish_reason,
+                                             prompt_tokens=result.prompt_tokens, timing=result.timing).model_dump())
 
     async def health(request: Request) -> Response:
-        if station.load_error:
-            return JSONResponse({"status": "failed", "error": station.load_error}, 503)
         scheduler = station.scheduler
-        if scheduler is not None and not scheduler.alive:
-            return JSONResponse({"status": "stopped" if station.draining else "decode thread died"}, 503)
-        return JSONResponse({"status": "ok"})
+        if station.load_error:
+            reply, status = HealthResponse(status="failed", error=station.load_error), 503
+        elif scheduler is not None and not scheduler.alive:
+            reply, status = HealthResponse(status="stopped" if station.draining else "decode thread died"), 503
+        else:
+            reply, status = HealthResponse(status="ok"), 200
+        return JSONResponse(reply.model_dump(exclude_none=True), status)
 
     async def ready(request: Request) -> Response:
         scheduler = station.scheduler
         if station.ready.is_set() and not station.draining and scheduler is not None and scheduler.alive:
-            return JSONResponse({"status": "ready"})
+            return JSONResponse(ReadyResponse(status="ready").model_dump())
         status = "draining" if station.draining else ("failed" if station.load_error else "loading")
-        return JSONResponse({"status": status}, 503)
+        return JSONResponse(ReadyResponse(status=status).model_dump(), 503)
 
     async def reset_prefix_cache(request: Request) -> Response:
-        scheduler = station.scheduler
-        if scheduler is None or not station.ready.is_set():
-            return ApiError(503, "not ready yet", headers={"Retry-After": str(RETRY_AFTER_S)}).response()
-        return JSONResponse({"cleared": scheduler.reset_prefix_cache()})
+        try:
+            cleared = await asyncio.wrap_future(check_ready(station).reset_prefix_cache())
+        except OUTCOMES as e:
+            return failure(e, STATION_INVALID).response(request.url.path)
+        return JSONResponse(ResetPrefixCacheResponse(cleared=cleared).model_dump())
 
     async def metrics_route(request: Request) -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(station.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return [
         Endpoint("/generate", "POST", generate, "Token ids in, generated token ids out", GenerateResponse,
@@ -195,8 +177,10 @@ def station_app(station: Station, endpoints: Sequence[Endpoint], *, title: str =
         yield
         await asyncio.to_thread(station.shutdown)
 
-    doc = openapi_endpoint(endpoints, ErrorResponse, title=title, version=__version__,
-                           api_key=bool(station.config.api_key))
+    doc, document = openapi_endpoint(endpoints, ErrorResponse, title=title, version=__version__,
+                                     api_key=bool(station.config.api_key))
     routes: list[Any] = [e.route() for e in [*endpoints, doc]]
-    return Starlette(exception_handlers={HTTPException: json_http_error}, routes=routes, lifespan=lifespan,
-                     middleware=[Middleware(AccessLogMiddleware), Middleware(ApiKeyMiddleware, station=station)])
+    app = Starlette(exception_handlers={HTTPException: json_http_error}, routes=routes, lifespan=lifespan,
+                    middleware=[Middleware(AccessLogMiddleware), Middleware(ApiKeyMiddleware, station=station)])
+    app.state.openapi = document  # what tests check every reply against
+    return app
