@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from reply_schema import ReplyCheck
 from starlette.applications import Starlette
 
 
@@ -24,10 +25,14 @@ def free_port() -> int:
 
 
 class ServerThread:
-    """uvicorn serving `app` in a background thread: on a pre-bound loopback port, or on the Unix socket `uds`."""
+    """uvicorn serving `app` in a background thread: on a pre-bound loopback port, or on the Unix socket `uds`.
+    Every reply is checked against the app's OpenAPI document (tests/reply_schema.py); a test whose block ends
+    cleanly fails on a reply that does not match."""
 
     def __init__(self, app: Starlette, uds: str | None = None) -> None:
         self.uds = uds
+        self.replies = ReplyCheck(app)
+        app = self.replies
         self._sock: socket.socket | None = None
         if uds is None:
             self._sock = socket.socket()
@@ -45,9 +50,12 @@ class ServerThread:
         wait_for(lambda: self.server.started, 30, "uvicorn did not start")
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         self.server.should_exit = True
         self._thread.join(30)
+        problems = self.replies.problems()
+        if kind is None and problems:
+            raise AssertionError("replies that do not match the OpenAPI document:\n" + "\n".join(problems[:20]))
 
     @property
     def address(self) -> tuple[str, int] | str:
