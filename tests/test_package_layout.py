@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -40,4 +42,37 @@ def test_each_package_imports_alone(package: str) -> None:
 
 def test_no_module_over_the_limit() -> None:
     long = {str(p.relative_to(PACKAGE)): n for p in _modules() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, long
+
+
+ROOT = PACKAGE.parent
+RUN_DIRECTLY = re.compile(r"(?<![\w/.])(?<!python )(?<!python3 )(?<!bash )(scripts/[\w/-]+\.(?:sh|py))")
+
+
+def _scripts_the_docs_run() -> set[str]:
+    """Every `scripts/...` path the README and docs/ write as a command of its own (not after python or bash)."""
+    found = set()
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for line in doc.read_text().splitlines():
+            found.update(m.group(1) for m in RUN_DIRECTLY.finditer(line.lstrip("`$ ")))
+    return found
+
+
+def test_every_script_the_docs_run_is_executable_in_git() -> None:
+    """A fresh clone keeps git's modes: a script the docs run as `scripts/x.sh` must be committed with its run bit."""
+    listing = subprocess.run(["git", "ls-files", "-s", "scripts"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout  # "<mode> <object> <stage>\t<path>" a line
+    modes = {line.split()[3]: line.split()[0] for line in listing.splitlines()}
+    run = _scripts_the_docs_run() | {f"scripts/{p.name}" for p in (ROOT / "scripts").glob("*.sh")}
+    assert run >= {"scripts/build_image_local.sh", "scripts/deploy_cloudrun.sh", "scripts/gpu_check.sh"}
+    assert {s: modes.get(s) for s in sorted(run) if modes.get(s) != "100755"} == {}
+
+
+def test_no_function_over_80_lines() -> None:
+    """Functions do one job: none past 80 lines (the CPU kernels' C++ is not Python and not counted)."""
+    long = {}
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 80:
+                long[f"{path.relative_to(PACKAGE)}:{node.name}"] = node.end_lineno - node.lineno + 1
     assert not long, long

@@ -36,6 +36,14 @@ class StationMetrics:
                                            "Prompt tokens not prefilled: the match rounded down to a chunk boundary",
                                            registry=r)
 
+    def count_prefix_lookup(self, matched: int, reused: int) -> None:
+        """A request looked for a cached prefix: `matched` prompt tokens found, `reused` of them not prefilled."""
+        self.prefix_lookups.inc()
+        if reused:
+            self.prefix_hits.inc()
+            self.prefix_reused_tokens.inc(matched)
+            self.prefix_saved_tokens.inc(reused)
+
 
 class MeshStationMetrics:
     """A mesh station's metrics: requests by route and outcome, and step wall times by route."""

@@ -30,12 +30,8 @@ Prefix reuse. A freed lane keeps its KV; `PrefixCache` (jaxstation/engine/prefix
 prefill wrote. `_fill` gives a job the free lane with the longest reusable prefix (ties and victims least recently
 used) and starts its prefill at the last chunk boundary at or below the match, so its tokens equal a fresh run's.
 
-Admission. On an engine that packs (`pack_budget` > 0), a turn's prompt work is pieces of every prefilling lane's
-prompt under the turn's rows, less the decode rows: up to a chunk for each lane, oldest first, then the rest to the
-oldest, so neither a long prompt nor a stream of short ones holds the other back. A turn without decode rows may fill
-the whole budget; one with decode rows takes `Engine.turn_rows` (a packed step at most about twice their plain wave,
-as timed at warm-up, and always room for a prompt row), so running lanes keep their pace while prompts enter. The
-pieces and the decode rows run as one packed step (`Engine.pack`); a turn without pieces runs a decode wave.
+Admission (engine/turns.py). On an engine that packs, a turn's prompt work is pieces of every prefilling lane's
+prompt, run with the decode rows as one packed step (`Engine.pack`); a turn without pieces runs a decode wave.
 Otherwise a turn prefills at most one chunk (the oldest prefilling lane's next one), then runs the decode wave. A job
 that scores its prompt is always prefilled one chunk per turn.
 
@@ -57,48 +53,22 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
+from typing import TypeVar
 
 import numpy as np
 
 from jaxstation.engine.constraints import ConstraintFailed
-from jaxstation.engine.jobs import Cancelled, Job, QueueFull, Result, ShuttingDown, StepFailed
+from jaxstation.engine.jobs import Cancelled, Job, QueueFull, ShuttingDown, StepFailed
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.prefix_cache import PrefixCache
 from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample
 from jaxstation.engine.runner import Runner
+from jaxstation.engine.turns import Lane, Plan, prompt_pieces
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class Lane:
-    """A lane's request state: how much of the prompt is in the arena, and what it has generated."""
-
-    job: Job
-    admitted_at: float
-    fed: int = 0  # prompt tokens in the arena (prefilled or reused)
-    samples: list[Sample] = dataclasses.field(default_factory=list)
-    scored: list[Sample] = dataclasses.field(default_factory=list)  # prompt tokens 1.. scored so far
-    stop_sample: Sample | None = None
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    repacked: bool = False  # a scored prompt, prefilled again in packed steps before it generates
-
-    @property
-    def prefilling(self) -> bool:
-        return self.fed < len(self.job.tokens)
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """One turn: at most one prefill chunk, prompt pieces for a packed step, and the decoding lanes' rows
-    (constrained ones masked). With pieces, the decode rows ride in the packed step; without, they are a wave."""
-
-    prefill_lane: int | None
-    decode_rows: list[DecodeRow | None]
-    prefill_mask: np.ndarray | None = None  # the prefill lane's constraint mask, when its chunk samples
-    pieces: list[PromptPiece] = dataclasses.field(default_factory=list)
+T = TypeVar("T")
 
 
 class Scheduler:
@@ -243,13 +213,9 @@ class Scheduler:
 
     def _ending(self) -> dict[int, str]:
         """Lanes whose job was cancelled ("cancel") or asked to finish early ("stop"). Holds cond."""
-        ending = {}
-        for i, lane in enumerate(self.lanes):
-            if lane is not None and (lane.job.cancelled or lane.job.future.cancelled()):
-                ending[i] = "cancel"
-            elif lane is not None and lane.job.stop_requested:
-                ending[i] = "stop"
-        return ending
+        return {i: "cancel" if lane.job.cancelled or lane.job.future.cancelled() else "stop"
+                for i, lane in enumerate(self.lanes)
+                if lane is not None and (lane.job.cancelled or lane.job.future.cancelled() or lane.job.stop_requested)}
 
     def _fill(self) -> None:
         """Move pending jobs into free lanes (in serialize-all mode only when every lane is free), each into the
@@ -266,12 +232,7 @@ class Scheduler:
             pick = self.prefix_cache.pick(job.tokens, free, self.engine.lane_versions, reuse=reuse)
             self.prefix_cache.take(pick.lane)
             if reuse:
-                m = self.metrics
-                m.prefix_lookups.inc()
-                if pick.hit:
-                    m.prefix_hits.inc()
-                    m.prefix_reused_tokens.inc(pick.matched)
-                    m.prefix_saved_tokens.inc(pick.reused)
+                self.metrics.count_prefix_lookup(pick.matched, pick.reused)
             job.cached_tokens = pick.reused
             self.lanes[pick.lane] = Lane(job=job, admitted_at=now, fed=pick.reused)
             self.prefill_order.append(pick.lane)
@@ -296,32 +257,20 @@ class Scheduler:
         rows: list[DecodeRow | None] = [None] * len(self.lanes)
         for i, lane in enumerate(self.lanes):
             if lane is not None and not lane.prefilling and (masked := self._mask(i))[0]:
-                job, n = lane.job, len(lane.samples)
-                rows[i] = DecodeRow(lane.samples[-1].token, len(job.tokens) + n - 1, job.sampling, n, masked[1])
+                rows[i] = lane.decode_row(masked[1])
         decoding = sum(r is not None for r in rows)
         pieces = self._pieces(self.engine.turn_rows(decoding) - decoding) if packs else []
         return Plan(prefill_lane, rows, prefill_mask, pieces)
 
     def _pieces(self, budget: int) -> list[PromptPiece]:
-        """This turn's prompt pieces for a packed step, `budget` tokens in all: first up to a chunk for each
-        prefilling lane, oldest first, so that no long prompt holds short ones back; then what is left of the budget
-        to the oldest. A piece that ends its prompt carries the lane's constraint mask."""
-        waiting = [i for i in self.prefill_order if not self._scores(i)]
-        take = dict.fromkeys(waiting, 0)
-        for share in (self.engine.chunk, None):
-            for i in waiting:
-                lane = self.lanes[i]
-                n = min(len(lane.job.tokens) - lane.fed - take[i], budget, share or budget)
-                take[i] += n
-                budget -= n
+        """This turn's prompt pieces for a packed step (`prompt_pieces`); a piece that ends its prompt carries the
+        lane's constraint mask, and a lane whose constraint leaves no token has failed."""
         pieces = []
-        for i, n in take.items():
-            lane = self.lanes[i]
-            if n == 0:
-                continue
-            ok, mask = self._mask(i) if lane.fed + n == len(lane.job.tokens) else (True, None)
+        for piece in prompt_pieces(self.lanes, [i for i in self.prefill_order if not self._scores(i)],
+                                   self.engine.chunk, budget):
+            ok, mask = self._mask(piece.lane) if piece.last else (True, None)
             if ok:
-                pieces.append(PromptPiece(i, lane.job.tokens, lane.fed, n, lane.job.sampling, mask))
+                pieces.append(dataclasses.replace(piece, mask=mask))
         return pieces
 
     def _scores(self, i: int) -> bool:
@@ -343,57 +292,70 @@ class Scheduler:
             return False, None
 
     def _execute(self, plan: Plan) -> None:
+        """Run the plan's steps and fold their samples into the lanes' requests."""
         if plan.prefill_lane is not None:
-            i = plan.prefill_lane
-            lane = self.lanes[i]
-            t0 = time.perf_counter()
-            if lane.fed == lane.job.cached_tokens:  # the job's first chunk
-                self.engine.begin(i, lane.job.tokens, lane.job.sampling, lane.job.stop_ids)
-            if lane.job.prompt_logprobs:
-                sample, scored = self.engine.prefill_scored(i, lane.job.tokens, lane.fed, lane.job.sampling,
-                                                            plan.prefill_mask)
-                lane.scored.extend(scored)
-            else:
-                sample, _ = self.engine.prefill(i, lane.job.tokens, lane.fed, lane.job.sampling,
-                                                mask=plan.prefill_mask)
-            self.metrics.step.labels("prefill").observe(time.perf_counter() - t0)
-            self.waves += 1
-            lane.fed = min(lane.fed + self.engine.chunk, len(lane.job.tokens))
-            if sample is not None:
-                self.metrics.prompt_tokens.inc(len(lane.job.tokens) - lane.job.cached_tokens)
-                if lane.job.max_new_tokens == 0:  # scoring only
-                    self._retire(i, "length")
-                elif self.engine.pack_budget:  # generate from a packed prefill, as the same request unscored does
-                    lane.fed, lane.repacked = 0, True
-                else:
-                    self.prefill_order.remove(i)
-                    self.postprocess(i, sample)
+            self._prefill_chunk(plan.prefill_lane, plan.prefill_mask)
         if plan.pieces:
-            t0 = time.perf_counter()
-            for p in plan.pieces:
-                lane = self.lanes[p.lane]
-                if lane.fed == lane.job.cached_tokens:  # the job's first piece
-                    self.engine.begin(p.lane, lane.job.tokens, lane.job.sampling, lane.job.stop_ids)
-            samples = self.engine.pack(plan.pieces, plan.decode_rows)
-            self.metrics.step.labels("pack").observe(time.perf_counter() - t0)
-            self.waves += 1
-            for p in plan.pieces:
-                lane = self.lanes[p.lane]
-                lane.fed += p.length
-                if p.last:
-                    self.prefill_order.remove(p.lane)
-                    if not lane.repacked:  # a scored prompt was counted when it was scored
-                        self.metrics.prompt_tokens.inc(len(lane.job.tokens) - lane.job.cached_tokens)
+            samples = self._pack(plan)
         elif any(row is not None for row in plan.decode_rows):
-            t0 = time.perf_counter()
-            samples, _ = self.engine.decode(plan.decode_rows)
-            self.metrics.step.labels("decode").observe(time.perf_counter() - t0)
-            self.waves += 1
+            samples, _ = self._step("decode", lambda: self.engine.decode(plan.decode_rows))
         else:
             return
         for i, sample in enumerate(samples):
             if sample is not None:
                 self.postprocess(i, sample)
+
+    def _step(self, kind: str, run: Callable[[], T]) -> T:
+        """Run one engine step, timed on the step metric and counted as a wave."""
+        t0 = time.perf_counter()
+        out = run()
+        self.metrics.step.labels(kind).observe(time.perf_counter() - t0)
+        self.waves += 1
+        return out
+
+    def _begin(self, i: int) -> None:
+        """Before a job's first prefill chunk or piece: the engine sets up its lane's token state."""
+        lane = self.lanes[i]
+        if lane.fed == lane.job.cached_tokens:
+            self.engine.begin(i, lane.job.tokens, lane.job.sampling, lane.job.stop_ids)
+
+    def _prefill_chunk(self, i: int, mask: np.ndarray | None) -> None:
+        """Prefill lane i's next chunk; the last one samples the first token (or, for a scored prompt on a packing
+        engine, sends the prompt back to be prefilled again in packed steps)."""
+        lane, job = self.lanes[i], self.lanes[i].job
+        self._begin(i)
+        if job.prompt_logprobs:
+            sample, scored = self._step("prefill", lambda: self.engine.prefill_scored(i, job.tokens, lane.fed,
+                                                                                      job.sampling, mask))
+            lane.scored.extend(scored)
+        else:
+            sample, _ = self._step("prefill", lambda: self.engine.prefill(i, job.tokens, lane.fed, job.sampling,
+                                                                          mask=mask))
+        lane.fed = min(lane.fed + self.engine.chunk, len(job.tokens))
+        if sample is None:
+            return
+        self.metrics.prompt_tokens.inc(len(job.tokens) - job.cached_tokens)
+        if job.max_new_tokens == 0:  # scoring only
+            self._retire(i, "length")
+        elif self.engine.pack_budget:  # generate from a packed prefill, as the same request unscored does
+            lane.fed, lane.repacked = 0, True
+        else:
+            self.prefill_order.remove(i)
+            self.postprocess(i, sample)
+
+    def _pack(self, plan: Plan) -> list[Sample | None]:
+        """Run the plan's prompt pieces and decode rows as one packed step; advance each piece's lane."""
+        for p in plan.pieces:
+            self._begin(p.lane)
+        samples = self._step("pack", lambda: self.engine.pack(plan.pieces, plan.decode_rows))
+        for p in plan.pieces:
+            lane = self.lanes[p.lane]
+            lane.fed += p.length
+            if p.last:
+                self.prefill_order.remove(p.lane)
+                if not lane.repacked:  # a scored prompt was counted when it was scored
+                    self.metrics.prompt_tokens.inc(len(lane.job.tokens) - lane.job.cached_tokens)
+        return samples
 
     def postprocess(self, i: int, sample: Sample) -> None:
         """Fold a lane's new token into its request; retire the request when it is done."""
@@ -431,17 +393,9 @@ class Scheduler:
 
     def _retire(self, i: int, reason: str) -> None:
         lane = self._free(i)
-        job, now = lane.job, time.perf_counter()
-        timing = {
-            "queue_s": lane.admitted_at - job.submitted_at,
-            "ttft_s": (lane.first_token_at or now) - job.submitted_at,
-            "total_s": now - job.submitted_at,
-            "cached_tokens": job.cached_tokens,
-        }
         self.metrics.requests.labels("ok").inc()
         try:
-            job.future.set_result(Result([s.token for s in lane.samples], reason, len(job.tokens), lane.samples,
-                                         timing, lane.scored, lane.stop_sample))
+            lane.job.future.set_result(lane.result(reason, time.perf_counter()))
         except InvalidStateError:  # its caller cancelled the Future; that must not fail the wave
             pass
 

@@ -1,0 +1,77 @@
+"""What the scheduler's turns are made of: a lane's request state (`Lane`), one turn's plan (`Plan`), and how a
+packing engine's turn shares its rows among the prompts waiting to enter (`prompt_pieces`). Host-only bookkeeping; the
+decode thread owns every object here (engine/scheduler.py).
+
+Admission. On an engine that packs (`pack_budget` > 0), a turn's prompt work is pieces of every prefilling lane's
+prompt under the turn's rows, less the decode rows: up to a chunk for each lane, oldest first, then the rest to the
+oldest, so neither a long prompt nor a stream of short ones holds the other back. A turn without decode rows may fill
+the whole budget; one with decode rows takes `Engine.turn_rows` (a packed step at most about twice their plain wave,
+as timed at warm-up, and always room for a prompt row), so running lanes keep their pace while prompts enter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxstation.engine.jobs import Job, Result
+from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample
+
+
+@dataclasses.dataclass
+class Lane:
+    """A lane's request state: how much of the prompt is in the arena, and what it has generated."""
+
+    job: Job
+    admitted_at: float
+    fed: int = 0  # prompt tokens in the arena (prefilled or reused)
+    samples: list[Sample] = dataclasses.field(default_factory=list)
+    scored: list[Sample] = dataclasses.field(default_factory=list)  # prompt tokens 1.. scored so far
+    stop_sample: Sample | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    repacked: bool = False  # a scored prompt, prefilled again in packed steps before it generates
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.job.tokens)
+
+    def decode_row(self, mask: np.ndarray | None) -> DecodeRow:
+        """The row that feeds the lane's last token back at its position (`mask`: its constraint's)."""
+        n = len(self.samples)
+        return DecodeRow(self.samples[-1].token, len(self.job.tokens) + n - 1, self.job.sampling, n, mask)
+
+    def result(self, reason: str, now: float) -> Result:
+        """The job's Result, ending now for `reason`."""
+        job = self.job
+        timing = {"queue_s": self.admitted_at - job.submitted_at, "ttft_s": (self.first_token_at or now) -
+                  job.submitted_at, "total_s": now - job.submitted_at, "cached_tokens": job.cached_tokens}
+        return Result([s.token for s in self.samples], reason, len(job.tokens), self.samples, timing, self.scored,
+                      self.stop_sample)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One turn: at most one prefill chunk, prompt pieces for a packed step, and the decoding lanes' rows
+    (constrained ones masked). With pieces, the decode rows ride in the packed step; without, they are a wave."""
+
+    prefill_lane: int | None
+    decode_rows: list[DecodeRow | None]
+    prefill_mask: np.ndarray | None = None  # the prefill lane's constraint mask, when its chunk samples
+    pieces: list[PromptPiece] = dataclasses.field(default_factory=list)
+
+
+def prompt_pieces(lanes: Sequence[Lane | None], waiting: Sequence[int], chunk: int, budget: int
+                  ) -> list[PromptPiece]:
+    """Pieces of the `waiting` lanes' prompts (oldest first), `budget` tokens in all: first up to a chunk for each,
+    so that no long prompt holds short ones back; then what is left of the budget to the oldest."""
+    take = dict.fromkeys(waiting, 0)
+    for share in (chunk, None):
+        for i in waiting:
+            lane = lanes[i]
+            n = min(len(lane.job.tokens) - lane.fed - take[i], budget, share or budget)
+            take[i] += n
+            budget -= n
+    return [PromptPiece(i, lanes[i].job.tokens, lanes[i].fed, n, lanes[i].job.sampling) for i, n in take.items() if n]
