@@ -32,7 +32,7 @@ def _station_cmd(port: int, layers: str, lanes: int, max_seq: int, args) -> list
 def _one_mesh(args, model, prompts, urls: list[str], lanes: int, max_seq: int, pipeline: bool) -> dict:
     from jaxstation.engine.jobs import Job
     from jaxstation.engine.scheduler import Scheduler
-    from jaxstation.mesh.host import MeshEngine
+    from jaxstation.mesh.host_engine import MeshEngine
     from jaxstation.mesh.stage import fingerprint
     from jaxstation.serving.settings import StationConfig
 

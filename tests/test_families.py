@@ -28,7 +28,7 @@ from jaxstation.engine.engine import Engine, generate
 from jaxstation.engine.jobs import Job
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.engine.scheduler import Scheduler
-from jaxstation.mesh.host import MeshEngine
+from jaxstation.mesh.host_engine import MeshEngine
 from jaxstation.mesh.stage import fingerprint
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.layers import forward_full

@@ -31,7 +31,8 @@ from jaxstation.engine.jobs import Job
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.engine.scheduler import Scheduler
 from jaxstation.mesh.client import MeshError
-from jaxstation.mesh.host import MeshEngine, create_host_app
+from jaxstation.mesh.host import create_host_app
+from jaxstation.mesh.host_engine import MeshEngine
 from jaxstation.mesh.stage import fingerprint
 from jaxstation.mesh.station import MeshStation, create_station_app
 from jaxstation.mesh.wire import CONTENT_TYPE, DTYPES, decode, encode

@@ -21,7 +21,7 @@ from jaxstation.engine.engine import Engine
 from jaxstation.engine.jobs import Job
 from jaxstation.engine.rows import DecodeRow, SamplingParams
 from jaxstation.engine.scheduler import Scheduler
-from jaxstation.mesh.host import MeshEngine
+from jaxstation.mesh.host_engine import MeshEngine
 from jaxstation.serving.errors import ApiError
 from jaxstation.serving.protocol import parse_generate
 

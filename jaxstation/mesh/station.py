@@ -117,22 +117,43 @@ def _error(status: int, message: str, field: str | None, epoch: str, **headers: 
                         headers={EPOCH_HEADER: epoch, **headers})
 
 
-def create_station_app(station: MeshStation) -> Starlette:
-    token = (station.config.mesh_token or "").encode()
+def _forward(stage: Stage, meta: dict, args: tuple) -> dict:
+    inputs, positions, lane0, n_blocks = args
+    return {"x": stage.forward(meta["wave"], inputs, positions, lane0, n_blocks)}
 
-    def refused(request: Request) -> Response | None:
+
+def _lm_head(stage: Stage, meta: dict, args: tuple) -> dict:
+    x, sampling, logits = args
+    return stage.lm_head(meta["wave"], x, sampling, logits)
+
+
+def _score(stage: Stage, meta: dict, args: tuple) -> dict:
+    return stage.score(*args)
+
+
+class _StationRoutes:
+    """A mesh station's routes: the probes, /metrics and /info, and the binary steps the host calls."""
+
+    def __init__(self, station: MeshStation) -> None:
+        self.station = station
+        self.token = (station.config.mesh_token or "").encode()
+
+    def refused(self, request: Request) -> Response | None:
         """401 without the mesh token (when the station has one), else None."""
-        if token:
+        if self.token:
             scheme, _, given = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token):
+            if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), self.token):
                 return _error(401, "this station needs the mesh token: 'Authorization: Bearer "
-                                   "<MOONSHINE_MESH_TOKEN>'", "authorization", station.epoch,
+                                   "<MOONSHINE_MESH_TOKEN>'", "authorization", self.station.epoch,
                               **{"WWW-Authenticate": "Bearer"})
         return None
 
-    def guarded(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    def guarded(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """`handler` behind the mesh token and the station's readiness."""
+        station = self.station
+
         async def route(request: Request) -> Response:
-            denied = refused(request)
+            denied = self.refused(request)
             if denied is not None:
                 return denied
             if station.load_error:
@@ -142,29 +163,33 @@ def create_station_app(station: MeshStation) -> Starlette:
             return await handler(request)
         return route
 
-    def state(up: str) -> Response:
+    def state(self, up: str) -> Response:
+        station = self.station
         status = "failed" if station.load_error else (up if station.ready.is_set() else "loading")
         return JSONResponse({"status": status, "epoch": station.epoch, "layers": station.config.layers},
                             200 if status == up else 503, headers={EPOCH_HEADER: station.epoch})
 
-    async def health(request: Request) -> Response:
-        return state("ok")
+    async def health(self, request: Request) -> Response:
+        return self.state("ok")
 
-    async def ready(request: Request) -> Response:
-        return state("ready")
+    async def ready(self, request: Request) -> Response:
+        return self.state("ready")
 
-    async def metrics(request: Request) -> Response:
-        denied = refused(request)
+    async def metrics(self, request: Request) -> Response:
+        denied = self.refused(request)
         if denied is not None:
             return denied
-        return Response(generate_latest(station.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(self.station.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def info(request: Request) -> Response:
-        return JSONResponse({**station.stage.info(), "epoch": station.epoch, "auth": bool(token)},
+    async def info(self, request: Request) -> Response:
+        station = self.station
+        return JSONResponse({**station.stage.info(), "epoch": station.epoch, "auth": bool(self.token)},
                             headers={EPOCH_HEADER: station.epoch})
 
-    def binary_step(name: str, check: str, run: Callable[[Stage, dict, dict], dict]
+    def binary_step(self, name: str, check: str, run: Callable[[Stage, dict, tuple], dict]
                     ) -> Callable[[Request], Awaitable[Response]]:
+        """A route that decodes a wire body, checks it with the stage's `check`, and runs `run` alone."""
+        station = self.station
         requests = station.metrics.requests
 
         async def route(request: Request) -> Response:
@@ -192,16 +217,9 @@ def create_station_app(station: MeshStation) -> Starlette:
             return Response(encode(reply, out), media_type=CONTENT_TYPE, headers={EPOCH_HEADER: station.epoch})
         return route
 
-    def forward(stage: Stage, meta: dict, args: tuple) -> dict:
-        inputs, positions, lane0, n_blocks = args
-        return {"x": stage.forward(meta["wave"], inputs, positions, lane0, n_blocks)}
 
-    def lm_head(stage: Stage, meta: dict, args: tuple) -> dict:
-        x, sampling, logits = args
-        return stage.lm_head(meta["wave"], x, sampling, logits)
-
-    def score(stage: Stage, meta: dict, args: tuple) -> dict:
-        return stage.score(*args)
+def create_station_app(station: MeshStation) -> Starlette:
+    r = _StationRoutes(station)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -209,13 +227,13 @@ def create_station_app(station: MeshStation) -> Starlette:
         yield
 
     return Starlette(exception_handlers={HTTPException: json_http_error}, routes=[
-        Route("/health", health, methods=["GET"]),
-        Route("/ready", ready, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/info", guarded(info), methods=["GET"]),
-        Route("/forward", guarded(binary_step("forward", "check_forward", forward)), methods=["POST"]),
-        Route("/lm_head", guarded(binary_step("lm_head", "check_lm_head", lm_head)), methods=["POST"]),
-        Route("/score", guarded(binary_step("score", "check_score", score)), methods=["POST"]),
+        Route("/health", r.health, methods=["GET"]),
+        Route("/ready", r.ready, methods=["GET"]),
+        Route("/metrics", r.metrics, methods=["GET"]),
+        Route("/info", r.guarded(r.info), methods=["GET"]),
+        Route("/forward", r.guarded(r.binary_step("forward", "check_forward", _forward)), methods=["POST"]),
+        Route("/lm_head", r.guarded(r.binary_step("lm_head", "check_lm_head", _lm_head)), methods=["POST"]),
+        Route("/score", r.guarded(r.binary_step("score", "check_score", _score)), methods=["POST"]),
     ], lifespan=lifespan)
 
 
