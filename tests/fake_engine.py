@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxstation.engine.prefix_cache import LaneVersions
-from jaxstation.engine.rows import DecodeRow, Sample, SamplingParams
+from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample, SamplingParams
 
 VOCAB = 1000
 
@@ -171,23 +171,27 @@ class FakeEngine:
         self.lane_versions.touch([lane])
         if start % self.chunk:
             self.errors.append(f"prefill start {start} not a multiple of {self.chunk}")
+        return self._feed(lane, prompt, start, self.chunk, sampling), None
+
+    def _feed(self, lane: int, prompt: tuple[int, ...], start: int, length: int, sampling: SamplingParams
+              ) -> Sample | None:
+        """Write prompt[start:start + length] into the lane's KV; at the prompt's end, its first token."""
         st = self._state[lane]
         if st is None or st.prompt != prompt or st.length != start or start >= len(prompt):  # a new prompt
             kv = st.kv if st is not None else []
             if kv[:start] != [("prefill", t) for t in prompt[:start]]:
                 self.errors.append(f"prefill of lane {lane} at {start} on a prefix the lane does not hold")
-                return None, None
+                return None
             st = self._state[lane] = _LaneState(prompt, kv[:start])
             self.admissions.append((lane, start, prompt))
             if self._begun[lane] != prompt:
                 self.errors.append(f"prefill of a new prompt in lane {lane} without a begin")
             self._begun[lane] = None
-        piece = prompt[start:start + self.chunk]
-        st.kv[start:] = [("prefill", t) for t in piece]
+        st.kv[start:] = [("prefill", t) for t in prompt[start:start + length]]
         if st.length < len(prompt):
-            return None, None
+            return None
         st.last = first_token([t for _, t in st.kv], sampling.seed, self.vocab)
-        return _sample(st.last), None
+        return _sample(st.last)
 
     def decode(self, rows: Sequence[DecodeRow | None], return_logits: bool = False
                ) -> tuple[list[Sample | None], None]:
@@ -200,6 +204,23 @@ class FakeEngine:
         if self.fail_next_decode:
             self.fail_next_decode = False
             raise RuntimeError("boom")
+        return self._decode_rows(rows), None
+
+    def pack(self, pieces: Sequence[PromptPiece], rows: Sequence[DecodeRow | None]) -> list[Sample | None]:
+        """Prompt pieces and decode rows in one step; recorded as ("pack", ((lane, start, length), ...), (decoding
+        lane, ...))."""
+        self._gate("pack")
+        self.calls.append(("pack", tuple((p.lane, p.start, p.length) for p in pieces),
+                           tuple(i for i, r in enumerate(rows) if r)))
+        self.lane_versions.touch({p.lane for p in pieces} | {i for i, r in enumerate(rows) if r})
+        out = self._decode_rows(rows)
+        for p in pieces:
+            sample = self._feed(p.lane, tuple(p.prompt), p.start, p.length, p.sampling)
+            if sample is not None:
+                out[p.lane] = sample
+        return out
+
+    def _decode_rows(self, rows: Sequence[DecodeRow | None]) -> list[Sample | None]:
         out: list[Sample | None] = []
         for i, row in enumerate(rows):
             if row is None:
@@ -216,4 +237,4 @@ class FakeEngine:
                 st.kv[row.position:] = [("decode", row.token)]
                 st.last, st.generated = token, st.generated + 1
             out.append(_sample(token))
-        return out, None
+        return out

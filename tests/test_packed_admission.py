@@ -12,12 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import tiny_model
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, expected
 
 from jaxstation.engine.engine import Engine, generate, pack_slots, pack_widths
 from jaxstation.engine.jobs import Job
 from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample, SamplingParams
 from jaxstation.engine.scheduler import Scheduler
+from jaxstation.engine.turns import Lane, prompt_pieces
 from jaxstation.model.loader import LoadedModel
 
 GREEDY = SamplingParams()
@@ -164,24 +165,31 @@ def test_a_packed_step_samples_few_rows_where_few_need_it(default_model: LoadedM
         engine.pack(piece, [None] * 24, sampled=4)
 
 
-def test_the_scheduler_gives_a_turn_with_decode_rows_the_engines_turn_rows() -> None:
+def _packs(turn_rows: int | None) -> list[tuple]:
+    """The packed steps the scheduler runs over the fake engine for a 2-token prompt that decodes 3 tokens, beside
+    two 30-token prompts, with the engine's rows for a turn that carries decode rows."""
     fake = FakeEngine(lanes=4, chunk=4)
-    fake.pack_budget, fake.decode_turn_rows = 16, 8
+    fake.pack_budget, fake.decode_turn_rows = 16, turn_rows
     sched = Scheduler(fake, continuous=True, max_queue=8, terminal_ids=frozenset())
     jobs = [Job(tokens=p, max_new_tokens=4) for p in ([5, 5], [1] * 30, [2] * 30)]
     for job in jobs:
         sched.submit(job)
-    with sched.cond:
-        sched._fill()
-    decoding = next(i for i, lane in enumerate(sched.lanes) if lane is not None and lane.job is jobs[0])
-    sched.lanes[decoding].fed = 2  # past its prompt, with its first token: it decodes this turn
-    sched.lanes[decoding].samples.append(Sample(7, -0.5, ()))
-    sched.prefill_order.remove(decoding)
-    plan = sched.schedule()
-    assert sum(r is not None for r in plan.decode_rows) == 1
-    assert [(p.prompt[0], p.length) for p in plan.pieces] == [(1, 4), (2, 3)]  # 8 rows less the decode row
-    fake.decode_turn_rows = None
-    assert [(p.prompt[0], p.length) for p in sched.schedule().pieces] == [(1, 11), (2, 4)]
+    sched.start()
+    try:
+        assert [job.future.result(5).generated for job in jobs] == [expected(job.tokens, 4) for job in jobs]
+    finally:
+        sched.drain(5)
+    assert fake.errors == []
+    return [c for c in fake.calls if c[0] == "pack"][:3]
+
+
+def test_the_scheduler_gives_a_turn_with_decode_rows_the_engines_turn_rows() -> None:
+    # the first turn fills the budget (a chunk each, then the rest to the oldest); the next ones carry lane 0's decode
+    # row and take the engine's 8 rows less that row
+    assert _packs(8) == [("pack", ((0, 0, 2), (1, 0, 10), (2, 0, 4)), ()),
+                         ("pack", ((1, 10, 4), (2, 4, 3)), (0,)),
+                         ("pack", ((1, 14, 4), (2, 7, 3)), (0,))]
+    assert _packs(None)[1] == ("pack", ((1, 10, 11), (2, 4, 4)), (0,))  # without the engine's bound: 16 rows less one
 
 
 def test_pack_rejects_what_does_not_fit(wide_engine: Engine) -> None:
@@ -227,14 +235,9 @@ def test_scheduler_jobs_equal_generate_alone(engine: Engine, continuous: bool) -
 
 
 def _planned(budget: int, prompts: list[list[int]]) -> list[tuple[int, int, int]]:
-    fake = FakeEngine(lanes=4, chunk=4)
-    fake.pack_budget = budget
-    sched = Scheduler(fake, continuous=True, max_queue=8, terminal_ids=frozenset())
-    for p in prompts:
-        sched.submit(Job(tokens=p, max_new_tokens=1))
-    with sched.cond:
-        sched._fill()
-    return [(p.prompt[0], p.start, p.length) for p in sched.schedule().pieces]
+    """`prompt_pieces` for fresh lanes holding `prompts`, oldest first, with a chunk of 4."""
+    lanes = [Lane(Job(tokens=p, max_new_tokens=1), admitted_at=0.0) for p in prompts]
+    return [(p.prompt[0], p.start, p.length) for p in prompt_pieces(lanes, range(len(lanes)), 4, budget)]
 
 
 def test_the_budget_goes_a_chunk_each_oldest_first_then_to_the_oldest() -> None:

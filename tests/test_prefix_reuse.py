@@ -140,9 +140,10 @@ def test_serialize_all_reuses_with_the_same_bits(engine):
         reused = run(sched, turn2, 8, SEEDED)
         assert reused.timing["cached_tokens"] == 32
         assert_same_samples(reused, run(sched, turn2, 8, SEEDED, reuse=False))
-        m = sched.metrics
-        assert (m.prefix_lookups._value.get(), m.prefix_hits._value.get()) == (2, 1)
-        assert (m.prefix_reused_tokens._value.get(), m.prefix_saved_tokens._value.get()) == (40, 32)
+        value = sched.metrics.registry.get_sample_value
+        assert (value("jaxstation_prefix_cache_lookups_total"), value("jaxstation_prefix_cache_hits_total")) == (2, 1)
+        assert (value("jaxstation_prefix_cache_reused_tokens_total"),
+                value("jaxstation_prefix_cache_prefill_saved_tokens_total")) == (40, 32)
     finally:
         assert sched.drain(10)
 

@@ -111,9 +111,10 @@ def two_cached(sched: Scheduler) -> tuple[list[int], list[int]]:
 
 
 def counters(sched: Scheduler) -> tuple[float, ...]:
-    m = sched.metrics
-    return tuple(c._value.get() for c in (m.prefix_lookups, m.prefix_hits, m.prefix_reused_tokens,
-                                          m.prefix_saved_tokens, m.prompt_tokens))
+    """The prefix cache's counters and the prompt tokens prefilled, as /metrics reports them."""
+    names = ("prefix_cache_lookups", "prefix_cache_hits", "prefix_cache_reused_tokens",
+             "prefix_cache_prefill_saved_tokens", "prompt_tokens")
+    return tuple(sched.metrics.registry.get_sample_value(f"jaxstation_{n}_total") or 0.0 for n in names)
 
 
 @pytest.mark.parametrize("continuous", [True, False])
