@@ -23,20 +23,10 @@ from jaxstation.model.tokenizer import Tokenizer
 from jaxstation.openai import protocol as p
 from jaxstation.openai.logprobs import chat_logprobs, completion_logprobs
 from jaxstation.openai.parse import RunRequest
+from jaxstation.openai.stops import scan_stops
 from jaxstation.openai.tools import ToolStream
 from jaxstation.serving.outcomes import wait_for
 from jaxstation.serving.station import Station
-
-
-def _holdback(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
 
 
 @dataclasses.dataclass
@@ -122,25 +112,14 @@ class Run:
                 self.scheduler.cancel(c.job)
 
     def _advance(self, c: Choice, piece: str, final: bool) -> str:
-        """Fold new text into the choice; return what may be shown now (stop strings trimmed unless the request keeps
-        them, their starts held).
-        Before the choice has min_tokens tokens a stop string does not end it (vLLM's rule)."""
-        pending = c.held + piece
-        if final:
-            pending += c.detok.flush()
-        stops = self.req.stops
+        """Fold new text into the choice; return what may be shown now (`scan_stops`). A stop string ends the
+        choice here and its job within one wave."""
+        pending = c.held + piece + (c.detok.flush() if final else "")
         armed = c.tokens >= self.req.sampling.min_tokens
-        found = [(i, -len(s)) for s in stops if (i := pending.find(s)) >= 0] if armed else []
-        if found:
-            cut, longest = min(found)  # the earliest stop string; of those starting there, the longest
-            end = cut - longest if self.req.include_stop else cut
-            out, c.held, c.finish = pending[:end], "", "stop"
+        out, c.held, stopped = scan_stops(pending, self.req.stops, self.req.include_stop, armed, final)
+        if stopped:
+            c.finish = "stop"
             self.scheduler.finish_early(c.job)  # the station retires it as "stop" within one wave
-        elif final:
-            out, c.held = pending, ""
-        else:
-            keep = _holdback(pending, stops) if stops else 0
-            out, c.held = pending[:len(pending) - keep], pending[len(pending) - keep:]
         if out:
             c.text.append(out)
         return out
