@@ -7,6 +7,7 @@ Writes, under ``tests/fixtures/``:
   (``model.safetensors.index.json`` + several shards).
 * ``tiny-mistral/`` -- ``MistralForCausalLM`` with ``sliding_window=16`` and tied embeddings,
   saved as a single ``model.safetensors``.
+* ``gguf-types/`` -- one tiny ``llama`` GGUF per weight type the loader reads (numpy and gguf only).
 * ``tiny-qwen2/``, ``tiny-qwen3/``, ``tiny-gemma2/``, ``tiny-gemma3/`` -- ``Qwen2ForCausalLM`` (q/k/v biases),
   ``Qwen3ForCausalLM`` (q/k norms, head_dim 32), ``Gemma2ForCausalLM`` and ``Gemma3ForCausalLM``, each with a byte-level
   tokenizer and the same weights as ``model.gguf``.
@@ -397,6 +398,90 @@ def make_gemma3() -> None:
     make_with_gguf("tiny-gemma3", Gemma3ForCausalLM, gemma3_config(), "gemma3", seed=10)
 
 
+# One tiny `llama` GGUF per weight type (tests/test_gguf_types.py): 1 layer, hidden 256, 2 heads of 16, 1 kv head,
+# feed-forward 32, vocab 16, tied. Rows of 256 (token_embd, attn_q/k/v, ffn_gate/up) can be in every type; rows of 32
+# (attn_output, ffn_down) take a 256-wide type's fallback, Q8_0, as llama.cpp's quantizer falls back.
+TYPES_DIR = FIXTURES / "gguf-types"
+TYPES_SHAPE = dict(vocab=16, hidden=256, heads=2, head_dim=16, kv_heads=1, ffn=32)
+# every block's float16 fields (byte offsets): random bytes there could be inf or NaN
+F16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
+              "IQ4_XS": (0,)}
+WEIGHT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                "IQ4_NL", "IQ4_XS")
+
+
+def random_blocks(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Blocks of a type the gguf package cannot quantize to: every quant bit random, the float16 scales of a small
+    weight's size (minimums of either sign). uint8 [rows, cols / block * block bytes]."""
+    import gguf
+
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows, cols // block, nbytes), dtype=np.uint8)
+    for offset in F16_FIELDS[qtype.name]:
+        scales = (rng.standard_normal((rows, cols // block)) * 0.01).astype(np.float16)
+        data[..., offset:offset + 2] = scales.view(np.uint8).reshape(rows, cols // block, 2)
+    return data.reshape(rows, -1)
+
+
+def typed_tensor(w: np.ndarray, qtype, rng: np.random.Generator) -> tuple[np.ndarray, object]:
+    """(array, raw_dtype) for GGUFWriter.add_tensor: `w` [out, in] in `qtype` (its Q8_0 fallback where a row is not
+    whole blocks), quantized by the gguf package where it can, else random blocks."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType  # noqa: N806
+    if w.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+        qtype = Q.Q8_0
+    if qtype == Q.F32:
+        return w, None
+    if qtype == Q.F16:
+        return w.astype(np.float16), None
+    if qtype.name in F16_FIELDS:
+        return random_blocks(qtype, *w.shape, rng), qtype
+    return gguf.quants.quantize(w, qtype), qtype
+
+
+def make_gguf_types() -> None:
+    import gguf
+
+    TYPES_DIR.mkdir(parents=True, exist_ok=True)
+    s = TYPES_SHAPE
+    d, hd = s["hidden"], s["head_dim"]
+    shapes = {"token_embd.weight": (s["vocab"], d), "blk.0.attn_q.weight": (s["heads"] * hd, d),
+              "blk.0.attn_k.weight": (s["kv_heads"] * hd, d), "blk.0.attn_v.weight": (s["kv_heads"] * hd, d),
+              "blk.0.attn_output.weight": (d, s["heads"] * hd), "blk.0.ffn_gate.weight": (s["ffn"], d),
+              "blk.0.ffn_up.weight": (s["ffn"], d), "blk.0.ffn_down.weight": (d, s["ffn"])}
+    for i, name in enumerate(WEIGHT_TYPES):
+        qtype = gguf.GGMLQuantizationType[name]
+        rng = np.random.default_rng(100 + i)
+        path = TYPES_DIR / f"tiny-llama-{name}.gguf"
+        writer = gguf.GGUFWriter(str(path), "llama")
+        writer.add_context_length(64)
+        writer.add_embedding_length(d)
+        writer.add_block_count(1)
+        writer.add_feed_forward_length(s["ffn"])
+        writer.add_head_count(s["heads"])
+        writer.add_head_count_kv(s["kv_heads"])
+        writer.add_key_length(hd)
+        writer.add_value_length(hd)
+        writer.add_rope_dimension_count(hd)
+        writer.add_layer_norm_rms_eps(1e-5)
+        writer.add_rope_freq_base(10000.0)
+        writer.add_vocab_size(s["vocab"])
+        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+        for norm in ("output_norm.weight", "blk.0.attn_norm.weight", "blk.0.ffn_norm.weight"):
+            writer.add_tensor(norm, (1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
+        for tensor, shape in shapes.items():
+            w = (0.2 * rng.standard_normal(shape)).astype(np.float32)
+            arr, raw = typed_tensor(w, qtype, rng)
+            writer.add_tensor(tensor, arr, raw_dtype=raw)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        path.chmod(0o644)
+        print(f"[gguf-types] {path.name}: {path.stat().st_size} bytes")
+
+
 def write_readme() -> None:
     text = f"""# Test fixtures
 
@@ -453,6 +538,14 @@ Each `reference.npz` holds:
 - `greedy_ids` [16] int32, greedy continuation (eos ignored) of `input_ids[:greedy_prompt_len]`
 - `greedy_prompt_len` = 20
 
+`gguf-types/tiny-llama-TYPE.gguf` holds one tiny `llama` model (1 layer, hidden 256, 2 heads of 16,
+1 kv head, feed-forward 32, vocab 16, tied) per GGUF weight type the loader reads: F32, F16, BF16,
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (quantized by the `gguf` package from N(0, 0.2) weights), Q2_K, Q3_K,
+Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS (random blocks with small float16 scales: the package has no
+quantizer for these). Rows of 256 are in the type; rows of 32 (`attn_output`, `ffn_down`) fall back
+to Q8_0 for the 256-wide types, as llama.cpp's quantizer falls back. Norms are float32. Made with
+numpy and gguf 0.19.0 alone: `python scripts/make_fixtures.py gguf-types`.
+
 Note: transformers 5.x writes rope settings to `config.json` as `rope_parameters` (which also
 holds `rope_theta`), not the older top-level `rope_theta` / `rope_scaling` keys.
 """
@@ -464,7 +557,8 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)
     FIXTURES.mkdir(parents=True, exist_ok=True)
     makers = {"tiny-llama3": make_llama3, "tiny-mistral": make_mistral, "tiny-qwen2": make_qwen2,
-              "tiny-qwen3": make_qwen3, "tiny-gemma2": make_gemma2, "tiny-gemma3": make_gemma3}
+              "tiny-qwen3": make_qwen3, "tiny-gemma2": make_gemma2, "tiny-gemma3": make_gemma3,
+              "gguf-types": make_gguf_types}
     for name in sys.argv[1:] or makers:
         makers[name]()
     write_readme()

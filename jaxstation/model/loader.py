@@ -22,7 +22,8 @@ from jaxstation.model.layers import WEIGHT_DTYPES, Params, pack_params
 from jaxstation.model.quant import GGUFBlocks, Tensor
 from jaxstation.model.tokenizer import Tokenizer
 
-GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+              "IQ4_NL", "IQ4_XS")
 _MATRICES = ("embed", "lm_head", "q", "k", "v", "o", "gate", "up", "down")  # the slots a GGUF file may keep in blocks
 _LAYER_SLOTS = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
 _BIAS_SLOTS = ("bq", "bk", "bv")  # ModelConfig.qkv_bias
@@ -220,7 +221,8 @@ def load_gguf(path: Path, dtype: str = "float32", reader: GGUFFile | None = None
         key = _map_name(t.name, _GGUF_GLOBAL, _GGUF_LAYER, _GGUF_LAYER_NAMES, cfg.num_layers)
         qtype = GGMLQuantizationType(t.tensor_type)
         if qtype.name not in GGUF_TYPES:
-            raise CheckpointError(f"tensor {t.name!r} has unsupported GGUF type {qtype.name}; supported: {GGUF_TYPES}")
+            raise CheckpointError(f"tensor {t.name!r} in {path} has unsupported GGUF type {qtype.name}; supported: "
+                                  f"{', '.join(GGUF_TYPES)}")
         shape = tuple(int(n) for n in reversed(t.shape))  # ggml dims are [in, out]
         if dtype == "gguf" and qtype.name in BLOCK_FORMATS and key[1] in _MATRICES and len(shape) == 2:
             arr: Tensor = GGUFBlocks(np.asarray(t.data).reshape(shape[0], -1), qtype.name, shape)
