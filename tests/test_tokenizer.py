@@ -301,8 +301,8 @@ def test_export_tokenizer_reads_back_token_for_token(tok, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ GGUF variants
 def test_gguf_unknown_model_raises():
-    fake = _metadata(None, tokenizer__ggml__model="llama", tokenizer__ggml__tokens=["<unk>"])
-    with pytest.raises(ValueError, match="'llama'"):
+    fake = _metadata(None, tokenizer__ggml__model="t5", tokenizer__ggml__tokens=["<unk>"])
+    with pytest.raises(ValueError, match="'t5'.*'gpt2', 'llama'"):
         Tokenizer.from_gguf(fake)
     with pytest.raises(ValueError, match="None"):
         Tokenizer.from_gguf(_metadata(None))
