@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as Q
 
 from jaxstation.kernels.cpu_kernel import BLOCK_FORMATS
 from jaxstation.model.layers import forward_full
-from jaxstation.model.loader import GGUF_TYPES, CheckpointError, load_gguf
+from jaxstation.model.loader import GGUF_TYPES, CheckpointError, checkpoint_config, load_gguf
 
 TYPES = FIXTURES / "gguf-types"
 HEADS, KV_HEADS, HEAD_DIM = 2, 1, 16  # the fixtures' (scripts/make_fixtures.py: TYPES_SHAPE)
@@ -86,27 +86,46 @@ def test_each_type_as_stored_gives_the_dequantized_logits(name: str) -> None:
     assert np.array_equal(got, want), np.abs(got - want).max()
 
 
-@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.IQ3_S, Q.IQ1_S, Q.TQ1_0])
-def test_an_unsupported_type_is_refused_naming_the_tensor_and_the_types_served(tmp_path: Path, qtype: Q) -> None:
-    reader = gguf.GGUFReader(fixture("F32"))
-    path = tmp_path / f"tiny-{qtype.name}.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for field in reader.fields.values():
-        if not field.name.startswith(("GGUF.", "general.architecture")):
+def rewrite_gguf(path: Path, base: Path, tensors: dict[str, tuple[np.ndarray, Q | None]] | None = None,
+                 tokenizer_from: Path | None = None, strings: dict[str, str] | None = None) -> Path:
+    """`base` written again to `path`: its metadata, `tokenizer_from`'s `tokenizer.*` over it, then `strings`; its
+    tensors, those in `tensors` replaced by (array, raw type)."""
+    tensors, strings = tensors or {}, strings or {}
+    writer = gguf.GGUFWriter(str(path), gguf.GGUFReader(base).fields["general.architecture"].contents())
+    fields = {f.name: f for f in gguf.GGUFReader(base).fields.values()}
+    if tokenizer_from:
+        theirs = gguf.GGUFReader(tokenizer_from).fields.values()
+        fields |= {f.name: f for f in theirs if f.name.startswith("tokenizer.")}
+    for field in fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture" and field.name not in strings:
             writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1])
-    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-    for t in reader.tensors:
-        rows, cols = (int(n) for n in reversed(t.shape)) if len(t.shape) == 2 else (0, 0)
-        if t.name == "blk.0.ffn_up.weight":
-            writer.add_tensor(t.name, np.zeros((rows, cols // block * nbytes), np.uint8), raw_dtype=qtype)
-        else:
-            writer.add_tensor(t.name, np.asarray(t.data))
+    for key, value in strings.items():
+        writer.add_string(key, value)
+    for t in gguf.GGUFReader(base).tensors:
+        stored = (np.asarray(t.data), None if t.tensor_type in (Q.F32, Q.F16) else Q(t.tensor_type))
+        arr, raw = tensors.get(t.name, stored)
+        writer.add_tensor(t.name, arr, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(CheckpointError) as e:
-        load_gguf(path)
-    message = str(e.value)
-    assert f"tensor 'blk.0.ffn_up.weight' in {path} has unsupported GGUF type {qtype.name}" in message
-    assert "\n" not in message and all(t in message for t in GGUF_TYPES)
+    return path
+
+
+def with_type(path: Path, tensor: str, qtype: Q) -> Path:
+    """The F32 fixture with `tensor` (rows of 256) as zero blocks of `qtype`."""
+    shape = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in gguf.GGUFReader(fixture("F32")).tensors}
+    rows, cols = shape[tensor]
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    return rewrite_gguf(path, fixture("F32"), {tensor: (np.zeros((rows, cols // block * nbytes), np.uint8), qtype)})
+
+
+@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.IQ3_S, Q.IQ1_S, Q.TQ1_0])
+def test_an_unsupported_type_is_refused_naming_the_tensor_and_the_types_served(tmp_path: Path, qtype: Q) -> None:
+    path = with_type(tmp_path / f"tiny-{qtype.name}.gguf", "blk.0.ffn_up.weight", qtype)
+    for load in (load_gguf, checkpoint_config):  # at load, and in serve's check before it listens
+        with pytest.raises(CheckpointError) as e:
+            load(path)
+        message = str(e.value)
+        assert f"tensor 'blk.0.ffn_up.weight' in {path} has unsupported GGUF type {qtype.name}" in message
+        assert "\n" not in message and all(t in message for t in GGUF_TYPES)
