@@ -445,7 +445,8 @@ def _merges_by_rank(vocab: Mapping[str, int], rank: Mapping[str, float]) -> list
     found: list[tuple[str, str, float]] = []
     for piece, score in rank.items():
         splits = [(piece[:i], piece[i:]) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab]
-        splits.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        if len(splits) > 1:
+            splits.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
         found.extend((left, right, score) for left, right in splits)
     found.sort(key=lambda m: (-m[2], -len(m[0]), -len(m[1])))  # stable: equal keys keep the order above
     return [(left, right) for left, right, _ in found]
