@@ -77,3 +77,14 @@ def test_scores_must_cover_the_vocabulary() -> None:
     fields = GGUFFile(FIXTURES / "tokenizers" / "llama-style.gguf").fields
     with pytest.raises(ValueError, match=r"tokenizer\.ggml\.scores has 3 entries for 420 tokens"):
         Tokenizer.from_gguf({**fields, "tokenizer.ggml.scores": [0.0, 0.0, 0.0]})
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_exported_as_an_hf_directory_it_tokenizes_the_same(tmp_path: Path, style: str) -> None:
+    tok = load_tokenizer(FIXTURES / "tokenizers" / f"{style}.gguf")
+    tok.save_hf_dir(tmp_path)
+    back = Tokenizer.from_hf_dir(tmp_path)
+    assert (back.bos_id, back.eos_ids, back.add_bos, back.byte_level) == (tok.bos_id, tok.eos_ids, True, False)
+    for case in SP_REFERENCE["styles"][style]:
+        assert back.encode(case["text"]) == case["ids"], case["text"]
+        assert back.decode(case["ids"]) == tok.decode(case["ids"])

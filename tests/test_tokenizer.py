@@ -218,9 +218,9 @@ def _is_utf8(data: bytes) -> bool:
 def test_incremental_detokenizer_emoji_bytes(tok):
     # "😀" is four bytes; feed it as single-byte tokens: three pushes give "", the fourth the emoji.
     vocab = tok.backend.get_vocab()
-    from jaxstation.model.tokenizer import _bytes_to_unicode
+    from jaxstation.model.gguf_tokenizer import bytes_to_unicode
 
-    spell = _bytes_to_unicode()
+    spell = bytes_to_unicode()
     byte_ids = [vocab[spell[b]] for b in "😀".encode()]
     detok = IncrementalDetokenizer(tok)
     assert [detok.push(i) for i in byte_ids] == ["", "", "", "😀"]
@@ -322,9 +322,9 @@ def test_gguf_gpt2_pre_tokenizer(reader):
 
 def test_tiny_written_gguf(tmp_path):
     """A tiny byte-level vocabulary written with gguf.GGUFWriter and read back."""
-    from jaxstation.model.tokenizer import _bytes_to_unicode
+    from jaxstation.model.gguf_tokenizer import bytes_to_unicode
 
-    spell = _bytes_to_unicode()
+    spell = bytes_to_unicode()
     tokens = ["<s>", "</s>"] + [spell[b] for b in range(256)] + ["ab", "Ġab", "Ġab."]
     merges = ["a b", "Ġ ab", "Ġab ."]
     types = [3, 3] + [1] * 259

@@ -11,17 +11,21 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from gguf import GGMLQuantizationType
 
 from jaxstation.kernels.cpu_kernel import BLOCK_FORMATS
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.default_model import default_model_path
 from jaxstation.model.gguf_file import GGUFFile, GGUFTensor
+from jaxstation.model.gguf_tokenizer import check_gguf_tokenizer
 from jaxstation.model.layers import WEIGHT_DTYPES, Params, pack_params
 from jaxstation.model.quant import GGUFBlocks, Tensor
-from jaxstation.model.tokenizer import Tokenizer, check_gguf_tokenizer
+from jaxstation.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
 
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
               "IQ4_NL", "IQ4_XS")
@@ -215,6 +219,8 @@ def hf_config(path: Path) -> ModelConfig:
 
 def served_type(tensor: GGUFTensor, path: Path) -> GGMLQuantizationType:
     """The tensor's GGUF type, if the loader reads it."""
+    from gguf import GGMLQuantizationType
+
     qtype = GGMLQuantizationType(tensor.tensor_type)
     if qtype.name not in GGUF_TYPES:
         raise CheckpointError(f"tensor {tensor.name!r} in {path} has unsupported GGUF type {qtype.name}; supported: "
