@@ -51,8 +51,8 @@ HF_IGNORED_FIELDS = frozenset().union(
     # other model classes' heads and encoder-decoder settings, task metadata
     {"is_decoder", "tie_encoder_decoder", "add_cross_attention", "cross_attention_hidden_size", "is_encoder_decoder",
      "id2label", "label2id", "problem_type", "finetuning_task", "task_specific_params", "prefix", "tokenizer_class"},
-    # restated by a field that is read: Qwen's window by use_sliding_window, Gemma's layer pattern by layer_types
-    {"max_window_layers", "use_sliding_window", "_sliding_window_pattern", "sliding_window_pattern"},
+    # restated by a field that is read: Qwen's windowed layers by use_sliding_window, Gemma's pattern by layer_types
+    {"max_window_layers", "_sliding_window_pattern", "sliding_window_pattern"},
 )
 _HF_USED_KEYS = frozenset(
     {
@@ -60,7 +60,7 @@ _HF_USED_KEYS = frozenset(
         "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
         "max_position_embeddings", "tie_word_embeddings", "sliding_window", "hidden_act", "attention_bias",
         "mlp_bias", "layer_types", "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping",
-        "final_logit_softcapping", "use_bidirectional_attention", "rope_local_base_freq",
+        "final_logit_softcapping", "use_bidirectional_attention", "rope_local_base_freq", "use_sliding_window",
     }
 )
 
