@@ -1,9 +1,9 @@
 """Every GGUF weight type the loader reads, from a tiny model file per type (`tests/fixtures/gguf-types`).
 
 Loaded as float32, each tensor holds exactly the values the gguf package's reference dequantizer gives for the bytes
-its own reader finds in the file (q/k rows back in HF's order). Served as stored on the CPU kernel (weights "gguf"),
-each model's logits are bit for bit those of the same model dequantized to float32. A type outside the list is refused
-at load, naming the file, the tensor, its type and the types that are served.
+its own reader finds in the file (q/k rows back in HF's order); as bfloat16, those values rounded. Served as stored on
+the CPU kernel (weights "gguf"), each model's logits are bit for bit those of the same model dequantized to float32. A
+type outside the list is refused at load, naming the file, the tensor, its type and the types that are served.
 """
 
 from __future__ import annotations
@@ -84,6 +84,16 @@ def test_each_type_as_stored_gives_the_dequantized_logits(name: str) -> None:
     want = np.asarray(forward_full(dense_cfg, dense, tokens))
     assert np.isfinite(want).all() and want.std() > 0.1
     assert np.array_equal(got, want), np.abs(got - want).max()
+
+
+@pytest.mark.parametrize("name", ["Q5_0", "Q3_K", "IQ4_XS"])
+def test_a_dequantized_type_loads_in_bfloat16_as_its_values_rounded(name: str) -> None:
+    expected = reference(fixture(name))
+    _, params = load_gguf(fixture(name), "bfloat16")
+    got = loaded(params)
+    for tensor, values in expected.items():
+        assert got[tensor].dtype == jnp.bfloat16, tensor
+        np.testing.assert_array_equal(got[tensor].astype(np.float32), values.astype(jnp.bfloat16).astype(np.float32))
 
 
 def rewrite_gguf(path: Path, base: Path, tensors: dict[str, tuple[np.ndarray, Q | None]] | None = None,
