@@ -96,11 +96,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_station(args: argparse.Namespace) -> int:
     from jaxstation.mesh.station import serve_station
+    from jaxstation.model.loader import checkpoint_config
 
     config = resolve(args, command="station")
     if config.layers is None:
         raise ConfigError("a mesh station needs its layer range: --layers A:B (MOONSHINE_LAYERS)")
     config.check_mesh_security()
+    checkpoint_config(config.model)  # as serve: a bad checkpoint is refused before the station listens
     return serve_station(config)
 
 

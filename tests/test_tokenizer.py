@@ -214,9 +214,9 @@ def _is_utf8(data: bytes) -> bool:
 def test_incremental_detokenizer_emoji_bytes(tok):
     # "😀" is four bytes; feed it as single-byte tokens: three pushes give "", the fourth the emoji.
     vocab = tok.backend.get_vocab()
-    from jaxstation.model.tokenizer import _bytes_to_unicode
+    from jaxstation.model.gguf_tokenizer import bytes_to_unicode
 
-    spell = _bytes_to_unicode()
+    spell = bytes_to_unicode()
     byte_ids = [vocab[spell[b]] for b in "😀".encode()]
     detok = IncrementalDetokenizer(tok)
     assert [detok.push(i) for i in byte_ids] == ["", "", "", "😀"]
@@ -297,8 +297,8 @@ def test_export_tokenizer_reads_back_token_for_token(tok, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ GGUF variants
 def test_gguf_unknown_model_raises():
-    fake = _metadata(None, tokenizer__ggml__model="llama", tokenizer__ggml__tokens=["<unk>"])
-    with pytest.raises(ValueError, match="'llama'"):
+    fake = _metadata(None, tokenizer__ggml__model="t5", tokenizer__ggml__tokens=["<unk>"])
+    with pytest.raises(ValueError, match="'t5'.*'gpt2', 'llama'"):
         Tokenizer.from_gguf(fake)
     with pytest.raises(ValueError, match="None"):
         Tokenizer.from_gguf(_metadata(None))
@@ -318,9 +318,9 @@ def test_gguf_gpt2_pre_tokenizer(reader):
 
 def test_tiny_written_gguf(tmp_path):
     """A tiny byte-level vocabulary written with gguf.GGUFWriter and read back."""
-    from jaxstation.model.tokenizer import _bytes_to_unicode
+    from jaxstation.model.gguf_tokenizer import bytes_to_unicode
 
-    spell = _bytes_to_unicode()
+    spell = bytes_to_unicode()
     tokens = ["<s>", "</s>"] + [spell[b] for b in range(256)] + ["ab", "Ġab", "Ġab."]
     merges = ["a b", "Ġ ab", "Ġab ."]
     types = [3, 3] + [1] * 259

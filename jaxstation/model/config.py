@@ -25,24 +25,34 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 NO_WINDOW = 1 << 30  # a global layer's window where a step needs one number per layer
 
-# HF config keys that do not change the forward pass we compute (bookkeeping, generation defaults, dtypes).
-_HF_IGNORED_KEYS = frozenset(
-    {
-        "_name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
-        "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range", "pretraining_tp",
-        "attention_dropout", "output_attentions", "output_hidden_states", "return_dict", "is_decoder",
-        "tie_encoder_decoder", "chunk_size_feed_forward", "id2label", "label2id", "problem_type",
-        "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id", "task_specific_params",
-        "finetuning_task", "torchscript", "max_length", "min_length", "do_sample", "num_beams",
-        "temperature", "top_k", "top_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
-        "bad_words_ids", "num_return_sequences", "output_scores", "return_dict_in_generate",
-        "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
-        "suppress_tokens", "begin_suppress_tokens", "add_cross_attention", "cross_attention_hidden_size",
-        "is_encoder_decoder", "early_stopping", "diversity_penalty", "num_beam_groups", "typical_p",
-        "encoder_no_repeat_ngram_size", "tf_legacy_loss", "use_bfloat16", "pruned_heads", "chunk_size",
-        "quantization_config", "max_window_layers", "use_sliding_window", "sep_token", "_sliding_window_pattern",
-        "sliding_window_pattern",
-    }
+# HF config.json fields that do not change the forward pass we compute: the one list of them (docs/models.md), by
+# kind. Every other field is read (`_HF_USED_KEYS`) or refused by name.
+HF_IGNORED_FIELDS = frozenset().union(
+    # names, versions and provenance
+    {"_name_or_path", "_model_name_or_path", "_commit_hash", "architectures", "model_type", "transformers_version",
+     "unsloth_version", "unsloth_fixed"},
+    # the dtype the weights were saved in (the station casts them to its own); a quantization's tensors are refused
+    # by name at load
+    {"torch_dtype", "dtype", "use_bfloat16", "quantization_config"},
+    # ids and spellings of special tokens, which the tokenizer defines
+    {"bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "sep_token_id", "mask_token_id", "cls_token_id",
+     "decoder_start_token_id", "forced_bos_token_id", "forced_eos_token_id", "sep_token"},
+    # training and runtime switches: initialisation, dropout, the KV cache, extra outputs, attention backends
+    {"initializer_range", "pretraining_tp", "attention_dropout", "use_cache", "cache_implementation",
+     "output_attentions", "output_hidden_states", "return_dict", "torchscript", "tf_legacy_loss", "pruned_heads",
+     "chunk_size", "chunk_size_feed_forward", "_attn_implementation", "_attn_implementation_autoset",
+     "attn_implementation"},
+    # generation defaults (each request carries its own)
+    {"max_length", "min_length", "do_sample", "num_beams", "temperature", "top_k", "top_p", "repetition_penalty",
+     "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+     "num_return_sequences", "output_scores", "return_dict_in_generate", "remove_invalid_values",
+     "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "early_stopping",
+     "diversity_penalty", "num_beam_groups", "typical_p"},
+    # other model classes' heads and encoder-decoder settings, task metadata
+    {"is_decoder", "tie_encoder_decoder", "add_cross_attention", "cross_attention_hidden_size", "is_encoder_decoder",
+     "id2label", "label2id", "problem_type", "finetuning_task", "task_specific_params", "prefix", "tokenizer_class"},
+    # restated by a field that is read: Qwen's windowed layers by use_sliding_window, Gemma's pattern by layer_types
+    {"max_window_layers", "_sliding_window_pattern", "sliding_window_pattern"},
 )
 _HF_USED_KEYS = frozenset(
     {
@@ -50,7 +60,7 @@ _HF_USED_KEYS = frozenset(
         "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
         "max_position_embeddings", "tie_word_embeddings", "sliding_window", "hidden_act", "attention_bias",
         "mlp_bias", "layer_types", "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping",
-        "final_logit_softcapping", "use_bidirectional_attention", "rope_local_base_freq",
+        "final_logit_softcapping", "use_bidirectional_attention", "rope_local_base_freq", "use_sliding_window",
     }
 )
 
@@ -170,7 +180,7 @@ class ModelConfig:
         if family in ("qwen2", "qwen3") and config.get("use_sliding_window"):
             raise ValueError("unsupported config field use_sliding_window=true: a window on some layers only "
                              "(max_window_layers) is not implemented")
-        unknown = sorted(k for k in config if k not in _HF_IGNORED_KEYS and k not in _HF_USED_KEYS)
+        unknown = sorted(k for k in config if k not in HF_IGNORED_FIELDS and k not in _HF_USED_KEYS)
         if unknown:
             raise ValueError(f"unsupported config field(s) {unknown} in config.json")
         act_key = "hidden_activation" if gemma else "hidden_act"

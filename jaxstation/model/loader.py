@@ -11,18 +11,24 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxstation.kernels.cpu_kernel import BLOCK_FORMATS
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.default_model import default_model_path
-from jaxstation.model.gguf_file import GGUFFile
+from jaxstation.model.gguf_file import GGUFFile, GGUFTensor
+from jaxstation.model.gguf_tokenizer import check_gguf_tokenizer
 from jaxstation.model.layers import WEIGHT_DTYPES, Params, pack_params
 from jaxstation.model.quant import GGUFBlocks, Tensor
 from jaxstation.model.tokenizer import Tokenizer
 
-GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
+
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+              "IQ4_NL", "IQ4_XS")
 _MATRICES = ("embed", "lm_head", "q", "k", "v", "o", "gate", "up", "down")  # the slots a GGUF file may keep in blocks
 _LAYER_SLOTS = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
 _BIAS_SLOTS = ("bq", "bk", "bv")  # ModelConfig.qkv_bias
@@ -127,7 +133,7 @@ def load_hf_dir(path: Path, dtype: str = "float32", layer_loop: str = "scan", ma
     config_path = path / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"missing file {config_path}")
-    cfg = ModelConfig.from_hf(json.loads(config_path.read_text()))
+    cfg = hf_config(config_path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -190,12 +196,46 @@ def _unpermute_rope(w: Tensor, n_heads: int) -> Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_config(reader: GGUFFile) -> ModelConfig:
+def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
     """The config a GGUF file's metadata declares (the vocabulary from its token list, tied unless it has an output
     tensor)."""
     meta = reader.fields
-    return ModelConfig.from_gguf(meta, vocab_size=len(meta.get("tokenizer.ggml.tokens", [])),
-                                 tied="output.weight" not in {t.name for t in reader.tensors})
+    try:
+        return ModelConfig.from_gguf(meta, vocab_size=len(meta.get("tokenizer.ggml.tokens", [])),
+                                     tied="output.weight" not in {t.name for t in reader.tensors})
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{path} is not a GGUF checkpoint of a served family: {e}") from None
+
+
+def hf_config(path: Path) -> ModelConfig:
+    """The config an HF directory's config.json declares."""
+    try:
+        return ModelConfig.from_hf(json.loads(path.read_text()))
+    except KeyError as e:
+        raise CheckpointError(f"{path} has no field {e}") from None
+    except ValueError as e:  # JSONDecodeError, or a config that is not a served family's
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+def served_type(tensor: GGUFTensor, path: Path) -> GGMLQuantizationType:
+    """The tensor's GGUF type, if the loader reads it."""
+    from gguf import GGMLQuantizationType
+
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    if qtype.name not in GGUF_TYPES:
+        raise CheckpointError(f"tensor {tensor.name!r} in {path} has unsupported GGUF type {qtype.name}; supported: "
+                              f"{', '.join(GGUF_TYPES)}")
+    return qtype
+
+
+def tokenizer_of(source: Path, fields: Mapping | None = None) -> Tokenizer:
+    """The tokenizer of an HF directory, or of a GGUF file (from its metadata `fields`, read here if None)."""
+    try:
+        if source.is_dir():
+            return Tokenizer.from_hf_dir(source)
+        return Tokenizer.from_gguf(open_gguf(source).fields if fields is None else fields)
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from None
 
 
 def open_gguf(path: Path) -> GGUFFile:
@@ -209,18 +249,16 @@ def load_gguf(path: Path, dtype: str = "float32", reader: GGUFFile | None = None
               matmul: str = "xla") -> tuple[ModelConfig, Params]:
     """A GGUF file: config from metadata, tensors dequantized with the gguf package; with dtype "gguf", matrices in a
     block format the CPU kernel reads stay in their blocks (`quant.GGUFBlocks`)."""
-    from gguf import GGMLQuantizationType, dequantize
+    from gguf import dequantize
 
     reader = reader or open_gguf(path)
-    cfg = gguf_config(reader)
+    cfg = gguf_config(reader, path)
     tensors: dict[tuple[int | None, str], Tensor] = {}
     names: dict[tuple[int | None, str], str] = {k: _gguf_name(k) for k in _all_keys(cfg)}
     interleaved = reader.fields.get("general.architecture") == "llama"  # its converter permuted q/k rows (see above)
     for t in reader.tensors:
         key = _map_name(t.name, _GGUF_GLOBAL, _GGUF_LAYER, _GGUF_LAYER_NAMES, cfg.num_layers)
-        qtype = GGMLQuantizationType(t.tensor_type)
-        if qtype.name not in GGUF_TYPES:
-            raise CheckpointError(f"tensor {t.name!r} has unsupported GGUF type {qtype.name}; supported: {GGUF_TYPES}")
+        qtype = served_type(t, path)
         shape = tuple(int(n) for n in reversed(t.shape))  # ggml dims are [in, out]
         if dtype == "gguf" and qtype.name in BLOCK_FORMATS and key[1] in _MATRICES and len(shape) == 2:
             arr: Tensor = GGUFBlocks(np.asarray(t.data).reshape(shape[0], -1), qtype.name, shape)
@@ -248,34 +286,34 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", layer_loo
     source = model_source(path)
     if source.is_dir():
         cfg, params = load_hf_dir(source, dtype, layer_loop, matmul)
-        tokenizer = Tokenizer.from_hf_dir(source)
+        tokenizer = tokenizer_of(source)
     else:
         reader = open_gguf(source)
         cfg, params = load_gguf(source, dtype, reader, layer_loop, matmul)
-        tokenizer = Tokenizer.from_gguf(reader.fields)
+        tokenizer = tokenizer_of(source, reader.fields)
     return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, source=source)
 
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     """The tokenizer of a checkpoint (as `load_model`'s), read without its tensors."""
-    source = model_source(path)
-    return Tokenizer.from_hf_dir(source) if source.is_dir() else Tokenizer.from_gguf(open_gguf(source).fields)
+    return tokenizer_of(model_source(path))
 
 
 def checkpoint_config(path: str | Path | None) -> ModelConfig:
     """The config a checkpoint declares, read without loading its tensors: what `serve` checks before it listens.
-    Raises CheckpointError for a path that is not a checkpoint, a file that is not GGUF, or an unreadable config."""
+    Raises CheckpointError for a path that is not a checkpoint, a file that is not GGUF, an unreadable config, and
+    for a GGUF file a tensor of a type or a tokenizer model that is not served."""
     source = model_source(path)
     if source.is_dir():
-        try:
-            return ModelConfig.from_hf(json.loads((source / "config.json").read_text()))
-        except ValueError as e:  # JSONDecodeError, or a config that is not a Llama-family model's
-            raise CheckpointError(f"cannot read {source / 'config.json'}: {e}") from None
+        return hf_config(source / "config.json")
     reader = open_gguf(source)
+    for t in reader.tensors:
+        served_type(t, source)
     try:
-        return gguf_config(reader)
-    except (KeyError, ValueError) as e:
-        raise CheckpointError(f"{source} is not a Llama-family GGUF checkpoint: {e}") from None
+        check_gguf_tokenizer(reader.fields)
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+    return gguf_config(reader, source)
 
 
 def model_source(path: str | Path | None) -> Path:

@@ -1,9 +1,9 @@
 """Tokenization for the station: a thin layer over HF `tokenizers` (Rust).
 
 A `Tokenizer` is built either from a Hugging Face model directory (`tokenizer.json` and friends) or from the
-metadata of a GGUF file (byte-level BPE, `tokenizer.ggml.model == "gpt2"`), the way transformers' GGUF converter and
-llama.cpp build it. It also renders chat templates as transformers does, knows the raw bytes of every token, and
-precomputes which tokens end a sentence (`terminal_ids`).
+metadata of a GGUF file (`gguf_tokenizer`: byte-level BPE, or SentencePiece BPE with byte fallback), the way
+transformers' GGUF converter and llama.cpp build it. It also renders chat templates as transformers does, knows the raw
+bytes of every token, and precomputes which tokens end a sentence (`terminal_ids`).
 """
 
 from __future__ import annotations
@@ -11,93 +11,21 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as RustTokenizer
-from tokenizers.models import BPE
 
 from jaxstation.model.chat_template import compile_template
-
-# GGUF token types (llama.cpp's `LLAMA_TOKEN_TYPE_*`).
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
-
-# GPT-2's split, which `ByteLevel(use_regex=True)` applies by itself.
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-# `tokenizer.ggml.pre` -> the regex splits llama.cpp applies before byte-level BPE (`llama-vocab.cpp`). `None` means
-# GPT-2's split alone. The starcoder family (smollm among them) isolates every digit first, then splits as GPT-2
-# does: that is `Digits(individual_digits=True)` + `ByteLevel`, as in SmolLM2's own tokenizer.json.
-_DIGITS = "digits"
-_GGUF_PRE_SPLITS: dict[str, tuple[str, ...]] = {
-    "default": (),
-    "gpt2": (),
-    "gpt-2": (),
-    "phi-2": (),
-    "jina-es": (),
-    "jina-de": (),
-    "jina-v2-es": (),
-    "jina-v2-de": (),
-    "smollm": (_DIGITS,),
-    "starcoder": (_DIGITS,),
-    "refact": (_DIGITS,),
-    "command-r": (_DIGITS,),
-    "codeshell": (_DIGITS,),
-    "exaone": (_DIGITS,),
-    "minerva-7b": (_DIGITS,),
-    "llama3": (_LLAMA3_SPLIT,),
-    "llama-v3": (_LLAMA3_SPLIT,),
-    "llama-bpe": (_LLAMA3_SPLIT,),
-    "falcon3": (_LLAMA3_SPLIT,),
-    "dbrx": (_LLAMA3_SPLIT,),
-    "smaug-bpe": (_LLAMA3_SPLIT,),
-    "qwen2": (_QWEN2_SPLIT,),
-    "deepseek-r1-qwen": (_QWEN2_SPLIT,),
-    "megrez": (_QWEN2_SPLIT,),
-}
+from jaxstation.model.gguf_tokenizer import gguf_backend, unicode_to_bytes
 
 # Closing quotes and brackets that may follow a sentence's final punctuation, and that punctuation itself.
 _CLOSERS = "\"'”’“‘)]}»›」』】〕〉》）］｝"
 _TERMINALS = (".", "!", "?", "…", "。", "！", "？")
 
 
-@lru_cache(maxsize=1)
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map used by byte-level BPE vocabularies."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
-
-
-@lru_cache(maxsize=1)
-def _unicode_to_bytes() -> dict[str, int]:
-    return {c: b for b, c in _bytes_to_unicode().items()}
-
-
-def _is_byte_level_spelling(token: str) -> bool:
-    table = _unicode_to_bytes()
-    return all(ch in table for ch in token)
-
-
 def _byte_level_bytes(token: str) -> bytes:
-    table = _unicode_to_bytes()
+    table = unicode_to_bytes()
     try:
         return bytes(table[ch] for ch in token)
     except KeyError:  # stored raw (llama.cpp writes undecodable or user-defined tokens as text)
@@ -112,11 +40,6 @@ def _sentencepiece_bytes(token: str) -> bytes:
     if m is not None:
         return bytes([int(m.group(1), 16)])
     return token.replace("\u2581", " ").encode("utf-8")
-
-
-def _field(meta: Mapping[str, Any], key: str, default: Any = None) -> Any:
-    value = meta.get(key)
-    return default if value is None else value
 
 
 def _token_content(token: Any) -> str | None:
@@ -234,79 +157,10 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, meta: Mapping[str, Any]) -> Tokenizer:
-        """Byte-level BPE from a GGUF file's `tokenizer.*` metadata (`GGUFFile.fields`: key -> plain value)."""
-        model = _field(meta, "tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(f"unsupported GGUF tokenizer model {model!r}: only byte-level BPE ('gpt2') is supported")
-        pre = _field(meta, "tokenizer.ggml.pre", "default")
-        if pre not in _GGUF_PRE_SPLITS:
-            raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre)")
-        tokens: list[str] = list(_field(meta, "tokenizer.ggml.tokens", []))
-        if not tokens:
-            raise ValueError("GGUF file has no tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in _field(meta, "tokenizer.ggml.merges", [])]
-        token_type = list(_field(meta, "tokenizer.ggml.token_type", []))
-
-        spelling = _bytes_to_unicode()
-        vocab: dict[str, int] = {}
-        for i, t in enumerate(tokens):
-            key = t if _is_byte_level_spelling(t) else "".join(spelling[b] for b in t.encode("utf-8"))
-            vocab.setdefault(key, i)
-        tok = RustTokenizer(BPE(vocab, merges, fuse_unk=False))
-
-        steps: list[Any] = []
-        for split in _GGUF_PRE_SPLITS[pre]:
-            if split == _DIGITS:
-                steps.append(pre_tokenizers.Digits(individual_digits=True))
-            else:
-                steps.append(pre_tokenizers.Split(Regex(split), behavior="isolated"))
-        use_regex = not any(s not in (_DIGITS,) for s in _GGUF_PRE_SPLITS[pre])
-        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=use_regex))
-        tok.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
-        tok.decoder = decoders.ByteLevel()
-
-        special = [
-            AddedToken(t, normalized=False, special=True)
-            for t, kind in zip(tokens, token_type, strict=False)
-            if kind == _TOKEN_TYPE_CONTROL and _is_byte_level_spelling(t)
-        ]
-        # User-defined tokens are matched whole in text too (llama.cpp), but are ordinary text when decoding.
-        user = [
-            AddedToken(t, normalized=False, special=False)
-            for t, kind in zip(tokens, token_type, strict=False)
-            if kind == _TOKEN_TYPE_USER_DEFINED and _is_byte_level_spelling(t) and vocab.get(t) is not None
-        ]
-        if special:
-            tok.add_special_tokens(special)
-        if user:
-            tok.add_tokens(user)
-
-        bos_id = _field(meta, "tokenizer.ggml.bos_token_id")
-        eos_ids = [
-            int(v)
-            for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-            if (v := _field(meta, key)) is not None
-        ]
-        add_bos = bool(_field(meta, "tokenizer.ggml.add_bos_token", False))
-        pad_id = _field(meta, "tokenizer.ggml.padding_token_id")
-        unk_id = _field(meta, "tokenizer.ggml.unknown_token_id")
-        if add_bos and bos_id is not None:
-            bos = tokens[int(bos_id)]
-            tok.post_processor = processors.TemplateProcessing(
-                single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, int(bos_id))]
-            )
-        else:
-            tok.post_processor = processors.ByteLevel(trim_offsets=False)
-        return cls(
-            tok,
-            bos_id=None if bos_id is None else int(bos_id),
-            eos_ids=eos_ids,
-            add_bos=add_bos,
-            chat_template=_field(meta, "tokenizer.chat_template"),
-            byte_level=True,
-            pad_id=None if pad_id is None else int(pad_id),
-            unk_id=None if unk_id is None else int(unk_id),
-        )
+        """The tokenizer a GGUF file's `tokenizer.*` metadata describes (`GGUFFile.fields`: key -> plain value):
+        byte-level BPE (`tokenizer.ggml.model` "gpt2") or SentencePiece BPE ("llama")."""
+        tok, arguments = gguf_backend(meta)
+        return cls(tok, **arguments)
 
     def save_hf_dir(self, path: str | Path) -> None:
         """Write `tokenizer.json`, `tokenizer_config.json` and `generation_config.json` into `path`, as a Hugging Face

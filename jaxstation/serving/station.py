@@ -19,7 +19,7 @@ from jaxstation.engine.engine import Engine
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.runner import Runner
 from jaxstation.engine.scheduler import Scheduler
-from jaxstation.model.loader import LoadedModel, load_model
+from jaxstation.model.loader import CheckpointError, LoadedModel, load_model
 from jaxstation.serving.coldstart import CompileCount, StartupClock, enable_compile_cache
 from jaxstation.serving.memory import check_memory
 from jaxstation.serving.settings import StationConfig
@@ -152,8 +152,9 @@ def local_engine(model: LoadedModel, c: StationConfig) -> Engine:
 
 def start_failed(station: Any, error: Exception) -> None:
     """A Station's or MeshStation's loading thread failed: log it, keep the message for /health and /ready, and
-    tell the server."""
-    log.exception("station failed to start")
+    tell the server. A checkpoint that cannot be loaded is said in the server's one exit line, without a traceback."""
+    if not isinstance(error, CheckpointError):
+        log.exception("station failed to start")
     station.load_error = f"{type(error).__name__}: {error}"
     if station.on_load_failed is not None:
         station.on_load_failed()
