@@ -58,8 +58,7 @@ class _LaneState:
     def __init__(self, prompt: tuple[int, ...], kv: list[tuple[str, int]]) -> None:
         self.prompt = prompt
         self.kv = kv  # per position: (writer, token)
-        self.generated = 0
-        self.last: int | None = None
+        self.sampled: dict[int, int] = {}  # position -> the token its row sampled (the next position's input)
 
     @property
     def length(self) -> int:  # positions written
@@ -144,6 +143,7 @@ class FakeEngine:
 
     # ---- the Engine surface -------------------------------------------------------------------------------
     token_controls = False
+    verify_rows = 0  # the rows of a verify step (more than 1: the scheduler may speculate)
     pack_budget = 0  # one prefill chunk per turn
     decode_turn_rows: int | None = None  # the rows of a packed turn that carries decode rows (None: the budget)
 
@@ -190,8 +190,8 @@ class FakeEngine:
         st.kv[start:] = [("prefill", t) for t in prompt[start:start + length]]
         if st.length < len(prompt):
             return None
-        st.last = first_token([t for _, t in st.kv], sampling.seed, self.vocab)
-        return _sample(st.last)
+        st.sampled = {len(prompt) - 1: first_token([t for _, t in st.kv], sampling.seed, self.vocab)}
+        return _sample(st.sampled[len(prompt) - 1])
 
     def decode(self, rows: Sequence[DecodeRow | None], return_logits: bool = False
                ) -> tuple[list[Sample | None], None]:
@@ -220,7 +220,22 @@ class FakeEngine:
                 out[p.lane] = sample
         return out
 
+    def verify(self, rows: Sequence[DecodeRow | None]) -> list[list[Sample] | None]:
+        """A decode wave whose rows may carry drafts, each fed at the next position of its lane; recorded as
+        ("verify", ((lane, drafts), ...))."""
+        self._gate("verify")
+        self.calls.append(("verify", tuple((i, r.drafts) for i, r in enumerate(rows) if r)))
+        self.lane_versions.touch([i for i, r in enumerate(rows) if r])
+        out: list[list[Sample] | None] = [None] * self.lanes
+        for i, sample in enumerate(self._decode_rows(rows)):
+            if sample is not None:
+                out[i] = [sample] + [self._feed_token(i, d, rows[i].position + j) for j, d in
+                                     enumerate(rows[i].drafts, 1)]
+        return out
+
     def _decode_rows(self, rows: Sequence[DecodeRow | None]) -> list[Sample | None]:
+        """Each live row fed at its position. A row must feed the token the lane sampled at the position before (its
+        last token, or an accepted draft's), with the counter of its position."""
         out: list[Sample | None] = []
         for i, row in enumerate(rows):
             if row is None:
@@ -229,12 +244,18 @@ class FakeEngine:
             st = self._state[i]
             if st is None or st.length < len(st.prompt):
                 self.errors.append(f"decode of lane {i} before its prefill finished")
-            elif (row.position, row.token, row.counter) != (st.length, st.last, st.generated + 1):
-                self.errors.append(f"lane {i}: row {row} but the lane holds length {st.length}, last {st.last}, "
-                                   f"generated {st.generated + 1}")
-            token = next_token(row.token, row.position, self.vocab)
-            if st is not None:
-                st.kv[row.position:] = [("decode", row.token)]
-                st.last, st.generated = token, st.generated + 1
-            out.append(_sample(token))
+            elif (row.position > st.length or row.token != st.sampled.get(row.position - 1)
+                  or row.counter != row.position - len(st.prompt) + 1):
+                self.errors.append(f"lane {i}: row {row} but the lane holds length {st.length} and sampled "
+                                   f"{st.sampled.get(row.position - 1)} there")
+            out.append(self._feed_token(i, row.token, row.position))
         return out
+
+    def _feed_token(self, lane: int, token: int, position: int) -> Sample:
+        """Write `token` at `position` of the lane (dropping what it held from there on) and sample the next."""
+        st = self._state[lane]
+        nxt = next_token(token, position, self.vocab)
+        if st is not None:
+            st.kv[position:] = [("decode", token)]
+            st.sampled[position] = nxt
+        return _sample(nxt)

@@ -62,6 +62,7 @@ class Job:
     stop_requested: bool = False  # written under Scheduler.cond (Scheduler.finish_early)
     cached_tokens: int = 0
     constraint: Constraint | None = None
+    speculate: bool = True  # may draft tokens where the station speculates (the tokens are the same either way)
 
 
 @dataclasses.dataclass(frozen=True)

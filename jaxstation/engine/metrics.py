@@ -32,9 +32,20 @@ class StationMetrics:
                                    registry=r)
         self.prefix_reused_tokens = Counter("jaxstation_prefix_cache_reused_tokens",
                                             "Prompt tokens of hits found in a lane's prefill-written KV", registry=r)
+        self.spec_drafts = Counter("jaxstation_spec_decode_num_drafts", "Drafts verified (one per request per step)",
+                                   registry=r)
+        self.spec_draft_tokens = Counter("jaxstation_spec_decode_num_draft_tokens", "Tokens drafted", registry=r)
+        self.spec_accepted_tokens = Counter("jaxstation_spec_decode_num_accepted_tokens", "Drafted tokens accepted",
+                                            registry=r)
         self.prefix_saved_tokens = Counter("jaxstation_prefix_cache_prefill_saved_tokens",
                                            "Prompt tokens not prefilled: the match rounded down to a chunk boundary",
                                            registry=r)
+
+    def count_drafts(self, drafted: int, accepted: int) -> None:
+        """A verify step checked `drafted` tokens of one request and accepted `accepted` of them."""
+        self.spec_drafts.inc()
+        self.spec_draft_tokens.inc(drafted)
+        self.spec_accepted_tokens.inc(accepted)
 
     def count_prefix_lookup(self, matched: int, reused: int) -> None:
         """A request looked for a cached prefix: `matched` prompt tokens found, `reused` of them not prefilled."""

@@ -94,6 +94,7 @@ class DecodeRow:
     sampling: SamplingParams
     counter: int  # tokens this request has generated so far (folds into its sampling key)
     mask: np.ndarray | None = None  # [words] int32: the tokens a constrained request may take (engine/constraints.py)
+    drafts: tuple[int, ...] = ()  # tokens to verify after `token` (speculative decoding: `Runner.verify`)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ class Runner(Protocol):
     lane_versions: LaneVersions  # a new stamp per lane whenever its KV may change: what the prefix cache trusts
     token_controls: bool  # whether it applies SamplingParams' penalties, logit_bias, min_tokens and constraint masks
     pack_budget: int  # rows per packed admission step (`pack`); 0: prompts enter one `prefill` chunk at a time
+    verify_rows: int  # the most rows a `verify` step holds; 0 or 1: it does not speculate
 
     def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int]) -> None:
         """A request takes `lane` (called before its first prefill chunk): set the lane's per-request token state."""
@@ -48,6 +49,11 @@ class Runner(Protocol):
     def decode(self, rows: Sequence[DecodeRow | None], return_logits: bool = False
                ) -> tuple[list[Sample | None], Any]:
         """One wave: rows[i] feeds lane i (None = idle). One sample per live lane."""
+
+    def verify(self, rows: Sequence[DecodeRow | None]) -> list[list[Sample] | None]:
+        """(Only where verify_rows > 1) one wave in which a row with drafts also feeds each draft at the next
+        positions of its lane, every row sampled with the request's key at its position. Per lane, the samples of
+        its rows in order (None for an idle lane)."""
 
     def reset(self) -> None:
         """Forget every lane's state after a failed step."""

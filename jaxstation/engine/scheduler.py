@@ -1,49 +1,43 @@
 """The scheduler: one decode thread owns the engine and runs continuous batching over its lanes.
 
-Threads. Request handlers (any thread, e.g. the server's event loop) call `submit`, which appends a Job to a bounded
-pending queue under a condition variable and returns a Future. The one decode thread is the only caller of the
-engine. Each turn of its loop it `schedule()`s: retires cancelled or early-finished lanes, fills free lanes from the
-queue, picks the prompt work (below) and the decode rows of every lane past its prompt. It runs them, then
-`postprocess()`es the samples: a lane's token joins its request, which retires on a
-stop id, `terminal_prosody`, `max_new_tokens`, `finish_early` (a host matched a stop string) or cancellation; its
-Future is answered and the lane is free for the next fill. Before a job's first prefill chunk the engine `begin`s
-its lane (the token state its penalties, logit bias and min_tokens read). A job generates at least
-`sampling.min_tokens` tokens before a stop id (held back on the device) or `terminal_prosody` ends it.
-A constrained job (engine/constraints.py) gets its mask computed here before each step that samples for it, and its
-grammar takes each token after: a complete grammar retires it ("stop"); one that leaves no token fails it alone.
-With no live lane and nothing pending the thread waits on the condition variable: no polling.
+Threads. Request handlers (any thread, e.g. the server's event loop) `submit` Jobs into a bounded pending queue and get
+Futures. The one decode thread is the only caller of the engine. Each turn it fills free lanes from the queue and
+`schedule()`s: retires cancelled or early-finished lanes, picks the prompt work (below) and the decode rows of every
+lane past its prompt. It runs them, then `postprocess()`es the samples: a token joins its request, which retires on a
+stop id, `terminal_prosody`, `max_new_tokens`, `finish_early` (a host matched a stop string) or cancellation, and its
+Future is answered. A job generates at least `sampling.min_tokens` tokens before a stop id or `terminal_prosody` ends
+it. A constrained job (engine/constraints.py) gets its mask before each step that samples for it, and its grammar
+takes each token after. With no live lane and nothing pending the thread waits on the condition variable.
 
-Who owns what. `cond` (a re-entrant lock with its condition) guards `pending`, `_accepting`, `_stop`,
-`_prefix_resets`, every job's `cancelled` and `stop_requested`, and which lanes are busy: `lanes` is written only by
-the decode thread and only under `cond`, so another thread may read it (`busy_lanes`, `drain`) under it. The decode
-thread alone owns the engine, the prefix cache, `prefill_order` and each lane's progress (`Lane`'s fields), and reads
-them without the lock. Requests from other threads never touch that state: `cancel` and
-`finish_early` set a job's flag under `cond`, `reset_prefix_cache` queues a Future that the decode thread answers at
-the start of its next turn (directly, under `cond`, when no decode thread runs), and `drain` stops the queue and waits
-on `cond`. A Future's callbacks run on the thread that answers it (the decode thread, or a draining thread once the
-decode thread is gone).
+Who owns what (docs/design.md has the map). `cond`, a re-entrant lock, guards `pending`, `_accepting`, `_stop`,
+`_prefix_resets`, each job's `cancelled` and `stop_requested`, and `lanes` (written by the decode thread under it).
+The decode thread alone owns the engine, the prefix cache, `prefill_order` and each `Lane`'s progress. Other threads
+never touch that state: `cancel` and `finish_early` set a flag under `cond`; `reset_prefix_cache` queues a Future that
+the decode thread answers between two turns; `drain` stops the queue and waits on `cond`.
 
 Backpressure. The queue holds at most `max_queue` jobs; `submit` past that raises QueueFull (the server answers 503
 with Retry-After) instead of letting latency grow without bound. Once `drain` starts, `submit` raises ShuttingDown.
 
-Prefix reuse. A freed lane keeps its KV; `PrefixCache` (jaxstation/engine/prefix_cache.py) remembers the token ids its
-prefill wrote. `_fill` gives a job the free lane with the longest reusable prefix (ties and victims least recently
-used) and starts its prefill at the last chunk boundary at or below the match, so its tokens equal a fresh run's.
+Prefix reuse (engine/prefix_cache.py). `_fill` gives a job the free lane with the longest reusable prefix and starts
+its prefill at the last chunk boundary at or below the match, so its tokens equal a fresh run's.
+
+Speculation (engine/speculative.py). Where the engine verifies drafts (`verify_rows` > 1) and a turn admits no prompt
+pieces, decode rows carry drafts (`draft_rows`) and run as one `verify` step; each row's accepted tokens go through
+`postprocess` one by one, as plain decoding's would.
 
 Admission (engine/turns.py). On an engine that packs, a turn's prompt work is pieces of every prefilling lane's
 prompt, run with the decode rows as one packed step (`Engine.pack`); a turn without pieces runs a decode wave.
 Otherwise a turn prefills at most one chunk (the oldest prefilling lane's next one), then runs the decode wave. A job
 that scores its prompt is always prefilled one chunk per turn.
 
-Serialize-all (continuous=False). The same loop admits a job only when no lane is busy: one request holds the engine
-for its whole prefill and decode, through the same compiled shapes.
+Serialize-all (continuous=False). The same loop admits a job only when no lane is busy, through the same shapes.
 
-Invariance. The engine's steps come from a fixed set of shapes and never mix rows (a narrow wave is one only where a
-row computes alike at every width: the CPU kernels), and each request samples with its own seed and counter, so a
-job's tokens are the same whichever lane it gets, whatever runs beside it, and in either mode.
+Invariance. The steps come from a fixed set of shapes and never mix rows (a narrow wave is one only where a row
+computes alike at every width: the CPU kernels), and each request samples with its own seed and counter, so a job's
+tokens are the same whichever lane it gets, whatever runs beside it, and in either mode.
 
-Failure. An exception inside a step fails every job in a lane with StepFailed, rebuilds the arena, drops every
-cached prefix and goes on; queued jobs are served next.
+Failure. A step that raises fails every job in a lane with StepFailed, rebuilds the arena, drops every cached prefix
+and goes on.
 """
 
 from __future__ import annotations
@@ -65,7 +59,8 @@ from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.prefix_cache import PrefixCache
 from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample
 from jaxstation.engine.runner import Runner
-from jaxstation.engine.turns import Lane, Plan, prompt_pieces
+from jaxstation.engine.speculative import Speculation, accept
+from jaxstation.engine.turns import Lane, Plan, draft_rows, prompt_pieces
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,11 +68,10 @@ T = TypeVar("T")
 
 class Scheduler:
     def __init__(self, engine: Runner, *, continuous: bool, max_queue: int, terminal_ids: frozenset[int],
-                 metrics: StationMetrics | None = None) -> None:
+                 metrics: StationMetrics | None = None, speculation: Speculation | None = None) -> None:
         self.engine = engine
-        self.continuous = continuous
-        self.max_queue = max_queue
-        self.terminal_ids = terminal_ids
+        self.speculation = speculation if engine.verify_rows > 1 else None
+        self.continuous, self.max_queue, self.terminal_ids = continuous, max_queue, terminal_ids
         self.metrics = metrics or StationMetrics()
         self.lanes: list[Lane | None] = [None] * engine.lanes  # written under cond
         self.pending: deque[Job] = deque()
@@ -154,11 +148,9 @@ class Scheduler:
 
         Returns True if everything finished in time.
         """
-        with self.cond:
-            self._accepting = False
-            self.cond.notify()
         deadline = time.monotonic() + timeout_s
         with self.cond:
+            self._accepting = False
             while (self.pending or self.busy_lanes) and self.alive:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -223,7 +215,7 @@ class Scheduler:
         now = time.perf_counter()
         while True:
             while self.pending and self.pending[0].cancelled:  # a cancelled job never takes (or skips) a lane
-                self._finish_cancelled(self.pending.popleft())
+                self._fail_job(self.pending.popleft(), Cancelled("the request was cancelled"), "cancelled")
             free = [i for i, lane in enumerate(self.lanes) if lane is None]
             if not self.pending or not free or (not self.continuous and self.busy_lanes):
                 break
@@ -234,7 +226,8 @@ class Scheduler:
             if reuse:
                 self.metrics.count_prefix_lookup(pick.matched, pick.reused)
             job.cached_tokens = pick.reused
-            self.lanes[pick.lane] = Lane(job=job, admitted_at=now, fed=pick.reused)
+            draft = self.speculation.draft_length() if self.speculation else None
+            self.lanes[pick.lane] = Lane(job=job, admitted_at=now, fed=pick.reused, draft=draft)
             self.prefill_order.append(pick.lane)
         self.metrics.queue_depth.set(len(self.pending))
         self.metrics.busy_lanes.set(self.busy_lanes)
@@ -244,7 +237,7 @@ class Scheduler:
         rows."""
         for i, how in (ending or {}).items():
             if how == "cancel":
-                self._finish_cancelled(self._free(i).job)
+                self._fail_job(self._free(i).job, Cancelled("the request was cancelled"), "cancelled")
             else:
                 self._retire(i, "stop")
         packs = self.engine.pack_budget > 0
@@ -260,6 +253,8 @@ class Scheduler:
                 rows[i] = lane.decode_row(masked[1])
         decoding = sum(r is not None for r in rows)
         pieces = self._pieces(self.engine.turn_rows(decoding) - decoding) if packs else []
+        if not pieces and self.speculation is not None:
+            draft_rows(self.lanes, rows, self.engine.verify_rows, self.speculation.proposer)
         return Plan(prefill_lane, rows, prefill_mask, pieces)
 
     def _pieces(self, budget: int) -> list[PromptPiece]:
@@ -278,15 +273,9 @@ class Scheduler:
         return self.lanes[i].job.prompt_logprobs and not self.lanes[i].repacked
 
     def _mask(self, i: int) -> tuple[bool, np.ndarray | None]:
-        """(whether lane i goes on, the constraint mask of its next token: `Constraint.next_mask`, None without a
-        constraint). A job its constraint leaves without a token fails here."""
-        lane = self.lanes[i]
-        job = lane.job
-        if job.constraint is None:
-            return True, None
+        """(whether lane i goes on, `Lane.next_mask`). A job its constraint leaves without a token fails here."""
         try:
-            return True, job.constraint.next_mask(len(lane.samples), job.sampling.min_tokens, job.stop_ids,
-                                                  job.sampling.allowed_token_ids)
+            return True, self.lanes[i].next_mask()
         except ConstraintFailed as e:
             self._fail(i, e)
             return False, None
@@ -297,6 +286,8 @@ class Scheduler:
             self._prefill_chunk(plan.prefill_lane, plan.prefill_mask)
         if plan.pieces:
             samples = self._pack(plan)
+        elif any(row is not None and row.drafts for row in plan.decode_rows):
+            return self._verified(plan.decode_rows, self._step("verify", lambda: self.engine.verify(plan.decode_rows)))
         elif any(row is not None for row in plan.decode_rows):
             samples, _ = self._step("decode", lambda: self.engine.decode(plan.decode_rows))
         else:
@@ -357,6 +348,22 @@ class Scheduler:
                     self.metrics.prompt_tokens.inc(len(lane.job.tokens) - lane.job.cached_tokens)
         return samples
 
+    def _verified(self, rows: list[DecodeRow | None], runs: list[list[Sample] | None]) -> None:
+        """Fold a verify step into its lanes: each row's drafts stand while they equal the samples (`accept`), and
+        the tokens go through `postprocess` one by one until the request ends."""
+        for i, (row, samples) in enumerate(zip(rows, runs, strict=True)):
+            if row is None:
+                continue
+            lane = self.lanes[i]
+            tokens = accept(row.drafts, [s.token for s in samples])
+            if row.drafts:
+                lane.draft.update(len(row.drafts), len(tokens) - 1)
+                self.metrics.count_drafts(len(row.drafts), len(tokens) - 1)
+            for sample in samples[:len(tokens)]:
+                if self.lanes[i] is not lane:  # it ended (a stop id, max_new_tokens, its constraint)
+                    break
+                self.postprocess(i, sample)
+
     def postprocess(self, i: int, sample: Sample) -> None:
         """Fold a lane's new token into its request; retire the request when it is done."""
         lane = self.lanes[i]
@@ -411,17 +418,15 @@ class Scheduler:
         self.prefix_cache.store(i, kept, self.engine.lane_versions[i])
         return lane
 
-    def _finish_cancelled(self, job: Job) -> None:
-        self.metrics.requests.labels("cancelled").inc()
+    def _fail_job(self, job: Job, error: Exception, outcome: str = "error") -> None:
+        """Answer `job` with `error`, counted under `outcome`."""
+        self.metrics.requests.labels(outcome).inc()
         if not job.future.done():
-            job.future.set_exception(Cancelled("the request was cancelled"))
+            job.future.set_exception(error)
 
     def _fail(self, i: int, error: Exception) -> None:
         """Free lane i and fail its job with `error`."""
-        lane = self._free(i)
-        self.metrics.requests.labels("error").inc()
-        if not lane.job.future.done():
-            lane.job.future.set_exception(error)
+        self._fail_job(self._free(i).job, error)
 
     def _fail_lanes(self, error: Exception) -> None:
         for i, lane in enumerate(self.lanes):
@@ -431,10 +436,7 @@ class Scheduler:
     def _fail_pending(self, error: Exception) -> None:
         """Fail every queued job. Holds cond."""
         while self.pending:
-            job = self.pending.popleft()
-            self.metrics.requests.labels("error").inc()
-            if not job.future.done():
-                job.future.set_exception(error)
+            self._fail_job(self.pending.popleft(), error)
         self.metrics.queue_depth.set(0)
 
     def _fail_all(self, error: Exception) -> None:

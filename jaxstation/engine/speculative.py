@@ -22,6 +22,8 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class NgramProposer:
+    """Prompt lookup over a request's tokens (see the module docstring)."""
+
     min_n: int = 1
     max_n: int = 4
 
@@ -44,6 +46,19 @@ class NgramProposer:
                     return list(tokens[start:start + k])
                 end = at + 4 * n - 1
         return []
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+    """How a scheduler speculates: the proposer, the most tokens a request drafts a step (`k`), and how many steps in
+    a row that accept nothing end a request's drafting (`patience`)."""
+
+    proposer: NgramProposer = NgramProposer()
+    k: int = 4
+    patience: int = 4
+
+    def draft_length(self) -> DraftLength:
+        return DraftLength(self.k, self.patience)
 
 
 def accept(drafts: Sequence[int], sampled: Sequence[int]) -> list[int]:

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxstation.engine.jobs import Job, Result
 from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample
+from jaxstation.engine.speculative import DraftLength, NgramProposer
 
 
 @dataclasses.dataclass
@@ -33,6 +34,7 @@ class Lane:
     first_token_at: float | None = None
     last_token_at: float | None = None
     repacked: bool = False  # a scored prompt, prefilled again in packed steps before it generates
+    draft: DraftLength | None = None  # how many tokens it drafts next, where the station speculates
 
     @property
     def prefilling(self) -> bool:
@@ -42,6 +44,27 @@ class Lane:
         """The row that feeds the lane's last token back at its position (`mask`: its constraint's)."""
         n = len(self.samples)
         return DecodeRow(self.samples[-1].token, len(self.job.tokens) + n - 1, self.job.sampling, n, mask)
+
+    def next_mask(self) -> np.ndarray | None:
+        """The constraint mask of its next token (`Constraint.next_mask`; None without a constraint). Raises
+        ConstraintFailed when the constraint leaves no token."""
+        job = self.job
+        if job.constraint is None:
+            return None
+        return job.constraint.next_mask(len(self.samples), job.sampling.min_tokens, job.stop_ids,
+                                        job.sampling.allowed_token_ids)
+
+    @property
+    def speculates(self) -> bool:
+        """Whether its next decode row may carry drafts: a request that allows it, with no constraint and no token
+        controls (which read per-token state a verify step does not advance), still drafting."""
+        job = self.job
+        return (self.draft is not None and self.draft.drafting and job.speculate and job.constraint is None
+                and not job.sampling.controls)
+
+    def history(self) -> list[int]:
+        """The request's tokens so far: its prompt and what it has generated."""
+        return [*self.job.tokens, *(s.token for s in self.samples)]
 
     def result(self, reason: str, now: float) -> Result:
         """The job's Result, ending now for `reason`."""
@@ -61,6 +84,19 @@ class Plan:
     decode_rows: list[DecodeRow | None]
     prefill_mask: np.ndarray | None = None  # the prefill lane's constraint mask, when its chunk samples
     pieces: list[PromptPiece] = dataclasses.field(default_factory=list)
+
+
+def draft_rows(lanes: Sequence[Lane | None], rows: list[DecodeRow | None], verify_rows: int,
+               proposer: NgramProposer) -> None:
+    """Give the decode rows of lanes that speculate their drafts, the oldest request first, while the verify step's
+    rows fit `verify_rows`; never more than a request may still generate after the row's own token."""
+    room = verify_rows - sum(r is not None for r in rows)
+    for i in sorted((i for i, r in enumerate(rows) if r is not None), key=lambda i: lanes[i].admitted_at):
+        lane = lanes[i]
+        k = min(room, lane.draft.k if lane.draft else 0, lane.job.max_new_tokens - len(lane.samples) - 1)
+        if k > 0 and lane.speculates and (drafts := proposer.propose(lane.history(), k)):
+            rows[i] = dataclasses.replace(rows[i], drafts=tuple(drafts))
+            room -= len(drafts)
 
 
 def prompt_pieces(lanes: Sequence[Lane | None], waiting: Sequence[int], chunk: int, budget: int
