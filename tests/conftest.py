@@ -80,7 +80,7 @@ def engine(default_model: LoadedModel) -> Engine:
     steps (`Engine.pack`, through the scheduler and `generate`); `prefill` is there for the tests that call it."""
     station = StationConfig()
     return Engine(default_model, **ENGINE_SHAPE, attention=station.attention_for(default_model.cfg),
-                  pack_budget=station.pack_budget)
+                  pack_budget=station.pack_budget, speculative=True)
 
 
 # The wide engine: 16 lanes (a request among 15 others), waves at widths 1, 4 and 16, 64-row packed steps. The
@@ -90,7 +90,7 @@ WIDE_SHAPE = {"lanes": 16, "max_seq": 256, "chunk": 32, "block": 128, "widths": 
 
 @pytest.fixture(scope="session")
 def wide_engine(default_model: LoadedModel) -> Engine:
-    return Engine(default_model, **WIDE_SHAPE, attention="kernel")
+    return Engine(default_model, **WIDE_SHAPE, attention="kernel", speculative=True)
 
 
 @pytest.fixture(scope="session")
@@ -116,7 +116,7 @@ def int8_engine(int8_kernel_model: LoadedModel) -> Engine:
     """`engine`'s shape and settings on int8 weights."""
     station = StationConfig(dtype="int8")
     return Engine(int8_kernel_model, **ENGINE_SHAPE, attention=station.attention_for(int8_kernel_model.cfg),
-                  pack_budget=station.pack_budget)
+                  pack_budget=station.pack_budget, speculative=True)
 
 
 @pytest.fixture(scope="session")

@@ -83,12 +83,13 @@ class Engine:
     token_controls = True  # penalties, logit_bias and min_tokens are applied (from the arena's token state)
 
     def __init__(self, model: LoadedModel, lanes: int, max_seq: int, chunk: int, block: int,
-                 attention: str = "blocked", widths: Sequence[int] | None = None, pack_budget: int | None = 0
-                 ) -> None:
+                 attention: str = "blocked", widths: Sequence[int] | None = None, pack_budget: int | None = 0,
+                 speculative: bool = False) -> None:
         """widths: the decode wave widths (default: `wave_widths` when the model's matmuls are row-invariant and the
         attention is blocked or the kernel, else only `lanes`). pack_budget: rows per packed admission step (`pack`;
         0: prompts enter one `prefill` chunk at a time; None: PACK_BUDGET_AUTO, or the lanes if more, where waves may
-        run narrow, else 0); packing needs what narrow waves need."""
+        run narrow, else 0); packing needs what narrow waves need. speculative: verify drafted tokens (`verify`), where
+        waves may run narrow."""
         if max_seq % chunk or max_seq % block:
             raise ValueError(f"max_seq ({max_seq}) must be a multiple of the prefill chunk ({chunk}) "
                              f"and of the KV block ({block})")
@@ -122,6 +123,7 @@ class Engine:
                              f"and a budget of at least the lanes ({lanes}), got {pack_budget} rows (matmul kernel: "
                              f"{model.params.row_invariant}, attention {attention})")
         self.widths = widths
+        self.verify_rows = lanes if speculative and len(widths) > 1 else 0  # verify steps need narrow waves' rows
         self.pack_budget = pack_budget
         self.pack_widths = pack_widths(pack_budget) if pack_budget else ()
         self.model = model
@@ -238,6 +240,35 @@ class Engine:
             logits = jax.numpy.zeros((self.lanes, logits.shape[1]), logits.dtype).at[np.array(order)].set(logits)
         return samples, logits
 
+    def verify(self, rows: Sequence[DecodeRow | None]) -> list[list[Sample] | None]:
+        """One wave in which a row with drafts also feeds each draft at the next positions of its lane, every row
+        sampled with the request's key at its position (its counter + j), at the narrowest wave width that holds
+        them (padding rows write lane 0's scratch slot). Per lane, the samples of its rows in order.
+
+        A row computes alike at every width and reads only its lane's positions up to its own, after every row has
+        written its k/v: so each row is the row plain decoding runs at that position after the same tokens."""
+        steps = [(lane, dataclasses.replace(r, token=t, position=r.position + j, counter=r.counter + j,
+                                            mask=r.mask if j == 0 else None, drafts=()))
+                 for lane, r in enumerate(rows) if r is not None for j, t in enumerate((r.token, *r.drafts))]
+        if not 0 < len(steps) <= self.verify_rows:
+            raise ValueError(f"{len(steps)} rows cannot run as a verify step (at most {self.verify_rows})")
+        width = next(w for w in self.widths if w >= len(steps))
+        pad = width - len(steps)
+        per_row = [(r.sampling, r.counter) for _, r in steps] + [None] * pad
+        self.lane_versions.touch(sorted({lane for lane, _ in steps}))
+        self.arena, out, _ = decode_step_batch(
+            self.cfg, self.params, self.arena, np.array([r.position for _, r in steps] + [self.scratch_pos] * pad,
+                                                        np.int32),
+            np.array([r.token for _, r in steps] + [0] * pad, np.int32),
+            np.int32(max(r.position for _, r in steps) // self.block + 1), sampling_arrays(per_row),
+            np.array([lane for lane, _ in steps] + [0] * pad, np.int32),
+            penalty_arrays(per_row, self.cfg.vocab_size, [r.mask for _, r in steps] + [None] * pad),
+            block=self.block, attention=self.attention, return_logits=True)
+        samples: list[list[Sample] | None] = [None] * self.lanes
+        for (lane, _), sample in zip(steps, read_samples(out), strict=False):
+            samples[lane] = (samples[lane] or []) + [sample]
+        return samples
+
     def pack(self, pieces: Sequence[PromptPiece], rows: Sequence[DecodeRow | None], sampled: int | None = None
              ) -> list[Sample | None]:
         """One packed step: every piece's prompt tokens and every decode row (rows[i] feeds lane i) as rows of one
@@ -329,6 +360,9 @@ class Engine:
             name = "decode" if w == self.lanes else f"decode_{w}"
             steps.append((name, lambda w=w: (self._wave(sampled, w, False), self._wave(greedy, w, False),
                                              self._timed(("decode", w), lambda: self._wave(greedy, w, False)))))
+        if self.verify_rows:  # the full-width verify step: the narrower ones are the narrow waves' programs
+            drafted = [dataclasses.replace(r[0], drafts=(0,) * (self.lanes - 1)) for r in (sampled, greedy)]
+            steps.append(("verify", lambda: [self.verify([r] + idle) for r in drafted]))
         for w in self.pack_widths:
             for n in pack_slots(w, self.lanes):
                 if len(self._warmup_pieces(w, greedy[0].sampling)) > n:  # a context too short to fill w from n lanes

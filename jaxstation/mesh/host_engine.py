@@ -62,6 +62,7 @@ class MeshEngine:
 
     token_controls = False
     pack_budget = 0  # prompts enter one chunk at a time: the stations take one lane per prefill call
+    verify_rows = 0  # no speculation over the mesh
 
     def __init__(self, clients: list[StationClient], *, lanes: int, max_seq: int, chunk: int, block: int,
                  recover_s: float, pipeline: bool) -> None:
