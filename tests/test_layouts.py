@@ -16,7 +16,7 @@ from test_batch_invariance import TARGET, run_wave
 
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import SamplingParams, sampling_arrays
-from jaxstation.engine.steps import decode_step_batch
+from jaxstation.engine.steps import step_rows
 from jaxstation.model.loader import LoadedModel, load_model
 from jaxstation.model.quant import QuantWeight, matmul, quantize
 from jaxstation.model.shapes import ARCHITECTURES, random_model
@@ -86,8 +86,8 @@ def test_quantize_per_output_channel() -> None:
 
 def _dot_precisions(model: LoadedModel) -> list[str]:
     engine = Engine(model, lanes=2, max_seq=64, chunk=8, block=16)
-    lowered = decode_step_batch.lower(engine.cfg, engine.params, engine.arena, np.zeros(2, np.int32),
-                                      np.zeros(2, np.int32), np.int32(1), sampling_arrays([None, None]), block=16)
+    lowered = step_rows.lower(engine.cfg, engine.params, engine.arena, np.zeros(2, np.int32),
+                              np.zeros(2, np.int32), np.int32(1), sampling_arrays([None, None]), block=16)
     hlo = lowered.as_text(dialect="hlo")
     dots = re.findall(r"= \w+\[[^\]]*\][^\n]* dot\([^\n]*", hlo)
     assert dots

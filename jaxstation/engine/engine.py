@@ -33,7 +33,7 @@ from jaxstation.engine.rows import (
     read_samples,
     sampling_arrays,
 )
-from jaxstation.engine.steps import decode_step_batch, prefill_chunk
+from jaxstation.engine.steps import prefill_chunk, step_rows
 from jaxstation.kernels import cpu_kernel
 from jaxstation.model.loader import LoadedModel
 
@@ -224,7 +224,7 @@ class Engine:
         n_blocks = np.int32(max(rows[i].position for i in live) // self.block + 1)
         per_row = [(r.sampling, r.counter) if r else None for r in wave]
         self.lane_versions.touch(live)  # idle rows write only the scratch slot
-        self.arena, out, logits = decode_step_batch(
+        self.arena, out, logits = step_rows(
             self.cfg, self.params, self.arena, positions, tokens, n_blocks, sampling_arrays(per_row),
             None if full else np.array(order, np.int32),
             penalty_arrays(per_row, self.cfg.vocab_size, [r.mask if r else None for r in wave]), block=self.block,
@@ -279,7 +279,7 @@ class Engine:
         pad, idle = width - len(tokens), [None] * (slots_n - len(slots))  # padding rows and slots
         per_slot = [(sp, counter) for _, sp, counter, _ in slots] + idle
         self.lane_versions.touch(sorted(set(lanes)))  # padding rows write only lane 0's scratch slot
-        self.arena, out, _ = decode_step_batch(
+        self.arena, out, _ = step_rows(
             self.cfg, self.params, self.arena, np.array(positions + [self.scratch_pos] * pad, np.int32),
             np.array(tokens + [0] * pad, np.int32), np.int32(max(positions) // self.block + 1),
             sampling_arrays(per_slot), np.array(lanes + [0] * pad, np.int32),

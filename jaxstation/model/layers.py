@@ -107,8 +107,8 @@ class Params:
 WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "gguf")  # gguf: a GGUF file's blocks as stored, on the CPU kernel
 
 
-def pack_params(cfg: ModelConfig, tensor: Callable[[int | None, str], Tensor], weights: str = "float32",
-                layer_loop: str = "scan", matmul: str = "xla") -> Params:
+def build_params(cfg: ModelConfig, tensor: Callable[[int | None, str], Tensor], weights: str = "float32",
+                 layer_loop: str = "scan", matmul: str = "xla") -> Params:
     """Build Params from checkpoint-oriented tensors ([out, in], HF slot names via `tensor(layer, slot)`): fuse q/k/v
     and gate/up, transpose to [in, out], cast or quantize, and lay the layers out for `layer_loop`.
     matmul "kernel" lays float32 and int8 projections out for the CPU kernel (`quant.KernelWeight`); weights "gguf"
