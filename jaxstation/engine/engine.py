@@ -26,9 +26,11 @@ from jaxstation.engine.penalties import lane_rows, start_lane
 from jaxstation.engine.prefix_cache import LaneVersions
 from jaxstation.engine.rows import (
     DecodeRow,
+    PackedRows,
     PromptPiece,
     Sample,
     SamplingParams,
+    packed_rows,
     penalty_arrays,
     read_samples,
     sampling_arrays,
@@ -248,46 +250,41 @@ class Engine:
             raise ValueError("this engine does not pack (pack_budget 0)")
         if len(rows) != self.lanes:
             raise ValueError(f"pack needs one decode row per lane ({self.lanes}), got {len(rows)}")
-        tokens, positions, lanes = [], [], []  # one entry per row
-        picks, slots = [], []  # per sampled row: its index; (lane, sampling, counter, mask)
-        for lane, r in enumerate(rows):
-            if r is not None:
-                tokens.append(r.token)
-                positions.append(r.position)
-                lanes.append(lane)
-                picks.append(len(tokens) - 1)
-                slots.append((lane, r.sampling, r.counter, r.mask))
-        for p in pieces:
-            if p.length < 1 or p.start + p.length > len(p.prompt) or rows[p.lane] is not None:
-                raise ValueError(f"piece [{p.start}, {p.start + p.length}) of lane {p.lane} does not fit its prompt "
-                                 f"({len(p.prompt)} tokens) or the lane also decodes")
-            tokens.extend(p.prompt[p.start:p.start + p.length])
-            positions.extend(range(p.start, p.start + p.length))
-            lanes.extend([p.lane] * p.length)
-            if p.last:
-                picks.append(len(tokens) - 1)
-                slots.append((p.lane, p.sampling, 0, p.mask))
-        if not tokens:
+        packed = packed_rows(pieces, rows)
+        if not packed.tokens:
             return [None] * self.lanes
-        if len(tokens) > self.pack_budget or len({s[0] for s in slots}) < len(slots):
-            raise ValueError(f"{len(tokens)} rows exceed the pack budget ({self.pack_budget}), or a lane samples twice")
-        width = next(w for w in self.pack_widths if w >= len(tokens))
+        if len(packed.tokens) > self.pack_budget or len({s.lane for s in packed.sampled}) < len(packed.sampled):
+            raise ValueError(f"{len(packed.tokens)} rows exceed the pack budget ({self.pack_budget}), or a lane "
+                             "samples twice")
+        width, slots = self._packed_shape(len(packed.tokens), len(packed.sampled), sampled)
+        return self._run_packed(packed, width, slots)
+
+    def _packed_shape(self, rows: int, sampling_rows: int, sampled: int | None) -> tuple[int, int]:
+        """(rows, sampled rows) of the compiled packed step that runs `rows` rows of which `sampling_rows` sample: the
+        narrowest pack width that holds them, and `sampled` or the fewest of its `pack_slots` that hold them."""
+        width = next(w for w in self.pack_widths if w >= rows)
         options = pack_slots(width, self.lanes)
-        slots_n = next(n for n in options if n >= len(slots)) if sampled is None else sampled
-        if slots_n not in options or slots_n < len(slots):
-            raise ValueError(f"{len(slots)} sampled rows cannot run as {slots_n} of a {width}-row step ({options})")
-        pad, idle = width - len(tokens), [None] * (slots_n - len(slots))  # padding rows and slots
-        per_slot = [(sp, counter) for _, sp, counter, _ in slots] + idle
-        self.lane_versions.touch(sorted(set(lanes)))  # padding rows write only lane 0's scratch slot
+        slots = next(n for n in options if n >= sampling_rows) if sampled is None else sampled
+        if slots not in options or slots < sampling_rows:
+            raise ValueError(f"{sampling_rows} sampled rows cannot run as {slots} of a {width}-row step ({options})")
+        return width, slots
+
+    def _run_packed(self, packed: PackedRows, width: int, slots: int) -> list[Sample | None]:
+        """Run `packed` as one `width`-row step sampling `slots` rows: padding rows feed token 0 into lane 0's scratch
+        slot, idle slots sample row 0 greedily. Returns the samples by lane."""
+        pad, idle = width - len(packed.tokens), [None] * (slots - len(packed.sampled))
+        per_slot = [(s.sampling, s.counter) for s in packed.sampled] + idle
+        self.lane_versions.touch(sorted(set(packed.lanes)))  # padding rows write only lane 0's scratch slot
         self.arena, out, _ = step_rows(
-            self.cfg, self.params, self.arena, np.array(positions + [self.scratch_pos] * pad, np.int32),
-            np.array(tokens + [0] * pad, np.int32), np.int32(max(positions) // self.block + 1),
-            sampling_arrays(per_slot), np.array(lanes + [0] * pad, np.int32),
-            penalty_arrays(per_slot, self.cfg.vocab_size, [s[3] for s in slots] + idle),
-            np.array(picks + [0] * len(idle), np.int32), block=self.block, attention=self.attention)
+            self.cfg, self.params, self.arena, np.array(packed.positions + [self.scratch_pos] * pad, np.int32),
+            np.array(packed.tokens + [0] * pad, np.int32), np.int32(max(packed.positions) // self.block + 1),
+            sampling_arrays(per_slot), np.array(packed.lanes + [0] * pad, np.int32),
+            penalty_arrays(per_slot, self.cfg.vocab_size, [s.mask for s in packed.sampled] + idle),
+            np.array([s.row for s in packed.sampled] + [0] * len(idle), np.int32), block=self.block,
+            attention=self.attention)
         samples: list[Sample | None] = [None] * self.lanes
-        for (lane, *_), sample in zip(slots, read_samples(out), strict=False):
-            samples[lane] = sample
+        for s, sample in zip(packed.sampled, read_samples(out), strict=False):
+            samples[s.lane] = sample
         return samples
 
     def turn_rows(self, decode_rows: int) -> int:
