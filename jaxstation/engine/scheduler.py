@@ -20,7 +20,7 @@ Prefix reuse. A freed lane keeps its KV; `PrefixCache` (jaxstation/engine/prefix
 prefill wrote. `_fill` gives a job the free lane with the longest reusable prefix (ties and victims least recently
 used) and starts its prefill at the last chunk boundary at or below the match, so its tokens equal a fresh run's.
 
-Admission. On an engine that packs (`pack_budget` > 0), a turn's prompt work is pieces of every prefilling lane's
+Admission. On an engine that packs (`prefill_budget` > 0), a turn's prompt work is pieces of every prefilling lane's
 prompt under the turn's rows, less the decode rows: up to a chunk for each lane, oldest first, then the rest to the
 oldest, so neither a long prompt nor a stream of short ones holds the other back. A turn without decode rows may fill
 the whole budget; one with decode rows takes `Engine.turn_rows` (a packed step at most about twice their plain wave,
@@ -242,7 +242,7 @@ class Scheduler:
                 self._finish_cancelled(lane.job)
             elif lane.job.stop_requested:
                 self._retire(i, "stop")
-        packs = self.engine.pack_budget > 0
+        packs = self.engine.prefill_budget > 0
         prefill_lane, prefill_mask = None, None
         while prefill_lane is None and (chunked := [i for i in self.prefill_order if not packs or self._scores(i)]):
             prefill_lane, lane = chunked[0], self.lanes[chunked[0]]
@@ -319,7 +319,7 @@ class Scheduler:
                 self.metrics.prompt_tokens.inc(len(lane.job.tokens) - lane.job.cached_tokens)
                 if lane.job.max_new_tokens == 0:  # scoring only
                     self._retire(i, "length")
-                elif self.engine.pack_budget:  # generate from a packed prefill, as the same request unscored does
+                elif self.engine.prefill_budget:  # generate from a packed prefill, as the same request unscored does
                     lane.fed, lane.repacked = 0, True
                 else:
                     self.prefill_order.remove(i)

@@ -49,6 +49,7 @@ from jaxstation.model.config import LayerRange, ModelConfig
 from jaxstation.model.loader import LoadedModel
 from jaxstation.openai.routes import openai_endpoints
 from jaxstation.serving.openapi import Endpoint
+from jaxstation.serving.plan import Plan
 from jaxstation.serving.protocol import ErrorResponse
 from jaxstation.serving.routes import station_app, station_endpoints
 from jaxstation.serving.settings import StationConfig
@@ -74,7 +75,7 @@ class MeshEngine:
     host."""
 
     token_controls = False
-    pack_budget = 0  # prompts enter one chunk at a time: the stations take one lane per prefill call
+    prefill_budget = 0  # prompts enter one chunk at a time: the stations take one lane per prefill call
 
     def __init__(self, clients: list[StationClient], *, lanes: int, max_seq: int, chunk: int, block: int,
                  recover_s: float, pipeline: bool) -> None:
@@ -91,8 +92,9 @@ class MeshEngine:
         self._stale: int | None = None  # replay through stations [0, _stale] before the next step
 
     @classmethod
-    def connect(cls, config: StationConfig, cfg: ModelConfig, model_fp: str) -> MeshEngine:
-        """Reach every station (waiting up to mesh_recover_s for them to come up), check the mesh, order it."""
+    def connect(cls, config: StationConfig, plan: Plan, cfg: ModelConfig, model_fp: str) -> MeshEngine:
+        """Reach every station (waiting up to mesh_recover_s for them to come up), check the mesh against the host's
+        plan, order it."""
         config.check_mesh_security()
         urls = config.station_urls
         if not urls:
@@ -102,7 +104,7 @@ class MeshEngine:
         for c in clients:
             c.info = wait_info(c, deadline, config.mesh_recover_s)
             c.epoch = c.info["epoch"]
-        check_mesh(clients, config, cfg, model_fp)
+        check_mesh(clients, config, plan, cfg, model_fp)
         clients.sort(key=lambda c: LayerRange.parse(c.info["layers"]).start)
         for i, c in enumerate(clients):
             c.index = i
@@ -336,10 +338,10 @@ def create_host_app(config: StationConfig, *, model: LoadedModel | None = None) 
     """The station app (the scheduler, /generate, the OpenAI routes) over a MeshEngine, and its Station. /health also
     names each station and whether it answers."""
 
-    def engine_factory(loaded: LoadedModel, c: StationConfig) -> MeshEngine:
+    def engine_factory(loaded: LoadedModel, c: StationConfig, plan: Plan) -> MeshEngine:
         model_fp = fingerprint(loaded)
         station.model = dataclasses.replace(loaded, params=None)  # the host needs the config and tokenizer only
-        return MeshEngine.connect(c, loaded.cfg, model_fp)
+        return MeshEngine.connect(c, plan, loaded.cfg, model_fp)
 
     station = Station(config, model=model, engine_factory=engine_factory)
     probe = httpx.Client(timeout=2.0)
