@@ -31,7 +31,8 @@ class Station:
     """One serving station: config, plan, model, engine, scheduler, metrics, and whether it is ready.
 
     model: an already loaded model (tests, or a caller that loaded it); None loads `config.model` in `start`.
-    engine_factory: builds the engine from the loaded model (default: a local `Engine`; a mesh host passes its own).
+    engine_factory: builds the engine from the loaded model, the config and the plan (default: a local `Engine`; a
+    mesh host passes its own).
     before_warmup: called in the loading thread right before the warm-up compiles (a test hook to observe /ready 503).
     clock: where start-up phase times go (logged, and gauges on /metrics); default: one counting from here.
     """
