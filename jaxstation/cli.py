@@ -52,9 +52,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = tok.encode(text, add_special_tokens=False)  # the template already holds any special tokens
     else:
         prompt = tok.encode(args.prompt)
-    chunk, block = 32, 128
-    max_seq = _round_up(len(prompt) + args.max_new_tokens, block)
     cfg = checkpoint_config(args.model)
+    block = 128 if cfg.max_position >= 128 else 1 << (cfg.max_position.bit_length() - 1)  # a short model's: smaller
+    chunk = min(32, block)
+    max_seq = _round_up(len(prompt) + args.max_new_tokens, block)
     if max_seq > cfg.max_position:
         print(f"error: prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds the model's "
               f"{cfg.max_position} positions", file=sys.stderr)

@@ -234,6 +234,8 @@ def tokenizer_of(source: Path, fields: Mapping | None = None) -> Tokenizer:
         if source.is_dir():
             return Tokenizer.from_hf_dir(source)
         return Tokenizer.from_gguf(open_gguf(source).fields if fields is None else fields)
+    except CheckpointError:
+        raise
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from None
 
