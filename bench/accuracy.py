@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import write_result
+from bench.common import planned_model, write_result
 from jaxstation.engine.engine import Engine, generate
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.model.layers import forward_full
-from jaxstation.model.loader import load_model
+from jaxstation.serving.plan import resolve_plan
 from jaxstation.serving.settings import StationConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,13 +45,12 @@ def perplexity(model, ids: list[int]) -> float:
 
 def station_model(dtype: str):
     """The model as a station on this machine loads it (weights, layer walk, matmul)."""
-    station = StationConfig(dtype=dtype)
-    return load_model(dtype=station.weights, layer_loop=station.loop, matmul=station.matmul_impl)
+    return planned_model(dtype=dtype)[0]
 
 
 def greedy_noeos(model, prompt: list[int]) -> list[int]:
     """NEW greedy tokens with no stop id, with the station's decode attention."""
-    attention = StationConfig(dtype="float32").attention_for(model.cfg)
+    attention = resolve_plan(StationConfig(dtype="float32"), model.cfg).attention
     engine = Engine(model, lanes=1, max_seq=256, chunk=32, block=128, attention=attention)
     return generate(engine, prompt, NEW, SamplingParams())
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import result_path, write_result
+from bench.common import planned_model, result_path, write_result
 from bench.workload import (
     free_port,
     llama_server_cmd,
@@ -60,11 +60,11 @@ def steps_section(model, lanes: int, reps: int) -> dict:
     from jaxstation.engine.engine import Engine
     from jaxstation.engine.rows import DecodeRow, PromptPiece, SamplingParams
 
-    engine = Engine(model, lanes=lanes, max_seq=512, chunk=32, block=128, attention="kernel", pack_budget=None)
+    engine = Engine(model, lanes=lanes, max_seq=512, chunk=32, block=128, attention="kernel", prefill_budget=None)
     sp = SamplingParams()
     rows = [DecodeRow(1, 100, sp, 1) for _ in range(lanes)]
-    prompt = list(range(10, 10 + engine.pack_budget))
-    out = {"lanes": lanes, "pack_budget": engine.pack_budget,
+    prompt = list(range(10, 10 + engine.prefill_budget))
+    out = {"lanes": lanes, "pack_budget": engine.prefill_budget,
            "decode_wave_ms": _median_ms(lambda: engine.decode(rows), reps),
            "prefill_chunk_ms": _median_ms(lambda: engine.prefill(0, prompt[:32], 0, sp), reps),
            "pack_ms": {}}
@@ -72,7 +72,7 @@ def steps_section(model, lanes: int, reps: int) -> dict:
     for w in engine.pack_widths:
         out["pack_ms"][w] = _median_ms(lambda w=w: engine.pack([PromptPiece(0, prompt[:w], 0, w, sp)], idle), reps)
     # a turn: lane 0 takes a piece of what the budget leaves, every other lane decodes
-    n = engine.pack_budget - (lanes - 1)
+    n = engine.prefill_budget - (lanes - 1)
     others = [None] + rows[1:]
     piece = [PromptPiece(0, prompt[:n], 0, n, sp)]
     out["turn_piece_tokens"] = n
@@ -139,7 +139,7 @@ def _scheduler(model, lanes: int, budget: int | None):
     from jaxstation.engine.engine import Engine
     from jaxstation.engine.scheduler import Scheduler
 
-    engine = Engine(model, lanes=lanes, max_seq=1024, chunk=32, block=128, attention="kernel", pack_budget=budget)
+    engine = Engine(model, lanes=lanes, max_seq=1024, chunk=32, block=128, attention="kernel", prefill_budget=budget)
     engine.warmup()
     sched = Scheduler(engine, continuous=True, max_queue=1024, terminal_ids=frozenset())
     sched.start()
@@ -258,11 +258,7 @@ def main() -> None:
 
     result: dict = {}
     if {"steps", "burst", "steady"} & set(args.only):
-        from jaxstation.model.loader import load_model
-        from jaxstation.serving.settings import StationConfig
-
-        station = StationConfig()  # the station's defaults on this machine
-        model = load_model(dtype=station.weights, layer_loop=station.loop, matmul=station.matmul_impl)
+        model = planned_model()[0]  # the station's defaults on this machine
         if "steps" in args.only:
             result["steps"] = {lanes: steps_section(model, lanes, args.reps) for lanes in (8, 32)}
             print(f"steps: {result['steps']}", flush=True)

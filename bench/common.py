@@ -102,18 +102,30 @@ def add_lane_sweep_args(ap, reps: int, name: str) -> None:
 
 
 def bench_model(args, max_seq: int):
-    """(LoadedModel, Engine keyword arguments) for the model args, resolved as a station with max_seq would."""
-    from jaxstation.model.loader import load_model
-    from jaxstation.model.shapes import random_model
+    """(LoadedModel, Engine keyword arguments) for the model args, as a station with max_seq would plan them."""
+    from jaxstation.model.loader import checkpoint_config
+    from jaxstation.model.shapes import ARCHITECTURES, random_model
+    from jaxstation.serving.plan import load_planned, resolve_plan
     from jaxstation.serving.settings import StationConfig
 
     station = StationConfig(model=args.shape and f"random:{args.shape}",  # random weights are no GGUF file
                             dtype=args.dtype, layer_loop=args.layer_loop, matmul=args.matmul, attention=args.attention,
                             max_seq=max_seq, prefill_chunk=1, kv_block=1)
+    plan = resolve_plan(station, ARCHITECTURES[args.shape] if args.shape else checkpoint_config(None))
     if args.shape:
-        model = random_model(args.shape, station.weights, station.loop, matmul=station.matmul_impl)
+        model = random_model(args.shape, plan.dtype, plan.layer_loop, matmul=plan.matmul)
     else:
-        model = load_model(dtype=station.weights, layer_loop=station.loop, matmul=station.matmul_impl)
-    args.dtype, args.layer_loop, args.matmul = station.weights, station.loop, station.matmul_impl
-    args.attention = station.attention_for(model.cfg)
+        model = load_planned(station, plan)
+    args.dtype, args.layer_loop, args.matmul, args.attention = plan.dtype, plan.layer_loop, plan.matmul, plan.attention
     return model, {"attention": args.attention}
+
+
+def planned_model(**settings):
+    """(LoadedModel, Plan): the default model as a station of `settings` on this machine plans and loads it."""
+    from jaxstation.model.loader import checkpoint_config
+    from jaxstation.serving.plan import load_planned, resolve_plan
+    from jaxstation.serving.settings import StationConfig
+
+    station = StationConfig(**settings)
+    plan = resolve_plan(station, checkpoint_config(station.model))
+    return load_planned(station, plan), plan

@@ -34,12 +34,13 @@ def _one_mesh(args, model, prompts, urls: list[str], lanes: int, max_seq: int, p
     from jaxstation.engine.scheduler import Scheduler
     from jaxstation.mesh.host_engine import MeshEngine
     from jaxstation.mesh.stage import fingerprint
+    from jaxstation.serving.plan import resolve_plan
     from jaxstation.serving.settings import StationConfig
 
     config = StationConfig(stations=",".join(urls), mesh_token=TOKEN, lanes=lanes, max_seq=max_seq,
                            prefill_chunk=args.chunk, kv_block=args.block, dtype=args.dtype, layer_loop=args.layer_loop,
                            attention=args.attention, mesh_pipeline=pipeline)
-    engine = MeshEngine.connect(config, model.cfg, fingerprint(model))
+    engine = MeshEngine.connect(config, resolve_plan(config, model.cfg), model.cfg, fingerprint(model))
     engine.warmup()
     timer = StepTimer(engine)
     sched = Scheduler(engine, continuous=True, max_queue=4 * lanes, terminal_ids=frozenset())

@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import write_result
+from bench.common import planned_model, write_result
 from bench.workload import (
     concurrent_run,
     first_executable,
@@ -93,11 +93,7 @@ class DirectStation(System):
     def __init__(self, dtype: str | None, lanes: int, max_seq: int) -> None:
         from jaxstation.engine.engine import Engine
         from jaxstation.engine.scheduler import Scheduler
-        from jaxstation.model.loader import load_model
-        from jaxstation.serving.settings import StationConfig
-
-        station = StationConfig(dtype=dtype)
-        model = load_model(dtype=station.weights, layer_loop=station.loop, matmul=station.matmul_impl)
+        model = planned_model(dtype=dtype)[0]
         engine = Engine(model, lanes=lanes, max_seq=max_seq, chunk=32, block=128)
         engine.warmup()
         self.sched = Scheduler(engine, continuous=True, max_queue=256, terminal_ids=frozenset())

@@ -1,6 +1,6 @@
 """What the token controls (penalties, logit_bias, min_tokens) cost a decode step, measured in one process.
 
-Three compiled variants of the same `decode_step_batch`, arguments already on the device, timed round-robin so that
+Three compiled variants of the same `step_rows`, arguments already on the device, timed round-robin so that
 drift hits them alike:
 - none: no penalty machinery in the program at all (penalties=None), the baseline;
 - idle: the machinery, no row asking for a control (what a request without controls pays: a wave-wide predicate
@@ -22,7 +22,7 @@ import numpy as np
 from bench.common import add_lane_sweep_args, add_model_args, bench_model, summary, timed, write_result
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import DecodeRow, SamplingParams, penalty_arrays, sampling_arrays
-from jaxstation.engine.steps import decode_step_batch
+from jaxstation.engine.steps import step_rows
 
 CONTROLLED = SamplingParams(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
                             logit_bias=tuple((t, 2.0) for t in range(0, 3000, 10)), min_tokens=4)
@@ -45,8 +45,8 @@ def measure(engine: Engine, live: int, reps: int) -> dict:
 
     def step(mode: str) -> None:
         pos, tok, n_blocks, s, p = args[mode]
-        engine.arena, out, _ = decode_step_batch(cfg, params, engine.arena, pos, tok, n_blocks, s, None, p,
-                                                 block=engine.block, attention=engine.attention)
+        engine.arena, out, _ = step_rows(cfg, params, engine.arena, pos, tok, n_blocks, s, None, p,
+                                         block=engine.block, attention=engine.attention)
         jax.block_until_ready(out)
 
     def begin() -> None:

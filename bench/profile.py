@@ -3,7 +3,7 @@
 - projections: every layer's norms and matmuls (q/k/v, o, gate/up, down) with attention taken out;
 - attention: every layer's attention over the live length (the step's own implementation), no matmuls;
 - lm_head + sampling: the final norm, the lm_head and on-device sampling (greedy, and temperature + top-p);
-- step: the whole compiled `decode_step_batch`, arguments already on the device;
+- step: the whole compiled `step_rows`, arguments already on the device;
 - host: `Engine.decode` wall time minus the step (building the wave's arrays, fetching the samples).
 
 The parts need not add up exactly to the step (the step fuses across them), but they show where the bytes and the
@@ -29,7 +29,7 @@ from jaxstation.engine.attention import blocked_attention, dense_decode_attentio
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import DecodeRow, SamplingParams, sampling_arrays
 from jaxstation.engine.sampling import sample
-from jaxstation.engine.steps import decode_step_batch
+from jaxstation.engine.steps import step_rows
 from jaxstation.model.layers import attn_out, lm_logits, mlp_block, over_layers, qkv_proj, rotary, rotary_at
 
 
@@ -77,8 +77,8 @@ def parts(engine: Engine, live: int, reps: int) -> dict:
     dev_args = jax.device_put((pos, tok, np.int32(n_blocks), greedy))
 
     def step() -> None:
-        engine.arena, out, _ = decode_step_batch(cfg, params, engine.arena, *dev_args, block=engine.block,
-                                                 attention=engine.attention)
+        engine.arena, out, _ = step_rows(cfg, params, engine.arena, *dev_args, block=engine.block,
+                                         attention=engine.attention)
         jax.block_until_ready(out)
 
     out = {

@@ -1,4 +1,4 @@
-"""Time `decode_step_batch` at several lane counts and live lengths, on the default model or a named shape.
+"""Time `step_rows` at several lane counts and live lengths, on the default model or a named shape.
 
 Reports ms per step, tokens/s and the weight bandwidth achieved against the measured bandwidth (the roofline).
 Usage:

@@ -9,7 +9,6 @@ import secrets
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 
 from jaxstation import __version__
 from jaxstation.model.loader import CheckpointError
@@ -41,27 +40,30 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from jaxstation.engine.engine import Engine, generate
+    from jaxstation.engine.engine import generate
     from jaxstation.engine.rows import SamplingParams
-    from jaxstation.model.loader import load_model
+    from jaxstation.model.loader import checkpoint_config, load_tokenizer
+    from jaxstation.serving.plan import load_planned, planned_engine, startup_plan
 
     t0 = time.perf_counter()
-    station = StationConfig(dtype=args.dtype, model=args.model)  # the backend's defaults for the rest
-    model = load_model(args.model, station.weights, station.loop, station.matmul_impl)
-    tok = model.tokenizer
+    tok = load_tokenizer(args.model)
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
         prompt = tok.encode(text, add_special_tokens=False)  # the template already holds any special tokens
     else:
         prompt = tok.encode(args.prompt)
-    chunk, block = 32, 128
+    cfg = checkpoint_config(args.model)
+    block = 128 if cfg.max_position >= 128 else 1 << (cfg.max_position.bit_length() - 1)  # a short model's: smaller
+    chunk = min(32, block)
     max_seq = _round_up(len(prompt) + args.max_new_tokens, block)
-    if max_seq > model.cfg.max_position:
+    if max_seq > cfg.max_position:
         print(f"error: prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds the model's "
-              f"{model.cfg.max_position} positions", file=sys.stderr)
+              f"{cfg.max_position} positions", file=sys.stderr)
         return 2
-    engine = Engine(model, lanes=1, max_seq=max_seq, chunk=chunk, block=block,
-                    attention=replace(station, max_seq=max_seq).attention_for(model.cfg), pack_budget=None)
+    station = StationConfig(model=args.model, dtype=args.dtype, lanes=1, max_seq=max_seq, prefill_chunk=chunk,
+                            kv_block=block, sources={"dtype": "--dtype"} if args.dtype else {})
+    plan = startup_plan(station, cfg)  # the backend's defaults for the rest
+    engine = planned_engine(load_planned(station, plan), station, plan)
     engine.warmup()  # compile outside the timed run
     seed = args.seed if args.seed is not None else secrets.randbelow(1 << 32)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed)

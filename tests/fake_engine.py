@@ -143,13 +143,13 @@ class FakeEngine:
 
     # ---- the Engine surface -------------------------------------------------------------------------------
     token_controls = False
+    prefill_budget = 0  # one prefill chunk per turn
     verify_rows = 0  # the rows of a verify step (more than 1: the scheduler may speculate)
-    pack_budget = 0  # one prefill chunk per turn
     decode_turn_rows: int | None = None  # the rows of a packed turn that carries decode rows (None: the budget)
 
     def turn_rows(self, decode_rows: int) -> int:
         if not decode_rows or self.decode_turn_rows is None:
-            return self.pack_budget
+            return self.prefill_budget
         return max(self.decode_turn_rows, decode_rows + 1)
 
     def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int]) -> None:

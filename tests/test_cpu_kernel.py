@@ -13,8 +13,9 @@ import pytest
 
 from jaxstation.kernels import cpu_kernel
 from jaxstation.model.layers import forward_full
-from jaxstation.model.loader import LoadedModel, load_model
+from jaxstation.model.loader import LoadedModel, checkpoint_config, load_model
 from jaxstation.model.quant import KernelWeight, QuantWeight, kernel_weight, matmul, prepare
+from jaxstation.serving.plan import Plan, resolve_plan
 from jaxstation.serving.settings import ConfigError, StationConfig
 
 SHAPES = [(576, 960), (1536, 576), (64, 4)]  # [in, out]: the default model's, and a small one
@@ -25,20 +26,25 @@ def test_the_kernel_builds_and_is_the_cpu_default() -> None:
     assert platform.machine() == "x86_64" and {"avx2", "fma", "f16c"} <= cpu_kernel._cpu()[1]
     assert cpu_kernel.available()
     assert cpu_kernel.vector_lanes() == (16 if "avx512f" in cpu_kernel._cpu()[1] else 8)
-    assert StationConfig().matmul_impl == "kernel" and StationConfig().weights == "gguf"  # the default model's blocks
-    assert StationConfig(model="tests/fixtures/tiny-llama3").weights == "float32"
-    assert StationConfig(matmul="xla").weights == "float32"
-    assert StationConfig(dtype="int8").matmul_impl == "kernel"
-    assert StationConfig(dtype="int8").loop == "unroll"  # the kernel reads each layer's int8 weights in place
-    assert StationConfig(dtype="bfloat16").matmul_impl == "xla"
-    assert StationConfig(matmul="xla").matmul_impl == "xla"
-    assert StationConfig(dtype="int8", matmul="xla").loop == "scan"
+    cfg = checkpoint_config(None)  # the default model's; the weight format depends on the model's path alone
+
+    def plan(**settings) -> Plan:
+        return resolve_plan(StationConfig(**settings), cfg)
+
+    assert plan().matmul == "kernel" and plan().dtype == "gguf"  # the default model's blocks
+    assert plan(model="tests/fixtures/tiny-llama3").dtype == "float32"
+    assert plan(matmul="xla").dtype == "float32"
+    assert plan(dtype="int8").matmul == "kernel"
+    assert plan(dtype="int8").layer_loop == "unroll"  # the kernel reads each layer's int8 weights in place
+    assert plan(dtype="bfloat16").matmul == "xla"
+    assert plan(matmul="xla").matmul == "xla"
+    assert plan(dtype="int8", matmul="xla").layer_loop == "scan"
     with pytest.raises(ConfigError, match="MOONSHINE_MATMUL=kernel takes float32, int8 or gguf weights, not bfloat16"):
-        _ = StationConfig(dtype="bfloat16", matmul="kernel").matmul_impl
+        plan(dtype="bfloat16", matmul="kernel")
     with pytest.raises(ConfigError, match="--dtype=gguf needs the CPU kernel"):
-        _ = StationConfig(dtype="gguf", matmul="xla", sources={"dtype": "--dtype"}).weights
+        plan(dtype="gguf", matmul="xla", sources={"dtype": "--dtype"})
     with pytest.raises(ConfigError, match="MOONSHINE_DTYPE=gguf needs a .gguf model, not tests/fixtures/tiny-llama3"):
-        _ = StationConfig(dtype="gguf", model="tests/fixtures/tiny-llama3").weights
+        plan(dtype="gguf", model="tests/fixtures/tiny-llama3")
     with pytest.raises(ConfigError, match="MOONSHINE_MATMUL='fast' must be one of auto, xla, kernel"):
         StationConfig(matmul="fast")
 

@@ -33,6 +33,7 @@ from jaxstation.mesh.stage import fingerprint
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.layers import forward_full
 from jaxstation.model.loader import CheckpointError, LoadedModel, load_model
+from jaxstation.serving.plan import resolve_plan
 from jaxstation.serving.settings import StationConfig
 from jaxstation.serving.station import Station
 
@@ -104,7 +105,7 @@ def family_engine(model: LoadedModel) -> Engine:
     blocked walk for soft-capped scores), narrow waves and 16-row packed steps, so that the station reads these
     programs from the run's compilation cache."""
     attention = "blocked" if model.cfg.attn_softcap else "kernel"
-    return Engine(model, lanes=4, max_seq=64, chunk=8, block=16, attention=attention, pack_budget=16)
+    return Engine(model, lanes=4, max_seq=64, chunk=8, block=16, attention=attention, prefill_budget=16)
 
 
 def test_the_engine_prefills_and_continues_as_transformers(engine: Engine) -> None:
@@ -134,7 +135,7 @@ def _alone_and_among_others(engine: Engine) -> None:
 
 
 def test_a_request_alone_equals_it_among_others(engine: Engine) -> None:
-    assert engine.widths == (1, 2, 4)
+    assert engine.wave_widths == (1, 2, 4)
     _alone_and_among_others(engine)
 
 
@@ -208,7 +209,7 @@ def test_a_two_station_mesh_of_gemma3_gives_the_single_station_tokens() -> None:
         expected = [generate(local, p, 10, sp) for p, sp in jobs]
         config = StationConfig(stations=",".join(p.url for p in procs), mesh_token=TOKEN, continuous=True,
                                **shape)
-        mesh = MeshEngine.connect(config, model.cfg, fingerprint(model))
+        mesh = MeshEngine.connect(config, resolve_plan(config, model.cfg), model.cfg, fingerprint(model))
         sched = Scheduler(mesh, continuous=True, max_queue=16, terminal_ids=frozenset())
         futures = [sched.submit(Job(tokens=p, max_new_tokens=10, sampling=sp)) for p, sp in jobs]
         sched.start()

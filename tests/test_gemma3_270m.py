@@ -16,13 +16,14 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REFERENCE, run_wave
+from conftest import REFERENCE, run_wave, station_plan
 
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.model.gguf_file import GGUFFile
 from jaxstation.model.layers import forward_full
 from jaxstation.model.loader import LoadedModel, load_model
+from jaxstation.serving.plan import Plan
 from jaxstation.serving.settings import StationConfig
 
 GREEDY = json.loads((REFERENCE / "gemma3_270m_reference.json").read_text(encoding="utf-8"))["greedy"]
@@ -30,19 +31,19 @@ STEPS = len(GREEDY[0]["greedy_ids"]) - 1
 
 
 @pytest.fixture(scope="module")
-def station() -> StationConfig:
-    return StationConfig()
+def plan(gemma3_270m: Path) -> Plan:
+    """The CPU defaults a station plans for a GGUF model: its blocks as stored."""
+    return station_plan(StationConfig(model=str(gemma3_270m), lanes=8, max_seq=128))
 
 
 @pytest.fixture(scope="module")
-def gemma(gemma3_270m: Path, station: StationConfig) -> LoadedModel:
-    config = StationConfig(model=str(gemma3_270m))  # the CPU defaults for a GGUF model: its blocks as stored
-    return load_model(gemma3_270m, config.weights, config.loop, config.matmul_impl)
+def gemma(gemma3_270m: Path, plan: Plan) -> LoadedModel:
+    return load_model(gemma3_270m, plan.dtype, plan.layer_loop, plan.matmul)
 
 
 @pytest.fixture(scope="module")
-def gemma_engine(gemma: LoadedModel, station: StationConfig) -> Engine:
-    return Engine(gemma, lanes=8, max_seq=128, chunk=32, block=128, attention=station.attention_for(gemma.cfg))
+def gemma_engine(gemma: LoadedModel, plan: Plan) -> Engine:
+    return Engine(gemma, lanes=8, max_seq=128, chunk=32, block=128, attention=plan.attention)
 
 
 def test_the_file_is_a_q4_k_m_mix(gemma3_270m: Path, gemma: LoadedModel) -> None:
@@ -76,10 +77,8 @@ def test_alone_and_beside_seven_others_give_the_same_tokens(gemma_engine: Engine
         assert np.array_equal(a, b), np.abs(a - b).max()
 
 
-def test_as_stored_gives_the_dequantized_models_logits(gemma3_270m: Path, gemma: LoadedModel,
-                                                        station: StationConfig) -> None:
-    config = StationConfig(model=str(gemma3_270m))
-    dense = load_model(gemma3_270m, "float32", config.loop, config.matmul_impl)
+def test_as_stored_gives_the_dequantized_models_logits(gemma3_270m: Path, gemma: LoadedModel, plan: Plan) -> None:
+    dense = load_model(gemma3_270m, "float32", plan.layer_loop, plan.matmul)
     tokens = jnp.asarray(GREEDY[3]["prompt_ids"], jnp.int32)
     got = np.asarray(forward_full(gemma.cfg, gemma.params, tokens))
     want = np.asarray(forward_full(dense.cfg, dense.params, tokens))

@@ -16,11 +16,12 @@ from test_batch_invariance import TARGET, run_wave
 
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import SamplingParams, sampling_arrays
-from jaxstation.engine.steps import decode_step_batch
+from jaxstation.engine.steps import step_rows
 from jaxstation.model.loader import LoadedModel, load_model
 from jaxstation.model.quant import QuantWeight, matmul, quantize
 from jaxstation.model.shapes import ARCHITECTURES, random_model
 from jaxstation.serving.memory import check_memory, weight_bytes
+from jaxstation.serving.plan import resolve_plan
 from jaxstation.serving.settings import ConfigError, StationConfig
 
 STEPS = 5
@@ -86,8 +87,8 @@ def test_quantize_per_output_channel() -> None:
 
 def _dot_precisions(model: LoadedModel) -> list[str]:
     engine = Engine(model, lanes=2, max_seq=64, chunk=8, block=16)
-    lowered = decode_step_batch.lower(engine.cfg, engine.params, engine.arena, np.zeros(2, np.int32),
-                                      np.zeros(2, np.int32), np.int32(1), sampling_arrays([None, None]), block=16)
+    lowered = step_rows.lower(engine.cfg, engine.params, engine.arena, np.zeros(2, np.int32),
+                              np.zeros(2, np.int32), np.int32(1), sampling_arrays([None, None]), block=16)
     hlo = lowered.as_text(dialect="hlo")
     dots = re.findall(r"= \w+\[[^\]]*\][^\n]* dot\([^\n]*", hlo)
     assert dots
@@ -104,8 +105,11 @@ def test_dense_attention_refuses_a_window_it_would_cut() -> None:
     mistral = tiny_model("tiny-mistral")  # sliding window 16
     with pytest.raises(ValueError, match="sliding window of 16 it needs max_seq <= the window"):
         Engine(mistral, lanes=2, max_seq=64, chunk=8, block=16, attention="xla")
-    cfg = StationConfig(max_seq=64, prefill_chunk=8, kv_block=16)
-    assert cfg.attention_for(mistral.cfg) == "kernel"  # auto never picks a dense one there: on CPU, the kernel
+    config = StationConfig(max_seq=64, prefill_chunk=8, kv_block=16)
+    assert resolve_plan(config, mistral.cfg).attention == "kernel"  # auto never picks a dense one: on CPU, the kernel
+    with pytest.raises(ConfigError, match="MOONSHINE_ATTENTION='xla' does not window; with a sliding window of 16 it "
+                                          "needs max_seq <= the window, got 64"):
+        resolve_plan(dataclasses.replace(config, attention="xla"), mistral.cfg)
 
 
 L4 = 23034 * (1 << 20)  # what an NVIDIA L4 reports: 22.5 GiB
@@ -115,12 +119,12 @@ def test_mistral_7b_bf16_fits_an_l4_with_8_lanes_of_4096() -> None:
     cfg = ARCHITECTURES["mistral-7b"]
     pool = int(0.92 * L4)  # the GPU memory fraction the station sets
     assert 14.4e9 < weight_bytes(cfg, "bfloat16") < 14.6e9
-    check_memory(cfg, StationConfig(dtype="bfloat16", lanes=8, max_seq=4096), available=pool)
+    check_memory(cfg, StationConfig(lanes=8, max_seq=4096), "bfloat16", available=pool)
     with pytest.raises(ConfigError, match=r"the KV arena needs 8\.00 GiB .* plus 13\.50 GiB of weights, but only "
                                           r"20\.69 GiB is free .*at most 14 lanes fit"):
-        check_memory(cfg, StationConfig(dtype="bfloat16", lanes=16, max_seq=4096), available=pool)
+        check_memory(cfg, StationConfig(lanes=16, max_seq=4096), "bfloat16", available=pool)
     # int8 weights take about half: 8 x 4096 fits with room to spare even with this CPU backend's float32 arena
-    check_memory(cfg, StationConfig(dtype="int8", lanes=8, max_seq=4096), available=pool)
+    check_memory(cfg, StationConfig(lanes=8, max_seq=4096), "int8", available=pool)
     assert weight_bytes(cfg, "int8") < 0.55 * weight_bytes(cfg, "bfloat16")  # + a float32 embedding on CPU
 
 

@@ -36,6 +36,7 @@ from jaxstation.mesh.host_engine import MeshEngine
 from jaxstation.mesh.stage import fingerprint
 from jaxstation.mesh.station import MeshStation, create_station_app
 from jaxstation.mesh.wire import CONTENT_TYPE, DTYPES, decode, encode
+from jaxstation.serving.plan import resolve_plan
 from jaxstation.serving.settings import ConfigError, StationConfig
 
 SPLIT3 = ["0:7", "7:19", "19:30"]
@@ -111,7 +112,12 @@ def model_fp(model) -> str:
 
 
 def connect(procs: list[StationProcess], model, **kw) -> MeshEngine:
-    return MeshEngine.connect(host_config(procs, **kw), model.cfg, model_fp(model))
+    return host_connect(host_config(procs, **kw), model.cfg, model_fp(model))
+
+
+def host_connect(config: StationConfig, cfg, model_fp: str) -> MeshEngine:
+    """MeshEngine.connect as a host of `config` on a model of `cfg` runs it, with its plan."""
+    return MeshEngine.connect(config, resolve_plan(config, cfg), cfg, model_fp)
 
 
 @contextlib.contextmanager
@@ -269,7 +275,7 @@ def test_the_host_refuses_stations_of_another_shape_model_or_dtype(stations, def
             connect(stations["3"], default_model, **kw)
     tiny = tiny_model("tiny-llama3")
     with pytest.raises(MeshError, match=re.escape(f"station {first.url} (layers 0:7) serves a different model")):
-        MeshEngine.connect(host_config(stations["3"]), default_model.cfg, model_fp(tiny))
+        host_connect(host_config(stations["3"]), default_model.cfg, model_fp(tiny))
 
 
 def test_the_host_refuses_a_wrong_or_missing_token(stations, default_model):
@@ -290,10 +296,9 @@ def test_the_host_refuses_a_station_without_a_token_unless_insecure(default_mode
         url = f"http://127.0.0.1:{server.port}"
         host = StationConfig(stations=url, mesh_token=TOKEN, **shape)
         with pytest.raises(MeshError, match="takes requests without a token.*--insecure-mesh"):
-            MeshEngine.connect(host, default_model.cfg, model_fp(default_model))
+            host_connect(host, default_model.cfg, model_fp(default_model))
         with pytest.raises(MeshError, match="serves a different model"):  # insecure passes the token check only
-            MeshEngine.connect(dataclasses.replace(host, insecure_mesh=True), default_model.cfg,
-                               model_fp(default_model))
+            host_connect(dataclasses.replace(host, insecure_mesh=True), default_model.cfg, model_fp(default_model))
 
 
 def test_the_cli_refuses_a_station_or_host_without_token_or_role(monkeypatch, capsys):

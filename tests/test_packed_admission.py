@@ -20,6 +20,8 @@ from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample, SamplingParam
 from jaxstation.engine.scheduler import Scheduler
 from jaxstation.engine.turns import Lane, prompt_pieces
 from jaxstation.model.loader import LoadedModel
+from jaxstation.serving.plan import resolve_plan
+from jaxstation.serving.settings import ConfigError, StationConfig
 
 GREEDY = SamplingParams()
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
@@ -50,7 +52,7 @@ def run_packed(engine: Engine, requests: list[tuple[int, list[int], SamplingPara
             if step >= at and fed[lane] == len(prompt) and len(out[lane]) < NEW:
                 n = len(out[lane])
                 rows[lane] = DecodeRow(out[lane][-1].token, len(prompt) + n - 1, sp, n)
-        budget = engine.pack_budget - sum(r is not None for r in rows)
+        budget = engine.prefill_budget - sum(r is not None for r in rows)
         pieces = []
         for lane, prompt, sp, at in requests:
             if step == at:
@@ -70,7 +72,7 @@ def run_packed(engine: Engine, requests: list[tuple[int, list[int], SamplingPara
 
 def alone(engine: Engine, prompts: list[list[int]]) -> list[list[Sample]]:
     """Each request by itself on lane 0, its prompt in pieces as wide as the budget."""
-    return [run_packed(engine, [(0, p, _sampling(i), 0)], engine.pack_budget)[0] for i, p in enumerate(prompts)]
+    return [run_packed(engine, [(0, p, _sampling(i), 0)], engine.prefill_budget)[0] for i, p in enumerate(prompts)]
 
 
 def check_packed(engine: Engine, prompts: list[list[int]], reference: list[list[Sample]], n_others: int) -> None:
@@ -116,21 +118,34 @@ def test_pack_widths_and_refusals(default_model: LoadedModel, xla_model: LoadedM
     assert pack_widths(48) == (12, 24, 48)
     assert pack_widths(96) == (12, 24, 48, 96)
     with pytest.raises(ValueError, match="packed admission needs every matmul on the CPU kernel"):
-        Engine(default_model, lanes=4, max_seq=256, chunk=32, block=128, attention="kernel", pack_budget=2)
+        Engine(default_model, lanes=4, max_seq=256, chunk=32, block=128, attention="kernel", prefill_budget=2)
     xla = xla_model
-    assert Engine(xla, lanes=4, max_seq=256, chunk=32, block=128, pack_budget=None).pack_budget == 0
+    assert Engine(xla, lanes=4, max_seq=256, chunk=32, block=128, prefill_budget=None).prefill_budget == 0
     with pytest.raises(ValueError, match="packed admission needs every matmul on the CPU kernel"):
-        Engine(xla, lanes=4, max_seq=256, chunk=32, block=128, pack_budget=64)
+        Engine(xla, lanes=4, max_seq=256, chunk=32, block=128, prefill_budget=64)
+    cfg = default_model.cfg  # the plan applies the engine's rules to the settings, naming them
+    assert resolve_plan(StationConfig(lanes=4), cfg).prefill_budget == 128
+    assert resolve_plan(StationConfig(lanes=200), cfg).prefill_budget == 200
+    assert resolve_plan(StationConfig(lanes=4, prefill_budget="off"), cfg).prefill_budget == 0
+    assert resolve_plan(StationConfig(lanes=4, matmul="xla"), cfg).prefill_budget == 0
+    with pytest.raises(ConfigError, match=r"MOONSHINE_PREFILL_BUDGET asks for packed steps of 64 rows: packed "
+                                          r"admission needs every matmul on the CPU kernel, the blocked or kernel "
+                                          r"attention and a budget of at least the lanes \(4\), got 64 rows \(matmul "
+                                          r"kernel: False, attention kernel\)"):
+        resolve_plan(StationConfig(lanes=4, matmul="xla", prefill_budget="64"), cfg)
+    with pytest.raises(ConfigError, match="MOONSHINE_PREFILL_BUDGET='2' must be auto, off or a number of rows of at "
+                                          "least MOONSHINE_BATCH_LANES=4"):
+        StationConfig(lanes=4, prefill_budget="2")
 
 
 def test_a_budget_wider_than_the_context_warms_up_and_serves() -> None:
     """A 64-row budget over a 32-token context: warm-up fills the wide steps from several lanes, and a prompt that
     fills the context gets the tokens it gets in 16-row pieces."""
     model = tiny_model("tiny-llama3", layer_loop="unroll", matmul="kernel")
-    wide = Engine(model, lanes=4, max_seq=32, chunk=16, block=16, attention="kernel", pack_budget=64)
-    narrow = Engine(model, lanes=4, max_seq=32, chunk=16, block=16, attention="kernel", pack_budget=16)
+    wide = Engine(model, lanes=4, max_seq=32, chunk=16, block=16, attention="kernel", prefill_budget=64)
+    narrow = Engine(model, lanes=4, max_seq=32, chunk=16, block=16, attention="kernel", prefill_budget=16)
     wide.warmup()
-    assert set(wide.step_s) == {("decode", w) for w in wide.widths} | {("pack", w, 4) for w in wide.pack_widths}
+    assert set(wide.step_s) == {("decode", w) for w in wide.wave_widths} | {("pack", w, 4) for w in wide.pack_widths}
     assert all(t > 0 for t in wide.step_s.values())
     prompt = list(range(3, 30))
     assert generate(wide, prompt, 4, SEEDED, lane=2) == generate(narrow, prompt, 4, SEEDED, lane=2)
@@ -139,8 +154,8 @@ def test_a_budget_wider_than_the_context_warms_up_and_serves() -> None:
 def test_a_turn_with_decode_rows_keeps_within_twice_their_wave(default_model: LoadedModel) -> None:
     """`turn_rows`: the widest packed step timed at most DECODE_WAIT x the decode rows' plain wave, never less than
     room for one prompt row; a turn without decode rows has the whole budget."""
-    engine = Engine(default_model, lanes=8, max_seq=256, chunk=32, block=128, attention="kernel", pack_budget=64)
-    assert engine.widths == (1, 2, 4, 8) and engine.pack_widths == (16, 32, 64)
+    engine = Engine(default_model, lanes=8, max_seq=256, chunk=32, block=128, attention="kernel", prefill_budget=64)
+    assert engine.wave_widths == (1, 2, 4, 8) and engine.pack_widths == (16, 32, 64)
     assert [engine.turn_rows(d) for d in (0, 1, 8)] == [64, 64, 64]  # not timed yet: the budget
     engine.step_s = {("decode", 1): 0.010, ("decode", 2): 0.012, ("decode", 4): 0.015, ("decode", 8): 0.025,
                      ("pack", 16, 8): 0.030, ("pack", 32, 8): 0.050, ("pack", 64, 8): 0.090}
@@ -156,7 +171,7 @@ def test_a_packed_step_samples_few_rows_where_few_need_it(default_model: LoadedM
     as many; the same request's samples either way."""
     assert pack_slots(16, 8) == (8,) and pack_slots(64, 16) == (16,) and pack_slots(32, 32) == (8, 32)
     assert pack_slots(64, 32) == (8, 32) and pack_slots(16, 32) == (16,)
-    engine = Engine(default_model, lanes=24, max_seq=128, chunk=32, block=128, attention="kernel", pack_budget=32)
+    engine = Engine(default_model, lanes=24, max_seq=128, chunk=32, block=128, attention="kernel", prefill_budget=32)
     prompt = list(range(40, 60))
     piece = [PromptPiece(3, prompt, 0, len(prompt), SEEDED)]
     few = engine.pack(piece, [None] * 24, sampled=8)[3]
@@ -169,7 +184,7 @@ def _packs(turn_rows: int | None) -> list[tuple]:
     """The packed steps the scheduler runs over the fake engine for a 2-token prompt that decodes 3 tokens, beside
     two 30-token prompts, with the engine's rows for a turn that carries decode rows."""
     fake = FakeEngine(lanes=4, chunk=4)
-    fake.pack_budget, fake.decode_turn_rows = 16, turn_rows
+    fake.prefill_budget, fake.decode_turn_rows = 16, turn_rows
     sched = Scheduler(fake, continuous=True, max_queue=8, terminal_ids=frozenset())
     jobs = [Job(tokens=p, max_new_tokens=4) for p in ([5, 5], [1] * 30, [2] * 30)]
     for job in jobs:
@@ -194,7 +209,7 @@ def test_the_scheduler_gives_a_turn_with_decode_rows_the_engines_turn_rows() -> 
 
 def test_pack_rejects_what_does_not_fit(wide_engine: Engine) -> None:
     idle: list[DecodeRow | None] = [None] * wide_engine.lanes
-    with pytest.raises(ValueError, match="exceed the pack budget"):
+    with pytest.raises(ValueError, match="exceed the prefill budget"):
         wide_engine.pack([PromptPiece(0, [1] * 65, 0, 65, GREEDY)], idle)
     with pytest.raises(ValueError, match="does not fit its prompt"):
         wide_engine.pack([PromptPiece(0, [1] * 5, 3, 4, GREEDY)], idle)
@@ -213,7 +228,7 @@ JOBS = [([5, 9, 14], GREEDY), (list(range(40, 47)), SamplingParams(repetition_pe
 
 @pytest.mark.parametrize("continuous", [True, False])
 def test_scheduler_jobs_equal_generate_alone(engine: Engine, continuous: bool) -> None:
-    assert engine.pack_budget > 0
+    assert engine.prefill_budget > 0
     expected = [generate(engine, p, 6, sp) for p, sp in JOBS]
     sched = Scheduler(engine, continuous=continuous, max_queue=16, terminal_ids=frozenset())
     sched.start()

@@ -385,11 +385,11 @@ def test_memory_check_names_what_to_lower(default_model: LoadedModel) -> None:
     from jaxstation.serving.settings import ConfigError
 
     cfg = default_model.cfg
-    check_memory(cfg, StationConfig(**SHAPE), available=1 << 40)
+    check_memory(cfg, StationConfig(**SHAPE), "gguf", available=1 << 40)
     with pytest.raises(ConfigError, match="KV arena needs .* Lower MOONSHINE_BATCH_LANES .* or MOONSHINE_MAX_SEQ"):
-        check_memory(cfg, StationConfig(**SHAPE), available=1 << 20)
+        check_memory(cfg, StationConfig(**SHAPE), "gguf", available=1 << 20)
     with pytest.raises(ConfigError, match="exceeds the model's max_position"):
-        check_memory(cfg, StationConfig(max_seq=cfg.max_position + 128), available=1 << 40)
+        check_memory(cfg, StationConfig(max_seq=cfg.max_position + 128), "gguf", available=1 << 40)
 
 
 def test_cli_serve_rejects_bad_settings(capsys: pytest.CaptureFixture) -> None:

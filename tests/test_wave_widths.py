@@ -8,23 +8,34 @@ import pytest
 from conftest import prefill_all, tiny_model
 from test_batch_invariance import TARGET, run_wave
 
-from jaxstation.engine.engine import Engine, wave_widths
+from jaxstation.engine.engine import Engine
+from jaxstation.engine.layout import default_wave_widths
 from jaxstation.engine.rows import DecodeRow, SamplingParams
 from jaxstation.model.loader import LoadedModel
+from jaxstation.serving.plan import resolve_plan
 from jaxstation.serving.settings import ConfigError, StationConfig
 
 STEPS = 4
 SAMPLINGS = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.02, seed=77)]
 
 
-def test_default_widths() -> None:
-    assert wave_widths(1) == (1,)
-    assert wave_widths(4) == (1, 2, 4)
-    assert wave_widths(6) == (1, 2, 4, 6)
-    assert wave_widths(32) == (1, 2, 4, 8, 16, 32)
-    assert StationConfig(lanes=32).decode_widths is None  # auto: the engine's choice
-    assert StationConfig(lanes=32, wave_widths="full").decode_widths == (32,)
-    assert StationConfig(lanes=32, wave_widths="16, 1,4").decode_widths == (1, 4, 16, 32)
+def test_default_widths(default_model: LoadedModel) -> None:
+    assert default_wave_widths(1, narrow=True) == (1,)
+    assert default_wave_widths(4, narrow=True) == (1, 2, 4)
+    assert default_wave_widths(6, narrow=True) == (1, 2, 4, 6)
+    assert default_wave_widths(32, narrow=True) == (1, 2, 4, 8, 16, 32)
+    assert default_wave_widths(32, narrow=False) == (32,)
+    assert StationConfig(lanes=32).wave_widths == "auto"  # the plan's choice
+    assert StationConfig(lanes=32, wave_widths="full").wave_widths == (32,)
+    assert StationConfig(lanes=32, wave_widths="16, 1,4").wave_widths == (1, 4, 16, 32)
+    cfg = default_model.cfg
+    assert resolve_plan(StationConfig(lanes=32), cfg).wave_widths == (1, 2, 4, 8, 16, 32)
+    assert resolve_plan(StationConfig(lanes=32, matmul="xla"), cfg).wave_widths == (32,)
+    narrow_without_kernel = r"decode waves narrower than the arena need every matmul on the CPU kernel and the " \
+                            r"blocked or kernel attention \(matmul kernel: False, attention kernel\)"
+    with pytest.raises(ConfigError, match=r"--wave-widths asks for waves of 1,4,32 rows: " + narrow_without_kernel):
+        resolve_plan(StationConfig(lanes=32, matmul="xla", wave_widths="1,4", sources={"wave_widths": "--wave-widths"}),
+                     cfg)
     with pytest.raises(ConfigError, match=r"MOONSHINE_WAVE_WIDTHS='1,64': every width must lie in \[1, "
                                           r"MOONSHINE_BATCH_LANES=32\]"):
         StationConfig(lanes=32, wave_widths="1,64")
@@ -33,15 +44,15 @@ def test_default_widths() -> None:
 
 
 def test_narrow_waves_need_the_kernel_and_the_blocked_attention(default_model: LoadedModel) -> None:
-    assert Engine(default_model, lanes=8, max_seq=128, chunk=32, block=128).widths == (1, 2, 4, 8)
+    assert Engine(default_model, lanes=8, max_seq=128, chunk=32, block=128).wave_widths == (1, 2, 4, 8)
     xla = tiny_model("tiny-llama3", "float32", "unroll", matmul="xla")
-    assert Engine(xla, lanes=8, max_seq=64, chunk=8, block=16).widths == (8,)
+    assert Engine(xla, lanes=8, max_seq=64, chunk=8, block=16).wave_widths == (8,)
     with pytest.raises(ValueError, match="need every matmul on the CPU kernel"):
-        Engine(xla, lanes=8, max_seq=64, chunk=8, block=16, widths=(1, 8))
+        Engine(xla, lanes=8, max_seq=64, chunk=8, block=16, wave_widths=(1, 8))
     kernel = tiny_model("tiny-llama3", "float32", "unroll", matmul="kernel")
-    assert Engine(kernel, lanes=8, max_seq=64, chunk=8, block=16, attention="xla").widths == (8,)
+    assert Engine(kernel, lanes=8, max_seq=64, chunk=8, block=16, attention="xla").wave_widths == (8,)
     with pytest.raises(ValueError, match=r"include lanes \(8\)"):
-        Engine(kernel, lanes=8, max_seq=64, chunk=8, block=16, widths=(1, 4))
+        Engine(kernel, lanes=8, max_seq=64, chunk=8, block=16, wave_widths=(1, 4))
 
 
 def _widths_seen(engine: Engine, lanes: dict, steps: int) -> tuple[dict, list[int]]:
@@ -100,7 +111,7 @@ def test_bits_are_equal_at_every_width(weights: str, request) -> None:
 
 def test_a_wave_narrows_as_lanes_retire(engine: Engine) -> None:
     """Continuous batching: as neighbours finish, the same request moves to a narrower wave and keeps its bits."""
-    assert engine.widths == (1, 2, 4)
+    assert engine.wave_widths == (1, 2, 4)
     ref = run_wave(engine, {2: (TARGET, SamplingParams())}, 6)[2]
     rng = np.random.default_rng(9)
     others = {lane: rng.integers(3, 49152, 40).tolist() for lane in (0, 1, 3)}
@@ -114,7 +125,7 @@ def test_a_wave_narrows_as_lanes_retire(engine: Engine) -> None:
         for lane, prompt in list(others.items())[:max(0, 3 - step)]:  # one neighbour retires per wave
             rows[lane] = DecodeRow(1, len(prompt) + step, SamplingParams(), step + 1)
         live = sum(r is not None for r in rows)
-        widths.append(next(w for w in engine.widths if w >= live))
+        widths.append(next(w for w in engine.wave_widths if w >= live))
         tokens.append(engine.decode(rows)[0][2].token)
     assert tokens == ref[0]
     assert widths == [4, 4, 2, 1, 1, 1]

@@ -3,7 +3,7 @@
 Only one thread may call an Engine (the scheduler's decode thread, or a caller holding the serialize lock).
 Every call runs one of a fixed set of compiled programs whose shapes depend only on the station's settings (lanes,
 chunk, block, wave widths): that is what keeps a request's tokens independent of its neighbours. A decode wave runs
-at the narrowest of the engine's `widths` that holds its live lanes. Narrower widths than the arena exist only when
+at the narrowest of the engine's `wave_widths` that holds its live lanes. Narrower widths than the arena exist only when
 every matmul runs on the CPU kernel, which computes a row alike at any width; otherwise every wave is full width.
 Prefill and decode steps always return the logits they compute, and the host drops them unless asked: one program
 per shape whether or not a caller reads logits.
@@ -22,27 +22,31 @@ import jax
 import numpy as np
 
 from jaxstation.engine.arena import allocate_arena
+from jaxstation.engine.layout import (
+    ATTENTIONS,
+    attention_refusal,
+    budget_refusal,
+    default_prefill_budget,
+    default_wave_widths,
+    narrow_waves,
+    widths_refusal,
+)
 from jaxstation.engine.penalties import lane_rows, start_lane
 from jaxstation.engine.prefix_cache import LaneVersions
 from jaxstation.engine.rows import (
     DecodeRow,
+    PackedRows,
     PromptPiece,
     Sample,
     SamplingParams,
+    packed_rows,
     penalty_arrays,
     read_samples,
     sampling_arrays,
 )
-from jaxstation.engine.steps import decode_step_batch, prefill_chunk
-from jaxstation.kernels import cpu_kernel
+from jaxstation.engine.steps import prefill_chunk, step_rows
 from jaxstation.model.loader import LoadedModel
 
-# Decode attention: the blocked online-softmax walk, the CPU decode attention kernel (each row's own positions, read in
-# place), or jax.nn.dot_product_attention ("xla" or "cudnn") over each lane's whole slab with per-lane lengths (no
-# per-block loop; cuDNN skips what lies past a lane's length).
-ATTENTIONS = ("blocked", "kernel", "xla", "cudnn")
-ROW_ATTENTIONS = ("blocked", "kernel")  # those that take any subset of lanes, so waves may run narrow
-PACK_BUDGET_AUTO = 128  # rows per packed admission step where packing is on by default (bench/admission.py)
 PACK_FLOOR = 16  # the narrowest packed step
 SLOT_FLOOR = 8  # the fewest sampled rows of a packed step, where it may sample more than twice as many
 DECODE_WAIT = 2.0  # a packed turn that carries decode rows takes at most about this many of their plain waves
@@ -66,16 +70,6 @@ def pack_slots(width: int, lanes: int) -> tuple[int, ...]:
     return (SLOT_FLOOR, full) if full > 2 * SLOT_FLOOR else (full,)
 
 
-def wave_widths(lanes: int) -> tuple[int, ...]:
-    """The default decode widths of a row-invariant engine: 1, 2, 4, ... below `lanes`, then `lanes` (a lone
-    request runs a 1-row step; each width is one more compiled program)."""
-    widths, w = [], 1
-    while w < lanes:
-        widths.append(w)
-        w *= 2
-    return (*widths, lanes)
-
-
 class Engine:
     """Lanes over one KV arena. `begin` gives a lane a request's token state, `prefill` fills the lane chunk by
     chunk and `decode` advances every live lane by one."""
@@ -83,49 +77,30 @@ class Engine:
     token_controls = True  # penalties, logit_bias and min_tokens are applied (from the arena's token state)
 
     def __init__(self, model: LoadedModel, lanes: int, max_seq: int, chunk: int, block: int,
-                 attention: str = "blocked", widths: Sequence[int] | None = None, pack_budget: int | None = 0,
-                 speculative: bool = False) -> None:
-        """widths: the decode wave widths (default: `wave_widths` when the model's matmuls are row-invariant and the
-        attention is blocked or the kernel, else only `lanes`). pack_budget: rows per packed admission step (`pack`;
-        0: prompts enter one `prefill` chunk at a time; None: PACK_BUDGET_AUTO, or the lanes if more, where waves may
-        run narrow, else 0); packing needs what narrow waves need. speculative: verify drafted tokens (`verify`), where
-        waves may run narrow."""
+                 attention: str = "blocked", wave_widths: Sequence[int] | None = None,
+                 prefill_budget: int | None = 0, speculative: bool = False) -> None:
+        """wave_widths: the decode wave widths (default: `layout.default_wave_widths`). prefill_budget: rows per
+        packed admission step (`pack`; 0: prompts enter one `prefill` chunk at a time; None:
+        `layout.default_prefill_budget`). speculative: verify drafted tokens (`verify`; where waves may run narrow).
+        A station passes its plan's (serving/plan.py), resolved by the same rules."""
         if max_seq % chunk or max_seq % block:
             raise ValueError(f"max_seq ({max_seq}) must be a multiple of the prefill chunk ({chunk}) "
                              f"and of the KV block ({block})")
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
-        if attention == "kernel" and not cpu_kernel.attention_serves(model.cfg.head_dim, model.cfg.group_size,
-                                                                     model.params.dtype):
-            raise ValueError("attention='kernel' needs float32 activations, head_dim a multiple of 16 (up to 256), at "
-                             "most 8 query heads per kv head, and the CPU kernel built here")
-        if attention != "blocked" and model.cfg.attn_softcap is not None:
-            raise ValueError(f"attention={attention!r} does not soft-cap scores; this model caps them at "
-                             f"{model.cfg.attn_softcap}: it needs attention='blocked'")
-        window = model.cfg.sliding_window
-        if attention in ("xla", "cudnn") and window is not None and max_seq > window:
-            raise ValueError(f"attention={attention!r} does not window; with a sliding window of "
-                             f"{model.cfg.sliding_window} it needs max_seq <= the window, got {max_seq}")
-        narrow_ok = model.params.row_invariant and attention in ROW_ATTENTIONS
-        if widths is None:
-            widths = wave_widths(lanes) if narrow_ok else (lanes,)
-        widths = tuple(sorted(set(widths)))
-        if widths[-1] != lanes or widths[0] < 1:
-            raise ValueError(f"decode widths must lie in [1, lanes] and include lanes ({lanes}), got {widths}")
-        if len(widths) > 1 and not narrow_ok:
-            raise ValueError("decode waves narrower than the arena need every matmul on the CPU kernel and the "
-                             f"blocked or kernel attention (matmul kernel: {model.params.row_invariant}, attention "
-                             f"{attention})")
-        if pack_budget is None:
-            pack_budget = max(PACK_BUDGET_AUTO, lanes) if narrow_ok else 0
-        if pack_budget and not (narrow_ok and pack_budget >= lanes):
-            raise ValueError(f"packed admission needs every matmul on the CPU kernel, the blocked or kernel attention "
-                             f"and a budget of at least the lanes ({lanes}), got {pack_budget} rows (matmul kernel: "
-                             f"{model.params.row_invariant}, attention {attention})")
-        self.widths = widths
-        self.verify_rows = lanes if speculative and len(widths) > 1 else 0  # verify steps need narrow waves' rows
-        self.pack_budget = pack_budget
-        self.pack_widths = pack_widths(pack_budget) if pack_budget else ()
+        if refusal := attention_refusal(model.cfg, attention, model.params.dtype, max_seq):
+            raise ValueError(f"attention={attention!r} {refusal}")
+        row_invariant = model.params.row_invariant
+        narrow = narrow_waves(row_invariant, attention)
+        widths = default_wave_widths(lanes, narrow) if wave_widths is None else tuple(sorted(set(wave_widths)))
+        budget = default_prefill_budget(lanes, narrow) if prefill_budget is None else prefill_budget
+        if refusal := (widths_refusal(widths, lanes, row_invariant, attention)
+                       or budget_refusal(budget, lanes, row_invariant, attention)):
+            raise ValueError(refusal)
+        self.wave_widths = widths
+        self.verify_rows = lanes if speculative and len(widths) > 1 else 0  # verify steps are narrow waves' rows
+        self.prefill_budget = budget
+        self.pack_widths = pack_widths(budget) if budget else ()
         self.model = model
         self.cfg = model.cfg
         self.lanes, self.max_seq, self.chunk, self.block = lanes, max_seq, chunk, block
@@ -209,14 +184,15 @@ class Engine:
         live = [i for i, r in enumerate(rows) if r is not None]
         if not live:
             return [None] * self.lanes, None
-        return self._wave(rows, next(w for w in self.widths if w >= len(live)), return_logits)
+        return self._wave(rows, next(w for w in self.wave_widths if w >= len(live)), return_logits)
 
     def _wave(self, rows: Sequence[DecodeRow | None], width: int, return_logits: bool
               ) -> tuple[list[Sample | None], jax.Array | None]:
         """Run `rows` as one `width`-row step: the live lanes first, then idle lanes at their scratch slot."""
         live = [i for i, r in enumerate(rows) if r is not None]
-        if not 0 < len(live) <= width or width not in self.widths:
-            raise ValueError(f"{len(live)} live lanes cannot run as a wave of width {width} (widths {self.widths})")
+        if not 0 < len(live) <= width or width not in self.wave_widths:
+            raise ValueError(f"{len(live)} live lanes cannot run as a wave of width {width} (widths "
+                             f"{self.wave_widths})")
         full = width == self.lanes
         order = list(range(self.lanes)) if full else live + [i for i, r in enumerate(rows) if r is None]
         order = order[:width]
@@ -226,7 +202,7 @@ class Engine:
         n_blocks = np.int32(max(rows[i].position for i in live) // self.block + 1)
         per_row = [(r.sampling, r.counter) if r else None for r in wave]
         self.lane_versions.touch(live)  # idle rows write only the scratch slot
-        self.arena, out, logits = decode_step_batch(
+        self.arena, out, logits = step_rows(
             self.cfg, self.params, self.arena, positions, tokens, n_blocks, sampling_arrays(per_row),
             None if full else np.array(order, np.int32),
             penalty_arrays(per_row, self.cfg.vocab_size, [r.mask if r else None for r in wave]), block=self.block,
@@ -252,11 +228,11 @@ class Engine:
                  for lane, r in enumerate(rows) if r is not None for j, t in enumerate((r.token, *r.drafts))]
         if not 0 < len(steps) <= self.verify_rows:
             raise ValueError(f"{len(steps)} rows cannot run as a verify step (at most {self.verify_rows})")
-        width = next(w for w in self.widths if w >= len(steps))
+        width = next(w for w in self.wave_widths if w >= len(steps))
         pad = width - len(steps)
         per_row = [(r.sampling, r.counter) for _, r in steps] + [None] * pad
         self.lane_versions.touch(sorted({lane for lane, _ in steps}))
-        self.arena, out, _ = decode_step_batch(
+        self.arena, out, _ = step_rows(
             self.cfg, self.params, self.arena, np.array([r.position for _, r in steps] + [self.scratch_pos] * pad,
                                                         np.int32),
             np.array([r.token for _, r in steps] + [0] * pad, np.int32),
@@ -275,50 +251,45 @@ class Engine:
         call, at the narrowest pack width that holds them, sampling `sampled` rows (default: the fewest of the width's
         `pack_slots` that hold them). Returns, per lane, the sample of its decode row or of its piece that ends its
         prompt (None elsewhere). Pieces of one lane go in order, after `begin`."""
-        if not self.pack_budget:
-            raise ValueError("this engine does not pack (pack_budget 0)")
+        if not self.prefill_budget:
+            raise ValueError("this engine does not pack (prefill_budget 0)")
         if len(rows) != self.lanes:
             raise ValueError(f"pack needs one decode row per lane ({self.lanes}), got {len(rows)}")
-        tokens, positions, lanes = [], [], []  # one entry per row
-        picks, slots = [], []  # per sampled row: its index; (lane, sampling, counter, mask)
-        for lane, r in enumerate(rows):
-            if r is not None:
-                tokens.append(r.token)
-                positions.append(r.position)
-                lanes.append(lane)
-                picks.append(len(tokens) - 1)
-                slots.append((lane, r.sampling, r.counter, r.mask))
-        for p in pieces:
-            if p.length < 1 or p.start + p.length > len(p.prompt) or rows[p.lane] is not None:
-                raise ValueError(f"piece [{p.start}, {p.start + p.length}) of lane {p.lane} does not fit its prompt "
-                                 f"({len(p.prompt)} tokens) or the lane also decodes")
-            tokens.extend(p.prompt[p.start:p.start + p.length])
-            positions.extend(range(p.start, p.start + p.length))
-            lanes.extend([p.lane] * p.length)
-            if p.last:
-                picks.append(len(tokens) - 1)
-                slots.append((p.lane, p.sampling, 0, p.mask))
-        if not tokens:
+        packed = packed_rows(pieces, rows)
+        if not packed.tokens:
             return [None] * self.lanes
-        if len(tokens) > self.pack_budget or len({s[0] for s in slots}) < len(slots):
-            raise ValueError(f"{len(tokens)} rows exceed the pack budget ({self.pack_budget}), or a lane samples twice")
-        width = next(w for w in self.pack_widths if w >= len(tokens))
+        if len(packed.tokens) > self.prefill_budget or len({s.lane for s in packed.sampled}) < len(packed.sampled):
+            raise ValueError(f"{len(packed.tokens)} rows exceed the prefill budget ({self.prefill_budget}), or a lane "
+                             "samples twice")
+        width, slots = self._packed_shape(len(packed.tokens), len(packed.sampled), sampled)
+        return self._run_packed(packed, width, slots)
+
+    def _packed_shape(self, rows: int, sampling_rows: int, sampled: int | None) -> tuple[int, int]:
+        """(rows, sampled rows) of the compiled packed step that runs `rows` rows of which `sampling_rows` sample: the
+        narrowest pack width that holds them, and `sampled` or the fewest of its `pack_slots` that hold them."""
+        width = next(w for w in self.pack_widths if w >= rows)
         options = pack_slots(width, self.lanes)
-        slots_n = next(n for n in options if n >= len(slots)) if sampled is None else sampled
-        if slots_n not in options or slots_n < len(slots):
-            raise ValueError(f"{len(slots)} sampled rows cannot run as {slots_n} of a {width}-row step ({options})")
-        pad, idle = width - len(tokens), [None] * (slots_n - len(slots))  # padding rows and slots
-        per_slot = [(sp, counter) for _, sp, counter, _ in slots] + idle
-        self.lane_versions.touch(sorted(set(lanes)))  # padding rows write only lane 0's scratch slot
-        self.arena, out, _ = decode_step_batch(
-            self.cfg, self.params, self.arena, np.array(positions + [self.scratch_pos] * pad, np.int32),
-            np.array(tokens + [0] * pad, np.int32), np.int32(max(positions) // self.block + 1),
-            sampling_arrays(per_slot), np.array(lanes + [0] * pad, np.int32),
-            penalty_arrays(per_slot, self.cfg.vocab_size, [s[3] for s in slots] + idle),
-            np.array(picks + [0] * len(idle), np.int32), block=self.block, attention=self.attention)
+        slots = next(n for n in options if n >= sampling_rows) if sampled is None else sampled
+        if slots not in options or slots < sampling_rows:
+            raise ValueError(f"{sampling_rows} sampled rows cannot run as {slots} of a {width}-row step ({options})")
+        return width, slots
+
+    def _run_packed(self, packed: PackedRows, width: int, slots: int) -> list[Sample | None]:
+        """Run `packed` as one `width`-row step sampling `slots` rows: padding rows feed token 0 into lane 0's scratch
+        slot, idle slots sample row 0 greedily. Returns the samples by lane."""
+        pad, idle = width - len(packed.tokens), [None] * (slots - len(packed.sampled))
+        per_slot = [(s.sampling, s.counter) for s in packed.sampled] + idle
+        self.lane_versions.touch(sorted(set(packed.lanes)))  # padding rows write only lane 0's scratch slot
+        self.arena, out, _ = step_rows(
+            self.cfg, self.params, self.arena, np.array(packed.positions + [self.scratch_pos] * pad, np.int32),
+            np.array(packed.tokens + [0] * pad, np.int32), np.int32(max(packed.positions) // self.block + 1),
+            sampling_arrays(per_slot), np.array(packed.lanes + [0] * pad, np.int32),
+            penalty_arrays(per_slot, self.cfg.vocab_size, [s.mask for s in packed.sampled] + idle),
+            np.array([s.row for s in packed.sampled] + [0] * len(idle), np.int32), block=self.block,
+            attention=self.attention)
         samples: list[Sample | None] = [None] * self.lanes
-        for (lane, *_), sample in zip(slots, read_samples(out), strict=False):
-            samples[lane] = sample
+        for s, sample in zip(packed.sampled, read_samples(out), strict=False):
+            samples[s.lane] = sample
         return samples
 
     def turn_rows(self, decode_rows: int) -> int:
@@ -326,15 +297,15 @@ class Engine:
         run (sampling those rows and one more) took at most DECODE_WAIT times the plain wave of those rows, and at
         least the narrowest with room for one prompt row (every width before the warm-up has timed them)."""
         if not decode_rows:
-            return self.pack_budget
-        wave = self.step_s.get(("decode", next(w for w in self.widths if w >= decode_rows)))
+            return self.prefill_budget
+        wave = self.step_s.get(("decode", next(w for w in self.wave_widths if w >= decode_rows)))
 
         def took(w: int) -> float:
             n = next((n for n in pack_slots(w, self.lanes) if n > decode_rows), None)
             return float("inf") if n is None else self.step_s.get(("pack", w, n), float("inf"))
 
         fits = [w for w in self.pack_widths if w > decode_rows and (wave is None or took(w) <= DECODE_WAIT * wave)]
-        room = next((w for w in self.pack_widths if w > decode_rows), self.pack_budget)
+        room = next((w for w in self.pack_widths if w > decode_rows), self.prefill_budget)
         return max([*fits, room])
 
     def _timed(self, key: tuple[str, int] | tuple[str, int, int], run: Callable[[], object]) -> None:
@@ -356,7 +327,7 @@ class Engine:
             ("prefill", lambda: self.prefill(0, prompt, 0, SamplingParams())),  # a middle chunk
             ("prefill_last", lambda: self.prefill(0, prompt, self.chunk, SamplingParams())),  # a last chunk: samples
         ]
-        for w in self.widths:
+        for w in self.wave_widths:
             name = "decode" if w == self.lanes else f"decode_{w}"
             steps.append((name, lambda w=w: (self._wave(sampled, w, False), self._wave(greedy, w, False),
                                              self._timed(("decode", w), lambda: self._wave(greedy, w, False)))))
@@ -402,9 +373,9 @@ def generate(engine: Engine, prompt: Sequence[int], max_new_tokens: int, samplin
     """
     engine.begin(lane, prompt, sampling, stop_ids)
     sample = None
-    step = engine.pack_budget or engine.chunk
+    step = engine.prefill_budget or engine.chunk
     for start in range(0, len(prompt), step):
-        if engine.pack_budget:
+        if engine.prefill_budget:
             piece = PromptPiece(lane, prompt, start, min(step, len(prompt) - start), sampling)
             sample = engine.pack([piece], [None] * engine.lanes)[lane]
         else:

@@ -114,6 +114,55 @@ class PromptPiece:
         return self.start + self.length >= len(self.prompt)
 
 
+@dataclasses.dataclass(frozen=True)
+class SampledRow:
+    """A row of a packed step that samples: its index among the step's rows, its lane, and how it samples."""
+
+    row: int
+    lane: int
+    sampling: SamplingParams
+    counter: int
+    mask: np.ndarray | None
+
+
+@dataclasses.dataclass
+class PackedRows:
+    """A packed step's rows before padding: per row its token, position and lane, and the rows that sample."""
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    positions: list[int] = dataclasses.field(default_factory=list)
+    lanes: list[int] = dataclasses.field(default_factory=list)
+    sampled: list[SampledRow] = dataclasses.field(default_factory=list)
+
+    def add(self, lane: int, tokens: Sequence[int], start: int) -> None:
+        """Rows feeding `tokens` into `lane` at positions start, start + 1, ..."""
+        self.tokens.extend(tokens)
+        self.positions.extend(range(start, start + len(tokens)))
+        self.lanes.extend([lane] * len(tokens))
+
+    def sample_last(self, lane: int, sampling: SamplingParams, counter: int, mask: np.ndarray | None) -> None:
+        """The last row added samples the request on `lane`."""
+        self.sampled.append(SampledRow(len(self.tokens) - 1, lane, sampling, counter, mask))
+
+
+def packed_rows(pieces: Sequence[PromptPiece], rows: Sequence[DecodeRow | None]) -> PackedRows:
+    """The rows of a packed step: every decode row (rows[i] feeds lane i), then every piece's prompt tokens. A piece
+    samples where it ends its prompt. Raises ValueError for a piece outside its prompt or on a lane that decodes."""
+    packed = PackedRows()
+    for lane, r in enumerate(rows):
+        if r is not None:
+            packed.add(lane, [r.token], r.position)
+            packed.sample_last(lane, r.sampling, r.counter, r.mask)
+    for p in pieces:
+        if p.length < 1 or p.start + p.length > len(p.prompt) or rows[p.lane] is not None:
+            raise ValueError(f"piece [{p.start}, {p.start + p.length}) of lane {p.lane} does not fit its prompt "
+                             f"({len(p.prompt)} tokens) or the lane also decodes")
+        packed.add(p.lane, p.prompt[p.start:p.start + p.length], p.start)
+        if p.last:
+            packed.sample_last(p.lane, p.sampling, 0, p.mask)
+    return packed
+
+
 def sampling_arrays(rows: Sequence[tuple[SamplingParams, int] | None]) -> SamplingArrays:
     """Per row: its sampling parameters and counter (an idle row samples greedily)."""
     idle = (SamplingParams(), 0)

@@ -24,7 +24,7 @@ class Runner(Protocol):
     arena: Any  # device state a caller may wait on (None when the KV lives elsewhere, e.g. on mesh stations)
     lane_versions: LaneVersions  # a new stamp per lane whenever its KV may change: what the prefix cache trusts
     token_controls: bool  # whether it applies SamplingParams' penalties, logit_bias, min_tokens and constraint masks
-    pack_budget: int  # rows per packed admission step (`pack`); 0: prompts enter one `prefill` chunk at a time
+    prefill_budget: int  # rows per packed admission step (`pack`); 0: prompts enter one `prefill` chunk at a time
     verify_rows: int  # the most rows a `verify` step holds; 0 or 1: it does not speculate
 
     def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int]) -> None:
@@ -40,11 +40,11 @@ class Runner(Protocol):
         """`prefill`, plus the log-probability of each prompt token in the chunk given the tokens before it."""
 
     def pack(self, pieces: Sequence[PromptPiece], rows: Sequence[DecodeRow | None]) -> list[Sample | None]:
-        """One packed step (only where pack_budget > 0): the pieces' prompt tokens and the decode rows in one call.
+        """One packed step (only where prefill_budget > 0): the pieces' prompt tokens and the decode rows in one call.
         One sample per lane that decodes or whose piece ends its prompt."""
 
     def turn_rows(self, decode_rows: int) -> int:
-        """(Only where pack_budget > 0) the most rows of a packed turn that carries `decode_rows` decode rows."""
+        """(Only where prefill_budget > 0) the most rows of a packed turn that carries `decode_rows` decode rows."""
 
     def decode(self, rows: Sequence[DecodeRow | None], return_logits: bool = False
                ) -> tuple[list[Sample | None], Any]:

@@ -240,7 +240,7 @@ class Scheduler:
                 self._fail_job(self._free(i).job, Cancelled("the request was cancelled"), "cancelled")
             else:
                 self._retire(i, "stop")
-        packs = self.engine.pack_budget > 0
+        packs = self.engine.prefill_budget > 0
         prefill_lane, prefill_mask = None, None
         while prefill_lane is None and (chunked := [i for i in self.prefill_order if not packs or self._scores(i)]):
             prefill_lane, lane = chunked[0], self.lanes[chunked[0]]
@@ -328,7 +328,7 @@ class Scheduler:
         self.metrics.prompt_tokens.inc(len(job.tokens) - job.cached_tokens)
         if job.max_new_tokens == 0:  # scoring only
             self._retire(i, "length")
-        elif self.engine.pack_budget:  # generate from a packed prefill, as the same request unscored does
+        elif self.engine.prefill_budget:  # generate from a packed prefill, as the same request unscored does
             lane.fed, lane.repacked = 0, True
         else:
             self.prefill_order.remove(i)

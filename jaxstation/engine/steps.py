@@ -1,5 +1,6 @@
-"""The compiled steps over the KV arena: `decode_step_batch` (one token for every lane) and `prefill_chunk` (a
-fixed-size chunk of one lane's prompt, optionally scoring every prompt row for `echo`).
+"""The compiled steps over the KV arena: `step_rows` (one token per row: a decode wave, or a packed step of prompt
+pieces and decode rows) and `prefill_chunk` (a fixed-size chunk of one lane's prompt, optionally scoring every prompt
+row for `echo`).
 
 Batch invariance is built in, not tested in:
 - shapes are fixed per station (lanes, chunk, block), so every request goes through the same compiled programs;
@@ -82,12 +83,12 @@ def choose(logits: jax.Array, sampling: SamplingArrays, arena: KVArena, lanes: j
 
 
 @partial(jax.jit, static_argnames=("cfg", "block", "attention", "return_logits"), donate_argnames=("arena",))
-def decode_step_batch(cfg: ModelConfig, params: Params, arena: KVArena, positions: jax.Array, tokens: jax.Array,
-                      n_blocks: jax.Array, sampling: SamplingArrays, lanes: jax.Array | None = None,
-                      penalties: PenaltyArrays | None = None, picks: jax.Array | None = None, *, block: int,
-                      attention: str = "blocked", return_logits: bool = False
-                      ) -> tuple[KVArena, SampleOut, jax.Array | None]:
-    """Advance every row's lane by one token with one read of the weights.
+def step_rows(cfg: ModelConfig, params: Params, arena: KVArena, positions: jax.Array, tokens: jax.Array,
+              n_blocks: jax.Array, sampling: SamplingArrays, lanes: jax.Array | None = None,
+              penalties: PenaltyArrays | None = None, picks: jax.Array | None = None, *, block: int,
+              attention: str = "blocked", return_logits: bool = False
+              ) -> tuple[KVArena, SampleOut, jax.Array | None]:
+    """Feed one token per row into its lane with one read of the weights: a decode wave, or a packed step.
 
     positions, tokens: [rows] int32 (an idle row sits at the scratch slot); n_blocks: KV blocks covering the
     longest live row (unused by the dense attentions); lanes: [rows] int32, the arena lane of each row, or None for

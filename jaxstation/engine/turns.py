@@ -2,7 +2,7 @@
 packing engine's turn shares its rows among the prompts waiting to enter (`prompt_pieces`). Host-only bookkeeping; the
 decode thread owns every object here (engine/scheduler.py).
 
-Admission. On an engine that packs (`pack_budget` > 0), a turn's prompt work is pieces of every prefilling lane's
+Admission. On an engine that packs (`prefill_budget` > 0), a turn's prompt work is pieces of every prefilling lane's
 prompt under the turn's rows, less the decode rows: up to a chunk for each lane, oldest first, then the rest to the
 oldest, so neither a long prompt nor a stream of short ones holds the other back. A turn without decode rows may fill
 the whole budget; one with decode rows takes `Engine.turn_rows` (a packed step at most about twice their plain wave,

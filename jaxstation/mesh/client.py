@@ -18,6 +18,7 @@ from jaxstation.engine.jobs import UpstreamFailed
 from jaxstation.mesh.wire import CONTENT_TYPE, WireError, decode, encode
 from jaxstation.model.config import LayerRange, ModelConfig
 from jaxstation.model.layers import compute_dtype
+from jaxstation.serving.plan import Plan
 from jaxstation.serving.settings import StationConfig
 
 RETRY_S = 0.25  # between probes of a lost station
@@ -115,11 +116,13 @@ def describe_field(info: dict[str, Any], name: str) -> str:
     return f"{name}={info.get(name)!r}"
 
 
-def check_mesh(clients: Sequence[StationClient], config: StationConfig, cfg: ModelConfig, model_fp: str) -> None:
-    """Refuse a mesh that cannot serve the host's model exactly: raises MeshError naming the station."""
+def check_mesh(clients: Sequence[StationClient], config: StationConfig, plan: Plan, cfg: ModelConfig,
+               model_fp: str) -> None:
+    """Refuse a mesh that cannot serve the host's model, as the host's plan runs it, exactly: raises MeshError naming
+    the station."""
     want = {"lanes": config.lanes, "max_seq": config.max_seq, "chunk": config.prefill_chunk,
-            "block": config.kv_block, "dtype": jnp.dtype(compute_dtype(config.weights)).name,
-            "layer_loop": config.loop, "attention": config.attention_for(cfg), "total_layers": cfg.num_layers}
+            "block": config.kv_block, "dtype": jnp.dtype(compute_dtype(plan.dtype)).name,
+            "layer_loop": plan.layer_loop, "attention": plan.attention, "total_layers": cfg.num_layers}
     for c in clients:
         if not c.info.get("auth") and not config.insecure_mesh:
             raise MeshError(f"{c.name} takes requests without a token; give it MOONSHINE_MESH_TOKEN, or start the "

@@ -19,6 +19,7 @@ from jaxstation.mesh.stage import fingerprint
 from jaxstation.model.loader import LoadedModel
 from jaxstation.openai.routes import openai_endpoints
 from jaxstation.serving.openapi import Endpoint
+from jaxstation.serving.plan import Plan
 from jaxstation.serving.protocol import ErrorResponse
 from jaxstation.serving.routes import station_app, station_endpoints
 from jaxstation.serving.settings import StationConfig
@@ -45,10 +46,10 @@ def create_host_app(config: StationConfig, *, model: LoadedModel | None = None) 
     """The station app (the scheduler, /generate, the OpenAI routes) over a MeshEngine, and its Station. /health also
     names each station and whether it answers."""
 
-    def engine_factory(loaded: LoadedModel, c: StationConfig) -> MeshEngine:
+    def engine_factory(loaded: LoadedModel, c: StationConfig, plan: Plan) -> MeshEngine:
         model_fp = fingerprint(loaded)
         station.model = dataclasses.replace(loaded, params=None)  # the host needs the config and tokenizer only
-        return MeshEngine.connect(c, loaded.cfg, model_fp)
+        return MeshEngine.connect(c, plan, loaded.cfg, model_fp)
 
     station = Station(config, model=model, engine_factory=engine_factory)
     probe = httpx.Client(timeout=2.0)

@@ -39,6 +39,7 @@ from jaxstation.engine.sampling import SampleOut
 from jaxstation.mesh.client import MeshError, StationClient, StationLost, check_mesh, describe_field, wait_info
 from jaxstation.mesh.stage import SAMPLING_FIELDS
 from jaxstation.model.config import LayerRange, ModelConfig
+from jaxstation.serving.plan import Plan
 from jaxstation.serving.settings import StationConfig
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class MeshEngine:
     host."""
 
     token_controls = False
-    pack_budget = 0  # prompts enter one chunk at a time: the stations take one lane per prefill call
+    prefill_budget = 0  # prompts enter one chunk at a time: the stations take one lane per prefill call
     verify_rows = 0  # no speculation over the mesh
 
     def __init__(self, clients: list[StationClient], *, lanes: int, max_seq: int, chunk: int, block: int,
@@ -79,8 +80,9 @@ class MeshEngine:
         self._stale: int | None = None  # replay through stations [0, _stale] before the next step
 
     @classmethod
-    def connect(cls, config: StationConfig, cfg: ModelConfig, model_fp: str) -> MeshEngine:
-        """Reach every station (waiting up to mesh_recover_s for them to come up), check the mesh, order it."""
+    def connect(cls, config: StationConfig, plan: Plan, cfg: ModelConfig, model_fp: str) -> MeshEngine:
+        """Reach every station (waiting up to mesh_recover_s for them to come up), check the mesh against the host's
+        plan, order it."""
         config.check_mesh_security()
         urls = config.station_urls
         if not urls:
@@ -90,7 +92,7 @@ class MeshEngine:
         for c in clients:
             c.info = wait_info(c, deadline, config.mesh_recover_s)
             c.epoch = c.info["epoch"]
-        check_mesh(clients, config, cfg, model_fp)
+        check_mesh(clients, config, plan, cfg, model_fp)
         clients.sort(key=lambda c: LayerRange.parse(c.info["layers"]).start)
         for i, c in enumerate(clients):
             c.index = i

@@ -34,11 +34,12 @@ from starlette.routing import Route
 from jaxstation.engine.metrics import MeshStationMetrics
 from jaxstation.mesh.stage import Stage
 from jaxstation.mesh.wire import CONTENT_TYPE, MAX_HEADER_BYTES, WireError, decode, encode
-from jaxstation.model.loader import LoadedModel, load_model
+from jaxstation.model.loader import LoadedModel
 from jaxstation.serving.access_log import configure_logging
 from jaxstation.serving.coldstart import enable_compile_cache
 from jaxstation.serving.http_common import BodyError, read_body
 from jaxstation.serving.memory import check_memory
+from jaxstation.serving.plan import load_planned, startup_plan
 from jaxstation.serving.routes import json_http_error
 from jaxstation.serving.server import run_server, uvicorn_config
 from jaxstation.serving.settings import StationConfig
@@ -78,13 +79,12 @@ class MeshStation:
         try:
             c, layers = self.config, self.config.layer_range
             enable_compile_cache(c.compile_cache_dir)
-            model = self.model or load_model(c.model, c.weights, c.loop, c.matmul_impl)
+            plan = startup_plan(c, self.model.cfg if self.model is not None else None)
+            model = self.model or load_planned(c, plan)
             if layers.stop > model.cfg.num_layers:
                 raise ValueError(f"MOONSHINE_LAYERS={layers} reaches past the model's {model.cfg.num_layers} layers")
-            check_memory(model.cfg.layers(layers.start, layers.stop), c,
-                         weights_resident=True)
-            stage = Stage(model, layers, c.lanes, c.max_seq, c.prefill_chunk, c.kv_block,
-                          attention=c.attention_for(model.cfg))
+            check_memory(model.cfg.layers(layers.start, layers.stop), c, plan.dtype, weights_resident=True)
+            stage = Stage(model, layers, c.lanes, c.max_seq, c.prefill_chunk, c.kv_block, attention=plan.attention)
             self.model = None  # the whole model's weights go; the stage keeps its range
             t0 = time.perf_counter()
             stage.warmup()

@@ -104,11 +104,24 @@ class Params:
         return "unroll" if isinstance(self.layers, tuple) else "scan"
 
 
+def projection_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """Each layer's projections as (in, out): wqkv, wo, w_gate_up, w_down."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    return [(d, cfg.qkv_size), (cfg.num_heads * cfg.head_dim, d), (d, 2 * f), (f, d)]
+
+
+def kernel_takes_every_matmul(cfg: ModelConfig) -> bool:
+    """Whether matmul "kernel" lays every projection and the head of `cfg`'s shapes out for the CPU kernel, so that the
+    loaded Params are `row_invariant`: known from the shapes alone, before loading (a GGUF block format the kernel
+    reads at a shape implies that shape fits it)."""
+    return all(cpu_kernel.fits(i, o) for i, o in [*projection_shapes(cfg), (cfg.hidden_size, cfg.vocab_size)])
+
+
 WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "gguf")  # gguf: a GGUF file's blocks as stored, on the CPU kernel
 
 
-def pack_params(cfg: ModelConfig, tensor: Callable[[int | None, str], Tensor], weights: str = "float32",
-                layer_loop: str = "scan", matmul: str = "xla") -> Params:
+def build_params(cfg: ModelConfig, tensor: Callable[[int | None, str], Tensor], weights: str = "float32",
+                 layer_loop: str = "scan", matmul: str = "xla") -> Params:
     """Build Params from checkpoint-oriented tensors ([out, in], HF slot names via `tensor(layer, slot)`): fuse q/k/v
     and gate/up, transpose to [in, out], cast or quantize, and lay the layers out for `layer_loop`.
     matmul "kernel" lays float32 and int8 projections out for the CPU kernel (`quant.KernelWeight`); weights "gguf"

@@ -20,7 +20,7 @@ from jaxstation.model.config import ModelConfig
 from jaxstation.model.default_model import default_model_path
 from jaxstation.model.gguf_file import GGUFFile, GGUFTensor
 from jaxstation.model.gguf_tokenizer import check_gguf_tokenizer
-from jaxstation.model.layers import WEIGHT_DTYPES, Params, pack_params
+from jaxstation.model.layers import WEIGHT_DTYPES, Params, build_params
 from jaxstation.model.quant import GGUFBlocks, Tensor
 from jaxstation.model.tokenizer import Tokenizer
 
@@ -105,7 +105,7 @@ def _map_name(name: str, globals_: Mapping[str, str], layer_re: re.Pattern, laye
 
 def _assemble(cfg: ModelConfig, tensors: Mapping[tuple[int | None, str], Tensor], names: Mapping, weights: str,
               layer_loop: str, source: str, matmul: str) -> Params:
-    """Check every tensor's presence and shape, then pack them (`model.pack_params`)."""
+    """Check every tensor's presence and shape, then build the Params (`model.build_params`)."""
     shapes = _expected_shapes(cfg)
     required = [(None, "embed"), (None, "final_norm")] + [
         (i, s) for i in range(cfg.num_layers) for s in _layer_slots(cfg)]
@@ -122,7 +122,7 @@ def _assemble(cfg: ModelConfig, tensors: Mapping[tuple[int | None, str], Tensor]
                 f"tensor {names[key]!r} in {source} has shape {tuple(arr.shape)}, expected {shapes[key[1]]}"
             )
 
-    return pack_params(cfg, lambda layer, slot: tensors[layer, slot], weights, layer_loop, matmul)
+    return build_params(cfg, lambda layer, slot: tensors[layer, slot], weights, layer_loop, matmul)
 
 
 def load_hf_dir(path: Path, dtype: str = "float32", layer_loop: str = "scan", matmul: str = "xla"
@@ -234,6 +234,8 @@ def tokenizer_of(source: Path, fields: Mapping | None = None) -> Tokenizer:
         if source.is_dir():
             return Tokenizer.from_hf_dir(source)
         return Tokenizer.from_gguf(open_gguf(source).fields if fields is None else fields)
+    except CheckpointError:
+        raise
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from None
 

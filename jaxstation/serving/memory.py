@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from jaxstation.engine.arena import arena_bytes
 from jaxstation.model.config import ModelConfig
-from jaxstation.model.layers import compute_dtype
+from jaxstation.model.layers import compute_dtype, projection_shapes
 from jaxstation.serving.settings import ConfigError, GiB, StationConfig
 
 log = logging.getLogger(__name__)
@@ -29,8 +29,8 @@ def weight_bytes(cfg: ModelConfig, dtype: str) -> int:
     """Bytes the model's weights take once loaded as `dtype` (int8: one byte per projection weight plus a float32
     scale per output channel; gguf: at most Q8_0's 34 bytes per 32 weights, the largest block format the kernel reads;
     norms and an untied embedding in the compute dtype)."""
-    d, hd, f, v = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
-    proj_in_out = [(d, cfg.qkv_size), (cfg.num_heads * hd, d), (d, 2 * f), (f, d)]
+    d, v = cfg.hidden_size, cfg.vocab_size
+    proj_in_out = projection_shapes(cfg)
     float_size = jnp.dtype(compute_dtype(dtype)).itemsize
     weight_size = {"int8": 1, "gguf": 34 / 32}.get(dtype, float_size)
     proj = cfg.num_layers * sum(i * o for i, o in proj_in_out) + (0 if cfg.tie_word_embeddings else d * v)
@@ -61,9 +61,11 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-def check_memory(cfg: ModelConfig, station: StationConfig, *, weights_resident: bool = False,
+def check_memory(cfg: ModelConfig, station: StationConfig, dtype: str, *, weights_resident: bool = False,
                  available: int | None = None) -> None:
     """Fail at start-up, with the setting to lower, if max_seq exceeds the model or the arena cannot fit.
+
+    dtype: the weight format the plan chose (serving/plan.py).
 
     weights_resident: the weights are already loaded, so the free figure has them taken off already.
     available: bytes free (default: measured by `available_memory`).
@@ -77,9 +79,9 @@ def check_memory(cfg: ModelConfig, station: StationConfig, *, weights_resident: 
     if available is None:
         log.warning("cannot measure free memory on %s; skipping the arena memory check", where)
         return
-    arena_dtype = compute_dtype(station.weights)
+    arena_dtype = compute_dtype(dtype)
     arena = arena_bytes(cfg, station.lanes, station.max_seq, arena_dtype)
-    weights = 0 if weights_resident else weight_bytes(cfg, station.weights)
+    weights = 0 if weights_resident else weight_bytes(cfg, dtype)
     if arena + weights <= available:
         return
     per_lane = arena // station.lanes

@@ -1,8 +1,10 @@
 """Station settings: one frozen `StationConfig`, resolved from CLI flags over environment variables over defaults.
 
 Every environment variable has a mirroring CLI flag (`MOONSHINE_BATCH_LANES` <-> `--lanes`, ...). `PORT` is honoured
-because Cloud Run sets it. `check_memory` runs at start-up, once the model's config is known, and fails with an
-error that says how much the KV arena needs and which setting to lower.
+because Cloud Run sets it. A `StationConfig` holds what the user asked for, each value parsed and checked once, on its
+own: it reads no backend and builds nothing. What `auto` means on this machine and for this model is decided once, at
+start-up, by the station's plan (serving/plan.py). `check_memory` (serving/memory.py) runs at start-up too, once the
+model's config is known, and fails with an error that says how much the KV arena needs and which setting to lower.
 """
 
 from __future__ import annotations
@@ -13,13 +15,9 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
-from jaxstation.engine.engine import ATTENTIONS, PACK_BUDGET_AUTO
-from jaxstation.kernels import cpu_kernel
-from jaxstation.model.config import LayerRange, ModelConfig
-from jaxstation.model.layers import LAYER_LOOPS, WEIGHT_DTYPES, compute_dtype
+from jaxstation.engine.layout import ATTENTIONS, PACK_BUDGET_AUTO
+from jaxstation.model.config import LayerRange
+from jaxstation.model.layers import LAYER_LOOPS, WEIGHT_DTYPES
 from jaxstation.model.quant import MATMULS
 from jaxstation.serving.access_log import LOG_FORMATS
 
@@ -30,6 +28,7 @@ ATTENTION_CHOICES = ("auto", *ATTENTIONS)
 LAYER_LOOP_CHOICES = ("auto", *LAYER_LOOPS)
 MATMUL_CHOICES = ("auto", *MATMULS)
 PREFIX_REUSE = ("auto", "resume", "off")
+SPECULATIVE = ("off", "ngram")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -126,6 +125,11 @@ SETTINGS: tuple[_Setting, ...] = (
     _Setting("prefix_reuse", "MOONSHINE_PREFIX_REUSE", "--prefix-reuse", _parse_str,
              "reuse cached prompt KV: auto (every request), resume (only /generate with resume: true) or off",
              commands=_FRONT),
+    _Setting("speculative", "MOONSHINE_SPECULATIVE", "--speculative", _parse_str,
+             "speculative decoding: off, or ngram (prompt-lookup drafts verified in one step; the tokens are the same)",
+             commands=frozenset({"serve"})),
+    _Setting("draft_tokens", "MOONSHINE_DRAFT_TOKENS", "--draft-tokens", _parse_int,
+             "speculative decoding: the most tokens a request drafts a step", commands=frozenset({"serve"})),
     _Setting("max_queue", "MOONSHINE_MAX_QUEUE", "--max-queue", _parse_int,
              "jobs waiting for a lane before new ones get 503", commands=_FRONT),
     _Setting("drain_s", "MOONSHINE_DRAIN_S", "--drain-s", _parse_float,
@@ -174,7 +178,7 @@ class StationConfig:
     """Every station setting. Build it with `resolve`; `__post_init__` rejects what cannot work."""
 
     model: str | None = None  # None: the embedded default model
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on a GPU
+    dtype: str | None = None  # None: the backend's default, decided by the plan (serving/plan.py)
     attention: str = "auto"
     layer_loop: str = "auto"
     matmul: str = "auto"
@@ -182,13 +186,15 @@ class StationConfig:
     port: int = 8000
     uds: str | None = None
     lanes: int = 8
-    wave_widths: str = "auto"
-    prefill_budget: str = "auto"
+    wave_widths: str | tuple[int, ...] = "auto"  # "auto", or the widths with the lanes (given as full, or 1,4,16)
+    prefill_budget: str | int = "auto"  # "auto", or the rows (given as off: 0, or a number)
     max_seq: int = 2048
     prefill_chunk: int = 32
     kv_block: int = 128
     continuous: bool = False
     prefix_reuse: str = "auto"
+    speculative: str = "off"
+    draft_tokens: int = 3
     max_queue: int = 64
     drain_s: float = 30.0
     max_body_bytes: int = 1 * MiB
@@ -215,31 +221,19 @@ class StationConfig:
             value = getattr(self, field)
             if value is not None and value not in choices:
                 raise ConfigError(f"{self.named(field)}={value!r} must be one of {', '.join(choices)}")
+        if self.speculative not in SPECULATIVE:
+            raise ConfigError(f"{self.named('speculative')}={self.speculative!r} must be one of "
+                              f"{', '.join(SPECULATIVE)}")
         if self.prefix_reuse not in PREFIX_REUSE:
             raise ConfigError(f"{self.named('prefix_reuse')}={self.prefix_reuse!r} must be one of "
                               f"{', '.join(PREFIX_REUSE)}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"{self.named('port')}={self.port} must be a TCP port in [0, 65535]")
-        for field in ("lanes", "max_seq", "prefill_chunk", "kv_block", "max_queue", "max_body_bytes"):
+        for field in ("lanes", "max_seq", "prefill_chunk", "kv_block", "max_queue", "max_body_bytes", "draft_tokens"):
             if getattr(self, field) < 1:
                 raise ConfigError(f"{self.named(field)}={getattr(self, field)} must be >= 1")
-        if self.wave_widths not in ("auto", "full"):
-            try:
-                widths = [int(w) for w in self.wave_widths.split(",")]
-            except ValueError:
-                raise ConfigError(f"{self.named('wave_widths')}={self.wave_widths!r} must be auto, full or a "
-                                  "comma-separated list of widths such as 1,4,16") from None
-            if not all(1 <= w <= self.lanes for w in widths):
-                raise ConfigError(f"{self.named('wave_widths')}={self.wave_widths!r}: every width must lie in [1, "
-                                  f"{self.named('lanes')}={self.lanes}]")
-        if self.prefill_budget not in ("auto", "off"):
-            try:
-                budget = int(self.prefill_budget)
-            except ValueError:
-                budget = 0
-            if budget < self.lanes:
-                raise ConfigError(f"{self.named('prefill_budget')}={self.prefill_budget!r} must be auto, off or a "
-                                  f"number of rows of at least {self.named('lanes')}={self.lanes}")
+        object.__setattr__(self, "wave_widths", self._parse_wave_widths())
+        object.__setattr__(self, "prefill_budget", self._parse_prefill_budget())
         for field in ("prefill_chunk", "kv_block"):
             if self.max_seq % getattr(self, field):
                 raise ConfigError(f"{self.named('max_seq')}={self.max_seq} must be a multiple of "
@@ -261,6 +255,38 @@ class StationConfig:
             if not url.startswith(("http://", "https://")) or url.count("://") != 1:
                 raise ConfigError(f"{self.named('stations')} holds {url!r}, which is not an http(s):// URL")
 
+    def _parse_wave_widths(self) -> str | tuple[int, ...]:
+        """wave_widths as given (auto, full, "1,4,16" or already parsed) -> "auto" or the sorted widths with the
+        lanes."""
+        given = self.wave_widths
+        if given in ("auto", "full"):
+            return given if given == "auto" else (self.lanes,)
+        try:
+            widths = set(given) if isinstance(given, tuple) else {int(w) for w in given.split(",")}
+        except ValueError:
+            raise ConfigError(f"{self.named('wave_widths')}={given!r} must be auto, full or a comma-separated list of "
+                              "widths such as 1,4,16") from None
+        if not all(1 <= w <= self.lanes for w in widths):
+            raise ConfigError(f"{self.named('wave_widths')}={given!r}: every width must lie in [1, "
+                              f"{self.named('lanes')}={self.lanes}]")
+        return tuple(sorted(widths | {self.lanes}))
+
+    def _parse_prefill_budget(self) -> str | int:
+        """prefill_budget as given (auto, off, a number of rows, or already parsed) -> "auto" or the rows (0: off)."""
+        given = self.prefill_budget
+        if given in ("auto", "off"):
+            return given if given == "auto" else 0
+        if isinstance(given, int) and given == 0:  # off, parsed already
+            return 0
+        try:
+            budget = int(given)
+        except ValueError:
+            budget = 0
+        if budget < self.lanes:
+            raise ConfigError(f"{self.named('prefill_budget')}={given!r} must be auto, off or a number of rows of "
+                              f"at least {self.named('lanes')}={self.lanes}")
+        return budget
+
     @property
     def layer_range(self) -> LayerRange | None:
         return LayerRange.parse(self.layers) if self.layers is not None else None
@@ -281,82 +307,9 @@ class StationConfig:
         return self.prefix_reuse == "auto" or (self.prefix_reuse == "resume" and resume)
 
     @property
-    def weights(self) -> str:
-        """The weight dtype: the setting, or the backend's default (on CPU, a GGUF model's blocks as stored where the
-        kernel runs, else float32; bfloat16 on a GPU). Raises ConfigError for gguf where it cannot run."""
-        if self.dtype == "gguf":
-            if not self.model_is_gguf:
-                raise ConfigError(f"{self.named('dtype')}=gguf needs a .gguf model, not {self.model}")
-            if on_gpu() or self.matmul == "xla":
-                raise ConfigError(f"{self.named('dtype')}=gguf needs the CPU kernel ({self.named('matmul')}=kernel or "
-                                  "auto, on CPU)")
-        if self.dtype:
-            return self.dtype
-        if on_gpu():
-            return "bfloat16"
-        return "gguf" if self.model_is_gguf and self.matmul != "xla" and cpu_kernel.available() else "float32"
-
-    @property
     def model_is_gguf(self) -> bool:
         """The model is a GGUF file (the embedded default model is one)."""
         return self.model is None or str(self.model).endswith(".gguf")
-
-    @property
-    def decode_widths(self) -> tuple[int, ...] | None:
-        """The engine's decode widths: None lets the engine choose (auto), else the setting with the lanes added."""
-        if self.wave_widths == "auto":
-            return None
-        if self.wave_widths == "full":
-            return (self.lanes,)
-        return tuple(sorted({int(w) for w in self.wave_widths.split(",")} | {self.lanes}))
-
-    @property
-    def pack_budget(self) -> int | None:
-        """The engine's pack budget: None lets the engine choose (auto), 0 is off, else the rows."""
-        if self.prefill_budget == "auto":
-            return None
-        return 0 if self.prefill_budget == "off" else int(self.prefill_budget)
-
-    @property
-    def matmul_impl(self) -> str:
-        """How projections multiply: the setting, or the CPU kernel on CPU for float32, int8 and gguf weights when it
-        builds here. Raises ConfigError if the kernel is asked for and cannot run."""
-        kernel_dtypes = ("float32", "int8", "gguf")
-        if self.matmul == "kernel":
-            if self.weights not in kernel_dtypes:
-                raise ConfigError(f"{self.named('matmul')}=kernel takes float32, int8 or gguf weights, "
-                                  f"not {self.weights}")
-            try:
-                cpu_kernel.require()
-            except cpu_kernel.KernelUnavailable as e:
-                raise ConfigError(f"{self.named('matmul')}=kernel: {e}") from None
-            return "kernel"
-        if self.matmul == "auto" and not on_gpu() and self.weights in kernel_dtypes and cpu_kernel.available():
-            return "kernel"
-        return "xla"
-
-    @property
-    def loop(self) -> str:
-        """The layer walk: the setting, or unroll, except for int8 on CPU with XLA's dot, whose per-layer int8 ->
-        float32 converts XLA's CPU backend materializes outside a loop (bench/levers.py: 4-6x slower unrolled)."""
-        if self.layer_loop != "auto":
-            return self.layer_loop
-        return "scan" if self.weights == "int8" and not on_gpu() and self.matmul_impl == "xla" else "unroll"
-
-    def attention_for(self, cfg: ModelConfig) -> str:
-        """The decode attention: the setting, or cuDNN on a GPU for bfloat16 activations (cuDNN's flash attention has
-        no float32; float32 keeps the blocked walk at highest precision) unless the model's sliding window would be
-        cut; on CPU the decode attention kernel for float32 activations when it builds and fits the heads. Scores
-        with a soft cap (Gemma 2) take the blocked walk: neither the kernel nor cuDNN caps them."""
-        if self.attention != "auto":
-            return self.attention
-        dtype = compute_dtype(self.weights)
-        if cfg.attn_softcap is not None:
-            return "blocked"
-        if on_gpu():
-            windowed = cfg.sliding_window is not None and self.max_seq > cfg.sliding_window
-            return "cudnn" if dtype == jnp.bfloat16 and not windowed else "blocked"
-        return "kernel" if cpu_kernel.attention_serves(cfg.head_dim, cfg.group_size, dtype) else "blocked"
 
     @property
     def max_request_tokens(self) -> int:
@@ -403,6 +356,3 @@ def resolve(args: argparse.Namespace | None = None, env: Mapping[str, str] | Non
             values[s.field], sources[s.field] = s.parse(s.env, env[s.env]), s.env
     return StationConfig(**values, sources=sources)
 
-
-def on_gpu() -> bool:
-    return jax.default_backend() == "gpu"

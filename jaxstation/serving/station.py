@@ -15,31 +15,34 @@ from typing import Any
 import jax
 
 from jaxstation.engine.constraints import Constraint, ConstraintError, ConstraintSpec, Grammars
-from jaxstation.engine.engine import Engine
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.runner import Runner
 from jaxstation.engine.scheduler import Scheduler
-from jaxstation.model.loader import CheckpointError, LoadedModel, load_model
+from jaxstation.engine.speculative import Speculation
+from jaxstation.model.loader import CheckpointError, LoadedModel
 from jaxstation.serving.coldstart import CompileCount, StartupClock, enable_compile_cache
 from jaxstation.serving.memory import check_memory
+from jaxstation.serving.plan import Plan, load_planned, planned_engine, startup_plan
 from jaxstation.serving.settings import StationConfig
 
 log = logging.getLogger(__name__)
 
 
 class Station:
-    """One serving station: config, model, engine, scheduler, metrics, and whether it is ready.
+    """One serving station: config, plan, model, engine, scheduler, metrics, and whether it is ready.
 
     model: an already loaded model (tests, or a caller that loaded it); None loads `config.model` in `start`.
-    engine_factory: builds the engine from the loaded model (default: a local `Engine`; a mesh host passes its own).
+    engine_factory: builds the engine from the loaded model, the config and the plan (default: a local `Engine`; a
+    mesh host passes its own).
     before_warmup: called in the loading thread right before the warm-up compiles (a test hook to observe /ready 503).
     clock: where start-up phase times go (logged, and gauges on /metrics); default: one counting from here.
     """
 
     def __init__(self, config: StationConfig, *, model: LoadedModel | None = None,
                  before_warmup: Callable[[], None] | None = None, clock: StartupClock | None = None,
-                 engine_factory: Callable[[LoadedModel, StationConfig], Runner] | None = None) -> None:
+                 engine_factory: Callable[[LoadedModel, StationConfig, Plan], Runner] | None = None) -> None:
         self.config = config
+        self.plan: Plan | None = None  # resolved once by the loading thread, before the weights load
         self.model = model
         self.metrics = StationMetrics()
         self.clock = clock or StartupClock()  # serve() passes one that counts from process start
@@ -64,17 +67,20 @@ class Station:
         self._loader.start()
 
     def _load(self) -> None:
-        """Load, allocate, compile every step shape, start the decode thread; each phase timed on `self.clock`."""
+        """Plan, load, allocate, compile every step shape, start the decode thread; each phase timed on `self.clock`."""
         clock, c = self.clock, self.config
         try:
             enable_compile_cache(c.compile_cache_dir)
             programs = CompileCount()
             if self.model is None:
-                with clock.phase("weight_load"):
-                    self.model = load_model(c.model, c.weights, c.loop, c.matmul_impl)
+                with clock.phase("weight_load"):  # the plan's kernel probe builds the CPU kernel on first use
+                    self.plan = startup_plan(c)
+                    self.model = load_planned(c, self.plan)
                 log.info("loaded %s", self.model.source)
+            else:
+                self.plan = startup_plan(c, self.model.cfg)
             with clock.phase("arena_alloc"):
-                self.engine = self._engine_factory(self.model, c)
+                self.engine = self._engine_factory(self.model, c, self.plan)
             if self._before_warmup is not None:
                 self._before_warmup()
             for name, run in self.engine.warmup_steps():
@@ -86,9 +92,10 @@ class Station:
             self.metrics.startup_programs.labels("cache").set(cached)
             log.info("start-up programs: %d compiled, %d read from the persistent compilation cache", compiled, cached)
             tok = self.model.tokenizer
+            speculation = Speculation(k=c.draft_tokens) if self.plan.speculative == "ngram" else None
             scheduler = Scheduler(self.engine, continuous=c.continuous, max_queue=c.max_queue,
                                   terminal_ids=tok.terminal_ids if tok is not None else frozenset(),
-                                  metrics=self.metrics)
+                                  metrics=self.metrics, speculation=speculation)
             with self._lock:
                 if self._stopped:  # shut down while loading
                     return
@@ -141,11 +148,10 @@ class Station:
         return frozenset(tok.eos_ids) if tok is not None else frozenset()
 
 
-def local_engine(model: LoadedModel, c: StationConfig) -> Engine:
+def local_engine(model: LoadedModel, c: StationConfig, plan: Plan) -> Runner:
     """The station's own engine, once its arena is known to fit, with the arena allocated."""
-    check_memory(model.cfg, c, weights_resident=True)
-    engine = Engine(model, lanes=c.lanes, max_seq=c.max_seq, chunk=c.prefill_chunk, block=c.kv_block,
-                    attention=c.attention_for(model.cfg), widths=c.decode_widths, pack_budget=c.pack_budget)
+    check_memory(model.cfg, c, plan.dtype, weights_resident=True)
+    engine = planned_engine(model, c, plan)
     jax.block_until_ready(engine.arena)
     return engine
 

@@ -1,0 +1,77 @@
+"""What an engine can run, as rules in one place: which decode attention serves a model, which decode wave widths and
+which packed admission budget its weights allow, and the defaults of both.
+
+`Engine` applies them to what its caller passes; the station's plan (serving/plan.py) applies the same rules to the
+settings at start-up, so that a refusal names the flag or environment variable that asked for it. Each refusal is a
+reason (a string) or None, and its caller words the error.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxstation.kernels import cpu_kernel
+from jaxstation.model.config import ModelConfig
+
+# Decode attention: the blocked online-softmax walk, the CPU decode attention kernel (each row's own positions, read in
+# place), or jax.nn.dot_product_attention ("xla" or "cudnn") over each lane's whole slab with per-lane lengths (no
+# per-block loop; cuDNN skips what lies past a lane's length).
+ATTENTIONS = ("blocked", "kernel", "xla", "cudnn")
+ROW_ATTENTIONS = ("blocked", "kernel")  # those that take any subset of lanes, so waves may run narrow
+PACK_BUDGET_AUTO = 128  # rows per packed admission step where packing is on by default (bench/admission.py)
+
+
+def attention_refusal(cfg: ModelConfig, attention: str, dtype: jnp.dtype, max_seq: int) -> str | None:
+    """Why `attention` cannot serve `cfg`'s model with `dtype` activations over `max_seq` positions, or None."""
+    if attention == "kernel" and not cpu_kernel.attention_serves(cfg.head_dim, cfg.group_size, dtype):
+        return ("needs float32 activations, head_dim a multiple of 16 (up to 256), at most 8 query heads per kv head, "
+                "and the CPU kernel built here")
+    if attention != "blocked" and cfg.attn_softcap is not None:
+        return f"does not soft-cap scores; this model caps them at {cfg.attn_softcap}: it needs attention='blocked'"
+    window = cfg.sliding_window
+    if attention in ("xla", "cudnn") and window is not None and max_seq > window:
+        return f"does not window; with a sliding window of {window} it needs max_seq <= the window, got {max_seq}"
+    return None
+
+
+def narrow_waves(row_invariant: bool, attention: str) -> bool:
+    """Whether waves may run narrower than the arena, and prompts pack: every matmul on the CPU kernel, whose rows do
+    not depend on how many rows a call has, and an attention that takes any subset of lanes."""
+    return row_invariant and attention in ROW_ATTENTIONS
+
+
+def default_wave_widths(lanes: int, narrow: bool) -> tuple[int, ...]:
+    """The decode widths an engine runs unless told: where waves may run narrow, 1, 2, 4, ... below `lanes`, then
+    `lanes` (a lone request runs a 1-row step; each width is one more compiled program); else only `lanes`."""
+    if not narrow:
+        return (lanes,)
+    widths, w = [], 1
+    while w < lanes:
+        widths.append(w)
+        w *= 2
+    return (*widths, lanes)
+
+
+def default_prefill_budget(lanes: int, narrow: bool) -> int:
+    """The packed admission budget unless told: PACK_BUDGET_AUTO rows, or the lanes if more, where waves may run
+    narrow; else 0 (prompts enter one prefill chunk at a time)."""
+    return max(PACK_BUDGET_AUTO, lanes) if narrow else 0
+
+
+def widths_refusal(widths: tuple[int, ...], lanes: int, row_invariant: bool, attention: str) -> str | None:
+    """Why an engine of `lanes` lanes cannot run decode waves at `widths` (sorted), or None."""
+    if widths[-1] != lanes or widths[0] < 1:
+        return f"decode widths must lie in [1, lanes] and include lanes ({lanes}), got {widths}"
+    if len(widths) > 1 and not narrow_waves(row_invariant, attention):
+        return ("decode waves narrower than the arena need every matmul on the CPU kernel and the blocked or kernel "
+                f"attention (matmul kernel: {row_invariant}, attention {attention})")
+    return None
+
+
+def budget_refusal(budget: int, lanes: int, row_invariant: bool, attention: str) -> str | None:
+    """Why an engine of `lanes` lanes cannot pack `budget` rows a step (0: it does not pack), or None."""
+    if budget and not (narrow_waves(row_invariant, attention) and budget >= lanes):
+        return (f"packed admission needs every matmul on the CPU kernel, the blocked or kernel attention and a budget "
+                f"of at least the lanes ({lanes}), got {budget} rows (matmul kernel: {row_invariant}, attention "
+                f"{attention})")
+    return None

@@ -1,0 +1,172 @@
+"""The station's plan: what it runs with, every `auto` setting decided, resolved once at start-up and logged once.
+
+`StationConfig` holds what the user asked for. `resolve_plan` is the one place that reads the JAX backend and asks
+whether the CPU kernel runs here (which builds it with the system C++ compiler on first use). From those, the
+settings and the model's config it decides the weight format, the matmul path, the layer walk, the decode attention,
+the decode wave widths and the packed admission budget; checks that they fit together and fit the model, with the
+engine's own rules (engine/layout.py); and returns them frozen. A refusal is a `ConfigError` that names the flag or
+environment variable that asked for it. A station resolves its plan before it loads the weights (the model's config
+is read without its tensors), logs it in one line, and hands it to the loader and the engine: nothing downstream
+decides again. Each field keeps the name of its flag, from `--dtype` through the plan to the loader and the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from jaxstation.engine import layout
+from jaxstation.engine.engine import Engine
+from jaxstation.kernels import cpu_kernel
+from jaxstation.model.config import ModelConfig
+from jaxstation.model.layers import compute_dtype, kernel_takes_every_matmul
+from jaxstation.model.loader import LoadedModel, checkpoint_config, load_model
+from jaxstation.serving.settings import ConfigError, StationConfig
+
+log = logging.getLogger(__name__)
+
+KERNEL_DTYPES = ("float32", "int8", "gguf")  # the weight formats the CPU kernel multiplies
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a station runs with, every `auto` decided (`resolve_plan`); each field is named as its flag."""
+
+    backend: str  # jax.default_backend(): cpu, gpu or tpu
+    dtype: str  # the weight format: gguf, float32, bfloat16 or int8 (--dtype)
+    matmul: str  # how projections multiply: kernel (the CPU kernel) or xla (--matmul)
+    layer_loop: str  # the layer walk: scan or unroll (--layer-loop)
+    attention: str  # the decode attention: blocked, kernel, xla or cudnn (--attention)
+    wave_widths: tuple[int, ...]  # the decode wave widths, the lanes last (--wave-widths)
+    prefill_budget: int  # rows per packed admission step; 0: one prefill chunk per turn (--prefill-budget)
+    speculative: str = "off"  # off, or ngram: drafts verified in one step (--speculative)
+
+    def __str__(self) -> str:
+        widths = ",".join(map(str, self.wave_widths))
+        return (f"backend {self.backend}, dtype {self.dtype}, matmul {self.matmul}, layer_loop {self.layer_loop}, "
+                f"attention {self.attention}, wave_widths {widths}, prefill_budget {self.prefill_budget or 'off'}, "
+                f"speculative {self.speculative}")
+
+
+def resolve_plan(config: StationConfig, cfg: ModelConfig) -> Plan:
+    """The plan of a station of `config` serving a model of `cfg`. A mesh station or host (`config.layers` or
+    `config.stations` set) runs full waves and feeds prompts one chunk at a time. Raises ConfigError naming the
+    setting that cannot work here."""
+    backend = jax.default_backend()
+    kernel_error = _kernel_error()
+    dtype = _dtype(config, backend, kernel_error)
+    matmul = _matmul(config, dtype, kernel_error)
+    layer_loop = _layer_loop(config, backend, dtype, matmul)
+    attention = _attention(config, cfg, backend, dtype)
+    if config.layers is not None or config.station_urls:
+        return Plan(backend, dtype, matmul, layer_loop, attention, (config.lanes,), 0)
+    row_invariant = matmul == "kernel" and kernel_takes_every_matmul(cfg)
+    widths, budget = _waves(config, row_invariant, attention)
+    if config.speculative != "off" and len(widths) < 2:
+        raise ConfigError(f"{config.named('speculative')}={config.speculative} verifies drafts in narrow waves, which "
+                          f"need every matmul on the CPU kernel and its attention (here: matmul {matmul}, attention "
+                          f"{attention}, backend {backend}); a verify row's independence of its place in the step is "
+                          "checked on the CPU kernels only")
+    return Plan(backend, dtype, matmul, layer_loop, attention, widths, budget, config.speculative)
+
+
+def _kernel_error() -> str | None:
+    """Why the CPU kernel cannot run here, or None (it needs the CPU backend, and builds on first use)."""
+    try:
+        cpu_kernel.require()
+    except cpu_kernel.KernelUnavailable as e:
+        return str(e)
+    return None
+
+
+def _dtype(config: StationConfig, backend: str, kernel_error: str | None) -> str:
+    """The weight format: the setting, or the backend's default: on CPU a GGUF model's blocks as stored where the
+    kernel runs (float32's exact bits at the file's bytes), else float32; bfloat16 on a GPU."""
+    if config.dtype == "gguf":
+        if not config.model_is_gguf:
+            raise ConfigError(f"{config.named('dtype')}=gguf needs a .gguf model, not {config.model}")
+        if backend == "gpu" or config.matmul == "xla":
+            raise ConfigError(f"{config.named('dtype')}=gguf needs the CPU kernel ({config.named('matmul')}=kernel or "
+                              "auto, on CPU)")
+        if kernel_error is not None:
+            raise ConfigError(f"{config.named('dtype')}=gguf needs the CPU kernel: {kernel_error}")
+    if config.dtype:
+        return config.dtype
+    if backend == "gpu":
+        return "bfloat16"
+    return "gguf" if config.model_is_gguf and config.matmul != "xla" and kernel_error is None else "float32"
+
+
+def _matmul(config: StationConfig, dtype: str, kernel_error: str | None) -> str:
+    """How projections multiply: the setting, or the CPU kernel for float32, int8 and gguf weights where it runs."""
+    if config.matmul == "kernel":
+        if dtype not in KERNEL_DTYPES:
+            raise ConfigError(f"{config.named('matmul')}=kernel takes float32, int8 or gguf weights, not {dtype}")
+        if kernel_error is not None:
+            raise ConfigError(f"{config.named('matmul')}=kernel: {kernel_error}")
+        return "kernel"
+    return "kernel" if config.matmul == "auto" and dtype in KERNEL_DTYPES and kernel_error is None else "xla"
+
+
+def _layer_loop(config: StationConfig, backend: str, dtype: str, matmul: str) -> str:
+    """The layer walk: the setting, or unroll, except for int8 on CPU with XLA's dot, whose per-layer int8 -> float32
+    converts XLA's CPU backend materializes outside a loop (bench/levers.py: 4-6x slower unrolled)."""
+    if config.layer_loop != "auto":
+        return config.layer_loop
+    return "scan" if dtype == "int8" and backend != "gpu" and matmul == "xla" else "unroll"
+
+
+def _attention(config: StationConfig, cfg: ModelConfig, backend: str, dtype: str) -> str:
+    """The decode attention: the setting, if it serves the model, or cuDNN on a GPU for bfloat16 activations
+    (cuDNN's flash attention has no float32; float32 keeps the blocked walk at highest precision) unless the model's
+    sliding window would be cut; on CPU the decode attention kernel for float32 activations when it builds and fits
+    the heads. Scores with a soft cap (Gemma 2) take the blocked walk: neither the kernel nor cuDNN caps them."""
+    activations = compute_dtype(dtype)
+    if config.attention != "auto":
+        if refusal := layout.attention_refusal(cfg, config.attention, activations, config.max_seq):
+            raise ConfigError(f"{config.named('attention')}={config.attention!r} {refusal}")
+        return config.attention
+    if cfg.attn_softcap is not None:
+        return "blocked"
+    if backend == "gpu":
+        windowed = cfg.sliding_window is not None and config.max_seq > cfg.sliding_window
+        return "cudnn" if activations == jnp.bfloat16 and not windowed else "blocked"
+    return "kernel" if cpu_kernel.attention_serves(cfg.head_dim, cfg.group_size, activations) else "blocked"
+
+
+def _waves(config: StationConfig, row_invariant: bool, attention: str) -> tuple[tuple[int, ...], int]:
+    """The decode wave widths and the packed admission budget (0: off): the settings, or the engine's defaults."""
+    narrow, lanes = layout.narrow_waves(row_invariant, attention), config.lanes
+    widths = layout.default_wave_widths(lanes, narrow) if config.wave_widths == "auto" else config.wave_widths
+    budget = layout.default_prefill_budget(lanes, narrow) if config.prefill_budget == "auto" else config.prefill_budget
+    asked = {"wave_widths": (f"waves of {','.join(map(str, widths))} rows",
+                             layout.widths_refusal(widths, lanes, row_invariant, attention)),
+             "prefill_budget": (f"packed steps of {budget} rows",
+                                layout.budget_refusal(budget, lanes, row_invariant, attention))}
+    for field, (what, refusal) in asked.items():
+        if refusal:
+            raise ConfigError(f"{config.named(field)} asks for {what}: {refusal}")
+    return widths, budget
+
+
+def startup_plan(config: StationConfig, cfg: ModelConfig | None = None) -> Plan:
+    """Resolve the plan of a station of `config` and log it, in one line: on `cfg`, or on the config the checkpoint
+    `config.model` declares (read without its tensors)."""
+    plan = resolve_plan(config, cfg if cfg is not None else checkpoint_config(config.model))
+    log.info("plan: %s", plan)
+    return plan
+
+
+def load_planned(config: StationConfig, plan: Plan) -> LoadedModel:
+    """The model `config` names, loaded as `plan` says."""
+    return load_model(config.model, plan.dtype, plan.layer_loop, plan.matmul)
+
+
+def planned_engine(model: LoadedModel, config: StationConfig, plan: Plan) -> Engine:
+    """The local engine of a station of `config` on `model`, as `plan` says."""
+    return Engine(model, lanes=config.lanes, max_seq=config.max_seq, chunk=config.prefill_chunk, block=config.kv_block,
+                  attention=plan.attention, wave_widths=plan.wave_widths, prefill_budget=plan.prefill_budget,
+                  speculative=plan.speculative != "off")

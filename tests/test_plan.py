@@ -1,0 +1,43 @@
+"""The station's plan: every `auto` setting decided once from the settings, this machine and the model, and logged in
+one line; the settings themselves parsed once and probing nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+
+from jaxstation.model.loader import checkpoint_config
+from jaxstation.serving.plan import resolve_plan, startup_plan
+from jaxstation.serving.settings import StationConfig, resolve
+
+SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
+
+
+def test_the_plan_on_this_machine_is_logged_once_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    config = resolve(None, {"MOONSHINE_BATCH_LANES": "4", "MOONSHINE_MAX_SEQ": "512"})
+    with caplog.at_level(logging.INFO, logger="jaxstation.serving.plan"):
+        plan = startup_plan(config)
+    assert [r.getMessage() for r in caplog.records] == [
+        "plan: backend cpu, dtype gguf, matmul kernel, layer_loop unroll, attention kernel, wave_widths 1,2,4, "
+        "prefill_budget 128"]
+    assert plan == resolve_plan(config, checkpoint_config(None))
+
+
+def test_settings_are_parsed_once_and_keep_their_meaning() -> None:
+    config = StationConfig(**SHAPE, wave_widths="2, 1", prefill_budget="off")
+    assert (config.wave_widths, config.prefill_budget) == ((1, 2, 4), 0)
+    assert dataclasses.replace(config, max_seq=256) == StationConfig(**{**SHAPE, "max_seq": 256}, wave_widths="1,2",
+                                                                     prefill_budget="off")
+    plan = resolve_plan(config, checkpoint_config(None))
+    assert (plan.wave_widths, plan.prefill_budget) == ((1, 2, 4), 0)
+
+
+def test_a_mesh_runs_full_waves_and_no_packing() -> None:
+    cfg = checkpoint_config(None)
+    station = resolve_plan(StationConfig(**SHAPE, layers="0:15"), cfg)
+    host = resolve_plan(StationConfig(**SHAPE, stations="http://127.0.0.1:1"), cfg)
+    assert station == host
+    assert str(host) == ("backend cpu, dtype gguf, matmul kernel, layer_loop unroll, attention kernel, wave_widths 4, "
+                         "prefill_budget off")
