@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.common import write_result
+from bench.common import planned_model, write_result
 from bench.peers import find_llama_server
 from bench.workload import REPO, free_port, llama_server_cmd, server_process
 
@@ -131,7 +131,7 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--draft", type=int, default=4, help="jaxstation's k: the most tokens a request drafts a step")
+    ap.add_argument("--draft", type=int, default=3, help="jaxstation's k: the most tokens a request drafts a step")
     ap.add_argument("--llama-server", help="path of the llama-server binary (default: bench.peers' build cache)")
     ap.add_argument("--no-llama", action="store_true")
     args = ap.parse_args()
@@ -139,18 +139,15 @@ def main() -> None:
     from jaxstation.engine.engine import Engine
     from jaxstation.engine.speculative import Speculation
     from jaxstation.model.default_model import default_model_path
-    from jaxstation.model.loader import load_model
-    from jaxstation.serving.settings import StationConfig
 
-    station = StationConfig()  # the default model as a station on this machine loads it
-    model = load_model(dtype=station.weights, layer_loop=station.loop, matmul=station.matmul_impl)
+    model, plan = planned_model()  # the default model as a station on this machine plans and loads it
     tok = model.tokenizer
     work = {w: prompts(tok, w, args.prompts) for w in ("grounded", "open")}
     longest = max(len(p) for ps in work.values() for p in ps)
     max_seq = 128 * -(-(longest + args.new_tokens + 2) // 128)
     lanes = max(8, max(args.ks))
-    engine = Engine(model, lanes=lanes, max_seq=max_seq, chunk=32, block=128, attention="kernel", pack_budget=None,
-                    speculative=True)
+    engine = Engine(model, lanes=lanes, max_seq=max_seq, chunk=32, block=128, attention=plan.attention,
+                    prefill_budget=None, speculative=True)
     engine.warmup()
     rows: list[dict] = []
     notes: dict[str, str] = {}
