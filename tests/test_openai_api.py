@@ -42,7 +42,7 @@ def openai_client(server: ServerThread, api_key: str = "unused") -> openai.OpenA
 
 @pytest.fixture(scope="module")
 def station(default_model: LoadedModel):
-    st = make_station(default_model)
+    st = make_station(default_model, speculative="ngram")  # every test here runs with speculation on
     with ServerThread(create_app(st)) as server, server.client() as http:
         wait_ready(http)
         yield st, server, http, openai_client(server)
@@ -519,3 +519,24 @@ def test_queue_full_is_503_with_retry_after(default_model: LoadedModel) -> None:
                 openai_client(server).chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=2, n=2)
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 200, r.text
+
+
+COPY = ("Repeat this list twice, exactly: red, orange, yellow, green, blue, indigo, violet. "
+        "red, orange, yellow, green, blue, indigo, violet.")
+
+
+def test_speculation_changes_no_token_text_or_logprob(station) -> None:
+    """The station speculates (prompt lookup): a request that opts out gets the same tokens, text and logprobs, and
+    so does the stream, whose chunks may carry several tokens."""
+    _, _, http, client = station
+    drafted = metric(http.get("/metrics").text, "jaxstation_spec_decode_num_draft_tokens_total")
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": COPY}], "max_tokens": 48, "temperature": 0,
+          "logprobs": True, "top_logprobs": 2}
+    spec = client.chat.completions.create(**kw)
+    plain = client.chat.completions.create(**kw, extra_body={"speculative": False})
+    assert spec.choices[0].message.content == plain.choices[0].message.content
+    assert spec.choices[0].logprobs == plain.choices[0].logprobs
+    assert spec.usage.completion_tokens == plain.usage.completion_tokens
+    assert metric(http.get("/metrics").text, "jaxstation_spec_decode_num_draft_tokens_total") > drafted
+    pieces, finish, _ = stream_chat(client, kw["messages"], max_tokens=48, temperature=0)
+    assert "".join(pieces) == spec.choices[0].message.content and finish == spec.choices[0].finish_reason

@@ -76,6 +76,7 @@ class RunRequest:
     echo_texts: list[str] | None = None  # per prompt, with echo: the prompt's text, put before the completion
     constraint: ConstraintSpec | None = None  # what the output follows (compiled by the route, off the event loop)
     tools: ToolPlan | None = None  # a chat request's tools, unless tool_choice is none
+    speculate: bool = True  # may draft tokens where the station speculates
 
 
 def check_token_ids(tokens: list[int], vocab: int, param: str) -> list[int]:
@@ -153,7 +154,8 @@ def _common(req: SamplingFields, chat: bool, prompts: list[list[int]], logprobs:
                       continuous_usage=bool(options and options.continuous_usage_stats),
                       include_stop=bool(req.include_stop_str_in_output),
                       skip_special=req.skip_special_tokens is not False,
-                      echo_texts=echo_texts, constraint=request_constraint(req, tools, on_device), tools=tools)
+                      echo_texts=echo_texts, constraint=request_constraint(req, tools, on_device), tools=tools,
+                      speculate=req.speculative is not False)
 
 
 def parse_completion(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: int, eos_ids: frozenset[int],

@@ -120,6 +120,8 @@ class SamplingFields(Body, TokenControls):
                                                    "output follows")
     structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's: the output follows a JSON "
                                                          "schema, a regex, a choice or a grammar")
+    speculative: bool | None = Field(None, description="false: never draft tokens for this request where the "
+                                     "station speculates (its tokens are the same either way)")
 
 
 class CompletionRequest(SamplingFields):

@@ -75,7 +75,7 @@ class Run:
                           sampling=dataclasses.replace(req.sampling, seed=seed), stop_ids=req.stop_ids,
                           prompt_logprobs=req.echo_texts is not None and req.logprobs is not None,
                           reuse_prefix=self.station.config.reuse_prefix(False), on_token=self._on_token(index),
-                          constraint=self.constraint.copy() if self.constraint else None)
+                          constraint=self.constraint.copy() if self.constraint else None, speculate=req.speculate)
                 detok = IncrementalDetokenizer(self.tok, skip_special_tokens=req.skip_special)
                 tool = ToolStream(req.tools) if req.tools else None
                 self.choices.append(Choice(index, i, job, detok, tool=tool))

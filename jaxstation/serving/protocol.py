@@ -133,6 +133,8 @@ class GenerateRequest(Strict, TokenControls):
     resume: bool = Field(False, description="the prompt continues an earlier request: its cached KV may be reused")
     structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's: the output follows a JSON "
                                                          "schema, a regex, a choice or a grammar")
+    speculative: bool = Field(True, description="false: never draft tokens for this request where the station "
+                                                "speculates (its tokens are the same either way)")
 
 
 class GenerateTiming(BaseModel):
@@ -211,5 +213,5 @@ def parse_generate(body: Any, vocab: int, max_request_tokens: int, eos_ids: froz
     if spec is not None and not on_device:
         raise ApiError(422, f"structured_outputs {NO_TOKEN_STATE}", "structured_outputs")
     job = Job(tokens=req.tokens, max_new_tokens=req.max_new_tokens, sampling=sampling, stop_ids=stops,
-              terminal_prosody=req.terminal_prosody, reuse_prefix=reuse_prefix(req.resume))
+              terminal_prosody=req.terminal_prosody, reuse_prefix=reuse_prefix(req.resume), speculate=req.speculative)
     return job, spec
