@@ -115,15 +115,18 @@ def run_llama(base: str, jobs_prompts: list[list[int]], k: int, new: int) -> dic
             "outputs": [r.get("tokens") for r in replies]}
 
 
-def llama_spec_flags(binary: str) -> list[str] | None:
-    """llama-server's n-gram speculation flags, where this build has them."""
+def llama_spec_flags(binary: str, n: int, k: int) -> list[str] | None:
+    """llama-server's n-gram speculation flags, where this build has them: its simple n-gram lookup with jaxstation's
+    longest lookup (n) and draft length (k)."""
     helptext = subprocess.run([binary, "--help"], capture_output=True, text=True).stdout
     m = re.search(r"--spec-type\s+\{?\[?([^\n\]}]*)", helptext)
     if m is None:
         return None
     kinds = [s.strip() for s in re.split(r"[|,]", m.group(1)) if s.strip().startswith("ngram")]
-    kind = "ngram-simple" if "ngram-simple" in kinds else (kinds[0] if kinds else None)
-    return ["--spec-type", kind] if kind else None
+    if "ngram-simple" not in kinds:
+        return ["--spec-type", kinds[0]] if kinds else None
+    sizes = {"--spec-ngram-simple-size-n": n, "--spec-ngram-simple-size-m": k, "--spec-draft-n-max": k}
+    return ["--spec-type", "ngram-simple", *(x for f, v in sizes.items() if f in helptext for x in (f, str(v)))]
 
 
 def main() -> None:
@@ -157,7 +160,7 @@ def main() -> None:
         if binary is None:
             notes["llama-server"] = "not run: --no-llama, or not built (scripts/build_llama_server.sh)"
         else:
-            spec = llama_spec_flags(binary)
+            spec = llama_spec_flags(binary, 4, args.draft)
             notes["llama-server"] = f"speculation flags {spec}" if spec else "this build has no n-gram --spec-type"
             for name, extra in (("plain", []), ("ngram", spec)):
                 if extra is None:
