@@ -83,6 +83,7 @@ def add_model_args(ap) -> None:
     """--shape / --dtype / --layer-loop / --matmul / --attention: which model a bench runs, and how."""
     from jaxstation.model.shapes import ARCHITECTURES
 
+    ap.add_argument("--model", default=None, help="a checkpoint (GGUF file or HF directory) instead of the default")
     ap.add_argument("--shape", default=None,
                     help=f"a named architecture with random weights ({', '.join(ARCHITECTURES)}) instead of the "
                          "default model; needs no checkpoint")
@@ -108,10 +109,10 @@ def bench_model(args, max_seq: int):
     from jaxstation.serving.plan import load_planned, resolve_plan
     from jaxstation.serving.settings import StationConfig
 
-    station = StationConfig(model=args.shape and f"random:{args.shape}",  # random weights are no GGUF file
+    station = StationConfig(model=f"random:{args.shape}" if args.shape else args.model,  # random weights: no file
                             dtype=args.dtype, layer_loop=args.layer_loop, matmul=args.matmul, attention=args.attention,
                             max_seq=max_seq, prefill_chunk=1, kv_block=1)
-    plan = resolve_plan(station, ARCHITECTURES[args.shape] if args.shape else checkpoint_config(None))
+    plan = resolve_plan(station, ARCHITECTURES[args.shape] if args.shape else checkpoint_config(args.model))
     if args.shape:
         model = random_model(args.shape, plan.dtype, plan.layer_loop, matmul=plan.matmul)
     else:

@@ -90,10 +90,10 @@ class DirectStation(System):
     name = "jaxstation"
     serves_http = False
 
-    def __init__(self, dtype: str | None, lanes: int, max_seq: int) -> None:
+    def __init__(self, dtype: str | None, lanes: int, max_seq: int, path: str | None = None) -> None:
         from jaxstation.engine.engine import Engine
         from jaxstation.engine.scheduler import Scheduler
-        model = planned_model(dtype=dtype)[0]
+        model = planned_model(dtype=dtype, model=path)[0]
         engine = Engine(model, lanes=lanes, max_seq=max_seq, chunk=32, block=128)
         engine.warmup()
         self.sched = Scheduler(engine, continuous=True, max_queue=256, terminal_ids=frozenset())
@@ -208,6 +208,7 @@ def main() -> None:
     ap.add_argument("--latency-requests", type=int, default=24)
     ap.add_argument("--latency-new-tokens", type=int, default=64)
     ap.add_argument("--no-latency", action="store_true")
+    ap.add_argument("--model", help="a GGUF file both systems serve (default: the default model)")
     ap.add_argument("--slots", type=int, default=8, help="llama-server -np and jaxstation --lanes")
     ap.add_argument("--dtype", default=None, help="jaxstation's weights: gguf, float32 or int8 (default: the "
                                                   "station's, gguf on CPU; llama.cpp reads the GGUF's Q4_1 as it is)")
@@ -227,7 +228,7 @@ def main() -> None:
 
     bandwidth = {"read": read_bandwidth(), "copy": copy_bandwidth()}  # this machine, in this run
     print(f"read bandwidth {bandwidth['read'] / 1e9:.1f} GB/s, copy {bandwidth['copy'] / 1e9:.1f} GB/s", flush=True)
-    gguf = default_model_path()
+    gguf = Path(args.model) if args.model else default_model_path()
     model = load_model(gguf)
     tok = model.tokenizer
     prompts = make_prompts(tok, max(args.ks), args.prompt_len, seed=args.seed)  # == bench.throughput's prompts
@@ -252,13 +253,14 @@ def main() -> None:
             if why is None:
                 port = free_port()
                 base = f"http://127.0.0.1:{port}"
-                serve("jaxstation", station_cmd(port, args.slots, ctx, dtype=args.dtype), f"{base}/ready",
+                serve("jaxstation", station_cmd(port, args.slots, ctx, dtype=args.dtype, model=args.model),
+                      f"{base}/ready",
                       lambda b=base: Station(b))
             else:
                 notes["jaxstation"] = why
             if not any(s.name == "jaxstation" for s in systems):
                 notes["jaxstation"] = notes.get("jaxstation", "") + "; ran the Scheduler in-process instead"
-                systems.append(DirectStation(args.dtype, args.slots, ctx))
+                systems.append(DirectStation(args.dtype, args.slots, ctx, args.model))
         if "llama-server" in args.only:
             binary = find_llama_server(args.llama_server)
             if binary is None:

@@ -174,12 +174,14 @@ def station_available() -> str | None:
 
 
 def station_cmd(port: int, lanes: int, max_seq: int, chunk: int = 32, block: int = 128,
-                max_queue: int = 256, dtype: str | None = None, prefix_reuse: str = "off") -> list[str]:
+                max_queue: int = 256, dtype: str | None = None, prefix_reuse: str = "off", model: str | None = None
+                ) -> list[str]:
     """A station subprocess (dtype None: the station's default). Prefix reuse is off by default: the benches repeat
     their prompts and measure fresh prefill (bench.prefix measures reuse)."""
     return [sys.executable, "-m", "jaxstation", "serve", "--port", str(port), "--lanes", str(lanes),
             "--continuous-batch", "--max-seq", str(max_seq), "--prefill-chunk", str(chunk), "--kv-block", str(block),
-            "--max-queue", str(max_queue), *(["--dtype", dtype] if dtype else []), "--prefix-reuse", prefix_reuse]
+            "--max-queue", str(max_queue), *(["--dtype", dtype] if dtype else []), "--prefix-reuse", prefix_reuse,
+            *(["--model", model] if model else [])]
 
 
 def reply_problems(reply: object, prompt_tokens: int, max_new: int) -> list[str]:
