@@ -7,10 +7,11 @@ import dataclasses
 import logging
 
 import pytest
+from conftest import engine_config, station_plan
 
 from jaxstation.model.loader import checkpoint_config
 from jaxstation.serving.plan import resolve_plan, startup_plan
-from jaxstation.serving.settings import StationConfig, resolve
+from jaxstation.serving.settings import ConfigError, StationConfig, resolve
 
 SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
 
@@ -21,7 +22,7 @@ def test_the_plan_on_this_machine_is_logged_once_in_one_line(caplog: pytest.LogC
         plan = startup_plan(config)
     assert [r.getMessage() for r in caplog.records] == [
         "plan: backend cpu, dtype gguf, matmul kernel, layer_loop unroll, attention kernel, wave_widths 1,2,4, "
-        "prefill_budget 128"]
+        "prefill_budget 128, speculative off"]
     assert plan == resolve_plan(config, checkpoint_config(None))
 
 
@@ -40,4 +41,13 @@ def test_a_mesh_runs_full_waves_and_no_packing() -> None:
     host = resolve_plan(StationConfig(**SHAPE, stations="http://127.0.0.1:1"), cfg)
     assert station == host
     assert str(host) == ("backend cpu, dtype gguf, matmul kernel, layer_loop unroll, attention kernel, wave_widths 4, "
-                         "prefill_budget off")
+                         "prefill_budget off, speculative off")
+
+
+def test_speculation_is_planned_where_waves_run_narrow_and_refused_elsewhere() -> None:
+    config = engine_config(speculative="ngram")
+    assert station_plan(config).speculative == "ngram"
+    with pytest.raises(ConfigError, match="MOONSHINE_SPECULATIVE=ngram verifies drafts in narrow waves"):
+        station_plan(engine_config(speculative="ngram", matmul="xla", dtype="float32"))
+    with pytest.raises(ConfigError, match="MOONSHINE_SPECULATIVE='nope' must be one of off, ngram"):
+        engine_config(speculative="nope")
