@@ -7,6 +7,7 @@ from __future__ import annotations
 from starlette.applications import Starlette
 
 from jaxstation.anthropic.routes import anthropic_endpoints
+from jaxstation.openai.responses import responses_endpoints
 from jaxstation.openai.routes import openai_endpoints
 from jaxstation.serving.coldstart import StartupClock
 from jaxstation.serving.routes import station_app, station_endpoints
@@ -17,7 +18,7 @@ from jaxstation.serving.station import Station
 def create_app(station: Station) -> Starlette:
     """The Starlette app for `station`. Its lifespan starts the station and drains it on shutdown."""
     return station_app(station, station_endpoints(station) + openai_endpoints(station)
-                       + anthropic_endpoints(station))
+                       + responses_endpoints(station) + anthropic_endpoints(station))
 
 
 def station_and_app(config: StationConfig) -> tuple[Starlette, Station]:
