@@ -7,6 +7,8 @@ Requests are greedy and short, so replies are deterministic and the module stays
 
 from __future__ import annotations
 
+import dataclasses
+
 import anthropic
 import openai
 import pydantic
@@ -43,7 +45,7 @@ def station(default_model: LoadedModel):
         wait_for(lambda: http.get("/ready").status_code == 200, 120, "the station did not turn ready", 0.1)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0,
                                timeout=60)
-        yield server, http, client
+        yield server, http, client, st
 
 
 def check_order(events: list) -> None:
@@ -67,9 +69,11 @@ def check_order(events: list) -> None:
 
 
 def streamed(client: openai.OpenAI, **kw) -> tuple[openai.types.responses.Response, list]:
+    """The final response (from the last event: the SDK's get_final_response wants response.completed, and a
+    response cut at max_output_tokens ends with response.incomplete) and the events."""
     with client.responses.stream(model=MODEL, **kw) as stream:
         events = list(stream)
-        return stream.get_final_response(), events
+    return events[-1].response, events
 
 
 def items(response: openai.types.responses.Response) -> list[dict]:
@@ -89,7 +93,7 @@ def same_output(a: openai.types.responses.Response, b: openai.types.responses.Re
 
 
 def test_create_and_stream_give_the_same_response(station) -> None:
-    _, _, client = station
+    _, _, client, _ = station
     whole = client.responses.create(model=MODEL, input=HELLO, instructions="Be terse.", max_output_tokens=24,
                                     temperature=0, store=False)
     assert whole.object == "response" and whole.status in ("completed", "incomplete") and whole.model == MODEL
@@ -104,7 +108,7 @@ def test_create_and_stream_give_the_same_response(station) -> None:
 
 
 def test_max_output_tokens_is_cut_to_the_context_and_reported(station) -> None:
-    _, _, client = station
+    _, _, client, _ = station
     short = client.responses.create(model=MODEL, input=HELLO, max_output_tokens=3, temperature=0, store=False)
     assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
     assert short.usage.output_tokens == 3
@@ -113,7 +117,7 @@ def test_max_output_tokens_is_cut_to_the_context_and_reported(station) -> None:
 
 
 def test_tools_and_a_function_call_output_follow_up(station) -> None:
-    _, _, client = station
+    _, _, client, _ = station
     kw = {"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}, "temperature": 0,
           "max_output_tokens": 80, "store": False}
     first = client.responses.create(model=MODEL, input="What is the weather in Paris?", **kw)
@@ -131,14 +135,14 @@ def test_tools_and_a_function_call_output_follow_up(station) -> None:
 
 
 def test_text_format_with_a_pydantic_model(station) -> None:
-    _, _, client = station
+    _, _, client, _ = station
     parsed = client.responses.parse(model=MODEL, input="Invent a person.", text_format=Person, temperature=0,
                                     max_output_tokens=60, store=False)
     assert isinstance(parsed.output_parsed, Person)
 
 
 def test_previous_response_id_and_the_bounded_store(station) -> None:
-    _, http, client = station
+    _, http, client, _ = station
     first = client.responses.create(model=MODEL, input="My name is Ada.", temperature=0, max_output_tokens=12)
     assert client.responses.retrieve(first.id).output_text == first.output_text
     second = client.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
@@ -166,14 +170,14 @@ def test_previous_response_id_and_the_bounded_store(station) -> None:
     ({"truncation": "auto"}, "truncation"),
 ])
 def test_refusals_name_the_field(station, change, field) -> None:
-    _, http, _ = station
+    _, http, _, _ = station
     r = http.post("/v1/responses", json={"model": MODEL, "input": HELLO, **change})
     assert r.status_code == 400 and r.json()["error"]["param"] == field
 
 
 def test_the_same_request_through_three_apis_gives_the_same_tokens(station) -> None:
     """One prompt (the same template rendering), one greedy run each: the same tokens, shown as the same text."""
-    server, _, client = station
+    server, _, client, _ = station
     ask = [{"role": "user", "content": HELLO}]
     chat = client.chat.completions.create(model=MODEL, messages=ask, temperature=0, max_tokens=20, logprobs=True)
     resp = client.responses.create(model=MODEL, input=ask, temperature=0, max_output_tokens=20, store=False)
@@ -185,3 +189,28 @@ def test_the_same_request_through_three_apis_gives_the_same_tokens(station) -> N
     assert resp.usage.output_tokens == msg.usage.output_tokens == chat.usage.completion_tokens == len(tokens)
     assert resp.usage.input_tokens == msg.usage.input_tokens + msg.usage.cache_read_input_tokens == \
         chat.usage.prompt_tokens
+
+
+def test_thinking_comes_back_where_each_api_puts_it(station, monkeypatch) -> None:
+    """With the deepseek_r1 parser the output starts in the thinking; SmolLM2 never closes it, so every token is
+    thinking: chat's reasoning_content, a Responses reasoning item, a Messages thinking block, streamed alike."""
+    server, _, client, st = station
+    monkeypatch.setattr(st, "config", dataclasses.replace(st.config, reasoning_parser="deepseek_r1"))
+    ask = [{"role": "user", "content": HELLO}]
+    chat = client.chat.completions.create(model=MODEL, messages=ask, temperature=0, max_tokens=12)
+    thinking = chat.choices[0].message.reasoning_content
+    assert thinking and chat.choices[0].message.reasoning == thinking and chat.choices[0].message.content == ""
+    chunks = client.chat.completions.create(model=MODEL, messages=ask, temperature=0, max_tokens=12, stream=True)
+    assert "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks) == thinking
+    kw = {"input": ask, "temperature": 0, "max_output_tokens": 12, "store": False}
+    whole = client.responses.create(model=MODEL, **kw)
+    again, events = streamed(client, **kw)
+    same_output(whole, again)
+    assert [(i.type, i.content[0].text) for i in whole.output] == [("reasoning", thinking)]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thinking
+    messages = anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="unused", max_retries=0)
+    msg = messages.messages.create(model=MODEL, messages=ask, max_tokens=12, extra_body={"temperature": 0})
+    with messages.messages.stream(model=MODEL, messages=ask, max_tokens=12, extra_body={"temperature": 0}) as s:
+        streamed_msg = s.get_final_message()
+    assert [(b.type, b.thinking) for b in msg.content] == [(b.type, b.thinking) for b in streamed_msg.content] == [
+        ("thinking", thinking)]

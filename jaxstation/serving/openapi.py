@@ -7,6 +7,7 @@ Each `Endpoint` names its path, method, handler, request model, reply model and 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -40,6 +41,24 @@ class Endpoint:
 
     def route(self) -> Route:
         return Route(self.path, self.handler, methods=[self.method])
+
+
+def routes(endpoints: Sequence[Endpoint]) -> list[Route]:
+    """One route per path: endpoints that share a path (GET and DELETE of one resource) are one route that
+    dispatches on the method, so a 405 lists every method the path serves."""
+    by_path: dict[str, dict[str, Endpoint]] = {}
+    for e in endpoints:
+        by_path.setdefault(e.path, {})[e.method] = e
+    out = []
+    for path, methods in by_path.items():
+        if len(methods) == 1:
+            out.append(next(iter(methods.values())).route())
+            continue
+
+        async def dispatch(request: Request, methods: dict[str, Endpoint] = methods) -> Response:
+            return await methods["GET" if request.method == "HEAD" else request.method].handler(request)
+        out.append(Route(path, dispatch, methods=list(methods)))
+    return out
 
 
 class _Schemas:
@@ -84,6 +103,9 @@ def openapi_document(endpoints: Sequence[Endpoint], *, title: str, version: str,
         }
         if api_key and e.path in ("/health", "/ready"):
             op["security"] = []
+        if names := re.findall(r"{(\w+)}", e.path):
+            op["parameters"] = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
+                                for n in names]
         if e.request is not None:
             op["requestBody"] = {"required": True,
                                  "content": {"application/json": {"schema": schemas.ref(e.request, "validation")}}}

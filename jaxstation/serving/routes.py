@@ -29,7 +29,7 @@ from jaxstation.engine.jobs import Job, Result
 from jaxstation.serving.access_log import AccessLogMiddleware
 from jaxstation.serving.errors import OPENAI_PATHS, error_response
 from jaxstation.serving.http_common import read_json, until_disconnect
-from jaxstation.serving.openapi import Endpoint, openapi_endpoint
+from jaxstation.serving.openapi import Endpoint, openapi_endpoint, routes
 from jaxstation.serving.outcomes import OUTCOMES, STATION_INVALID, Disconnected, check_ready, failure, wait_for
 from jaxstation.serving.protocol import (
     ErrorResponse,
@@ -181,8 +181,8 @@ def station_app(station: Station, endpoints: Sequence[Endpoint], *, title: str =
 
     doc, document = openapi_endpoint(endpoints, ErrorResponse, title=title, version=__version__,
                                      api_key=bool(station.config.api_key))
-    routes: list[Any] = [e.route() for e in [*endpoints, doc]]
-    app = Starlette(exception_handlers={HTTPException: json_http_error}, routes=routes, lifespan=lifespan,
+    served: list[Any] = routes([*endpoints, doc])
+    app = Starlette(exception_handlers={HTTPException: json_http_error}, routes=served, lifespan=lifespan,
                     middleware=[Middleware(AccessLogMiddleware), Middleware(ApiKeyMiddleware, station=station)])
     app.state.openapi = document  # what tests check every reply against
     return app

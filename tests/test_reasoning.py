@@ -1,0 +1,85 @@
+"""The reasoning parser (jaxstation/openai/reasoning.py) on scripted text streams, piece by piece as tokens arrive,
+and the chat template's `enable_thinking` reaching a Qwen3-style template."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from jaxstation.model.tokenizer import Tokenizer
+from jaxstation.openai.parse import parse_chat
+from jaxstation.openai.reasoning import ReasoningStream, pick_parser
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tiny-qwen3"
+# Qwen3's chat template, its generation prompt as released: thinking off writes an empty thinking block
+QWEN3_TAIL = ("{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+              "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+              "{%- endif %}{%- endif %}")
+# DeepSeek-R1 distills' generation prompt opens the thinking for the model
+R1_TAIL = "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+MESSAGES = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+def split(parser: str, pieces: list[str], prompt_opens: bool = False) -> tuple[str, str, list[tuple[str, str]]]:
+    """(thinking, answer, what each piece showed) of pieces fed as a choice's text arrives."""
+    stream = ReasoningStream(parser, prompt_opens)
+    shown = [stream.push(piece) for piece in pieces] + [stream.finish()]
+    return "".join(t for t, _ in shown), "".join(a for _, a in shown), shown
+
+
+@pytest.mark.parametrize("parser, pieces, opens, thinking, answer", [
+    ("qwen3", ["<th", "ink>Let me", " think</th", "ink>\n\nHello"], False, "Let me think", "Hello"),
+    ("qwen3", ["\n<think>", "abc", "def"], False, "abcdef", ""),  # no closing tag: all thinking
+    ("qwen3", ["Hello", " world"], False, "", "Hello world"),  # thinking off: no tags, all answer
+    ("qwen3", ["<", "b>bold"], False, "", "<b>bold"),  # a tag's prefix that turns out not to be one
+    ("qwen3", ["abc</", "think>", "x"], True, "abc", "x"),  # the prompt opened the thinking
+    ("deepseek_r1", ["abc</think>", "\nx"], False, "abc", "x"),  # R1 starts in the thinking
+    ("deepseek_r1", ["<think>", "\nabc</think>ok"], False, "\nabc", "ok"),  # an opening tag written anyway
+    ("deepseek_r1", ["all", " thought"], False, "all thought", ""),
+])
+def test_the_split(parser, pieces, opens, thinking, answer) -> None:
+    got_thinking, got_answer, _ = split(parser, pieces, opens)
+    assert (got_thinking, got_answer) == (thinking, answer)
+    whole = split(parser, ["".join(pieces)], opens)  # at once or char by char: the same split
+    chars = split(parser, list("".join(pieces)), opens)
+    assert whole[:2] == chars[:2] == (thinking, answer)
+
+
+def test_a_split_tag_is_held_until_the_next_piece_decides() -> None:
+    _, _, shown = split("qwen3", ["<think>abc</th", "ink>Hi"])
+    assert shown == [("abc", ""), ("", "Hi"), ("", "")]
+
+
+def test_auto_picks_from_the_template() -> None:
+    assert pick_parser("auto", MESSAGES + QWEN3_TAIL) == "qwen3"
+    assert pick_parser("auto", MESSAGES) is None and pick_parser("auto", None) is None
+    assert pick_parser("none", MESSAGES + QWEN3_TAIL) is None
+    assert pick_parser("deepseek_r1", MESSAGES) == "deepseek_r1"
+
+
+def tokenizer(tmp_path: Path, template: str) -> Tokenizer:
+    shutil.copytree(FIXTURE, tmp_path / "model", ignore=shutil.ignore_patterns("*.gguf", "*.safetensors", "*.npz"))
+    (tmp_path / "model" / "chat_template.jinja").write_text(template)
+    return Tokenizer.from_hf_dir(tmp_path / "model")
+
+
+@pytest.mark.parametrize("thinking, ends", [(None, "<|im_start|>assistant\n"), (True, "<|im_start|>assistant\n"),
+                                            (False, "<|im_start|>assistant\n<think>\n\n</think>\n\n")])
+def test_enable_thinking_reaches_a_qwen3_template(tmp_path, thinking, ends) -> None:
+    tok = tokenizer(tmp_path, MESSAGES + QWEN3_TAIL)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    if thinking is not None:
+        body["chat_template_kwargs"] = {"enable_thinking": thinking}
+    req = parse_chat(body, tok, tok.vocab_size, 256, frozenset(tok.eos_ids), False, reasoning="qwen3")
+    assert tok.decode(req.prompts[0]).endswith(ends)
+    assert (req.reasoning, req.prompt_opens) == ("qwen3", False)
+
+
+def test_a_template_that_opens_the_thinking(tmp_path) -> None:
+    tok = tokenizer(tmp_path, MESSAGES + R1_TAIL)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    req = parse_chat(body, tok, tok.vocab_size, 256, frozenset(tok.eos_ids), False, reasoning="qwen3")
+    assert req.prompt_opens
+    assert parse_chat(body, tok, tok.vocab_size, 256, frozenset(tok.eos_ids), False).reasoning is None
