@@ -25,39 +25,38 @@ class InputText(Body):
     logprobs: list[Any] | None = None
 
 
-class MessageItem(Body):
+class Item(Body):
+    """An input item; its id and status (from an earlier response) are ignored."""
+
+    id: str | None = None
+    status: str | None = None
+
+
+class MessageItem(Item):
     type: Literal["message"] | None = None
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[InputText]
-    id: str | None = None
-    status: str | None = None
     phase: str | None = None
 
 
-class FunctionCallItem(Body):
+class FunctionCallItem(Item):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(Body):
+class FunctionCallOutputItem(Item):
     type: Literal["function_call_output"]
     call_id: str
     output: str
-    id: str | None = None
-    status: str | None = None
 
 
-class ReasoningItemIn(Body):
+class ReasoningItemIn(Item):
     type: Literal["reasoning"]
-    id: str | None = None
     summary: list[Any] | None = None
     content: list[Any] | None = None
     encrypted_content: str | None = None
-    status: str | None = None
 
 
 def _item_kind(value: Any) -> str:
