@@ -149,7 +149,7 @@ def test_what_claude_code_sends_is_accepted(station) -> None:
 @pytest.mark.parametrize("change, field", [
     ({"mcp_servers": []}, "mcp_servers"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ({"stop_sequences": [""]}, "stop_sequences[0]"),
 ])
 def test_refusals_name_the_field_in_anthropics_shape(station, change, field) -> None:

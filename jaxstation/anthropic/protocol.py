@@ -2,9 +2,10 @@
 `POST /v1/messages` and `/v1/messages/count_tokens` (unknown fields refused by name), the reply, the stream's events
 and the error shape.
 
-What Anthropic's clients send that means nothing to a local station is accepted and ignored (`IGNORED`): prompt
-caching marks, the request's metadata, the service tier, context management, the thinking budget and display, and the
-output effort. Everything else that is not served is refused with a 400 naming the field.
+What Anthropic's clients send that means nothing to a local station is accepted and ignored (docs/api.md lists it):
+prompt caching marks, the request's metadata, the service tier, context management, the thinking budget and display,
+the output effort, and whether a tool result is an error. Everything else that is not served is refused with a 400
+naming the field.
 """
 
 from __future__ import annotations
@@ -15,9 +16,6 @@ from pydantic import Field
 
 from jaxstation.openai.protocol import Body, Reply
 
-IGNORED = ("cache_control (on system, message and tool blocks)", "metadata (user_id)", "service_tier",
-           "context_management", "thinking.budget_tokens", "thinking.display", "output_config.effort",
-           "tool_result.is_error", "the anthropic-version and anthropic-beta headers", "the ?beta=true query")
 ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
 
@@ -60,7 +58,8 @@ InputBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBloc
 
 
 class InputMessage(Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"] = Field(description="system: a system turn mid-conversation (as "
+                                                         "Claude Code sends)")
     content: str | list[InputBlock] = Field(description="earlier turns' thinking blocks are dropped from the prompt")
 
 

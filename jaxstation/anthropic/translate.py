@@ -1,6 +1,7 @@
 """A Messages request as the chat completions request the station runs, and a finished run as a Messages reply.
 
-The prompt is the chat template's, exactly as for chat completions: `system` is the system turn, `tool_use` blocks
+The prompt is the chat template's, exactly as for chat completions: `system` is the system turn (and so is a
+message with role `system`, which Claude Code sends mid-conversation), `tool_use` blocks
 are the assistant's tool calls, each `tool_result` a tool turn, and earlier thinking is dropped (templates drop it
 too). tool_choice `auto`, `any`, `tool` and `none` are chat's `auto`, `required`, a named function and `none`;
 `disable_parallel_tool_use` is `parallel_tool_calls: false`; `thinking` sets the template's `enable_thinking`;
@@ -16,10 +17,10 @@ from jaxstation.anthropic import protocol as a
 from jaxstation.openai.run import Choice, Run
 
 
-def _text(content: str | list[a.TextBlock] | None) -> str:
+def _text(content: str | list | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    return "\n".join(b.text for b in content)
+    return "\n".join(b.text for b in content if isinstance(b, a.TextBlock))
 
 
 def _user_turns(content: str | list) -> list[dict]:
@@ -67,7 +68,10 @@ def chat_body(req: a.MessagesInput) -> dict[str, Any]:
     if req.system:
         messages.append({"role": "system", "content": _text(req.system)})
     for m in req.messages:
-        messages += _user_turns(m.content) if m.role == "user" else [_assistant_turn(m.content)]
+        if m.role == "system":
+            messages.append({"role": "system", "content": _text(m.content)})
+        else:
+            messages += _user_turns(m.content) if m.role == "user" else [_assistant_turn(m.content)]
     body: dict[str, Any] = {"model": req.model, "messages": messages, **_tool_choice(req.tool_choice)}
     if req.tools:
         body["tools"] = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,

@@ -2,8 +2,9 @@
 (validated strictly, unknown fields refused by name), the response object, its output items and the stream's events.
 
 Accepted and ignored, as they mean nothing to a local station: `include`, `prompt_cache_key` (prefix reuse is
-automatic), `service_tier`, `safety_identifier`, `stream_options`, `reasoning.summary`, `text.verbosity`, and the
-`id` and `status` of input items. `truncation` is accepted as "disabled" only.
+automatic), `client_metadata` (Codex's), `service_tier`, `safety_identifier`, `stream_options`, `reasoning.summary`,
+`reasoning.generate_summary`, `text.verbosity`, and the `id` and `status` of input items. `truncation` is accepted as
+"disabled" only.
 """
 
 from __future__ import annotations
@@ -13,9 +14,6 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag
 
 from jaxstation.openai.protocol import Body, Reply
-
-IGNORED = ("include", "prompt_cache_key", "service_tier", "safety_identifier", "stream_options", "reasoning.summary",
-           "text.verbosity", "the id and status of input items")
 
 
 class InputText(Body):
@@ -131,6 +129,7 @@ class ResponsesRequest(Body):
     truncation: Literal["disabled"] | None = None
     include: list[str] | None = Field(None, description="ignored")
     prompt_cache_key: str | None = Field(None, description="ignored: prefix reuse is automatic")
+    client_metadata: dict[str, Any] | None = Field(None, description="ignored")
     service_tier: str | None = Field(None, description="ignored")
     safety_identifier: str | None = Field(None, description="ignored")
     stream_options: dict[str, Any] | None = Field(None, description="ignored")
