@@ -7,6 +7,8 @@ One continuous-batching station on the default model serves the module, with an 
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import pytest
@@ -128,6 +130,15 @@ def test_a_two_turn_tool_conversation(station) -> None:
     second = client.messages.create(model=MODEL, max_tokens=30, messages=follow, tools=[WEATHER], **GREEDY)
     assert second.stop_reason in ("end_turn", "max_tokens", "tool_use") and second.content
     assert second.usage.cache_read_input_tokens > 0  # the first turn's prompt is the second's prefix
+
+
+def test_output_config_holds_the_reply_to_a_schema(station) -> None:
+    _, _, client = station
+    schema = {"type": "object", "properties": {"greeting": {"type": "string", "maxLength": 20}},
+              "required": ["greeting"], "additionalProperties": False}
+    msg = client.messages.create(model=MODEL, max_tokens=40, messages=HELLO, **GREEDY,
+                                 output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert msg.stop_reason == "end_turn" and set(json.loads(msg.content[0].text)) == {"greeting"}
 
 
 def test_what_claude_code_sends_is_accepted(station) -> None:

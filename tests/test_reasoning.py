@@ -11,6 +11,7 @@ import pytest
 from jaxstation.model.tokenizer import Tokenizer
 from jaxstation.openai.parse import parse_chat
 from jaxstation.openai.reasoning import ReasoningStream, pick_parser
+from jaxstation.serving.settings import ConfigError, StationConfig
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tiny-qwen3"
 # Qwen3's chat template, its generation prompt as released: thinking off writes an empty thinking block
@@ -83,3 +84,14 @@ def test_a_template_that_opens_the_thinking(tmp_path) -> None:
     req = parse_chat(body, tok, tok.vocab_size, 256, frozenset(tok.eos_ids), False, reasoning="qwen3")
     assert req.prompt_opens
     assert parse_chat(body, tok, tok.vocab_size, 256, frozenset(tok.eos_ids), False).reasoning is None
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"reasoning_parser": "qwen"}, "MOONSHINE_REASONING_PARSER='qwen' must be one of auto, qwen3, deepseek_r1, none"),
+    ({"responses_store_size": 0}, "MOONSHINE_RESPONSES_STORE_SIZE=0 must be >= 1"),
+    ({"responses_store_age_s": 0.0}, "MOONSHINE_RESPONSES_STORE_AGE_S=0.0 must be > 0"),
+])
+def test_the_settings_refuse_what_cannot_work(setting, message) -> None:
+    with pytest.raises(ConfigError) as e:
+        StationConfig(**setting)
+    assert str(e.value) == message

@@ -145,7 +145,7 @@ class MessagesRoutes:
         return [
             Endpoint("/v1/messages", "POST", self.messages, "Anthropic's Messages API", a.MessageReply, err,
                      request=a.MessagesRequest, statuses=(400, 413, 500, 503), stream=True,
-                     stream_chunk=a.StreamEvent),
+                     stream_chunk=a.StreamEvent, stream_done=False),
             Endpoint("/v1/messages/count_tokens", "POST", self.count_tokens, "Anthropic's: the prompt's tokens",
                      a.CountTokensReply, err, request=a.MessagesInput, statuses=(400, 413, 503)),
         ]

@@ -261,7 +261,7 @@ class ResponsesRoutes:
         return [
             Endpoint("/v1/responses", "POST", self.create, "OpenAI's Responses API", r.ResponseObject, err,
                      request=r.ResponsesRequest, statuses=(400, 404, 413, 500, 503), stream=True,
-                     stream_chunk=r.StreamEvent),
+                     stream_chunk=r.StreamEvent, stream_done=False),
             Endpoint(one, "GET", self.retrieve, "A stored response", r.ResponseObject, err, statuses=(404,)),
             Endpoint(one, "DELETE", self.delete, "Forget a stored response", r.DeletedResponse, err,
                      statuses=(404,)),

@@ -37,6 +37,7 @@ class Endpoint:
     media_type: str = "application/json"
     stream: bool = False  # with "stream": true, the reply is server-sent events of `stream_chunk`
     stream_chunk: Any = None
+    stream_done: bool = True  # a stream ends with a "[DONE]" event (OpenAI's chunks; not its named events)
     ok_statuses: tuple[int, ...] = (200,)  # the statuses whose body is `response` (/ready's 503 is a status too)
 
     def route(self) -> Route:
@@ -85,11 +86,13 @@ def openapi_document(endpoints: Sequence[Endpoint], *, title: str, version: str,
             "schema": {"type": "string"}}
         content = {e.media_type: ok}
         error_ref = schemas.ref(e.errors, "serialization")
-        if e.stream:  # each event's data is a chunk (or an error that ends the stream), then "[DONE]"
+        if e.stream:  # each event's data is a chunk (or an error that ends the stream), then "[DONE]" if it has one
             chunk = {"contentMediaType": "application/json",
                      "contentSchema": {"anyOf": [schemas.ref(e.stream_chunk, "serialization"), error_ref]}}
             data = {"type": "string", "anyOf": [chunk, {"const": "[DONE]"}],
-                    "description": 'one JSON chunk per event; the last event is "[DONE]"'}
+                    "description": 'one JSON chunk per event; the last event is "[DONE]"'} if e.stream_done else {
+                "type": "string", "anyOf": [chunk], "description": "one JSON event per server-sent event, named by "
+                "its type"}
             content["text/event-stream"] = {"schema": {"type": "object", "required": ["data"],
                                                        "properties": {"event": {"type": "string"}, "data": data}}}
         error = {"application/json": {"schema": error_ref}}

@@ -134,7 +134,8 @@ SETTINGS: tuple[_Setting, ...] = (
     _Setting("max_body_bytes", "MOONSHINE_MAX_BODY_BYTES", "--max-body-bytes", _parse_int,
              "largest request body accepted (413 past it)", commands=_FRONT),
     _Setting("api_key", "MOONSHINE_API_KEY", "--api-key", _parse_str,
-             "API key: with it set, every route except /health and /ready needs 'Authorization: Bearer <key>'",
+             "API key: with it set, every route except /health and /ready needs 'Authorization: Bearer <key>' "
+             "(or 'x-api-key: <key>')",
              commands=_FRONT),
     _Setting("reasoning_parser", "MOONSHINE_REASONING_PARSER", "--reasoning-parser", _parse_str,
              "split <think>...</think> from the answer: qwen3, deepseek_r1 (the output starts in the thinking), none, "
