@@ -7,6 +7,7 @@ Requests are greedy and short, so replies are deterministic and the module stays
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 
 import anthropic
@@ -189,6 +190,27 @@ def test_the_same_request_through_three_apis_gives_the_same_tokens(station) -> N
     assert resp.usage.output_tokens == msg.usage.output_tokens == chat.usage.completion_tokens == len(tokens)
     assert resp.usage.input_tokens == msg.usage.input_tokens + msg.usage.cache_read_input_tokens == \
         chat.usage.prompt_tokens
+
+
+def test_a_reply_does_not_depend_on_what_runs_beside_it(station) -> None:
+    """A Messages and a Responses request run together, in one decode wave, give the tokens each gives alone."""
+    server, _, client, _ = station
+    messages = anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="unused", max_retries=0)
+
+    def message() -> tuple[str, int]:
+        m = messages.messages.create(model=MODEL, messages=[{"role": "user", "content": HELLO}], max_tokens=20,
+                                     extra_body={"temperature": 0})
+        return m.content[0].text, m.usage.output_tokens
+
+    def response() -> tuple[str, int]:
+        r = client.responses.create(model=MODEL, input="Name a color.", temperature=0, max_output_tokens=20,
+                                    store=False)
+        return r.output_text, r.usage.output_tokens
+
+    alone = (message(), response())
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        together = tuple(f.result() for f in [pool.submit(message), pool.submit(response)])
+    assert together == alone
 
 
 def test_thinking_comes_back_where_each_api_puts_it(station, monkeypatch) -> None:
