@@ -99,6 +99,7 @@ def test_create_and_stream_give_the_same_response(station) -> None:
                                     temperature=0, store=False)
     assert whole.object == "response" and whole.status in ("completed", "incomplete") and whole.model == MODEL
     assert [i.type for i in whole.output] == ["message"] and whole.output_text
+    assert whole.usage.output_tokens_details.reasoning_tokens == 0
     again, events = streamed(client, input=HELLO, instructions="Be terse.", max_output_tokens=24, temperature=0,
                              store=False)
     same_output(whole, again)
@@ -229,6 +230,7 @@ def test_thinking_comes_back_where_each_api_puts_it(station, monkeypatch) -> Non
     again, events = streamed(client, **kw)
     same_output(whole, again)
     assert [(i.type, i.content[0].text) for i in whole.output] == [("reasoning", thinking)]
+    assert whole.usage.output_tokens_details.reasoning_tokens == whole.usage.output_tokens == 12
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thinking
     messages = anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="unused", max_retries=0)
     msg = messages.messages.create(model=MODEL, messages=ask, max_tokens=12, extra_body={"temperature": 0})

@@ -85,5 +85,9 @@ class ReasoningStream:
         return self.push("", final=True)
 
     @property
+    def in_thinking(self) -> bool:
+        return self.state == "thinking"
+
+    @property
     def text(self) -> str:
         return "".join(self.thinking)

@@ -129,7 +129,8 @@ def _usage(run: Run) -> r.ResponseUsage:
     u = run.usage()
     return r.ResponseUsage(input_tokens=u.prompt_tokens, input_tokens_details=r.InputTokensDetails(
         cached_tokens=u.prompt_tokens_details.cached_tokens), output_tokens=u.completion_tokens,
-        output_tokens_details=r.OutputTokensDetails(reasoning_tokens=0), total_tokens=u.total_tokens)
+        output_tokens_details=r.OutputTokensDetails(reasoning_tokens=sum(c.thinking_tokens for c in run.choices)),
+        total_tokens=u.total_tokens)
 
 
 class ResponsesRoutes:

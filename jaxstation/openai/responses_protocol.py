@@ -184,7 +184,7 @@ class InputTokensDetails(Reply):
 
 
 class OutputTokensDetails(Reply):
-    reasoning_tokens: int = Field(description="not counted apart: always 0")
+    reasoning_tokens: int = Field(description="the tokens generated in the thinking, its tags included")
 
 
 class ResponseUsage(Reply):

@@ -47,6 +47,7 @@ class Choice:
     reasoning: ReasoningStream | None = None  # with a reasoning parser: the thinking split from the answer
     answer: list[str] = dataclasses.field(default_factory=list)  # the text less the thinking
     stop: str | None = None  # the stop string that ended it
+    thinking_tokens: int = 0  # tokens generated in the thinking (its tags included)
 
 
 @dataclasses.dataclass
@@ -147,7 +148,11 @@ class Run:
             offset = len(c.detok.text)
             if self.req.logprobs is not None:
                 c.logprobs.append((event, offset))
-            return self._update(c, self._advance(c, c.detok.push(event.token), final=False), c.finish is not None)
+            thinking = c.reasoning is not None and c.reasoning.in_thinking
+            update = self._update(c, self._advance(c, c.detok.push(event.token), final=False), c.finish is not None)
+            if thinking or (c.reasoning is not None and c.reasoning.in_thinking):  # a token in or into the thinking
+                c.thinking_tokens += 1
+            return update
         result: Result = event.result()  # raises the job's failure
         c.prompt_logprobs = result.prompt_logprobs
         text = self._advance(c, "", final=True)
