@@ -6,11 +6,13 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from jaxstation.engine.constraints import ConstraintSpec, mask_words
 from jaxstation.model.tokenizer import Tokenizer
 from jaxstation.openai.parse import parse_chat
-from jaxstation.openai.reasoning import ReasoningStream, pick_parser
+from jaxstation.openai.reasoning import ReasoningStream, after_thinking, pick_parser
 from jaxstation.serving.settings import ConfigError, StationConfig
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tiny-qwen3"
@@ -95,3 +97,38 @@ def test_the_settings_refuse_what_cannot_work(setting, message) -> None:
     with pytest.raises(ConfigError) as e:
         StationConfig(**setting)
     assert str(e.value) == message
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+
+
+def held(grammars, tok: Tokenizer, spec: ConstraintSpec, text: str) -> str:
+    """How `text`, tokenized, fares under the compiled `spec`: 'finished', 'open' (allowed, not complete) or the token
+    it refuses."""
+    constraint = grammars.compile(spec)
+    for t in tok.encode(text, add_special_tokens=False):
+        row = np.zeros(mask_words(grammars.vocab), np.int32)
+        constraint.fill(row)
+        if not (row[t // 32] >> (t % 32)) & 1:
+            return tok.decode([t])
+        constraint.advance(t)
+    return "finished" if constraint.finished else "open"
+
+
+@pytest.mark.parametrize("parser, opens, text, fate", [
+    ("qwen3", False, '<think>I think </thi> a lot</think>\n{"a": 1}', "finished"),  # free thinking, then the schema
+    ("qwen3", False, '{"a": 1}', "finished"),  # thinking off: the schema from the start
+    ("qwen3", False, "<think>x</think>hello", "hello"),  # after the thinking, the schema holds
+    ("qwen3", False, '{"a":' + " " * 20 + "1}", " " * 20),  # JSON whitespace stays bounded
+    ("qwen3", True, 'x</think>{"a": 1}', "finished"),  # the prompt opened the thinking
+    ("deepseek_r1", False, '{"a": 1}', "open"),  # R1 starts in the thinking: that JSON was thought
+])
+def test_a_json_constraint_holds_the_answer_after_the_thinking(grammars, default_model, parser, opens, text,
+                                                               fate) -> None:
+    spec = after_thinking(ConstraintSpec("json", SCHEMA, "response_format"), parser, opens)
+    assert spec.field == "response_format" and held(grammars, default_model.tokenizer, spec, text) == fate
+
+
+def test_other_constraints_hold_the_whole_output() -> None:
+    regex = ConstraintSpec("regex", "[a-z]+", "structured_outputs.regex")
+    assert after_thinking(regex, "qwen3", False) is regex

@@ -26,7 +26,7 @@ from jaxstation.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from jaxstation.openai.reasoning import OPEN
+from jaxstation.openai.reasoning import OPEN, after_thinking
 from jaxstation.openai.tools import ToolPlan, template_messages, tool_constraint
 from jaxstation.serving.errors import OpenAIError, describe
 from jaxstation.serving.protocol import NO_TOKEN_STATE, check_allowed, constraint_spec, token_controls
@@ -275,7 +275,8 @@ def parse_chat(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: int, e
     if reasoning is None:
         return run
     opens = tok.decode(prompt[-8:], skip_special_tokens=False).rstrip().endswith(OPEN)
-    return dataclasses.replace(run, reasoning=reasoning, prompt_opens=opens)
+    constraint = after_thinking(run.constraint, reasoning, opens) if run.constraint is not None else None
+    return dataclasses.replace(run, reasoning=reasoning, prompt_opens=opens, constraint=constraint)
 
 
 def parse_tokenize(body: Any, tok: Tokenizer) -> list[int]:

@@ -11,10 +11,16 @@ Parsers (the `reasoning_parser` setting):
 - "none": no split. "auto": qwen3 when the chat template writes `</think>`, else none.
 Without a closing tag, everything after the opening is thinking. A tag split across tokens is held back until the next
 piece decides it. Whitespace between `</think>` and the answer is dropped.
+
+A JSON constraint (response_format, a JSON structured output, a required or named tool call) holds only the answer:
+`after_thinking` makes it a grammar whose thinking is free text up to `</think>`, the JSON schema after it.
 """
 
 from __future__ import annotations
 
+import json
+
+from jaxstation.engine.constraints import JSON_WHITESPACE, ConstraintSpec
 from jaxstation.openai.stops import holdback
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -26,6 +32,19 @@ def pick_parser(setting: str, chat_template: str | None) -> str | None:
     if setting == "auto":
         return "qwen3" if chat_template and CLOSE in chat_template else None
     return setting if setting in PARSERS else None
+
+
+def after_thinking(spec: ConstraintSpec, parser: str, prompt_opens: bool) -> ConstraintSpec:
+    """`spec` held to the answer only: the thinking before it (opened by the model, or already by the prompt) is free
+    text ended by the closing tag. Constraints other than a JSON schema stay as they are, over the whole output."""
+    if spec.kind != "json" or not isinstance(spec.value, dict):
+        return spec
+    schema = {**spec.value, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+    thinking = 'thought /[ \\n]*/'
+    start = (f'start: "{OPEN}"? {thinking} body' if parser == "deepseek_r1" or prompt_opens
+             else f'start: ("{OPEN}" {thinking})? body')
+    grammar = f'{start}\nthought[stop="{CLOSE}"]: /(?s:.*)/\nbody: %json {json.dumps(schema)}\n'
+    return ConstraintSpec("grammar", grammar, spec.field)
 
 
 class ReasoningStream:
