@@ -1,10 +1,13 @@
-"""The whole HTTP app of a station: its own routes (`serving`) with the OpenAI face (`openai`) on top, and
-`/openapi.json` for both. It sits above both packages, so neither imports the other's app."""
+"""The whole HTTP app of a station: its own routes (`serving`) with the OpenAI face (`openai`) and Anthropic's
+Messages API (`anthropic`) on top, and `/openapi.json` for all. It sits above those packages, so none imports the
+app."""
 
 from __future__ import annotations
 
 from starlette.applications import Starlette
 
+from jaxstation.anthropic.routes import anthropic_endpoints
+from jaxstation.openai.responses import responses_endpoints
 from jaxstation.openai.routes import openai_endpoints
 from jaxstation.serving.coldstart import StartupClock
 from jaxstation.serving.routes import station_app, station_endpoints
@@ -14,7 +17,8 @@ from jaxstation.serving.station import Station
 
 def create_app(station: Station) -> Starlette:
     """The Starlette app for `station`. Its lifespan starts the station and drains it on shutdown."""
-    return station_app(station, station_endpoints(station) + openai_endpoints(station))
+    return station_app(station, station_endpoints(station) + openai_endpoints(station)
+                       + responses_endpoints(station) + anthropic_endpoints(station))
 
 
 def station_and_app(config: StationConfig) -> tuple[Starlette, Station]:

@@ -19,11 +19,14 @@ import pytest
 import requests
 import schemathesis
 from hypothesis import HealthCheck, settings
+from pydantic import TypeAdapter
 from schemathesis.core import NOT_SET
 from server_util import ServerThread, wait_for
 
+from jaxstation.anthropic import protocol as anthropic_protocol
 from jaxstation.app import create_app
 from jaxstation.model.loader import LoadedModel
+from jaxstation.openai import responses_protocol
 from jaxstation.openai.protocol import ChatCompletionChunk, CompletionResponse, OpenAIErrorResponse
 from jaxstation.serving.settings import StationConfig
 from jaxstation.serving.station import Station
@@ -33,7 +36,9 @@ from jaxstation.serving.station import Station
 FUZZ_SHAPE = {"lanes": 4, "max_seq": 48, "prefill_chunk": 16, "kv_block": 16, "prefill_budget": "16"}
 EXAMPLES = 8  # per route and generation mode (valid and invalid bodies)
 STREAM_EVENTS = 2048  # read a stream to its end: at most 8 choices of 48 tokens
-STREAM_CHUNKS = {"/v1/completions": CompletionResponse, "/v1/chat/completions": ChatCompletionChunk}
+STREAM_CHUNKS = {"/v1/completions": CompletionResponse, "/v1/chat/completions": ChatCompletionChunk,
+                 "/v1/responses": responses_protocol.StreamEvent, "/v1/messages": anthropic_protocol.StreamEvent}
+NAMED_EVENTS = ("/v1/responses", "/v1/messages")  # streams of named events, without "[DONE]"
 CASES: list[str] = []  # one entry per case sent, for the count in the docs
 
 
@@ -66,12 +71,14 @@ def test_openapi_lists_every_route_with_its_schemas(live) -> None:
                       ("/reset_prefix_cache", "post"),
                       ("/v1/completions", "post"), ("/v1/chat/completions", "post"), ("/v1/models", "get"),
                       ("/tokenize", "post"), ("/detokenize", "post"), ("/tokenizer_info", "get"),
-                      ("/openapi.json", "get")}
+                      ("/v1/responses", "post"), ("/v1/responses/{response_id}", "get"),
+                      ("/v1/responses/{response_id}", "delete"), ("/v1/responses/{response_id}/cancel", "post"),
+                      ("/v1/messages", "post"), ("/v1/messages/count_tokens", "post"), ("/openapi.json", "get")}
     schemas = doc["components"]["schemas"]
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
             assert "200" in op["responses"], (path, method)
-            if method == "post" and path != "/reset_prefix_cache":  # the one POST without a body
+            if method == "post" and path not in ("/reset_prefix_cache", "/v1/responses/{response_id}/cancel"):
                 assert op["requestBody"]["content"]["application/json"]["schema"], path
     chat = schemas["ChatCompletionRequest"]
     assert chat["additionalProperties"] is False and "messages" in chat["required"]
@@ -109,17 +116,25 @@ def test_fuzz(case: schemathesis.Case) -> None:
         pytest.fail(f"{case.method} {case.path} hung")
     case.validate_response(response, excluded_checks=[schemathesis.checks.positive_data_acceptance])
     if response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
-        chunk = STREAM_CHUNKS[case.path]
-        events = [line[len("data: "):] for line in response.text.split("\n\n") if line.startswith("data: ")]
-        assert events[-1] == "[DONE]", response.text
-        for data in events[:-1]:
+        chunk = TypeAdapter(STREAM_CHUNKS[case.path])
+        events = [line[line.index("data: ") + 6:] for line in response.text.split("\n\n") if "data: " in line]
+        if case.path not in NAMED_EVENTS:
+            assert events[-1] == "[DONE]", response.text
+            events = events[:-1]
+        for data in events:
             payload = json.loads(data)
-            (OpenAIErrorResponse if "error" in payload else chunk).model_validate(payload)  # the declared shapes
+            if payload.get("type") == "error":
+                anthropic_protocol.AnthropicErrorResponse.model_validate(payload)
+            elif "error" in payload and "type" not in payload:
+                OpenAIErrorResponse.model_validate(payload)
+            else:
+                chunk.validate_python(payload)  # the declared shapes
         return
     if response.status_code >= 400:
         error = response.json()["error"]
         assert error["message"], response.text
-        if response.status_code in (400, 422) and case.body is not NOT_SET:
+        named = not case.path.startswith("/v1/messages")  # Anthropic's shape has no param: its message names it
+        if response.status_code in (400, 422) and case.body is not NOT_SET and named:
             assert error.get("param") or error.get("field"), response.text  # it names the field
 
 

@@ -26,6 +26,7 @@ from jaxstation.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from jaxstation.openai.reasoning import OPEN, after_thinking
 from jaxstation.openai.tools import ToolPlan, template_messages, tool_constraint
 from jaxstation.serving.errors import OpenAIError, describe
 from jaxstation.serving.protocol import NO_TOKEN_STATE, check_allowed, constraint_spec, token_controls
@@ -77,6 +78,8 @@ class RunRequest:
     constraint: ConstraintSpec | None = None  # what the output follows (compiled by the route, off the event loop)
     tools: ToolPlan | None = None  # a chat request's tools, unless tool_choice is none
     speculate: bool = True  # may draft tokens where the station speculates
+    reasoning: str | None = None  # the reasoning parser splitting the thinking from the answer (chat only)
+    prompt_opens: bool = False  # the rendered prompt ends with the thinking's opening tag
 
 
 def check_token_ids(tokens: list[int], vocab: int, param: str) -> list[int]:
@@ -112,18 +115,21 @@ def request_constraint(req: SamplingFields, tools: ToolPlan | None, on_device: b
 
 def _common(req: SamplingFields, chat: bool, prompts: list[list[int]], logprobs: int | None, max_tokens: int | None,
             max_request_tokens: int, vocab: int, eos_ids: frozenset[int], on_device: bool,
-            echo_texts: list[str] | None = None, tools: ToolPlan | None = None) -> RunRequest:
+            echo_texts: list[str] | None = None, tools: ToolPlan | None = None, cap: bool = False) -> RunRequest:
+    """cap: a max_tokens past the context left is cut to it (as agents' APIs do) rather than refused."""
     prompt_param = "messages" if chat else "prompt"
     lengths = []
     for i, p in enumerate(prompts):
         if not p:
             raise bad(prompt_param, f"prompt {i} is empty")
         room = max_request_tokens - len(p)
+        if room < 1 and (max_tokens is None or cap):
+            raise bad(prompt_param, f"the prompt ({len(p)} tokens) leaves no room to generate in the station's "
+                                    f"context of {max_request_tokens} tokens")
         if max_tokens is None:
-            if room < 1:
-                raise bad(prompt_param, f"the prompt ({len(p)} tokens) leaves no room to generate in the station's "
-                                        f"context of {max_request_tokens} tokens")
             lengths.append(room if chat else min(16, room))  # OpenAI's defaults: the rest of the context / 16
+        elif cap:
+            lengths.append(min(max_tokens, room))
         elif len(p) + max_tokens > max_request_tokens:
             raise bad("max_tokens", f"the prompt ({len(p)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                                     f"station's context of {max_request_tokens} tokens")
@@ -247,20 +253,32 @@ def render_chat(tok: Tokenizer, messages: list[dict], add_generation_prompt: boo
     return tok.encode(text, add_special_tokens=add_special_tokens)
 
 
-def parse_chat(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: int, eos_ids: frozenset[int],
-               on_device: bool) -> RunRequest:
-    req = validate(ChatCompletionRequest, body)
+def chat_prompt(req: ChatCompletionRequest, tok: Tokenizer) -> tuple[ToolPlan | None, list[int]]:
+    """A chat request's tool plan and its prompt's tokens."""
     tools = tool_plan(req)
     messages, variables = template_messages(tok, chat_messages(req.messages), list(tools.tools) if tools else None)
     prompt = render_chat(tok, messages, req.add_generation_prompt is not False, bool(req.add_special_tokens),
                          {**variables, **(req.chat_template_kwargs or {})})
     if req.truncate_prompt_tokens is not None:
         prompt = prompt[-req.truncate_prompt_tokens:]
+    return tools, prompt
+
+
+def parse_chat(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: int, eos_ids: frozenset[int],
+               on_device: bool, reasoning: str | None = None, cap: bool = False) -> RunRequest:
+    """reasoning: the station's reasoning parser (None: the thinking stays in the text); cap: as `_common`'s."""
+    req = validate(ChatCompletionRequest, body)
+    tools, prompt = chat_prompt(req, tok)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad("top_logprobs", "top_logprobs needs logprobs=true")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return _common(req, True, [prompt], (req.top_logprobs or 0) if req.logprobs else None, max_tokens,
-                   max_request_tokens, vocab, eos_ids, on_device, tools=tools)
+    run = _common(req, True, [prompt], (req.top_logprobs or 0) if req.logprobs else None, max_tokens,
+                  max_request_tokens, vocab, eos_ids, on_device, tools=tools, cap=cap)
+    if reasoning is None:
+        return run
+    opens = tok.decode(prompt[-8:], skip_special_tokens=False).rstrip().endswith(OPEN)
+    constraint = after_thinking(run.constraint, reasoning, opens) if run.constraint is not None else None
+    return dataclasses.replace(run, reasoning=reasoning, prompt_opens=opens, constraint=constraint)
 
 
 def parse_tokenize(body: Any, tok: Tokenizer) -> list[int]:

@@ -290,6 +290,8 @@ class AssistantMessage(Reply):
     role: Literal["assistant"]
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = Field(None, description="the thinking, with a reasoning parser (vLLM's name)")
+    reasoning: str | None = Field(None, description="the same thinking (vLLM's newer name)")
 
 
 class ChatChoice(Reply):
@@ -324,6 +326,8 @@ class ChatDelta(Reply):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChunkChoice(Reply):

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -24,7 +25,8 @@ from starlette.types import Receive, Scope, Send
 from jaxstation.model.default_model import DEFAULT_GGUF_NAME
 from jaxstation.model.tokenizer import Tokenizer
 from jaxstation.openai import protocol as p
-from jaxstation.openai.parse import parse_chat, parse_completion, parse_detokenize, parse_tokenize
+from jaxstation.openai.parse import RunRequest, parse_chat, parse_completion, parse_detokenize, parse_tokenize
+from jaxstation.openai.reasoning import pick_parser
 from jaxstation.openai.run import Choice, Run
 from jaxstation.serving.errors import OpenAIError
 from jaxstation.serving.http_common import read_json, until_disconnect
@@ -34,7 +36,7 @@ from jaxstation.serving.routes import rejected
 from jaxstation.serving.station import Station
 
 
-class _SSEResponse(StreamingResponse):
+class SSEResponse(StreamingResponse):
     """A StreamingResponse that runs `on_close` however the stream ends (finished, failed or the client gone)."""
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
@@ -78,9 +80,46 @@ def served_model_name(station: Station) -> str:
     return source.name if source.is_dir() else source.stem
 
 
-def wire(reply: p.Reply | p.TokenizerInfo) -> dict[str, Any]:
+def wire(reply: BaseModel) -> dict[str, Any]:
     """A reply model as sent: every field that was set, nulls included, and nothing else."""
     return reply.model_dump(mode="json", exclude_unset=True)
+
+
+def chat_request(station: Station, body: Any, cap: bool = False) -> RunRequest:
+    """A chat completions body as the station runs it, with the station's reasoning parser. cap: a max_tokens past
+    the context left is cut to it (the agents' APIs), not refused."""
+    tok = station.model.tokenizer
+    return parse_chat(body, tok, station.model.cfg.vocab_size, station.config.max_request_tokens, station.eos_ids,
+                      station.engine.token_controls, pick_parser(station.config.reasoning_parser, tok.chat_template),
+                      cap)
+
+
+async def start_run(station: Station, req: RunRequest) -> Run:
+    """Compile the request's constraint off the event loop and submit its run's jobs."""
+    constraint = None
+    if req.constraint is not None:
+        constraint = await asyncio.to_thread(station.compile_constraint, req.constraint)
+    run = Run(station, req, constraint)
+    run.submit()
+    return run
+
+
+async def run_whole(run: Run, request: Request) -> Response | None:
+    """Wait until a non-streamed run ends: None, or the reply instead (499 for a client gone, or the failure in the
+    shape of the route's API)."""
+    gone = asyncio.ensure_future(until_disconnect(request))
+    try:
+        while not run.done:
+            await run.next(gone)
+    except Disconnected:
+        run.cancel_all()
+        return Response(status_code=499)
+    except OUTCOMES as e:
+        run.cancel_all()
+        return failure(e, OPENAI_INVALID).response(request.url.path)
+    finally:
+        gone.cancel()
+    return None
 
 
 class OpenAIRoutes:
@@ -101,19 +140,15 @@ class OpenAIRoutes:
         return rejected(self.station, request, error, OPENAI_INVALID)
 
     async def _start(self, request: Request, chat: bool) -> Run:
-        """Parse the body, compile its constraint off the event loop, and submit the run's jobs."""
+        """Parse the body and start its run."""
         station = self.station
         check_ready(station)
         body = await self._body(request)
-        parse = parse_chat if chat else parse_completion
-        req = parse(body, station.model.tokenizer, station.model.cfg.vocab_size, station.config.max_request_tokens,
-                    station.eos_ids, station.engine.token_controls)
-        constraint = None
-        if req.constraint is not None:
-            constraint = await asyncio.to_thread(station.compile_constraint, req.constraint)
-        run = Run(station, req, constraint)
-        run.submit()
-        return run
+        if chat:
+            return await start_run(station, chat_request(station, body))
+        return await start_run(station, parse_completion(
+            body, station.model.tokenizer, station.model.cfg.vocab_size, station.config.max_request_tokens,
+            station.eos_ids, station.engine.token_controls))
 
     async def completions(self, request: Request, chat: bool) -> Response:
         try:
@@ -124,20 +159,8 @@ class OpenAIRoutes:
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": served_model_name(self.station)}
         if run.req.stream:
-            return _SSEResponse(stream_events(run, head), run.cancel_all)
-        gone = asyncio.ensure_future(until_disconnect(request))
-        try:
-            while not run.done:
-                await run.next(gone)
-        except Disconnected:
-            run.cancel_all()
-            return Response(status_code=499)
-        except OUTCOMES as e:
-            run.cancel_all()
-            return failure(e, OPENAI_INVALID).response(request.url.path)
-        finally:
-            gone.cancel()
-        return JSONResponse(wire(whole_reply(run, head)))
+            return SSEResponse(stream_events(run, head), run.cancel_all)
+        return await run_whole(run, request) or JSONResponse(wire(whole_reply(run, head)))
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.completions(request, chat=True)
@@ -212,10 +235,12 @@ def whole_reply(run: Run, head: dict) -> p.ChatCompletionResponse | p.Completion
             choices.append(p.CompletionChoice(index=c.index, text="".join(c.text), logprobs=lp,
                                               finish_reason=c.finish))
             continue
-        message = p.AssistantMessage(role="assistant", content="".join(c.text))
+        message = p.AssistantMessage(role="assistant", content="".join(c.answer))
         if c.tool is not None:
             message = p.AssistantMessage(role="assistant", content=c.tool.content,
                                          **({"tool_calls": c.tool.calls} if c.tool.calls else {}))
+        if c.reasoning is not None and c.reasoning.text:
+            message.reasoning_content = message.reasoning = c.reasoning.text
         choices.append(p.ChatChoice(index=c.index, message=message, logprobs=lp, finish_reason=c.finish))
     if run.req.chat:
         return p.ChatCompletionResponse(**head, object="chat.completion", choices=choices, usage=run.usage())
@@ -223,7 +248,7 @@ def whole_reply(run: Run, head: dict) -> p.ChatCompletionResponse | p.Completion
 
 
 def _chunk(run: Run, head: dict, c: Choice, text: str, finish: str | None, first: bool = False,
-           calls: list[dict] | None = None) -> str:
+           calls: list[dict] | None = None, thinking: str = "") -> str:
     """One streamed chunk of choice `c`."""
     lp = run.logprobs_since(c, streaming=True)
     usage = {"usage": run.usage()} if run.req.continuous_usage else ({"usage": None} if run.req.include_usage else {})
@@ -234,6 +259,8 @@ def _chunk(run: Run, head: dict, c: Choice, text: str, finish: str | None, first
         p.ChatDelta(content=text) if text else p.ChatDelta())
     if calls:
         delta.tool_calls = [p.ToolCallDelta.model_validate(d) for d in calls]
+    if thinking:
+        delta.reasoning_content = delta.reasoning = thinking
     choice = p.ChatChunkChoice(index=c.index, delta=delta, logprobs=lp, finish_reason=finish)
     return _sse(wire(p.ChatCompletionChunk(**head, object="chat.completion.chunk", choices=[choice], **usage)))
 
@@ -256,12 +283,15 @@ async def stream_events(run: Run, head: dict) -> AsyncIterator[str]:
             update = await run.next()
             if update is None:
                 continue
-            pieces = ([(update.text, None)] if update.text else []) + [("", [d]) for d in update.tool_deltas]
+            pieces = (([("", None, update.thinking)] if update.thinking else [])
+                      + ([(update.text, None, "")] if update.text else [])
+                      + [("", [d], "") for d in update.tool_deltas])
             if update.finished and not pieces:
-                pieces = [("", None)]
-            for k, (text, calls) in enumerate(pieces):
+                pieces = [("", None, "")]
+            for k, (text, calls, thinking) in enumerate(pieces):
                 last = update.finished and k == len(pieces) - 1
-                yield _chunk(run, head, update.choice, text, update.choice.finish if last else None, calls=calls)
+                yield _chunk(run, head, update.choice, text, update.choice.finish if last else None, calls=calls,
+                             thinking=thinking)
         if run.req.include_usage:
             yield _usage_chunk(run, head)
     except OUTCOMES as e:

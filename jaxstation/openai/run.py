@@ -23,6 +23,7 @@ from jaxstation.model.tokenizer import Tokenizer
 from jaxstation.openai import protocol as p
 from jaxstation.openai.logprobs import chat_logprobs, completion_logprobs
 from jaxstation.openai.parse import RunRequest
+from jaxstation.openai.reasoning import ReasoningStream
 from jaxstation.openai.stops import scan_stops
 from jaxstation.openai.tools import ToolStream
 from jaxstation.serving.outcomes import wait_for
@@ -43,6 +44,10 @@ class Choice:
     lp_sent: int = 0  # how many logprob entries a stream has sent
     prompt_logprobs: list[Sample] = dataclasses.field(default_factory=list)  # with echo: prompt tokens 1..
     tool: ToolStream | None = None  # with tools: the text split into content and calls
+    reasoning: ReasoningStream | None = None  # with a reasoning parser: the thinking split from the answer
+    answer: list[str] = dataclasses.field(default_factory=list)  # the text less the thinking
+    stop: str | None = None  # the stop string that ended it
+    thinking_tokens: int = 0  # tokens generated in the thinking (its tags included)
 
 
 @dataclasses.dataclass
@@ -51,6 +56,7 @@ class _Update:
     text: str
     finished: bool
     tool_deltas: list[dict] = dataclasses.field(default_factory=list)
+    thinking: str = ""
 
 
 class Run:
@@ -78,7 +84,8 @@ class Run:
                           constraint=self.constraint.copy() if self.constraint else None, speculate=req.speculate)
                 detok = IncrementalDetokenizer(self.tok, skip_special_tokens=req.skip_special)
                 tool = ToolStream(req.tools) if req.tools else None
-                self.choices.append(Choice(index, i, job, detok, tool=tool))
+                reasoning = ReasoningStream(req.reasoning, req.prompt_opens) if req.reasoning else None
+                self.choices.append(Choice(index, i, job, detok, tool=tool, reasoning=reasoning))
         try:
             for choice in self.choices:
                 future = self.scheduler.submit(choice.job)
@@ -118,7 +125,7 @@ class Run:
         armed = c.tokens >= self.req.sampling.min_tokens
         out, c.held, stopped = scan_stops(pending, self.req.stops, self.req.include_stop, armed, final)
         if stopped:
-            c.finish = "stop"
+            c.finish, c.stop = "stop", stopped
             self.scheduler.finish_early(c.job)  # the station retires it as "stop" within one wave
         if out:
             c.text.append(out)
@@ -141,7 +148,11 @@ class Run:
             offset = len(c.detok.text)
             if self.req.logprobs is not None:
                 c.logprobs.append((event, offset))
-            return self._update(c, self._advance(c, c.detok.push(event.token), final=False), c.finish is not None)
+            thinking = c.reasoning is not None and c.reasoning.in_thinking
+            update = self._update(c, self._advance(c, c.detok.push(event.token), final=False), c.finish is not None)
+            if thinking or (c.reasoning is not None and c.reasoning.in_thinking):  # a token in or into the thinking
+                c.thinking_tokens += 1
+            return update
         result: Result = event.result()  # raises the job's failure
         c.prompt_logprobs = result.prompt_logprobs
         text = self._advance(c, "", final=True)
@@ -152,17 +163,21 @@ class Run:
         return self._update(c, text, True)
 
     def _update(self, c: Choice, text: str, finished: bool) -> _Update:
-        """What a choice's new text shows: as is, or through its tool plan (content, and tool-call deltas; a
-        choice that ends on calls finishes with "tool_calls")."""
+        """What a choice's new text shows: its thinking split out first, then the rest as is, or through its tool
+        plan (content, and tool-call deltas; a choice that ends on calls finishes with "tool_calls")."""
+        thinking = ""
+        if c.reasoning is not None:
+            thinking, text = c.reasoning.push(text, final=finished)
+        c.answer.append(text)
         if c.tool is None:
-            return _Update(c, text, finished)
+            return _Update(c, text, finished, thinking=thinking)
         shown, deltas = c.tool.push(text)
         if finished:
             rest, more = c.tool.finish()
             shown, deltas = shown + rest, deltas + more
             if c.tool.calls and c.finish == "stop":
                 c.finish = "tool_calls"
-        return _Update(c, shown, finished, deltas)
+        return _Update(c, shown, finished, deltas, thinking)
 
     def usage(self) -> p.Usage:
         """OpenAI's usage. Each prompt counts once; its cached tokens are the most any of its choices reused."""

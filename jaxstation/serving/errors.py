@@ -1,8 +1,9 @@
-"""The station's two error shapes, and how a pydantic validation error becomes one that names the field.
+"""The station's three error shapes, and how a pydantic validation error becomes one that names the field.
 
-Under `/v1/` and on vLLM's tokenizer routes, errors take OpenAI's shape, `{"error": {"message", "type", "param",
-"code"}}`; the station's own routes answer `{"error": {"message", "field"}}`. Either way the field is a path into the
-body, such as `messages[0].role`, and the message says what was wrong with the value that was sent.
+Under `/v1/messages`, errors take Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`, the field
+named in the message; elsewhere under `/v1/` and on vLLM's tokenizer routes, OpenAI's, `{"error": {"message", "type",
+"param", "code"}}`; the station's own routes answer `{"error": {"message", "field"}}`. Either way the field is a path
+into the body, such as `messages[0].role`, and the message says what was wrong with the value that was sent.
 """
 
 from __future__ import annotations
@@ -50,12 +51,25 @@ class OpenAIError(Exception):
 
 
 OPENAI_PATHS = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")  # vLLM's tokenizer routes answer as OpenAI
+ANTHROPIC_PATHS = ("/v1/messages",)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error"}  # any other status: api_error
+
+
+def anthropic_body(status: int, message: str, field: str | None = None) -> dict:
+    """An error in Anthropic's shape; the field at fault leads the message unless the message names it."""
+    if field and field not in message:
+        message = f"{field}: {message}"
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
 
 
 def error_response(path: str, status: int, message: str, field: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     """An error in the shape the route at `path` answers in: OpenAI's under /v1/ and on vLLM's tokenizer routes, the
-    station's elsewhere (the station's shape has no code)."""
+    station's elsewhere (the station's shape has no code), Anthropic's under /v1/messages."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return JSONResponse(anthropic_body(status, message, field), status, headers=headers)
     if path.startswith(OPENAI_PATHS):
         return OpenAIError(status, message, field, code, headers=headers).response()
     return ApiError(status, message, field, headers=headers).response()

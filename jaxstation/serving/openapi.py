@@ -7,6 +7,7 @@ Each `Endpoint` names its path, method, handler, request model, reply model and 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -17,7 +18,8 @@ from starlette.routing import Route
 
 _REF = "#/components/schemas/{model}"
 _STATUS_TEXT = {400: "Bad request: the error names the field", 401: "A missing or wrong API key",
-                413: "The body is over the size limit", 422: "A field is invalid: the error names it",
+                404: "No such resource", 413: "The body is over the size limit",
+                422: "A field is invalid: the error names it",
                 500: "A step failed", 502: "A mesh station stayed down",
                 503: "Not ready, draining, or the queue is full"}
 
@@ -35,10 +37,29 @@ class Endpoint:
     media_type: str = "application/json"
     stream: bool = False  # with "stream": true, the reply is server-sent events of `stream_chunk`
     stream_chunk: Any = None
+    stream_done: bool = True  # a stream ends with a "[DONE]" event (OpenAI's chunks; not its named events)
     ok_statuses: tuple[int, ...] = (200,)  # the statuses whose body is `response` (/ready's 503 is a status too)
 
     def route(self) -> Route:
         return Route(self.path, self.handler, methods=[self.method])
+
+
+def routes(endpoints: Sequence[Endpoint]) -> list[Route]:
+    """One route per path: endpoints that share a path (GET and DELETE of one resource) are one route that
+    dispatches on the method, so a 405 lists every method the path serves."""
+    by_path: dict[str, dict[str, Endpoint]] = {}
+    for e in endpoints:
+        by_path.setdefault(e.path, {})[e.method] = e
+    out = []
+    for path, methods in by_path.items():
+        if len(methods) == 1:
+            out.append(next(iter(methods.values())).route())
+            continue
+
+        async def dispatch(request: Request, methods: dict[str, Endpoint] = methods) -> Response:
+            return await methods["GET" if request.method == "HEAD" else request.method].handler(request)
+        out.append(Route(path, dispatch, methods=list(methods)))
+    return out
 
 
 class _Schemas:
@@ -65,11 +86,13 @@ def openapi_document(endpoints: Sequence[Endpoint], *, title: str, version: str,
             "schema": {"type": "string"}}
         content = {e.media_type: ok}
         error_ref = schemas.ref(e.errors, "serialization")
-        if e.stream:  # each event's data is a chunk (or an error that ends the stream), then "[DONE]"
+        if e.stream:  # each event's data is a chunk (or an error that ends the stream), then "[DONE]" if it has one
             chunk = {"contentMediaType": "application/json",
                      "contentSchema": {"anyOf": [schemas.ref(e.stream_chunk, "serialization"), error_ref]}}
             data = {"type": "string", "anyOf": [chunk, {"const": "[DONE]"}],
-                    "description": 'one JSON chunk per event; the last event is "[DONE]"'}
+                    "description": 'one JSON chunk per event; the last event is "[DONE]"'} if e.stream_done else {
+                "type": "string", "anyOf": [chunk], "description": "one JSON event per server-sent event, named by "
+                "its type"}
             content["text/event-stream"] = {"schema": {"type": "object", "required": ["data"],
                                                        "properties": {"event": {"type": "string"}, "data": data}}}
         error = {"application/json": {"schema": error_ref}}
@@ -83,6 +106,9 @@ def openapi_document(endpoints: Sequence[Endpoint], *, title: str, version: str,
         }
         if api_key and e.path in ("/health", "/ready"):
             op["security"] = []
+        if names := re.findall(r"{(\w+)}", e.path):
+            op["parameters"] = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
+                                for n in names]
         if e.request is not None:
             op["requestBody"] = {"required": True,
                                  "content": {"application/json": {"schema": schemas.ref(e.request, "validation")}}}

@@ -29,7 +29,7 @@ from jaxstation.engine.jobs import Job, Result
 from jaxstation.serving.access_log import AccessLogMiddleware
 from jaxstation.serving.errors import OPENAI_PATHS, error_response
 from jaxstation.serving.http_common import read_json, until_disconnect
-from jaxstation.serving.openapi import Endpoint, openapi_endpoint
+from jaxstation.serving.openapi import Endpoint, openapi_endpoint, routes
 from jaxstation.serving.outcomes import OUTCOMES, STATION_INVALID, Disconnected, check_ready, failure, wait_for
 from jaxstation.serving.protocol import (
     ErrorResponse,
@@ -46,7 +46,8 @@ OPEN_PATHS = frozenset({"/health", "/ready"})  # never need the API key
 
 
 class ApiKeyMiddleware:
-    """Pure ASGI: with the station's api_key set, every HTTP route but /health and /ready needs the bearer key."""
+    """Pure ASGI: with the station's api_key set, every HTTP route but /health and /ready needs the key, sent as
+    `Authorization: Bearer <key>` or (Anthropic's clients) `x-api-key: <key>`."""
 
     def __init__(self, app: ASGIApp, station: Station) -> None:
         self.app, self.station = app, station
@@ -55,9 +56,10 @@ class ApiKeyMiddleware:
         key = self.station.config.api_key
         if scope["type"] != "http" or not key or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        header = dict(scope.get("headers") or ()).get(b"authorization", b"").decode("latin-1")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), key.encode()):
+        headers = dict(scope.get("headers") or ())
+        scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        sent = given.strip().encode() if scheme.lower() == "bearer" else headers.get(b"x-api-key", b"").strip()
+        if sent and secrets.compare_digest(sent, key.encode()):
             return await self.app(scope, receive, send)
         path = scope["path"]
         field = None if path.startswith(OPENAI_PATHS) else "authorization"  # OpenAI's 401 names no param
@@ -179,8 +181,8 @@ def station_app(station: Station, endpoints: Sequence[Endpoint], *, title: str =
 
     doc, document = openapi_endpoint(endpoints, ErrorResponse, title=title, version=__version__,
                                      api_key=bool(station.config.api_key))
-    routes: list[Any] = [e.route() for e in [*endpoints, doc]]
-    app = Starlette(exception_handlers={HTTPException: json_http_error}, routes=routes, lifespan=lifespan,
+    served: list[Any] = routes([*endpoints, doc])
+    app = Starlette(exception_handlers={HTTPException: json_http_error}, routes=served, lifespan=lifespan,
                     middleware=[Middleware(AccessLogMiddleware), Middleware(ApiKeyMiddleware, station=station)])
     app.state.openapi = document  # what tests check every reply against
     return app

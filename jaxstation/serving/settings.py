@@ -29,6 +29,7 @@ LAYER_LOOP_CHOICES = ("auto", *LAYER_LOOPS)
 MATMUL_CHOICES = ("auto", *MATMULS)
 PREFIX_REUSE = ("auto", "resume", "off")
 SPECULATIVE = ("off", "ngram")
+REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "none")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -137,8 +138,17 @@ SETTINGS: tuple[_Setting, ...] = (
     _Setting("max_body_bytes", "MOONSHINE_MAX_BODY_BYTES", "--max-body-bytes", _parse_int,
              "largest request body accepted (413 past it)", commands=_FRONT),
     _Setting("api_key", "MOONSHINE_API_KEY", "--api-key", _parse_str,
-             "API key: with it set, every route except /health and /ready needs 'Authorization: Bearer <key>'",
+             "API key: with it set, every route except /health and /ready needs 'Authorization: Bearer <key>' "
+             "(or 'x-api-key: <key>')",
              commands=_FRONT),
+    _Setting("reasoning_parser", "MOONSHINE_REASONING_PARSER", "--reasoning-parser", _parse_str,
+             "split <think>...</think> from the answer: qwen3, deepseek_r1 (the output starts in the thinking), none, "
+             "or auto (qwen3 when the chat template writes </think>, else none)", commands=_FRONT),
+    _Setting("responses_store_size", "MOONSHINE_RESPONSES_STORE_SIZE", "--responses-store-size", _parse_int,
+             "/v1/responses: stored responses kept in memory (oldest evicted first; lost on restart)",
+             commands=_FRONT),
+    _Setting("responses_store_age_s", "MOONSHINE_RESPONSES_STORE_AGE_S", "--responses-store-age-s", _parse_float,
+             "/v1/responses: seconds a stored response is kept", commands=_FRONT),
     _Setting("log_format", "MOONSHINE_LOG_FORMAT", "--log-format", _parse_str,
              "log lines as plain text or as one JSON object per line (Cloud Run's structured logging): text or json"),
     _Setting("compile_cache_dir", "MOONSHINE_COMPILE_CACHE_DIR", "--compile-cache-dir", _parse_str,
@@ -199,6 +209,9 @@ class StationConfig:
     drain_s: float = 30.0
     max_body_bytes: int = 1 * MiB
     api_key: str | None = dataclasses.field(default=None, repr=False)
+    reasoning_parser: str = "auto"
+    responses_store_size: int = 256
+    responses_store_age_s: float = 3600.0
     log_format: str = "text"
     compile_cache_dir: str | None = None  # None: no persistent compilation cache
     layers: str | None = None  # station mode: "A:B"
@@ -217,19 +230,23 @@ class StationConfig:
 
     def __post_init__(self) -> None:
         for field, choices in (("dtype", DTYPES), ("attention", ATTENTION_CHOICES),
-                               ("layer_loop", LAYER_LOOP_CHOICES), ("matmul", MATMUL_CHOICES)):
+                               ("layer_loop", LAYER_LOOP_CHOICES), ("matmul", MATMUL_CHOICES),
+                               ("reasoning_parser", REASONING_PARSERS)):
             value = getattr(self, field)
             if value is not None and value not in choices:
                 raise ConfigError(f"{self.named(field)}={value!r} must be one of {', '.join(choices)}")
         if self.speculative not in SPECULATIVE:
             raise ConfigError(f"{self.named('speculative')}={self.speculative!r} must be one of "
                               f"{', '.join(SPECULATIVE)}")
+        if self.responses_store_age_s <= 0:
+            raise ConfigError(f"{self.named('responses_store_age_s')}={self.responses_store_age_s} must be > 0")
         if self.prefix_reuse not in PREFIX_REUSE:
             raise ConfigError(f"{self.named('prefix_reuse')}={self.prefix_reuse!r} must be one of "
                               f"{', '.join(PREFIX_REUSE)}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"{self.named('port')}={self.port} must be a TCP port in [0, 65535]")
-        for field in ("lanes", "max_seq", "prefill_chunk", "kv_block", "max_queue", "max_body_bytes", "draft_tokens"):
+        for field in ("lanes", "max_seq", "prefill_chunk", "kv_block", "max_queue", "max_body_bytes",
+                      "responses_store_size", "draft_tokens"):
             if getattr(self, field) < 1:
                 raise ConfigError(f"{self.named(field)}={getattr(self, field)} must be >= 1")
         object.__setattr__(self, "wave_widths", self._parse_wave_widths())

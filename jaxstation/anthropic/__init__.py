@@ -1,0 +1,1 @@
+"""Anthropic's Messages API on a station, above the OpenAI face whose runs it shares."""

@@ -1,0 +1,251 @@
+"""Anthropic's Messages API as the station serves it, declared once as pydantic models: the request bodies of
+`POST /v1/messages` and `/v1/messages/count_tokens` (unknown fields refused by name), the reply, the stream's events
+and the error shape.
+
+What Anthropic's clients send that means nothing to a local station is accepted and ignored (docs/api.md lists it):
+prompt caching marks, the request's metadata, the service tier, context management, the thinking budget and display,
+the output effort, and whether a tool result is an error. Everything else that is not served is refused with a 400
+naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from jaxstation.openai.protocol import Body, Reply
+
+ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class Ignorable(Body):
+    cache_control: dict[str, Any] | None = Field(None, description="ignored: prefix reuse is automatic")
+
+
+class TextBlock(Ignorable):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(Ignorable):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(Ignorable):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = Field(None, description="ignored: the content says what happened")
+
+
+class ThinkingBlock(Body):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(Body):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+InputBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+                       Field(discriminator="type")]
+
+
+class InputMessage(Body):
+    role: Literal["user", "assistant", "system"] = Field(description="system: a system turn mid-conversation (as "
+                                                         "Claude Code sends)")
+    content: str | list[InputBlock] = Field(description="earlier turns' thinking blocks are dropped from the prompt")
+
+
+class ToolDefinition(Ignorable):
+    type: Literal["custom"] | None = None
+    name: ToolName
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(description="a JSON schema of the tool's input")
+
+
+class ToolChoiceAuto(Body):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceAny(Body):
+    type: Literal["any"]
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceTool(Body):
+    type: Literal["tool"]
+    name: str
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceNone(Body):
+    type: Literal["none"]
+
+
+ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")]
+
+
+class Thinking(Body):
+    type: Literal["enabled", "disabled", "adaptive"] = Field(
+        description="enabled or adaptive turn the chat template's thinking on (enable_thinking), disabled off")
+    budget_tokens: int | None = Field(None, ge=0, description="ignored: max_tokens bounds the whole output")
+    display: str | None = Field(None, description="ignored")
+
+
+class JsonSchemaOutput(Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(Body):
+    format: JsonSchemaOutput | None = Field(None, description="the output follows this JSON schema")
+    effort: str | None = Field(None, description="ignored")
+
+
+class MessagesInput(Body):
+    """What shapes the prompt: the fields count_tokens takes."""
+
+    model: str = Field(description="any name; the reply names the served model")
+    messages: list[InputMessage] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    context_management: dict[str, Any] | None = Field(None, description="ignored")
+
+
+class MessagesRequest(MessagesInput):
+    max_tokens: int = Field(ge=1, description="cut to the context left after the prompt")
+    stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=16)
+    stream: bool | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0, description="0 is off")
+    metadata: dict[str, Any] | None = Field(None, description="ignored")
+    service_tier: str | None = Field(None, description="ignored")
+
+
+# ---- replies -----------------------------------------------------------------------------------------------------
+class TextOut(Reply):
+    type: Literal["text"]
+    text: str
+
+
+class ThinkingOut(Reply):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
+
+
+class ToolUseOut(Reply):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+ContentBlock = Annotated[TextOut | ThinkingOut | ToolUseOut, Field(discriminator="type")]
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+class MessagesUsage(Reply):
+    input_tokens: int = Field(description="prompt tokens not read from the prefix cache")
+    output_tokens: int
+    cache_creation_input_tokens: int
+    cache_read_input_tokens: int = Field(description="prompt tokens reused from the prefix cache")
+
+
+class MessageReply(Reply):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[ContentBlock]
+    stop_reason: StopReason | None
+    stop_sequence: str | None
+    usage: MessagesUsage
+
+
+class CountTokensReply(Reply):
+    input_tokens: int
+
+
+class MessageStart(Reply):
+    type: Literal["message_start"]
+    message: MessageReply
+
+
+class Ping(Reply):
+    type: Literal["ping"]
+
+
+class BlockStart(Reply):
+    type: Literal["content_block_start"]
+    index: int
+    content_block: ContentBlock
+
+
+class TextDelta(Reply):
+    type: Literal["text_delta"]
+    text: str
+
+
+class ThinkingDelta(Reply):
+    type: Literal["thinking_delta"]
+    thinking: str
+
+
+class InputJsonDelta(Reply):
+    type: Literal["input_json_delta"]
+    partial_json: str
+
+
+class BlockDelta(Reply):
+    type: Literal["content_block_delta"]
+    index: int
+    delta: Annotated[TextDelta | ThinkingDelta | InputJsonDelta, Field(discriminator="type")]
+
+
+class BlockStop(Reply):
+    type: Literal["content_block_stop"]
+    index: int
+
+
+class MessageDeltaBody(Reply):
+    stop_reason: StopReason
+    stop_sequence: str | None
+
+
+class MessageDelta(Reply):
+    type: Literal["message_delta"]
+    delta: MessageDeltaBody
+    usage: MessagesUsage
+
+
+class MessageStop(Reply):
+    type: Literal["message_stop"]
+
+
+StreamEvent = Annotated[MessageStart | Ping | BlockStart | BlockDelta | BlockStop | MessageDelta | MessageStop,
+                        Field(discriminator="type")]
+
+
+class AnthropicErrorDetail(Reply):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(Reply):
+    """Anthropic's error shape."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail

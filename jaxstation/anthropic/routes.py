@@ -1,0 +1,156 @@
+"""`POST /v1/messages` and `POST /v1/messages/count_tokens`: Anthropic's Messages API, for Claude Code and the
+Anthropic SDKs.
+
+A request is translated to chat completions (`anthropic.translate`) and runs as one `Run` on the station's
+scheduler, so it shares the template, the prefix cache, constraints, tool parsing and stop strings with the OpenAI
+routes. A `max_tokens` past the context left is cut to it (the stop reason then says `max_tokens`); a prompt that
+alone fills the context is a 400. Errors take Anthropic's shape (`serving.errors`). The stream is Anthropic's named
+events: `message_start`, `ping`, then per content block `content_block_start`, `content_block_delta`s
+(`thinking_delta`, `text_delta`, `input_json_delta`) and `content_block_stop`, then `message_delta` (the stop reason
+and the usage) and `message_stop`; a failure ends it with an `error` event.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from jaxstation.anthropic import protocol as a
+from jaxstation.anthropic.translate import chat_body, reply, stop_reason, usage
+from jaxstation.openai.parse import chat_prompt, validate
+from jaxstation.openai.protocol import ChatCompletionRequest
+from jaxstation.openai.routes import SSEResponse, chat_request, run_whole, served_model_name, start_run, wire
+from jaxstation.openai.run import Run
+from jaxstation.serving.errors import anthropic_body
+from jaxstation.serving.http_common import read_json
+from jaxstation.serving.openapi import Endpoint
+from jaxstation.serving.outcomes import OPENAI_INVALID, OUTCOMES, check_ready, failure
+from jaxstation.serving.routes import rejected
+from jaxstation.serving.station import Station
+
+
+def _event(event: a.Reply | dict) -> str:
+    data = event if isinstance(event, dict) else wire(event)
+    return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class _Blocks:
+    """A stream's content blocks: which one is open, and the events that open, extend and close them."""
+
+    def __init__(self) -> None:
+        self.index, self.kind = -1, ""
+
+    def open(self, kind: str, block: a.ContentBlock) -> list[str]:
+        out = self.close()
+        self.index, self.kind = self.index + 1, kind
+        return out + [_event(a.BlockStart(type="content_block_start", index=self.index, content_block=block))]
+
+    def close(self) -> list[str]:
+        if not self.kind:
+            return []
+        self.kind = ""
+        return [_event(a.BlockStop(type="content_block_stop", index=self.index))]
+
+    def delta(self, delta: a.TextDelta | a.ThinkingDelta | a.InputJsonDelta) -> str:
+        return _event(a.BlockDelta(type="content_block_delta", index=self.index, delta=delta))
+
+    def thinking(self, text: str) -> list[str]:
+        head = [] if self.kind == "thinking" else self.open("thinking", a.ThinkingOut(
+            type="thinking", thinking="", signature=""))
+        return head + [self.delta(a.ThinkingDelta(type="thinking_delta", thinking=text))]
+
+    def text(self, text: str) -> list[str]:
+        head = [] if self.kind == "text" else self.open("text", a.TextOut(type="text", text=""))
+        return head + [self.delta(a.TextDelta(type="text_delta", text=text))]
+
+    def call(self, delta: dict) -> list[str]:
+        """A chat tool-call delta: one with an id opens a tool_use block; arguments extend it."""
+        out = []
+        if "id" in delta:
+            out = self.open("tool_use", a.ToolUseOut(type="tool_use", id=delta["id"],
+                                                     name=delta["function"]["name"], input={}))
+        if arguments := delta["function"].get("arguments"):
+            out.append(self.delta(a.InputJsonDelta(type="input_json_delta", partial_json=arguments)))
+        return out
+
+
+async def stream_events(run: Run, head: dict) -> AsyncIterator[str]:
+    """A streamed run's events, in Anthropic's order."""
+    start = a.MessageReply(**head, type="message", role="assistant", content=[], stop_reason=None,
+                           stop_sequence=None, usage=usage(run))
+    yield _event(a.MessageStart(type="message_start", message=start))
+    yield _event(a.Ping(type="ping"))
+    blocks = _Blocks()
+    try:
+        while not run.done:
+            update = await run.next()
+            if update is None:
+                continue
+            for piece in (blocks.thinking(update.thinking) if update.thinking else []) + (
+                    blocks.text(update.text) if update.text else []) + [
+                    e for d in update.tool_deltas for e in blocks.call(d)]:
+                yield piece
+        for piece in blocks.close():
+            yield piece
+        reason, sequence = stop_reason(run.choices[0])
+        yield _event(a.MessageDelta(type="message_delta", delta=a.MessageDeltaBody(
+            stop_reason=reason, stop_sequence=sequence), usage=usage(run)))
+        yield _event(a.MessageStop(type="message_stop"))
+    except OUTCOMES as e:
+        run.cancel_all()
+        f = failure(e, OPENAI_INVALID)
+        yield _event(anthropic_body(f.status, f.message, f.field))
+
+
+class MessagesRoutes:
+    """Anthropic's Messages API on one station."""
+
+    def __init__(self, station: Station) -> None:
+        self.station = station
+
+    async def _body(self, request: Request) -> Any:
+        check_ready(self.station)
+        return await read_json(request, self.station.config.max_body_bytes)
+
+    async def messages(self, request: Request) -> Response:
+        station = self.station
+        try:
+            req = validate(a.MessagesRequest, await self._body(request))
+            run = await start_run(station, chat_request(station, chat_body(req), cap=True))
+        except OUTCOMES as e:
+            return rejected(station, request, e, OPENAI_INVALID)
+        request.state.token_counts = lambda: (run.usage().prompt_tokens, run.usage().completion_tokens)
+        head = {"id": f"msg_{uuid.uuid4().hex}", "model": served_model_name(station)}
+        if run.req.stream:
+            return SSEResponse(stream_events(run, head), run.cancel_all)
+        return await run_whole(run, request) or JSONResponse(wire(reply(run, head)))
+
+    async def count_tokens(self, request: Request) -> Response:
+        station = self.station
+        try:
+            req = validate(a.MessagesInput, await self._body(request))
+            chat = validate(ChatCompletionRequest, chat_body(req))
+            _, prompt = chat_prompt(chat, station.model.tokenizer)
+        except OUTCOMES as e:
+            return rejected(station, request, e, OPENAI_INVALID)
+        return JSONResponse(wire(a.CountTokensReply(input_tokens=len(prompt))))
+
+    def endpoints(self) -> list[Endpoint]:
+        err = a.AnthropicErrorResponse
+        return [
+            Endpoint("/v1/messages", "POST", self.messages, "Anthropic's Messages API", a.MessageReply, err,
+                     request=a.MessagesRequest, statuses=(400, 413, 500, 503), stream=True,
+                     stream_chunk=a.StreamEvent, stream_done=False),
+            Endpoint("/v1/messages/count_tokens", "POST", self.count_tokens, "Anthropic's: the prompt's tokens",
+                     a.CountTokensReply, err, request=a.MessagesInput, statuses=(400, 413, 503)),
+        ]
+
+
+def anthropic_endpoints(station: Station) -> list[Endpoint]:
+    """Anthropic's Messages routes on `station`."""
+    return MessagesRoutes(station).endpoints()

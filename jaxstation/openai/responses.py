@@ -1,0 +1,280 @@
+"""`/v1/responses`: OpenAI's Responses API, for Codex CLI, the Agents SDK and `client.responses`.
+
+A request is translated to chat completions (`responses_input`) and runs as one `Run` on the station's scheduler,
+sharing the template, the prefix cache, constraints, tool parsing and stop logic with the other APIs. The output's
+items are built by one `Output` from the run's pieces, as they stream or at once, so a streamed response ends with
+the same items a whole one has. Its events, each with a `sequence_number`: `response.created`,
+`response.in_progress`; per item `response.output_item.added`, then for a message `response.content_part.added`,
+`response.output_text.delta`s, `response.output_text.done`, `response.content_part.done`, for reasoning the same with
+`response.reasoning_text.*`, for a function call `response.function_call_arguments.delta`s and `.done`; then
+`response.output_item.done`; last `response.completed`, `response.incomplete` (max_output_tokens reached) or
+`response.failed`. `GET` and `DELETE /v1/responses/{id}` read and drop stored responses; `POST .../cancel` answers
+400, as only background responses can be cancelled and `background` is not served.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from jaxstation.openai import responses_protocol as r
+from jaxstation.openai.parse import validate
+from jaxstation.openai.protocol import OpenAIErrorResponse
+from jaxstation.openai.responses_input import ResponseStore, chat_body, output_turn, turns
+from jaxstation.openai.routes import SSEResponse, chat_request, run_whole, served_model_name, start_run, wire
+from jaxstation.openai.run import Run
+from jaxstation.serving.errors import OpenAIError
+from jaxstation.serving.http_common import read_json
+from jaxstation.serving.openapi import Endpoint
+from jaxstation.serving.outcomes import OPENAI_INVALID, OUTCOMES, check_ready, failure
+from jaxstation.serving.routes import rejected
+from jaxstation.serving.station import Station
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class Output:
+    """A response's output items, built from a run's pieces (thinking, text, tool-call deltas), and the events that
+    stream them."""
+
+    def __init__(self) -> None:
+        self.items: list[dict] = []
+        self.open: dict | None = None
+        self.seq = 0
+
+    def event(self, kind: str, **fields: Any) -> dict:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq - 1, **fields}
+
+    def _where(self) -> dict:
+        return {"item_id": self.open["id"], "output_index": len(self.items) - 1}
+
+    def _start(self, item: dict, part: dict | None) -> list[dict]:
+        events = self.close()
+        self.items.append(item)
+        self.open = item
+        events.append(self.event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item)))
+        if part is not None:
+            events.append(self.event("response.content_part.added", **self._where(), content_index=0, part=part))
+        return events
+
+    def _append(self, kind: str, text: str, delta_event: str, **extra: Any) -> list[dict]:
+        events = []
+        if self.open is None or self.open["type"] != kind:
+            if kind == "message":
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                item = {"type": "message", "id": _id("msg"), "role": "assistant", "status": "in_progress",
+                        "content": []}
+            else:
+                part = {"type": "reasoning_text", "text": ""}
+                item = {"type": "reasoning", "id": _id("rs"), "summary": [], "content": [], "status": "in_progress"}
+            events = self._start(item, part)
+            self.open["text"] = ""
+        self.open["text"] += text
+        return events + [self.event(delta_event, **self._where(), content_index=0, delta=text, **extra)]
+
+    def thinking(self, text: str) -> list[dict]:
+        return self._append("reasoning", text, "response.reasoning_text.delta")
+
+    def text(self, text: str) -> list[dict]:
+        return self._append("message", text, "response.output_text.delta", logprobs=[])
+
+    def call(self, delta: dict) -> list[dict]:
+        """A chat tool-call delta: one with an id starts a function_call item; arguments extend it."""
+        events = []
+        if "id" in delta:
+            events = self._start({"type": "function_call", "id": _id("fc"), "call_id": delta["id"],
+                                  "name": delta["function"]["name"], "arguments": "", "status": "in_progress"}, None)
+        if arguments := delta["function"].get("arguments"):
+            self.open["arguments"] += arguments
+            events.append(self.event("response.function_call_arguments.delta", **self._where(), delta=arguments))
+        return events
+
+    def close(self, status: str = "completed") -> list[dict]:
+        """End the open item: its closing events, the item done."""
+        item, events = self.open, []
+        if item is None:
+            return events
+        if item["type"] == "function_call":
+            events.append(self.event("response.function_call_arguments.done", **self._where(), name=item["name"],
+                                     arguments=item["arguments"]))
+        else:
+            text = item.pop("text")
+            done = "response.output_text.done" if item["type"] == "message" else "response.reasoning_text.done"
+            part = ({"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                    if item["type"] == "message" else {"type": "reasoning_text", "text": text})
+            events.append(self.event(done, **self._where(), content_index=0, text=text,
+                                     **({"logprobs": []} if item["type"] == "message" else {})))
+            events.append(self.event("response.content_part.done", **self._where(), content_index=0, part=part))
+            item["content"] = [part]
+        item["status"] = status if item["type"] == "message" else "completed"
+        events.append(self.event("response.output_item.done", output_index=len(self.items) - 1, item=dict(item)))
+        self.open = None
+        return events
+
+    def feed(self, thinking: str, text: str, deltas: list[dict]) -> list[dict]:
+        return ((self.thinking(thinking) if thinking else []) + (self.text(text) if text else [])
+                + [e for d in deltas for e in self.call(d)])
+
+
+def _usage(run: Run) -> r.ResponseUsage:
+    u = run.usage()
+    return r.ResponseUsage(input_tokens=u.prompt_tokens, input_tokens_details=r.InputTokensDetails(
+        cached_tokens=u.prompt_tokens_details.cached_tokens), output_tokens=u.completion_tokens,
+        output_tokens_details=r.OutputTokensDetails(reasoning_tokens=sum(c.thinking_tokens for c in run.choices)),
+        total_tokens=u.total_tokens)
+
+
+class ResponsesRoutes:
+    """The Responses API on one station, with its store."""
+
+    def __init__(self, station: Station) -> None:
+        self.station = station
+        self.store = ResponseStore(station.config.responses_store_size, station.config.responses_store_age_s)
+
+    def _head(self, req: r.ResponsesRequest) -> dict[str, Any]:
+        """The response object's fields that echo the request."""
+        fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else {
+            "type": "text"}
+        choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, r.FunctionChoice) else (
+            req.tool_choice or "auto")
+        return {"id": _id("resp"), "object": "response", "created_at": int(time.time()), "error": None,
+                "incomplete_details": None, "instructions": req.instructions,
+                "max_output_tokens": req.max_output_tokens, "model": served_model_name(self.station),
+                "parallel_tool_calls": req.parallel_tool_calls is not False,
+                "previous_response_id": req.previous_response_id,
+                "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
+                "store": req.store is not False, "temperature": req.temperature, "text": {"format": fmt},
+                "tool_choice": choice, "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
+                "top_p": req.top_p, "truncation": "disabled", "user": req.user, "metadata": req.metadata or {}}
+
+    def _response(self, head: dict, run: Run, out: Output, status: str | None = None) -> r.ResponseObject:
+        finish = run.choices[0].finish
+        if status is None:
+            status = "incomplete" if finish == "length" else "completed"
+        details = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return r.ResponseObject.model_validate({**head, "status": status, "incomplete_details": details,
+                                                "output": out.items, "usage": _usage(run) if finish else None})
+
+    def _keep(self, head: dict, response: r.ResponseObject, history: list[dict], req: r.ResponsesRequest) -> None:
+        if head["store"]:
+            self.store.put(response, history + turns(req.input) + [output_turn(wire(response)["output"])])
+
+    async def create(self, request: Request) -> Response:
+        station = self.station
+        try:
+            check_ready(station)
+            req = validate(r.ResponsesRequest, await read_json(request, station.config.max_body_bytes))
+            history: list[dict] = []
+            if req.previous_response_id is not None:
+                stored = self.store.get(req.previous_response_id)
+                if stored is None:
+                    raise OpenAIError(404, f"no stored response {req.previous_response_id!r} (stored responses "
+                                      "are kept in memory, bounded, and lost on restart)", "previous_response_id",
+                                      "not_found")
+                history = stored.conversation
+            run = await start_run(station, chat_request(station, chat_body(req, history), cap=True))
+        except OUTCOMES as e:
+            return rejected(station, request, e, OPENAI_INVALID)
+        request.state.token_counts = lambda: (run.usage().prompt_tokens, run.usage().completion_tokens)
+        head = self._head(req)
+        if req.stream:
+            return SSEResponse(self._events(run, head, history, req), run.cancel_all)
+        if (stopped := await run_whole(run, request)) is not None:
+            return stopped
+        c, out = run.choices[0], Output()
+        thinking = c.reasoning.text if c.reasoning is not None else ""
+        text = "".join(c.answer) if c.tool is None else (c.tool.content or "")
+        calls = c.tool.calls if c.tool is not None else []
+        deltas = [{"id": k["id"], "function": {"name": k["function"]["name"], "arguments": k["function"]["arguments"]}}
+                  for k in calls]
+        out.feed(thinking, text, deltas)
+        status = "incomplete" if c.finish == "length" else "completed"
+        out.close(status)
+        response = self._response(head, run, out, status)
+        self._keep(head, response, history, req)
+        return JSONResponse(wire(response))
+
+    async def _events(self, run: Run, head: dict, history: list[dict], req: r.ResponsesRequest
+                      ) -> AsyncIterator[str]:
+        out = Output()
+        for kind in ("response.created", "response.in_progress"):
+            yield _sse(out.event(kind, response=wire(self._response(head, run, out, "in_progress"))))
+        try:
+            while not run.done:
+                update = await run.next()
+                if update is not None:
+                    for event in out.feed(update.thinking, update.text, update.tool_deltas):
+                        yield _sse(event)
+            status = "incomplete" if run.choices[0].finish == "length" else "completed"
+            for event in out.close(status):
+                yield _sse(event)
+            response = self._response(head, run, out, status)
+            self._keep(head, response, history, req)
+            yield _sse(out.event(f"response.{status}", response=wire(response)))
+        except OUTCOMES as e:
+            run.cancel_all()
+            f = failure(e, OPENAI_INVALID)
+            failed = {**wire(self._response(head, run, out, "failed")),
+                      "error": {"code": f.code or "server_error", "message": f.message}}
+            yield _sse(out.event("response.failed", response=failed))
+
+    def _stored(self, request: Request) -> r.ResponseObject:
+        response_id = request.path_params["response_id"]
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise OpenAIError(404, f"no stored response {response_id!r}", "response_id", "not_found")
+        return stored.response
+
+    async def retrieve(self, request: Request) -> Response:
+        try:
+            return JSONResponse(wire(self._stored(request)))
+        except OpenAIError as e:
+            return e.response()
+
+    async def delete(self, request: Request) -> Response:
+        try:
+            response = self._stored(request)
+        except OpenAIError as e:
+            return e.response()
+        self.store.delete(response.id)
+        return JSONResponse(wire(r.DeletedResponse(id=response.id, object="response", deleted=True)))
+
+    async def cancel(self, request: Request) -> Response:
+        try:
+            self._stored(request)
+        except OpenAIError as e:
+            return e.response()
+        return OpenAIError(400, "only background responses can be cancelled, and background is not served",
+                           "response_id", "invalid_value").response()
+
+    def endpoints(self) -> list[Endpoint]:
+        err = OpenAIErrorResponse
+        one = "/v1/responses/{response_id}"
+        return [
+            Endpoint("/v1/responses", "POST", self.create, "OpenAI's Responses API", r.ResponseObject, err,
+                     request=r.ResponsesRequest, statuses=(400, 404, 413, 500, 503), stream=True,
+                     stream_chunk=r.StreamEvent, stream_done=False),
+            Endpoint(one, "GET", self.retrieve, "A stored response", r.ResponseObject, err, statuses=(404,)),
+            Endpoint(one, "DELETE", self.delete, "Forget a stored response", r.DeletedResponse, err,
+                     statuses=(404,)),
+            Endpoint(one + "/cancel", "POST", self.cancel, "Cancel a background response (not served)",
+                     r.ResponseObject, err, statuses=(400, 404)),
+        ]
+
+
+def _sse(event: dict) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def responses_endpoints(station: Station) -> list[Endpoint]:
+    """The Responses routes on `station`."""
+    return ResponsesRoutes(station).endpoints()

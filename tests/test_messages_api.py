@@ -1,0 +1,181 @@
+"""Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`), driven by the official `anthropic` client
+against a real uvicorn on loopback.
+
+One continuous-batching station on the default model serves the module, with an API key that the client sends as
+`x-api-key`. Requests are greedy and short, so replies are deterministic and the module stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import pytest
+from server_util import ServerThread, wait_for
+
+from jaxstation.app import create_app
+from jaxstation.model.loader import LoadedModel
+from jaxstation.serving.settings import StationConfig
+from jaxstation.serving.station import Station
+
+SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
+KEY = "k3y"
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+GREEDY = {"extra_body": {"temperature": 0}}  # the current SDK takes temperature only this way
+SYSTEM = "You are a terse assistant who answers in one short sentence, in the language asked for."
+HELLO = [{"role": "user", "content": "Say hello in French."}]
+WEATHER = {"name": "get_weather", "description": "The current weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                            "required": ["city"], "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def station(default_model: LoadedModel):
+    st = Station(StationConfig(**SHAPE, continuous=True, drain_s=5, api_key=KEY), model=default_model)
+    with ServerThread(create_app(st)) as server, server.client() as http:
+        http.headers["x-api-key"] = KEY
+        wait_for(lambda: http.get("/ready").status_code == 200, 120, "the station did not turn ready", 0.1)
+        client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key=KEY, max_retries=0,
+                                     timeout=60)
+        yield st, http, client
+
+
+def check_order(types: list[str]) -> None:
+    """Anthropic's documented event order."""
+    assert types[:2] == ["message_start", "ping"] and types[-2:] == ["message_delta", "message_stop"]
+    k = 2
+    while k < len(types) - 2:
+        assert types[k] == "content_block_start", types
+        k += 1
+        while types[k] == "content_block_delta":
+            k += 1
+        assert types[k] == "content_block_stop", types
+        k += 1
+
+
+def event_types(http: httpx.Client, body: dict) -> list[str]:
+    """The names of a streamed reply's events, as sent (the SDK does not show pings)."""
+    with http.stream("POST", "/v1/messages", json={"model": MODEL, "stream": True, **body}) as r:
+        assert r.status_code == 200
+        names = [line[7:] for line in r.iter_lines() if line.startswith("event: ")]
+    return names
+
+
+def streamed(client: anthropic.Anthropic, **kw) -> anthropic.types.Message:
+    with client.messages.stream(model=MODEL, **kw) as stream:
+        return stream.get_final_message()
+
+
+def same_reply(a: anthropic.types.Message, b: anthropic.types.Message) -> None:
+    assert [c.model_dump() for c in a.content] == [c.model_dump() for c in b.content]
+    assert (a.stop_reason, a.stop_sequence, a.usage.output_tokens) == (b.stop_reason, b.stop_sequence,
+                                                                       b.usage.output_tokens)
+    assert a.usage.input_tokens + a.usage.cache_read_input_tokens == b.usage.input_tokens + \
+        b.usage.cache_read_input_tokens
+
+
+def test_create_and_stream_give_the_same_message(station) -> None:
+    _, http, client = station
+    msg = client.messages.create(model=MODEL, max_tokens=24, messages=HELLO, system=SYSTEM,
+                                 **GREEDY)
+    assert msg.type == "message" and msg.role == "assistant" and msg.model == MODEL and msg.id.startswith("msg_")
+    assert [c.type for c in msg.content] == ["text"] and msg.content[0].text
+    assert msg.stop_reason in ("end_turn", "max_tokens") and msg.usage.output_tokens <= 24
+    count = client.messages.count_tokens(model=MODEL, messages=HELLO, system=SYSTEM)
+    assert count.input_tokens == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+    again = streamed(client, max_tokens=24, messages=HELLO, system=SYSTEM, **GREEDY)
+    same_reply(msg, again)
+    check_order(event_types(http, {"max_tokens": 24, "messages": HELLO, "temperature": 0}))
+    prompt = count.input_tokens  # the same prompt again: reused down to whole prefill chunks, less its last token
+    assert again.usage.cache_read_input_tokens == (prompt - 1) // 32 * 32 > 0
+
+
+def test_max_tokens_is_cut_to_the_context_and_reported(station) -> None:
+    _, _, client = station
+    short = client.messages.create(model=MODEL, max_tokens=3, messages=HELLO, **GREEDY)
+    assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 3
+    whole = client.messages.create(model=MODEL, max_tokens=32000, messages=HELLO, **GREEDY)  # as agents ask
+    assert whole.content[0].text.startswith(short.content[0].text)
+    assert whole.usage.output_tokens + whole.usage.input_tokens + whole.usage.cache_read_input_tokens <= 512
+
+
+def test_a_stop_sequence_ends_the_reply_and_is_named(station) -> None:
+    _, _, client = station
+    full = client.messages.create(model=MODEL, max_tokens=24, messages=HELLO, **GREEDY).content[0].text
+    word = full.split()[1]
+    for msg in (client.messages.create(model=MODEL, max_tokens=24, messages=HELLO, **GREEDY,
+                                       stop_sequences=[word]),
+                streamed(client, max_tokens=24, messages=HELLO, **GREEDY, stop_sequences=[word])):
+        assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == word
+        assert msg.content[0].text == full[:full.find(word)]
+
+
+def test_a_two_turn_tool_conversation(station) -> None:
+    _, http, client = station
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.messages.create(model=MODEL, max_tokens=80, messages=ask, tools=[WEATHER], **GREEDY,
+                                   tool_choice={"type": "tool", "name": "get_weather"})
+    assert first.stop_reason == "tool_use", first
+    call = first.content[-1]
+    assert call.type == "tool_use" and call.name == "get_weather" and set(call.input) == {"city"}
+    choice = {"type": "tool", "name": "get_weather"}
+    again = streamed(client, max_tokens=80, messages=ask, tools=[WEATHER], **GREEDY, tool_choice=choice)
+    check_order(event_types(http, {"max_tokens": 80, "messages": ask, "tools": [WEATHER], "tool_choice": choice}))
+    assert (again.content[-1].name, again.content[-1].input, again.stop_reason) == (call.name, call.input,
+                                                                                   "tool_use")
+    follow = ask + [{"role": "assistant", "content": [c.model_dump(exclude_none=True) for c in first.content]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                                  "content": "Sunny, 21 C"}]}]
+    second = client.messages.create(model=MODEL, max_tokens=30, messages=follow, tools=[WEATHER], **GREEDY)
+    assert second.stop_reason in ("end_turn", "max_tokens", "tool_use") and second.content
+    assert second.usage.cache_read_input_tokens > 0  # the first turn's prompt is the second's prefix
+
+
+def test_output_config_holds_the_reply_to_a_schema(station) -> None:
+    _, _, client = station
+    schema = {"type": "object", "properties": {"greeting": {"type": "string", "maxLength": 20}},
+              "required": ["greeting"], "additionalProperties": False}
+    msg = client.messages.create(model=MODEL, max_tokens=40, messages=HELLO, **GREEDY,
+                                 output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert msg.stop_reason == "end_turn" and set(json.loads(msg.content[0].text)) == {"greeting"}
+
+
+def test_what_claude_code_sends_is_accepted(station) -> None:
+    _, http, _ = station
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 32000, "stream": False, "temperature": 0,
+            "system": [{"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hello in French.",
+                                                       "cache_control": {"type": "ephemeral"}}]}],
+            "metadata": {"user_id": "user_abc"}, "service_tier": "auto",
+            "thinking": {"type": "enabled", "budget_tokens": 31999, "display": "omitted"},
+            "context_management": {"edits": []},
+            "tools": [{**WEATHER, "cache_control": {"type": "ephemeral"}}]}
+    r = http.post("/v1/messages?beta=true", json=body,
+                  headers={"anthropic-version": "2023-06-01", "anthropic-beta": "claude-code-20250219"})
+    assert r.status_code == 200, r.text
+    assert r.json()["type"] == "message" and r.json()["model"] == MODEL
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"mcp_servers": []}, "mcp_servers"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"stop_sequences": [""]}, "stop_sequences[0]"),
+])
+def test_refusals_name_the_field_in_anthropics_shape(station, change, field) -> None:
+    _, http, _ = station
+    r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 8, "messages": HELLO, **change})
+    assert r.status_code == 400
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert field in body["error"]["message"]
+
+
+def test_errors_and_the_key(station) -> None:
+    st, http, client = station
+    r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 8, "messages": HELLO},
+                  headers={"x-api-key": "wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.BadRequestError, match="leaves no room"):
+        client.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi " * 600}])
