@@ -145,6 +145,10 @@ class FakeEngine:
     token_controls = False
     prefill_budget = 0  # one prefill chunk per turn
     verify_rows = 0  # the rows of a verify step (more than 1: the scheduler may speculate)
+
+    @property
+    def wave_widths(self) -> tuple[int, ...]:
+        return tuple(w for w in (1, 2, 4, 8, 16, 32) if w < self.lanes) + (self.lanes,)
     decode_turn_rows: int | None = None  # the rows of a packed turn that carries decode rows (None: the budget)
 
     def turn_rows(self, decode_rows: int) -> int:

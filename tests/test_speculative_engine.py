@@ -71,10 +71,11 @@ def test_beside_one_other_speculation_changes_no_bit(engine: Engine, prompt: lis
 @pytest.mark.parametrize("others", [3, 7])
 def test_seven_drafts_a_step_beside_others_on_a_wide_engine(wide_engine: Engine, prompt: list[int], others: int
                                                             ) -> None:
-    """16 lanes: up to 7 drafts of the oldest request beside 3 or 7 others, one of which does not speculate."""
+    """16 lanes: up to 7 drafts of the oldest request beside 3 or 7 others, one of which does not speculate (drafts
+    may widen the wave to all 16 rows)."""
     prompts = [prompt] + [prompt[3 * i:] for i in range(1, others + 1)]
     plain, _ = run(wide_engine, jobs_for(prompts, GREEDY), None)
-    spec, sched = run(wide_engine, jobs_for(prompts, GREEDY, opt_out=2), Speculation(k=7))
+    spec, sched = run(wide_engine, jobs_for(prompts, GREEDY, opt_out=2), Speculation(k=7, rows=16))
     assert spec == plain
     assert accepted(sched) > 0
 

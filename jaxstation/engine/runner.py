@@ -26,6 +26,7 @@ class Runner(Protocol):
     token_controls: bool  # whether it applies SamplingParams' penalties, logit_bias, min_tokens and constraint masks
     prefill_budget: int  # rows per packed admission step (`pack`); 0: prompts enter one `prefill` chunk at a time
     verify_rows: int  # the most rows a `verify` step holds; 0 or 1: it does not speculate
+    wave_widths: tuple[int, ...]  # the decode wave widths, the lanes last
 
     def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int]) -> None:
         """A request takes `lane` (called before its first prefill chunk): set the lane's per-request token state."""

@@ -254,7 +254,9 @@ class Scheduler:
         decoding = sum(r is not None for r in rows)
         pieces = self._pieces(self.engine.turn_rows(decoding) - decoding) if packs else []
         if not pieces and self.speculation is not None:
-            draft_rows(self.lanes, rows, self.engine.verify_rows, self.speculation.proposer)
+            live = sum(r is not None for r in rows)
+            cap = self.speculation.verify_cap(live, self.engine.wave_widths, self.engine.verify_rows)
+            draft_rows(self.lanes, rows, cap, self.speculation.proposer)
         return Plan(prefill_lane, rows, prefill_mask, pieces)
 
     def _pieces(self, budget: int) -> list[PromptPiece]:

@@ -56,6 +56,14 @@ class Speculation:
     proposer: NgramProposer = NgramProposer()
     k: int = 4
     patience: int = 4
+    rows: int = 4  # drafts may widen a wave to this many rows; past it, they only fill the rows its width pads
+
+    def verify_cap(self, live: int, wave_widths: tuple[int, ...], verify_rows: int) -> int:
+        """The rows a verify step of `live` decode rows may hold: the width their plain wave has anyway, or `rows` if
+        more, and never more than `verify_rows`. A wider wave costs far more (a 1 + 7 row step costs about four 1-row
+        steps here, a 1 + 3 row one under two), so drafts widen only narrow waves."""
+        width = next((w for w in wave_widths if w >= live), live)
+        return min(verify_rows, max(width, self.rows))
 
     def draft_length(self) -> DraftLength:
         return DraftLength(self.k, self.patience)

@@ -65,6 +65,10 @@ class MeshEngine:
     prefill_budget = 0  # prompts enter one chunk at a time: the stations take one lane per prefill call
     verify_rows = 0  # no speculation over the mesh
 
+    @property
+    def wave_widths(self) -> tuple[int, ...]:
+        return (self.lanes,)  # full waves only
+
     def __init__(self, clients: list[StationClient], *, lanes: int, max_seq: int, chunk: int, block: int,
                  recover_s: float, pipeline: bool) -> None:
         self.clients = clients
