@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 from pathlib import Path
 
 import gguf
@@ -23,6 +24,7 @@ from jaxstation.engine.rows import SamplingParams
 from jaxstation.model.gguf_file import GGUFFile
 from jaxstation.model.layers import forward_full
 from jaxstation.model.loader import LoadedModel, load_model
+from jaxstation.model.quant import KernelWeight
 from jaxstation.serving.plan import Plan
 from jaxstation.serving.settings import StationConfig
 
@@ -52,6 +54,12 @@ def test_the_file_is_a_q4_k_m_mix(gemma3_270m: Path, gemma: LoadedModel) -> None
     p = gemma.params
     assert p.embed.blocks == "Q8_0" and p.lm_head is None  # the tied embedding stays in its blocks
     assert {w.blocks for layer in p.layers for w in (layer.wo, layer.w_down)} == {"Q4_K", "Q6_K"}
+    assert {w.blocks for layer in p.layers for w in (layer.w_gate_up,)} == {"Q5_0"}
+    # q, k and v in one format where the file has one (Q5_0), joined parts where v is Q8_0
+    qkv = [w.blocks if isinstance(w, KernelWeight) else tuple(part.blocks for part in w.parts)
+           for w in (layer.wqkv for layer in p.layers)]
+    assert collections.Counter(qkv) == {"Q5_0": 9, ("Q5_0", "Q8_0"): 9}
+    assert p.nbytes < os.path.getsize(gemma3_270m)  # every matrix served as the file stores it
 
 
 @pytest.mark.parametrize("case", range(len(GREEDY)))

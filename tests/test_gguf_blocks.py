@@ -21,11 +21,22 @@ import numpy as np
 from jaxstation.kernels import cpu_kernel
 from jaxstation.model.layers import forward_full
 from jaxstation.model.loader import LoadedModel, load_model
-from jaxstation.model.quant import GGUFBlocks, KernelWeight, kernel_weight, matmul, prepare, take_rows
+from jaxstation.model.quant import (
+    GGUFBlocks,
+    JoinedWeight,
+    KernelWeight,
+    kernel_weight,
+    matmul,
+    prepare,
+    projection,
+    stack,
+    take_rows,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 # where each format keeps its float16 scales: random bytes there could be inf or NaN
-F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+              "Q6_K": (208,)}
 
 
 def random_blocks(fmt: str, n_out: int, n_in: int, seed: int) -> GGUFBlocks:
@@ -81,9 +92,27 @@ def test_the_avx2_variant_gives_the_same_bits() -> None:
     assert done.returncode == 0 and "avx2 ok" in done.stdout, done.stdout + done.stderr[-3000:]
 
 
+def test_a_projection_stored_in_several_formats_joins_its_parts() -> None:
+    """q, k and v in Q5_0, Q5_0 and Q8_0 (a Q4_K_M file's mix): each part as stored, the float32 kernel's bits over
+    the joined dequantized weight at every row count; stacked for a layer scan, the layers' dense [in, out]."""
+    parts = [random_blocks("Q5_0", 64, 256, seed=1), random_blocks("Q5_0", 16, 256, seed=2),
+             random_blocks("Q8_0", 16, 256, seed=3)]
+    joined = projection(parts)
+    assert [p.fmt for p in joined] == ["Q5_0", "Q8_0"] and joined[0].shape == (80, 256)
+    w = prepare(joined, "gguf", "kernel")
+    assert isinstance(w, JoinedWeight) and [p.blocks for p in w.parts] == ["Q5_0", "Q8_0"]
+    dense = np.concatenate([p.dequantize() for p in parts])  # [96, 256]
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((8, 256)), jnp.float32)
+    want = np.asarray(jax.jit(matmul)(x, kernel_weight(dense, "float32")))
+    for rows in (1, 5, 8):
+        assert np.array_equal(np.asarray(jax.jit(matmul)(x[:rows], w)), want[:rows]), rows
+    layers = stack([joined, projection([random_blocks("Q5_0", 96, 256, seed=5)])])
+    assert layers.shape == (2, 256, 96) and np.array_equal(layers[0], dense.T)
+
+
 def test_shapes_and_formats_the_kernel_cannot_take() -> None:
     assert cpu_kernel.fits_blocks("Q4_K", 512, 40) and not cpu_kernel.fits_blocks("Q4_K", 576, 40)
-    assert not cpu_kernel.fits_blocks("Q4_1", 576, 6) and not cpu_kernel.fits_blocks("Q5_0", 576, 64)
+    assert not cpu_kernel.fits_blocks("Q4_1", 576, 6) and not cpu_kernel.fits_blocks("IQ4_NL", 576, 64)
     blocks = random_blocks("Q4_K", 8, 256, seed=1)
     odd = GGUFBlocks(blocks.data[:6], "Q4_K", (6, 256))  # 6 channels: not a multiple of 4, so dense on XLA's dot
     w = prepare(odd, "gguf", "kernel")

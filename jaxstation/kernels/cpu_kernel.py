@@ -4,11 +4,11 @@ XLA's CPU dot has two problems for a decode step. With int8 weights it converts 
 dot, so a step moves more bytes than with float32 weights (and it has no GGUF block formats at all). And it picks a
 different algorithm for one row than for several, so a row's bits depend on how many rows share the call. The matmul
 kernel reads int8 (or float32) weights straight from their buffers, and computes each output with one fixed sequence
-of operations whatever the number of rows; GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) are read as stored and
-rebuilt in registers into exactly the float32 weights the gguf package's dequantization gives. The decode attention
-kernel reads each row's own lane of the KV arena in place, only the positions the row attends to, with no per-block
-loop; a row's result again depends on nothing else. The RMSNorm kernel normalises each row in one call where XLA
-needs a handful of fusions for a row-invariant sum: an unrolled 30-layer step then has about half the fusions, and
+of operations whatever the number of rows; GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) are read as
+stored and rebuilt in registers into exactly the float32 weights the gguf package's dequantization gives. The decode
+attention kernel reads each row's own lane of the KV arena in place, only the positions the row attends to, with no
+per-block loop; a row's result again depends on nothing else. The RMSNorm kernel normalises each row in one call where
+XLA needs a handful of fusions for a row-invariant sum: an unrolled 30-layer step then has about half the fusions, and
 compiles faster.
 
 It is compiled at first use with the system C++ compiler against the jaxlib headers (`jax.ffi.include_dir()`), for
@@ -42,8 +42,8 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contrac
 # "avx2" builds the AVX2 variant on a CPU that has AVX-512 too (to test or compare it); unset, the CPU decides.
 ISA_ENV = "JAXSTATION_KERNEL_ISA"
 # GGUF block formats the matmul reads as stored: (columns per block, bytes per block)
-BLOCK_FORMATS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176),
-                 "Q6_K": (256, 210)}
+BLOCK_FORMATS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+                 "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 TARGETS = {"int8": ("jaxstation_rowwise_matmul_s8", "RowwiseMatmulS8"),
            "float32": ("jaxstation_rowwise_matmul_f32", "RowwiseMatmulF32"),
            "attention": ("jaxstation_decode_attention", "DecodeAttention"),

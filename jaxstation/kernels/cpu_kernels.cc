@@ -1,7 +1,7 @@
 // Row-invariant matmul for XLA's CPU backend: y[m, n] = scale[n] * dot(x[m, :], w[n, :]).
 //
 // Weights are stored out-major, w [N, K]: float32; int8 with one float32 scale per output channel; or a GGUF file's
-// own blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), each row of w its channel's blocks along K. Int8 and block
+// own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), each row of w its channel's blocks along K. Int8 and block
 // weights are widened in registers, so a step reads their bytes, not the four per weight that XLA's CPU dot reads
 // after it materializes converted weights. A block weight is rebuilt exactly as the gguf package's dequantization
 // computes it (the same float32 multiplies and adds), so the output is the float32 path's on the dequantized weights,
@@ -224,6 +224,67 @@ struct Q4 {
 };
 using Q4_0 = Q4<false>;
 using Q4_1 = Q4<true>;
+
+// Q5_0 (d, qh[4], 16 bytes of nibbles; w = d * (q - 16)) and Q5_1 (d, m, qh[4], nibbles; w = d * q + m): Q4's
+// nibbles plus a fifth bit, column c's bit c of the little-endian word qh. With AVX-512 a block's 32 possible weights
+// fill two vectors and a column's weight is one two-table permute by its 5-bit value; with AVX2 the bits are widened
+// straight into vectors.
+template <bool kMin>
+struct Q5 {
+  using Elem = uint8_t;
+  static constexpr int64_t kBlock = 32, kBytes = kMin ? 24 : 22, kHigh = kMin ? 4 : 2;
+  static constexpr int kBias = kMin ? 0 : 16;
+  static uint32_t HighBits(const uint8_t* b) {
+    uint32_t qh;
+    std::memcpy(&qh, b + kHigh, 4);
+    return qh;
+  }
+#if defined(__AVX512F__)
+  struct Group {
+    __m512i q[2];  // columns 0-15 and 16-31: each column's 5-bit value as an int32 lane
+    Vec low, high;  // lane v: the weight of value v, and of value v + 16
+  };
+  static Group Decode(const uint8_t* row, int64_t k) {
+    const uint8_t* b = row + k / kBlock * kBytes;
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kHigh + 4)));
+    const __m512i bits = _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(HighBits(b))), iota);
+    const __m512i five = _mm512_set1_epi32(0x10), nibble = _mm512_set1_epi32(0x0F);
+    const __m512i q0 = _mm512_or_si512(_mm512_and_si512(bytes, nibble),
+                                       _mm512_and_si512(_mm512_slli_epi32(bits, 4), five));
+    const __m512i q1 = _mm512_or_si512(_mm512_srli_epi32(bytes, 4), _mm512_and_si512(_mm512_srli_epi32(bits, 12), five));
+    const Vec d = Set1(HalfToFloat(b));
+    Vec low = Mul(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(iota, _mm512_set1_epi32(kBias))));
+    Vec high = Mul(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(iota, _mm512_set1_epi32(kBias - 16))));
+    if (kMin) {
+      const Vec m = Set1(HalfToFloat(b + 2));
+      low = Add(low, m), high = Add(high, m);
+    }
+    return {{q0, q1}, low, high};
+  }
+  static Vec Weight(const Group& g, int64_t i) { return _mm512_permutex2var_ps(g.low, g.q[i / 16], g.high); }
+#else
+  struct Group {
+    const uint8_t* q;  // 16 bytes
+    uint32_t qh;
+    Vec d, m;
+  };
+  static Group Decode(const uint8_t* row, int64_t k) {
+    const uint8_t* b = row + k / kBlock * kBytes;
+    return {b + kHigh + 4, HighBits(b), Set1(HalfToFloat(b)), Set1(kMin ? HalfToFloat(b + 2) : 0.0f)};
+  }
+  static Vec Weight(const Group& g, int64_t i) {
+    const auto low = Bits(g.q + i % 16, i < 16 ? 0 : 4, 0x0F, 0);
+    const __m256i at = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(i)));
+    const __m256i bit = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(g.qh)), at),
+                                         _mm256_set1_epi32(1));
+    const Vec w = Mul(g.d, Int(low, _mm256_slli_epi32(bit, 4), kBias));
+    return kMin ? Add(w, g.m) : w;
+  }
+#endif
+};
+using Q5_0 = Q5<false>;
+using Q5_1 = Q5<true>;
 
 struct Q8_0 {  // d (f16), 32 int8; w = d * q
   using Elem = uint8_t;
@@ -824,6 +885,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNorm, RmsNormImpl,
 
 JAXSTATION_BLOCK_FORMAT(Q4_0)
 JAXSTATION_BLOCK_FORMAT(Q4_1)
+JAXSTATION_BLOCK_FORMAT(Q5_0)
+JAXSTATION_BLOCK_FORMAT(Q5_1)
 JAXSTATION_BLOCK_FORMAT(Q8_0)
 JAXSTATION_BLOCK_FORMAT(Q4_K)
 JAXSTATION_BLOCK_FORMAT(Q5_K)

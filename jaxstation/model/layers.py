@@ -31,12 +31,12 @@ from jaxstation.kernels.rowwise import row_sum
 from jaxstation.model.config import NO_WINDOW, ModelConfig
 from jaxstation.model.quant import (
     MATMULS,
-    KernelWeight,
     Tensor,
     Weight,
     compute_dtype,
     matmul,
     matmul_transposed,
+    on_kernel,
     precision_for,
     prepare,
     prepare_embedding,
@@ -97,7 +97,7 @@ class Params:
         heads = [self.embed if self.lm_head is None else self.lm_head]
         layers = self.layers if isinstance(self.layers, tuple) else (self.layers,)
         projections = [w for layer in layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
-        return all(isinstance(w, KernelWeight) for w in heads + projections)
+        return all(on_kernel(w) for w in heads + projections)
 
     @property
     def layer_loop(self) -> str:
@@ -208,7 +208,7 @@ def window_at(cfg: ModelConfig, layer: jax.Array | int) -> jax.Array | int | Non
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, feeds: Weight | None = None) -> jax.Array:
     """HF's LlamaRMSNorm: normalise in float32, cast back, then scale. A norm that feeds a projection on the CPU kernel
     runs on the kernels too (one call, not the handful of XLA fusions a row-invariant sum takes)."""
-    if isinstance(feeds, KernelWeight) and x.dtype == jnp.float32:
+    if feeds is not None and on_kernel(feeds) and x.dtype == jnp.float32:
         return cpu_kernel.rms_norm(x, weight, eps)
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(row_sum(xf * xf)[..., None] / x.shape[-1] + eps)

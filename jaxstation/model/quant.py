@@ -6,8 +6,9 @@ activation dtype inside the compiled step and applies the scales to the product,
 
 A `KernelWeight` is a float32 or int8 weight laid out out-major for the CPU kernel (kernels/cpu_kernel.py), which
 reads int8 without converting it in memory and gives each row the same bits whatever the other rows are; or a GGUF
-matrix in its stored block format (weights "gguf": Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), which the kernel rebuilds in
-registers into exactly the float32 weights the gguf package's dequantization gives, so the bits are float32's.
+matrix in its stored block format (weights "gguf": Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), which the kernel
+rebuilds in registers into exactly the float32 weights the gguf package's dequantization gives, so the bits are
+float32's. A `JoinedWeight` is one projection whose parts a file stores in different block formats.
 """
 
 from __future__ import annotations
@@ -49,6 +50,20 @@ class KernelWeight:
         return self.w.nbytes + (0 if self.scale is None else self.scale.nbytes)
 
 
+@partial(jax.tree_util.register_dataclass, data_fields=["parts"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class JoinedWeight:
+    """One projection whose output columns a file stores in several block formats (a Q4_K_M file's q and k in Q5_0,
+    v in Q8_0): each part as stored, its outputs concatenated. The kernel computes every output column alone, so the
+    columns are those of the joined float32 weight, bit for bit."""
+
+    parts: tuple[KernelWeight, ...]  # in output order
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
 @dataclasses.dataclass(frozen=True)
 class GGUFBlocks:
     """A matrix as a GGUF file stores it: data uint8 [..., out, in / block * block bytes] in block format `fmt`."""
@@ -64,14 +79,22 @@ class GGUFBlocks:
         return np.asarray(dequantize(self.data, GGMLQuantizationType[self.fmt]), np.float32).reshape(self.shape)
 
 
-Weight = jax.Array | QuantWeight | KernelWeight
-Tensor = np.ndarray | jax.Array | GGUFBlocks
+Weight = jax.Array | QuantWeight | KernelWeight | JoinedWeight
+Tensor = np.ndarray | jax.Array | GGUFBlocks | tuple[GGUFBlocks, ...]  # a tuple: one projection in several formats
 MATMULS = ("xla", "kernel")  # how projections multiply: XLA's dot, or the CPU kernel over KernelWeights
 
 
 def dense(w: Tensor) -> np.ndarray | jax.Array:
-    """The tensor's values: GGUF blocks dequantized, anything else as it is."""
+    """The tensor's values: GGUF blocks dequantized ([..., out, in]; a tuple's parts joined along out), anything else
+    as it is."""
+    if isinstance(w, tuple):
+        return np.concatenate([p.dequantize() for p in w], axis=-2)
     return w.dequantize() if isinstance(w, GGUFBlocks) else w
+
+
+def on_kernel(w: Weight) -> bool:
+    """Whether every matmul with `w` runs on the CPU kernel."""
+    return isinstance(w, KernelWeight | JoinedWeight)
 
 
 def stored(w: GGUFBlocks, weights: str, matmul: str) -> KernelWeight | None:
@@ -83,11 +106,16 @@ def stored(w: GGUFBlocks, weights: str, matmul: str) -> KernelWeight | None:
 
 
 def projection(parts: list[Tensor]) -> Tensor:
-    """Checkpoint matrices [out_i, in] as one projection: GGUF blocks of one format stay as stored, out-major (their
-    rows concatenated); anything else becomes a dense [in, sum(out_i)]."""
-    if all(isinstance(p, GGUFBlocks) for p in parts) and len({p.fmt for p in parts}) == 1:
-        out = sum(p.shape[0] for p in parts)
-        return GGUFBlocks(np.concatenate([p.data for p in parts]), parts[0].fmt, (out, parts[0].shape[1]))
+    """Checkpoint matrices [out_i, in] as one projection: GGUF blocks stay as stored, out-major (the rows of
+    consecutive parts of one format concatenated; a tuple where formats differ); anything else becomes a dense
+    [in, sum(out_i)]."""
+    if all(isinstance(p, GGUFBlocks) for p in parts):
+        runs = [[parts[0]]]
+        for p in parts[1:]:
+            runs[-1].append(p) if p.fmt == runs[-1][0].fmt else runs.append([p])
+        joined = tuple(GGUFBlocks(np.concatenate([p.data for p in run]), run[0].fmt,
+                                  (sum(p.shape[0] for p in run), run[0].shape[1])) for run in runs)
+        return joined[0] if len(joined) == 1 else joined
     if len(parts) == 1:
         return np.asarray(dense(parts[0])).T
     return np.concatenate([np.asarray(dense(p)) for p in parts], axis=0).T
@@ -97,17 +125,24 @@ def stack(layers: list[Tensor]) -> Tensor:
     """Per-layer tensors on a leading layer axis (GGUF blocks of one format stay as stored)."""
     if all(isinstance(w, GGUFBlocks) and w.fmt == layers[0].fmt for w in layers):
         return GGUFBlocks(np.stack([w.data for w in layers]), layers[0].fmt, (len(layers), *layers[0].shape))
-    return np.stack([np.asarray(dense(w)) for w in layers])
+    return np.stack([_in_out(w) for w in layers])
+
+
+def _in_out(w: Tensor) -> np.ndarray:
+    """A projection's dense values [in, out] (GGUF blocks are stored out-major)."""
+    return np.swapaxes(dense(w), -1, -2) if isinstance(w, GGUFBlocks | tuple) else np.asarray(w)
 
 
 def prepare(w: Tensor, weights: str, matmul: str) -> Weight:
     """A projection as the step will read it: cast, quantized, or out-major for the kernel (when its shape fits the
     kernel; otherwise XLA's dot serves that weight). `w` is [..., in, out], or GGUF blocks [..., out, in], which
     weights "gguf" keeps as stored for the kernel."""
-    if isinstance(w, GGUFBlocks):
-        if kw := stored(w, weights, matmul):
-            return kw
-        w = np.swapaxes(w.dequantize(), -1, -2)
+    if isinstance(w, tuple) and all(parts := [stored(p, weights, matmul) for p in w]):
+        return JoinedWeight(tuple(parts))
+    if isinstance(w, GGUFBlocks) and (kw := stored(w, weights, matmul)):
+        return kw
+    if isinstance(w, GGUFBlocks | tuple):
+        w = _in_out(w)
     if matmul == "kernel" and cpu_kernel.fits(w.shape[-2], w.shape[-1]):
         return kernel_weight(np.swapaxes(np.asarray(w), -1, -2), weights)
     if weights == "int8":
@@ -168,6 +203,8 @@ def precision_for(dtype: jnp.dtype) -> jax.lax.Precision | None:
 
 def matmul(x: jax.Array, w: Weight) -> jax.Array:
     """x [..., in] @ w [in, out] in x's dtype."""
+    if isinstance(w, JoinedWeight):
+        return jnp.concatenate([matmul(x, p) for p in w.parts], axis=-1)
     if isinstance(w, KernelWeight):
         return cpu_kernel.rowwise_matmul(x, w.w, w.scale, w.blocks)
     precision = precision_for(x.dtype)
