@@ -425,46 +425,46 @@ inline void PrefetchRows(const E* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
 }
 
-// Channels [n_begin, n_end) of every row (`w` is channel n_begin's weights), in blocks of kChannelBlock channels that
-// stay in L2 while every row tile passes over them: rows in tiles of 6 (from 16 rows on) or 4 down to 1, channels in
-// pairs (fours for a lone row). Each tile rebuilds the weights it reads, so this suits a few rows.
+// Channels [n_begin, n_end) of every row (`w` is channel n_begin's weights). From 16 rows on, in blocks of
+// kChannelBlock channels that stay in L2 while every row tile (6 rows) passes over them. Fewer rows take each channel
+// pair (four for a lone row) through every row tile (4 rows down to 1) in turn: its weights come from memory once,
+// then from L1, and before each four channels the four after the next four are asked for. Each tile rebuilds the
+// weights it reads, so this suits a few rows.
 constexpr int64_t kChannelBlock = 64;
+
+template <int C, typename F>
+inline void RowTiles(const float* x, const typename F::Elem* w, int64_t row_len, const float* scale, float* y,
+                     int64_t M, int64_t K, int64_t N, int64_t n) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) Tile<4, C, F>(x, w, row_len, scale, y, K, N, m, n);
+  switch (M - m) {
+    case 3: Tile<3, C, F>(x, w, row_len, scale, y, K, N, m, n); break;
+    case 2: Tile<2, C, F>(x, w, row_len, scale, y, K, N, m, n); break;
+    case 1: Tile<1, C, F>(x, w, row_len, scale, y, K, N, m, n); break;
+  }
+}
 
 template <typename F>
 void Channels(const float* x, const typename F::Elem* w, int64_t row_len, const float* scale, float* y, int64_t M,
               int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
-  const int64_t tile_bytes = 4 * row_len * sizeof(typename F::Elem);  // four channels
+  const auto at = [&](int64_t n) { return w + (n - n_begin) * row_len; };
+  if (M < 16) {
+    const int64_t tile_bytes = 4 * row_len * sizeof(typename F::Elem);  // four channels
+    for (int64_t n = n_begin; n < n_end; n += M == 1 ? 4 : 2) {
+      if (n % 4 == 0 && n + 12 <= n_end) PrefetchRows(at(n + 8), tile_bytes);
+      if (M == 1)
+        Tile<1, 4, F>(x, at(n), row_len, scale, y, K, N, 0, n);
+      else
+        RowTiles<2, F>(x, at(n), row_len, scale, y, M, K, N, n);
+    }
+    return;
+  }
   for (int64_t b = n_begin; b < n_end; b += kChannelBlock) {
     const int64_t b_end = std::min(n_end, b + kChannelBlock);
-    const auto at = [&](int64_t n) { return w + (n - n_begin) * row_len; };
     int64_t m = 0;
-    for (; M >= 16 && m + 6 <= M; m += 6)  // many rows: six a tile, fewer weight loads per multiply-add
+    for (; m + 6 <= M; m += 6)  // six rows a tile, fewer weight loads per multiply-add
       for (int64_t n = b; n < b_end; n += 2) Tile<6, 2, F>(x, at(n), row_len, scale, y, K, N, m, n);
-    for (; m + 4 <= M; m += 4)
-      for (int64_t n = b; n < b_end; n += 2) {
-        if (M == 4 && n % 4 == 0 && n + 12 <= n_end) PrefetchRows(at(n + 8), tile_bytes);
-        Tile<4, 2, F>(x, at(n), row_len, scale, y, K, N, m, n);
-      }
-    switch (M - m) {
-      case 3:
-        for (int64_t n = b; n < b_end; n += 2) {
-          if (M == 3 && n % 4 == 0 && n + 12 <= n_end) PrefetchRows(at(n + 8), tile_bytes);
-          Tile<3, 2, F>(x, at(n), row_len, scale, y, K, N, m, n);
-        }
-        break;
-      case 2:
-        for (int64_t n = b; n < b_end; n += 2) {
-          if (M == 2 && n % 4 == 0 && n + 12 <= n_end) PrefetchRows(at(n + 8), tile_bytes);
-          Tile<2, 2, F>(x, at(n), row_len, scale, y, K, N, m, n);
-        }
-        break;
-      case 1:
-        for (int64_t n = b; n < b_end; n += 4) {
-          if (M == 1 && n + 12 <= n_end) PrefetchRows(at(n + 8), tile_bytes);
-          Tile<1, 4, F>(x, at(n), row_len, scale, y, K, N, m, n);
-        }
-        break;
-    }
+    for (int64_t n = b; n < b_end; n += 2) RowTiles<2, F>(x + m * K, at(n), row_len, scale, y + m * N, M - m, K, N, n);
   }
 }
 
@@ -527,7 +527,7 @@ ffi::Error Run(ffi::ThreadPool pool, const float* x, const typename F::Elem* w, 
   const int64_t per = std::max<int64_t>(32, (N / (4 * threads) + 3) / 4 * 4);
   const int64_t items = (N + per - 1) / per;
   // float32 weights need no rebuilding; the others are rebuilt once per call where more than one row tile reads them
-  const bool rebuild = M > 4 && !std::is_same_v<F, Plain<float>>;
+  const bool rebuild = M >= 16 && !std::is_same_v<F, Plain<float>>;
   ParallelFor(pool, items, [&](int64_t i) {
     const int64_t n0 = i * per, n1 = std::min(N, (i + 1) * per);
     if (rebuild)
