@@ -1,6 +1,7 @@
-"""The CPU kernels (jaxstation/kernels/cpu_kernel.py): they build here, the matmul computes x @ w.T (* scale) and the
-norm HF's RMSNorm, every row's bits are independent of the other rows in the call, and the station picks them by
-default on CPU for float32, int8 and a GGUF model's stored blocks (tests/test_gguf_blocks.py)."""
+"""The CPU kernels (jaxstation/kernels/cpu_kernel.py): they build here, the matmul computes x @ w.T (* scale), the
+norm HF's RMSNorm and the top-k `jax.lax.top_k`'s, every row's bits are independent of the other rows in the call, and
+the station picks them by default on CPU for float32, int8 and a GGUF model's stored blocks
+(tests/test_gguf_blocks.py)."""
 
 from __future__ import annotations
 
@@ -83,6 +84,26 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows(weights: str, n_in: int, n_
     others = x.copy()
     others[1:] = rng.standard_normal((32, n_in)).astype(np.float32) * 1e3
     assert np.array_equal(np.asarray(f(jnp.asarray(others), kw))[0], full[0])
+
+
+def check_top_k() -> None:
+    """The top-k kernel gives jax.lax.top_k's values and indices: random rows (a 262,144-token vocabulary's), ascending
+    rows (every value displaces the k-th), ties (lower index first), and float32's total order (NaN, -0, inf)."""
+    rng = np.random.default_rng(0)
+    cases = [rng.standard_normal((3, 262144)).astype(np.float32),
+             np.sort(rng.standard_normal((2, 1000)).astype(np.float32)),
+             rng.integers(-3, 3, (5, 77)).astype(np.float32),
+             np.array([[0.0, -0.0, 1.0, np.nan, 1.0, -np.inf, np.inf, -np.nan, -0.0, 0.0]], np.float32)]
+    for x in cases:
+        for k in (1, 5, 10):
+            got = jax.jit(cpu_kernel.top_k, static_argnums=1)(jnp.asarray(x), k)
+            want = jax.lax.top_k(jnp.asarray(x), k)
+            assert np.array_equal(np.asarray(got[1]), np.asarray(want[1])), (x.shape, k)
+            assert np.array_equal(np.asarray(got[0]), np.asarray(want[0]), equal_nan=True), (x.shape, k)
+
+
+def test_the_top_k_kernel_is_lax_top_k() -> None:
+    check_top_k()
 
 
 @pytest.mark.parametrize("d", [576, 577, 64])

@@ -74,15 +74,18 @@ def test_every_block_format_gives_the_float32_kernels_bits() -> None:
 
 
 def test_the_avx2_variant_gives_the_same_bits() -> None:
-    """The kernels built without AVX-512 (8-lane vectors, two steps a block of 32): the same property. On a CPU with
+    """The kernels built without AVX-512 (8-lane vectors, two steps a block of 32): the same property, and the
+    same top-k. On a CPU with
     AVX-512 this is the variant an AVX2-only machine builds; on an AVX2 machine it is the native one."""
     script = textwrap.dedent("""
         import sys
         sys.path.insert(0, "tests")
         from jaxstation.kernels import cpu_kernel
+        from test_cpu_kernel import check_top_k
         from test_gguf_blocks import check_formats_bitwise
         assert cpu_kernel.vector_lanes() == 8, cpu_kernel.vector_lanes()
         check_formats_bitwise()
+        check_top_k()
         print("avx2 ok")
     """)
     env = {**os.environ, cpu_kernel.ISA_ENV: "avx2", "JAX_PLATFORMS": "cpu",

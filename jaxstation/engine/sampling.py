@@ -14,6 +14,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jaxstation.kernels import cpu_kernel
 from jaxstation.kernels.rowwise import log_softmax, row_sum, softmax
 
 TOP_LOGPROBS = 5  # how many alternatives a step returns per row
@@ -121,6 +122,7 @@ def sample(logits: jax.Array, s: SamplingArrays, chosen_from: jax.Array | None =
 
 def token_logprobs(logprobs: jax.Array, tokens: jax.Array) -> SampleOut:
     """Each row's log-probability of `tokens` [rows] and its TOP_LOGPROBS best tokens. logprobs: [rows, vocab]."""
-    top_lp, top_ids = jax.lax.top_k(logprobs, TOP_LOGPROBS)
+    top = cpu_kernel.top_k if cpu_kernel.available() else jax.lax.top_k  # the same values and indices, in one pass
+    top_lp, top_ids = top(logprobs, TOP_LOGPROBS)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     return SampleOut(tokens=tokens, logprob=chosen, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)

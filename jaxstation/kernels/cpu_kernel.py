@@ -48,6 +48,7 @@ TARGETS = {"int8": ("jaxstation_rowwise_matmul_s8", "RowwiseMatmulS8"),
            "float32": ("jaxstation_rowwise_matmul_f32", "RowwiseMatmulF32"),
            "attention": ("jaxstation_decode_attention", "DecodeAttention"),
            "rms_norm": ("jaxstation_rms_norm", "RmsNorm"),
+           "top_k": ("jaxstation_top_k", "TopK"),
            **{f"matmul_{f}": (f"jaxstation_rowwise_matmul_{f.lower()}", f"RowwiseMatmul{f}") for f in BLOCK_FORMATS},
            **{f"rows_{f}": (f"jaxstation_block_rows_{f.lower()}", f"BlockRows{f}") for f in BLOCK_FORMATS}}
 K_MULTIPLE, N_MULTIPLE = 32, 4  # the kernel's shape contract
@@ -174,6 +175,16 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     rows = x.reshape(-1, x.shape[-1])
     out = jax.ShapeDtypeStruct(rows.shape, jnp.float32)
     return jax.ffi.ffi_call(TARGETS["rms_norm"][0], out)(rows, weight, eps=np.float32(eps)).reshape(x.shape)
+
+
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k` of float32 rows x [..., n], in one pass a row: (values, indices int32) [..., k], descending in
+    float32's total order, equal values by ascending index."""
+    require()
+    rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    out = (jax.ShapeDtypeStruct((rows.shape[0], k), jnp.float32), jax.ShapeDtypeStruct((rows.shape[0], k), jnp.int32))
+    values, ids = jax.ffi.ffi_call(TARGETS["top_k"][0], out)(rows)
+    return values.reshape(*x.shape[:-1], k), ids.reshape(*x.shape[:-1], k)
 
 
 def fits(in_features: int, out_features: int) -> bool:
