@@ -45,6 +45,7 @@ from jaxstation.engine.rows import (
     sampling_arrays,
 )
 from jaxstation.engine.steps import prefill_chunk, step_rows
+from jaxstation.kernels import host_memory
 from jaxstation.model.loader import LoadedModel
 
 PACK_FLOOR = 16  # the narrowest packed step
@@ -101,6 +102,8 @@ class Engine:
         self.verify_rows = lanes if speculative and len(widths) > 1 else 0  # verify steps are narrow waves' rows
         self.prefill_budget = budget
         self.pack_widths = pack_widths(budget) if budget else ()
+        if jax.default_backend() == "cpu":
+            host_memory.keep_freed_memory()  # a step's temporary buffer is not paged in afresh every call
         self.model = model
         self.cfg = model.cfg
         self.lanes, self.max_seq, self.chunk, self.block = lanes, max_seq, chunk, block

@@ -1,0 +1,37 @@
+"""Keep freed host memory in the process, so that a compiled step does not page its buffers in again every call.
+
+XLA's CPU runtime allocates one temporary buffer per execution of a compiled step (52 MB for the 8-row sampling tail
+of a 262,144-token vocabulary) and frees it after. glibc serves an allocation above its mmap threshold (at most
+32 MB) with a fresh mmap and unmaps it on free, so every step faults each page of that buffer in again: about 5,000
+page faults, and 15 of the tail's 18 ms at 8 rows here. With mmap off for allocations (`M_MMAP_MAX` 0) and a trim
+threshold of 1 GiB, glibc serves them from its heaps and keeps what is freed: the same tail then takes 3.5 ms. The
+cost is that the process does not hand freed memory back to the system. Where the C library is not glibc this does
+nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+
+log = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters
+TRIM_THRESHOLD = 1 << 30
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Ask glibc to serve large allocations from its heaps and keep freed memory (once a process). Returns whether it
+    took effect."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    done = bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    if not done:
+        log.warning("glibc's mallopt refused: steps keep paging their buffers in")
+    return done
