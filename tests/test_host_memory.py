@@ -1,0 +1,36 @@
+"""Freed host memory stays in the process (jaxstation/kernels/host_memory.py): a large buffer allocated again after it
+was freed is not paged in afresh, as a compiled step's temporary buffer is not."""
+
+from __future__ import annotations
+
+import ast
+import resource
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import resource, sys
+    import numpy as np
+    from jaxstation.kernels import host_memory
+    if sys.argv[1] == "keep":
+        assert host_memory.keep_freed_memory()
+    def faults() -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        a = np.ones(64 << 20, np.uint8)  # 64 MB: above glibc's largest mmap threshold
+        del a
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    print([faults() for _ in range(3)][1:])  # the first allocation pages in either way
+""")
+
+
+def _faults(mode: str) -> list[int]:
+    done = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return ast.literal_eval(done.stdout.strip())
+
+
+def test_a_freed_buffer_is_not_paged_in_again() -> None:
+    assert resource.getpagesize() == 4096
+    assert min(_faults("default")) > 100  # glibc maps it afresh each time
+    assert _faults("keep") == [0, 0]
