@@ -388,6 +388,30 @@ def make_qwen2() -> None:
     assert params["model.layers.0.self_attn.q_proj.bias"].abs().sum() > 0, "the q/k/v biases must be non-zero"
 
 
+def make_qwen2_draft() -> None:
+    """tiny-qwen2's draft model: its embedding, its first layer and its final norm as a 1-layer `qwen2` GGUF with its
+    tokenizer (numpy and gguf only, from tiny-qwen2/model.gguf)."""
+    import gguf
+
+    base, out = FIXTURES / "tiny-qwen2" / "model.gguf", FIXTURES / "tiny-qwen2-draft"
+    out.mkdir(exist_ok=True)
+    reader = gguf.GGUFReader(base)
+    writer = gguf.GGUFWriter(str(out / "model.gguf"), "qwen2")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = 1 if field.name == "qwen2.block_count" else field.contents()
+        writer.add_key_value(field.name, value, field.types[0], field.types[-1])
+    for t in reader.tensors:
+        if not t.name.startswith("blk.") or t.name.startswith("blk.0."):
+            writer.add_tensor(t.name, np.asarray(t.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    print(f"[tiny-qwen2-draft] -> {out}: {dir_size(out)} bytes")
+
+
 def make_qwen3() -> None:
     make_with_gguf("tiny-qwen3", Qwen3ForCausalLM, qwen3_config(), "qwen3", seed=6)
 
@@ -752,6 +776,7 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)
     FIXTURES.mkdir(parents=True, exist_ok=True)
     makers = {"tiny-llama3": make_llama3, "tiny-mistral": make_mistral, "tiny-qwen2": make_qwen2,
+              "tiny-qwen2-draft": make_qwen2_draft,
               "tiny-qwen3": make_qwen3, "tiny-gemma2": make_gemma2, "tiny-gemma3": make_gemma3,
               "gguf-types": make_gguf_types, "hf-configs": make_hf_configs,
               "gemma3-reference": make_gemma3_reference, "sp-tokenizers": make_sp_tokenizers}

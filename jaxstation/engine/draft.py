@@ -21,7 +21,7 @@ drafts, with the same tokens.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -91,6 +91,11 @@ class DraftModel:
                 if p.last:
                     drafts[p.lane] = [samples[p.lane].token]
         return drafts
+
+    def warmup_steps(self) -> list[tuple[str, Callable[[], object]]]:
+        """The draft engine's warm-up steps that drafting runs (decode waves and packed steps), named draft_*."""
+        steps = self.engine.warmup_steps()
+        return [(f"draft_{name}", run) for name, run in steps if name.startswith(("decode", "pack"))]
 
     def held(self, lane: int, tokens: Sequence[int]) -> int:
         """How many of `tokens` the lane's arena holds (at most all but the last, which the catch-up feeds)."""

@@ -1,0 +1,173 @@
+"""Speculative decoding with a draft model (engine/draft.py, serving/draft.py): a request's tokens, logprobs and finish
+reason with a draft model's drafts verified in one step equal those without speculation, bit for bit (greedy and
+seeded, k = 1, 3 and 7, alone and beside requests that speculate and that do not, both scheduler modes, the default
+model's GGUF blocks, float32 and int8 weights, and the tiny fixtures with a smaller draft); a draft whose vocabulary
+differs is refused in one line naming both files.
+
+The default model drafts for itself here (its only model with the same vocabulary), on an engine of the shared
+engines' shape, so its programs are theirs; tiny-qwen2 has a 1-layer draft (tests/fixtures/tiny-qwen2-draft) whose
+drafts mostly fail, which exercises the rejections."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+from conftest import FIXTURES, WIDE_SHAPE, engine_config, station_plan
+from server_util import ServerThread, metric, wait_for
+from test_cli import run_cli
+from test_speculative_engine import GREEDY, SEEDED, accepted, jobs_for, run
+
+from jaxstation.app import create_app
+from jaxstation.engine.draft import DraftModel
+from jaxstation.engine.engine import Engine
+from jaxstation.engine.jobs import Job
+from jaxstation.engine.speculative import Speculation
+from jaxstation.model.loader import LoadedModel, model_source
+from jaxstation.serving.draft import check_draft, load_draft
+from jaxstation.serving.plan import load_planned, planned_engine
+from jaxstation.serving.settings import ConfigError, StationConfig
+from jaxstation.serving.station import Station
+
+TINY = FIXTURES / "tiny-qwen2" / "model.gguf"
+TINY_DRAFT = FIXTURES / "tiny-qwen2-draft" / "model.gguf"
+TINY_SHAPE = {"lanes": 4, "max_seq": 256, "prefill_chunk": 32, "kv_block": 128, "prefill_budget": 32}
+
+
+@pytest.fixture(scope="module")
+def prompt(default_model: LoadedModel) -> list[int]:
+    from test_speculative_engine import TEXT
+
+    return default_model.tokenizer.encode(TEXT)
+
+
+@pytest.fixture(scope="module")
+def draft(default_model: LoadedModel) -> DraftModel:
+    """The default model drafting, at the shared engine's shape (its programs are `engine`'s)."""
+    config = engine_config()
+    return DraftModel(planned_engine(default_model, config, station_plan(config)))
+
+
+@pytest.fixture(scope="module")
+def wide_draft(default_model: LoadedModel) -> DraftModel:
+    return DraftModel(Engine(default_model, **WIDE_SHAPE, attention="kernel"))
+
+
+_PLAIN: dict[tuple, list[tuple]] = {}
+
+
+def plain(engine: Engine, prompts: list[list[int]], sampling, n: int = 16) -> list[tuple]:
+    """Each prompt's run alone without speculation (run once per module)."""
+    key = (id(engine), tuple(map(tuple, prompts)), sampling, n)
+    if key not in _PLAIN:
+        _PLAIN[key] = [run(engine, jobs_for([p], sampling, n), None)[0][0] for p in prompts]
+    return _PLAIN[key]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_alone_a_draft_model_changes_no_bit(engine: Engine, draft: DraftModel, prompt: list[int], sampling, k: int
+                                            ) -> None:
+    spec, sched = run(engine, jobs_for([prompt], sampling), Speculation(draft, k=k))
+    assert spec == plain(engine, [prompt], sampling)
+    assert accepted(sched) > 0
+
+
+@pytest.mark.parametrize("continuous", [True, False], ids=["continuous", "serialized"])
+def test_beside_one_other_a_draft_model_changes_no_bit(engine: Engine, draft: DraftModel, prompt: list[int],
+                                                       continuous: bool) -> None:
+    prompts = [prompt, prompt[5:]]
+    spec, sched = run(engine, jobs_for(prompts, SEEDED), Speculation(draft, k=3), continuous)
+    assert spec == plain(engine, prompts, SEEDED)
+    assert accepted(sched) > 0
+
+
+@pytest.mark.parametrize("others", [3, 7])
+def test_seven_drafts_a_step_beside_others(wide_engine: Engine, wide_draft: DraftModel, prompt: list[int],
+                                           others: int) -> None:
+    """16 lanes: up to 7 drafts of the oldest request beside 3 or 7 others, one of which does not speculate."""
+    prompts = [prompt] + [prompt[3 * i:] for i in range(1, others + 1)]
+    spec, sched = run(wide_engine, jobs_for(prompts, GREEDY, n=10, opt_out=2), Speculation(wide_draft, k=7, rows=16))
+    assert spec == plain(wide_engine, prompts, GREEDY, n=10)
+    assert accepted(sched) > 0
+
+
+def test_int8_weights_with_the_gguf_draft(int8_engine: Engine, draft: DraftModel, prompt: list[int]) -> None:
+    prompts = [prompt, prompt[7:]]
+    spec, sched = run(int8_engine, jobs_for(prompts, SEEDED, n=12), Speculation(draft, k=3))
+    assert spec == plain(int8_engine, prompts, SEEDED, n=12)
+    assert accepted(sched) > 0
+
+
+def test_max_tokens_and_a_stop_id_inside_an_accepted_run(engine: Engine, draft: DraftModel, prompt: list[int]
+                                                         ) -> None:
+    for n in (2, 3, 5):
+        spec, _ = run(engine, jobs_for([prompt], GREEDY, n=n), Speculation(draft, k=3))
+        assert spec == plain(engine, [prompt], GREEDY, n) and len(spec[0][0]) == n
+    [(tokens, _, _)] = plain(engine, [prompt], GREEDY)
+    stop = frozenset({tokens[6]})
+    jobs = [Job(tokens=prompt, max_new_tokens=12, stop_ids=stop) for _ in range(2)]
+    alone, _ = run(engine, jobs[:1], None)
+    spec, sched = run(engine, jobs[1:], Speculation(draft, k=7))
+    assert spec == alone and alone[0][2] == "stop" and len(alone[0][0]) <= 6
+    assert accepted(sched) > 0
+
+
+def tiny_station_config(draft: Path, **settings) -> StationConfig:
+    return StationConfig(**{"model": str(TINY), **TINY_SHAPE, "speculative": "draft", "draft_model": str(draft),
+                            **settings})
+
+
+@pytest.fixture(scope="module")
+def tiny_engine() -> Engine:
+    """tiny-qwen2's float32 weights (its safetensors directory) on 8 lanes."""
+    config = tiny_station_config(TINY_DRAFT, model=str(FIXTURES / "tiny-qwen2"), lanes=8)
+    plan = station_plan(config)
+    return planned_engine(load_planned(config, plan), config, plan)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_float32_weights_and_a_smaller_draft_on_the_tiny_fixtures_beside_others(tiny_engine: Engine, sampling
+                                                                                ) -> None:
+    """tiny-qwen2 with its 1-layer draft (whose drafts mostly fail) and with its own weights as the draft (whose
+    drafts stand): four requests, one of which does not speculate, as each alone without speculation."""
+    prompts = [[(7 * i + 3 * j) % 250 + 3 for j in range(20 + 9 * i)] for i in range(4)]
+    for draft_path in (TINY_DRAFT, TINY):
+        drafts = load_draft(tiny_station_config(draft_path, lanes=8))
+        spec, sched = run(tiny_engine, jobs_for(prompts, sampling, n=24, opt_out=1), Speculation(drafts, k=3, rows=8))
+        assert spec == plain(tiny_engine, prompts, sampling, n=24)
+        assert sched.metrics.registry.get_sample_value("jaxstation_spec_decode_num_draft_tokens_total") > 0
+        if draft_path == TINY:
+            assert accepted(sched) > 0
+
+
+def test_a_draft_whose_vocabulary_differs_is_refused_in_one_line_naming_both_files() -> None:
+    default = model_source(None)
+    with pytest.raises(ConfigError) as e:
+        check_draft(StationConfig(speculative="draft", draft_model=str(TINY_DRAFT)))
+    assert str(e.value) == (f"MOONSHINE_DRAFT_MODEL: the draft model {TINY_DRAFT} has a vocabulary of 256 tokens and "
+                            f"the model {default} one of 49152; a draft model must share the model's vocabulary")
+    r = run_cli("serve", "--port", "0", "--speculative", "draft", "--draft-model", str(TINY_DRAFT), timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr + r.stdout
+    said = [line for line in r.stderr.splitlines() if " INFO " not in line]
+    assert said == [f"error: {str(e.value).replace('MOONSHINE_DRAFT_MODEL', '--draft-model')}"]
+    with pytest.raises(ConfigError, match="MOONSHINE_SPECULATIVE=draft and MOONSHINE_DRAFT_MODEL go together"):
+        StationConfig(speculative="draft")
+
+
+def test_over_http_with_the_openai_client() -> None:
+    """A station on tiny-qwen2 drafting with the same weights from its safetensors directory: a chat completion that
+    speculates has the text and logprobs of one that opts out."""
+    station = Station(tiny_station_config(FIXTURES / "tiny-qwen2", continuous=True, drain_s=5))
+    with ServerThread(create_app(station)) as server, server.client() as http:
+        wait_for(lambda: http.get("/ready").status_code == 200, 120, "the station did not turn ready", 0.1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+        kw = {"model": "model", "messages": [{"role": "user", "content": "abcabcabc"}], "max_tokens": 24,
+              "temperature": 0, "logprobs": True, "top_logprobs": 2}
+        spec = client.chat.completions.create(**kw)
+        plain = client.chat.completions.create(**kw, extra_body={"speculative": False})
+        assert spec.choices[0].message.content == plain.choices[0].message.content
+        assert spec.choices[0].logprobs == plain.choices[0].logprobs
+        assert spec.usage.completion_tokens == plain.usage.completion_tokens == 24
+        assert metric(http.get("/metrics").text, "jaxstation_spec_decode_num_accepted_tokens_total") > 0
