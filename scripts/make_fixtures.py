@@ -13,6 +13,8 @@ Writes, under ``tests/fixtures/``:
 * ``tiny-qwen2/``, ``tiny-qwen3/``, ``tiny-gemma2/``, ``tiny-gemma3/`` -- ``Qwen2ForCausalLM`` (q/k/v biases),
   ``Qwen3ForCausalLM`` (q/k norms, head_dim 32), ``Gemma2ForCausalLM`` and ``Gemma3ForCausalLM``, each with a byte-level
   tokenizer and the same weights as ``model.gguf``.
+* ``tiny-qwen2-draft/`` -- a 1-layer draft of tiny-qwen2 (its embedding, first layer and final norm) as ``model.gguf``,
+  with its tokenizer (numpy and gguf only, from ``tiny-qwen2/model.gguf``).
 
 Each directory also gets ``config.json`` (from ``save_pretrained``) and ``reference.npz`` with
 ``input_ids`` [48] int32, ``logits`` [48, 256] float32 (one full forward pass), ``greedy_ids`` [16]
@@ -732,6 +734,11 @@ local layers in `attention.sliding_window_pattern`), so `reference.npz` holds fo
 Both carry a tokenizer (`tokenizer.json` and the GGUF's `tokenizer.*` keys): byte-level BPE over
 the 256 bytes with no merges, so token i is byte i, and a ChatML chat template; a station serves
 them over HTTP.
+
+`tiny-qwen2-draft/model.gguf` is tiny-qwen2's draft model: its embedding, its first layer and its final norm, as a
+1-layer `qwen2` GGUF with the same tokenizer keys (the speculative decoding tests' smaller draft; with random
+weights its drafts mostly fail). Made from `tiny-qwen2/model.gguf` with numpy and gguf alone:
+`python scripts/make_fixtures.py tiny-qwen2-draft`.
 
 Weights are N(0, 0.2), RMSNorm weights 1 + 0.1 N(0, 1), float32, eager attention.
 

@@ -30,9 +30,10 @@ from jaxstation.serving.plan import load_planned, planned_engine
 from jaxstation.serving.settings import ConfigError, StationConfig
 from jaxstation.serving.station import Station
 
-TINY = FIXTURES / "tiny-qwen2" / "model.gguf"
 TINY_DRAFT = FIXTURES / "tiny-qwen2-draft" / "model.gguf"
-TINY_SHAPE = {"lanes": 4, "max_seq": 256, "prefill_chunk": 32, "kv_block": 128, "prefill_budget": 32}
+TINY_F32 = FIXTURES / "tiny-qwen2"  # the same weights in safetensors: float32
+# 8 lanes, so that four requests leave rows for drafts; the HTTP station has the same shape, and so the same programs
+TINY_SHAPE = {"lanes": 8, "max_seq": 256, "prefill_chunk": 32, "kv_block": 128, "prefill_budget": 32}
 
 
 @pytest.fixture(scope="module")
@@ -115,14 +116,14 @@ def test_max_tokens_and_a_stop_id_inside_an_accepted_run(engine: Engine, draft: 
 
 
 def tiny_station_config(draft: Path, **settings) -> StationConfig:
-    return StationConfig(**{"model": str(TINY), **TINY_SHAPE, "speculative": "draft", "draft_model": str(draft),
+    return StationConfig(**{"model": str(TINY_F32), **TINY_SHAPE, "speculative": "draft", "draft_model": str(draft),
                             **settings})
 
 
 @pytest.fixture(scope="module")
 def tiny_engine() -> Engine:
-    """tiny-qwen2's float32 weights (its safetensors directory) on 8 lanes."""
-    config = tiny_station_config(TINY_DRAFT, model=str(FIXTURES / "tiny-qwen2"), lanes=8)
+    """tiny-qwen2's float32 weights (its safetensors directory)."""
+    config = tiny_station_config(TINY_DRAFT)
     plan = station_plan(config)
     return planned_engine(load_planned(config, plan), config, plan)
 
@@ -130,15 +131,15 @@ def tiny_engine() -> Engine:
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_float32_weights_and_a_smaller_draft_on_the_tiny_fixtures_beside_others(tiny_engine: Engine, sampling
                                                                                 ) -> None:
-    """tiny-qwen2 with its 1-layer draft (whose drafts mostly fail) and with its own weights as the draft (whose
+    """tiny-qwen2 with its 1-layer draft (GGUF; its drafts mostly fail) and with its own weights as the draft (whose
     drafts stand): four requests, one of which does not speculate, as each alone without speculation."""
     prompts = [[(7 * i + 3 * j) % 250 + 3 for j in range(20 + 9 * i)] for i in range(4)]
-    for draft_path in (TINY_DRAFT, TINY):
-        drafts = load_draft(tiny_station_config(draft_path, lanes=8))
+    for draft_path in (TINY_DRAFT, TINY_F32):
+        drafts = load_draft(tiny_station_config(draft_path))
         spec, sched = run(tiny_engine, jobs_for(prompts, sampling, n=24, opt_out=1), Speculation(drafts, k=3, rows=8))
         assert spec == plain(tiny_engine, prompts, sampling, n=24)
         assert sched.metrics.registry.get_sample_value("jaxstation_spec_decode_num_draft_tokens_total") > 0
-        if draft_path == TINY:
+        if draft_path == TINY_F32:
             assert accepted(sched) > 0
 
 
@@ -157,17 +158,17 @@ def test_a_draft_whose_vocabulary_differs_is_refused_in_one_line_naming_both_fil
 
 
 def test_over_http_with_the_openai_client() -> None:
-    """A station on tiny-qwen2 drafting with the same weights from its safetensors directory: a chat completion that
-    speculates has the text and logprobs of one that opts out."""
-    station = Station(tiny_station_config(FIXTURES / "tiny-qwen2", continuous=True, drain_s=5))
+    """A station on tiny-qwen2 drafting with its 1-layer draft (the programs of the test above): a chat completion
+    that speculates has the text and logprobs of one that opts out."""
+    station = Station(tiny_station_config(TINY_DRAFT, continuous=True, drain_s=5))
     with ServerThread(create_app(station)) as server, server.client() as http:
         wait_for(lambda: http.get("/ready").status_code == 200, 120, "the station did not turn ready", 0.1)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
-        kw = {"model": "model", "messages": [{"role": "user", "content": "abcabcabc"}], "max_tokens": 24,
+        kw = {"model": "tiny-qwen2", "messages": [{"role": "user", "content": "abcabcabc"}], "max_tokens": 24,
               "temperature": 0, "logprobs": True, "top_logprobs": 2}
         spec = client.chat.completions.create(**kw)
         plain = client.chat.completions.create(**kw, extra_body={"speculative": False})
         assert spec.choices[0].message.content == plain.choices[0].message.content
         assert spec.choices[0].logprobs == plain.choices[0].logprobs
         assert spec.usage.completion_tokens == plain.usage.completion_tokens == 24
-        assert metric(http.get("/metrics").text, "jaxstation_spec_decode_num_accepted_tokens_total") > 0
+        assert metric(http.get("/metrics").text, "jaxstation_spec_decode_num_draft_tokens_total") > 0

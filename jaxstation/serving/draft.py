@@ -52,7 +52,8 @@ def load_draft(config: StationConfig) -> DraftModel:
     its model. Raises ConfigError for a draft whose vocabulary differs, that does not fit, or that cannot run narrow
     waves and packed steps here."""
     check_draft(config)
-    draft_config = dataclasses.replace(config, model=config.draft_model, draft_model=None, speculative="off")
+    draft_config = dataclasses.replace(config, model=config.draft_model, draft_model=None, speculative="off",
+                                       prefill_budget=config.prefill_budget or "auto")  # it catches up in packed steps
     cfg = checkpoint_config(config.draft_model)
     plan = resolve_plan(draft_config, cfg)
     if len(plan.wave_widths) < 2 or not plan.prefill_budget:
