@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import openai
 import pytest
 from conftest import FIXTURES, WIDE_SHAPE, engine_config, station_plan
 from server_util import ServerThread, metric, wait_for
 from test_cli import run_cli
+from test_gguf_types import rewrite_gguf
 from test_speculative_engine import GREEDY, SEEDED, accepted, jobs_for, run
 
 from jaxstation.app import create_app
@@ -162,6 +164,18 @@ def test_a_draft_whose_vocabulary_differs_is_refused_in_one_line_naming_both_fil
     assert said == [f"error: {str(e.value).replace('MOONSHINE_DRAFT_MODEL', '--draft-model')}"]
     with pytest.raises(ConfigError, match="MOONSHINE_SPECULATIVE=draft and MOONSHINE_DRAFT_MODEL go together"):
         StationConfig(speculative="draft")
+
+
+def test_a_draft_whose_tokens_are_spelled_otherwise_is_refused(tmp_path: Path) -> None:
+    """The same vocabulary size, tokens 0 and 1 swapped: refused, naming the first token that differs."""
+    tokens = gguf.GGUFReader(TINY_DRAFT).fields["tokenizer.ggml.tokens"].contents()
+    path = rewrite_gguf(tmp_path / "swapped.gguf", TINY_DRAFT, values={"tokenizer.ggml.tokens": [tokens[1], tokens[0],
+                                                                                               *tokens[2:]]})
+    check_draft(tiny_station_config(TINY_DRAFT))  # the same tokenizer: nothing to refuse
+    with pytest.raises(ConfigError) as e:
+        check_draft(tiny_station_config(path))
+    assert str(e.value) == (f"MOONSHINE_DRAFT_MODEL: token 0 of the draft model {path} is b'\\x01' and of the model "
+                            f"{TINY_F32} b'\\x00'; a draft model must share the model's vocabulary")
 
 
 def test_over_http_with_the_openai_client() -> None:
