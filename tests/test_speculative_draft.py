@@ -192,4 +192,6 @@ def test_over_http_with_the_openai_client() -> None:
         assert spec.choices[0].message.content == plain.choices[0].message.content
         assert spec.choices[0].logprobs == plain.choices[0].logprobs
         assert spec.usage.completion_tokens == plain.usage.completion_tokens == 24
-        assert metric(http.get("/metrics").text, "jaxstation_spec_decode_num_draft_tokens_total") > 0
+        text = http.get("/metrics").text
+        assert metric(text, "jaxstation_spec_decode_num_draft_tokens_total") > 0
+        assert metric(text, "jaxstation_step_seconds_count", {"kind": "draft"}) > 0

@@ -21,6 +21,7 @@ drafts, with the same tokens.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -36,10 +37,12 @@ GREEDY = SamplingParams()
 class DraftModel:
     """Greedy drafts from a draft model's engine (see the module docstring); a `Proposer` for `Speculation`."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, observe: Callable[[float], None] | None = None) -> None:
+        """observe: given each drafting round's seconds (e.g. a step-time histogram's)."""
         if not engine.prefill_budget:
             raise ValueError("a draft engine catches up in packed steps: it needs a prefill budget")
         self.engine = engine
+        self.observe = observe
         self.written: list[list[int]] = [[] for _ in range(engine.lanes)]  # per lane: the tokens fed, by position
 
     def propose_batch(self, asks: Sequence[Ask], room: int) -> dict[int, list[int]]:
@@ -51,13 +54,17 @@ class DraftModel:
         asks = [(lane, tokens, ks[lane]) for lane, tokens, _ in asks if ks[lane]]
         if not asks:
             return {}
+        t0 = time.perf_counter()
         try:
-            return self._draft(asks)
+            drafts = self._draft(asks)
         except Exception:  # drafts never change a token: the turn goes on without them
             log.exception("draft step failed; rebuilding the draft arena")
             self.engine.reset()
             self.written = [[] for _ in range(self.engine.lanes)]
             return {}
+        if self.observe is not None:
+            self.observe(time.perf_counter() - t0)
+        return drafts
 
     def _draft(self, asks: Sequence[Ask]) -> dict[int, list[int]]:
         drafts = self._catch_up({lane: tokens for lane, tokens, _ in asks})

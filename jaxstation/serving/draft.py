@@ -10,6 +10,7 @@ The draft runs where the model speculates (narrow waves on the CPU kernels), and
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from jaxstation.engine.draft import DraftModel
 from jaxstation.engine.speculative import NgramProposer, Speculation
@@ -47,10 +48,10 @@ def _token_bytes(source) -> list[bytes] | None:
     return [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
 
 
-def load_draft(config: StationConfig) -> DraftModel:
+def load_draft(config: StationConfig, observe: Callable[[float], None] | None = None) -> DraftModel:
     """The draft model `config` names, on an engine of the station's lanes and positions, planned as the station plans
-    its model. Raises ConfigError for a draft whose vocabulary differs, that does not fit, or that cannot run narrow
-    waves and packed steps here."""
+    its model (`observe`: given each drafting round's seconds). Raises ConfigError for a draft whose vocabulary
+    differs, that does not fit, or that cannot run narrow waves and packed steps here."""
     check_draft(config)
     draft_config = dataclasses.replace(config, model=config.draft_model, draft_model=None, speculative="off",
                                        prefill_budget=config.prefill_budget or "auto")  # it catches up in packed steps
@@ -60,7 +61,7 @@ def load_draft(config: StationConfig) -> DraftModel:
         raise ConfigError(f"{config.named('draft_model')}: the draft model {config.draft_model} cannot run narrow "
                           f"waves and packed steps here ({plan}), and drafts in them")
     check_memory(cfg, draft_config, plan.dtype)
-    return DraftModel(planned_engine(load_planned(draft_config, plan), draft_config, plan))
+    return DraftModel(planned_engine(load_planned(draft_config, plan), draft_config, plan), observe)
 
 
 def speculation(config: StationConfig, plan: Plan, draft: DraftModel | None) -> Speculation | None:

@@ -84,7 +84,7 @@ class Station:
             draft = None
             if self.plan.speculative == "draft":
                 with clock.phase("draft_load"):
-                    draft = load_draft(c)
+                    draft = load_draft(c, self.metrics.step.labels("draft").observe)
             if self._before_warmup is not None:
                 self._before_warmup()
             for name, run in [*self.engine.warmup_steps(), *(draft.warmup_steps() if draft else [])]:
