@@ -162,8 +162,9 @@ def test_a_draft_whose_vocabulary_differs_is_refused_in_one_line_naming_both_fil
     assert r.returncode == 2 and "Traceback" not in r.stderr + r.stdout
     said = [line for line in r.stderr.splitlines() if " INFO " not in line]
     assert said == [f"error: {str(e.value).replace('MOONSHINE_DRAFT_MODEL', '--draft-model')}"]
-    with pytest.raises(ConfigError, match="MOONSHINE_SPECULATIVE=draft and MOONSHINE_DRAFT_MODEL go together"):
-        StationConfig(speculative="draft")
+    for settings in ({"speculative": "draft"}, {"speculative": "ngram", "draft_model": str(TINY_DRAFT)}):
+        with pytest.raises(ConfigError, match="MOONSHINE_SPECULATIVE=draft and MOONSHINE_DRAFT_MODEL go together"):
+            StationConfig(**settings)
 
 
 def test_a_draft_whose_tokens_are_spelled_otherwise_is_refused(tmp_path: Path) -> None:

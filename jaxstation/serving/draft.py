@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 
 from jaxstation.engine.draft import DraftModel
 from jaxstation.engine.speculative import NgramProposer, Speculation
@@ -39,7 +40,7 @@ def check_draft(config: StationConfig) -> None:
                           "must share the model's vocabulary")
 
 
-def _token_bytes(source) -> list[bytes] | None:
+def _token_bytes(source: Path) -> list[bytes] | None:
     """Every token's bytes, from the checkpoint's tokenizer; None for a checkpoint without one."""
     try:
         tokenizer = load_tokenizer(source)
@@ -58,8 +59,8 @@ def load_draft(config: StationConfig, observe: Callable[[float], None] | None = 
     cfg = checkpoint_config(config.draft_model)
     plan = resolve_plan(draft_config, cfg)
     if len(plan.wave_widths) < 2 or not plan.prefill_budget:
-        raise ConfigError(f"{config.named('draft_model')}: the draft model {config.draft_model} cannot run narrow "
-                          f"waves and packed steps here ({plan}), and drafts in them")
+        raise ConfigError(f"{config.named('draft_model')}: the draft model {config.draft_model} drafts in narrow "
+                          f"waves and packed steps, which its plan here cannot run ({plan})")
     check_memory(cfg, draft_config, plan.dtype)
     return DraftModel(planned_engine(load_planned(draft_config, plan), draft_config, plan), observe)
 
