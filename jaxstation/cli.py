@@ -89,10 +89,12 @@ def cmd_export_tokenizer(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from jaxstation.app import station_and_app
     from jaxstation.model.loader import checkpoint_config
+    from jaxstation.serving.draft import check_draft
     from jaxstation.serving.server import serve, warmup_only
 
     config = resolve(args, command="serve")
     checkpoint_config(config.model)  # a bad checkpoint is refused here, before the server announces that it listens
+    check_draft(config)  # as a draft model whose vocabulary differs
     return warmup_only(config) if args.warmup_only else serve(config, station_and_app)
 
 

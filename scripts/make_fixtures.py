@@ -13,6 +13,8 @@ Writes, under ``tests/fixtures/``:
 * ``tiny-qwen2/``, ``tiny-qwen3/``, ``tiny-gemma2/``, ``tiny-gemma3/`` -- ``Qwen2ForCausalLM`` (q/k/v biases),
   ``Qwen3ForCausalLM`` (q/k norms, head_dim 32), ``Gemma2ForCausalLM`` and ``Gemma3ForCausalLM``, each with a byte-level
   tokenizer and the same weights as ``model.gguf``.
+* ``tiny-qwen2-draft/`` -- a 1-layer draft of tiny-qwen2 (its embedding, first layer and final norm) as ``model.gguf``,
+  with its tokenizer (numpy and gguf only, from ``tiny-qwen2/model.gguf``).
 
 Each directory also gets ``config.json`` (from ``save_pretrained``) and ``reference.npz`` with
 ``input_ids`` [48] int32, ``logits`` [48, 256] float32 (one full forward pass), ``greedy_ids`` [16]
@@ -388,6 +390,30 @@ def make_qwen2() -> None:
     assert params["model.layers.0.self_attn.q_proj.bias"].abs().sum() > 0, "the q/k/v biases must be non-zero"
 
 
+def make_qwen2_draft() -> None:
+    """tiny-qwen2's draft model: its embedding, its first layer and its final norm as a 1-layer `qwen2` GGUF with its
+    tokenizer (numpy and gguf only, from tiny-qwen2/model.gguf)."""
+    import gguf
+
+    base, out = FIXTURES / "tiny-qwen2" / "model.gguf", FIXTURES / "tiny-qwen2-draft"
+    out.mkdir(exist_ok=True)
+    reader = gguf.GGUFReader(base)
+    writer = gguf.GGUFWriter(str(out / "model.gguf"), "qwen2")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = 1 if field.name == "qwen2.block_count" else field.contents()
+        writer.add_key_value(field.name, value, field.types[0], field.types[-1])
+    for t in reader.tensors:
+        if not t.name.startswith("blk.") or t.name.startswith("blk.0."):
+            writer.add_tensor(t.name, np.asarray(t.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    print(f"[tiny-qwen2-draft] -> {out}: {dir_size(out)} bytes")
+
+
 def make_qwen3() -> None:
     make_with_gguf("tiny-qwen3", Qwen3ForCausalLM, qwen3_config(), "qwen3", seed=6)
 
@@ -709,6 +735,11 @@ Both carry a tokenizer (`tokenizer.json` and the GGUF's `tokenizer.*` keys): byt
 the 256 bytes with no merges, so token i is byte i, and a ChatML chat template; a station serves
 them over HTTP.
 
+`tiny-qwen2-draft/model.gguf` is tiny-qwen2's draft model: its embedding, its first layer and its final norm, as a
+1-layer `qwen2` GGUF with the same tokenizer keys (the speculative decoding tests' smaller draft; with random
+weights its drafts mostly fail). Made from `tiny-qwen2/model.gguf` with numpy and gguf alone:
+`python scripts/make_fixtures.py tiny-qwen2-draft`.
+
 Weights are N(0, 0.2), RMSNorm weights 1 + 0.1 N(0, 1), float32, eager attention.
 
 Each `reference.npz` holds:
@@ -752,6 +783,7 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)
     FIXTURES.mkdir(parents=True, exist_ok=True)
     makers = {"tiny-llama3": make_llama3, "tiny-mistral": make_mistral, "tiny-qwen2": make_qwen2,
+              "tiny-qwen2-draft": make_qwen2_draft,
               "tiny-qwen3": make_qwen3, "tiny-gemma2": make_gemma2, "tiny-gemma3": make_gemma3,
               "gguf-types": make_gguf_types, "hf-configs": make_hf_configs,
               "gemma3-reference": make_gemma3_reference, "sp-tokenizers": make_sp_tokenizers}

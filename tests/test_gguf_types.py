@@ -97,10 +97,12 @@ def test_a_dequantized_type_loads_in_bfloat16_as_its_values_rounded(name: str) -
 
 
 def rewrite_gguf(path: Path, base: Path, tensors: dict[str, tuple[np.ndarray, Q | None]] | None = None,
-                 tokenizer_from: Path | None = None, strings: dict[str, str] | None = None) -> Path:
-    """`base` written again to `path`: its metadata, `tokenizer_from`'s `tokenizer.*` over it, then `strings`; its
-    tensors, those in `tensors` replaced by (array, raw type)."""
-    tensors, strings = tensors or {}, strings or {}
+                 tokenizer_from: Path | None = None, strings: dict[str, str] | None = None,
+                 values: dict[str, object] | None = None) -> Path:
+    """`base` written again to `path`: its metadata, `tokenizer_from`'s `tokenizer.*` over it, then `strings`, and
+    `values` in place of its keys' values (of the same type); its tensors, those in `tensors` replaced by (array, raw
+    type)."""
+    tensors, strings, values = tensors or {}, strings or {}, values or {}
     writer = gguf.GGUFWriter(str(path), gguf.GGUFReader(base).fields["general.architecture"].contents())
     fields = {f.name: f for f in gguf.GGUFReader(base).fields.values()}
     if tokenizer_from:
@@ -108,7 +110,8 @@ def rewrite_gguf(path: Path, base: Path, tensors: dict[str, tuple[np.ndarray, Q 
         fields |= {f.name: f for f in theirs if f.name.startswith("tokenizer.")}
     for field in fields.values():
         if not field.name.startswith("GGUF.") and field.name != "general.architecture" and field.name not in strings:
-            writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1])
+            writer.add_key_value(field.name, values.get(field.name, field.contents()), field.types[0],
+                                 field.types[-1])
     for key, value in strings.items():
         writer.add_string(key, value)
     for t in gguf.GGUFReader(base).tensors:

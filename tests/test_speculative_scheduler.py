@@ -11,12 +11,12 @@ from fake_engine import FakeEngine, expected
 from jaxstation.engine.jobs import Job
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.engine.scheduler import Scheduler
-from jaxstation.engine.speculative import Speculation
+from jaxstation.engine.speculative import LookupProposer, Speculation
 
 TIMEOUT = 5.0
 
 
-class Oracle:
+class Oracle(LookupProposer):
     """Drafts the fake's true continuation of `prompt`, with the draft at `wrong` positions of the output made wrong."""
 
     def __init__(self, prompt: list[int], wrong: Sequence[int] = ()) -> None:

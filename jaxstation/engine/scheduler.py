@@ -21,9 +21,9 @@ with Retry-After) instead of letting latency grow without bound. Once `drain` st
 Prefix reuse (engine/prefix_cache.py). `_fill` gives a job the free lane with the longest reusable prefix and starts
 its prefill at the last chunk boundary at or below the match, so its tokens equal a fresh run's.
 
-Speculation (engine/speculative.py). Where the engine verifies drafts (`verify_rows` > 1) and a turn admits no prompt
-pieces, decode rows carry drafts (`draft_rows`) and run as one `verify` step; each row's accepted tokens go through
-`postprocess` one by one, as plain decoding's would.
+Speculation (engine/speculative.py, engine/draft.py). Where the engine verifies drafts (`verify_rows` > 1) and a turn
+admits no prompt pieces, decode rows carry drafts (`draft_rows`: prompt lookup's or a draft model's) and run as one
+`verify` step; each row's accepted tokens go through `postprocess` one by one, as plain decoding's would.
 
 Admission (engine/turns.py). On an engine that packs, a turn's prompt work is pieces of every prefilling lane's
 prompt, run with the decode rows as one packed step (`Engine.pack`); a turn without pieces runs a decode wave.

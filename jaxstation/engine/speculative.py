@@ -9,19 +9,44 @@ least one token. The tokens are then those of plain decoding by construction, wh
 Drafts (`NgramProposer`, prompt lookup as vLLM's and llama.cpp's n-gram modes): the longest suffix of the request's
 tokens (prompt and output), from `max_n` tokens down to `min_n`, found earlier in them; the tokens that followed its
 latest earlier occurrence are the draft. `DraftLength` adapts k to the request's acceptance and stops drafting for a
-request whose drafts keep failing.
+request whose drafts keep failing. A draft model (engine/draft.py) is the other proposer: both answer
+`propose_batch`, the requests of one step at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
+Ask = tuple[int, Sequence[int], int]  # (lane, the request's tokens so far, the most tokens it may draft)
+
+
+class Proposer(Protocol):
+    def propose_batch(self, asks: Sequence[Ask], room: int) -> dict[int, list[int]]:
+        """Drafts for the `asks` (oldest request first), `room` tokens in all: lane -> its drafts, none empty."""
+
+
+class LookupProposer:
+    """A proposer that drafts for each request from its own tokens alone (`propose`), oldest first, each taking what
+    it proposes from the room left."""
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        raise NotImplementedError
+
+    def propose_batch(self, asks: Sequence[Ask], room: int) -> dict[int, list[int]]:
+        drafts = {}
+        for lane, tokens, k in asks:
+            if min(k, room) > 0 and (proposed := self.propose(tokens, min(k, room))):
+                drafts[lane] = proposed
+                room -= len(proposed)
+        return drafts
+
 
 @dataclasses.dataclass(frozen=True)
-class NgramProposer:
+class NgramProposer(LookupProposer):
     """Prompt lookup over a request's tokens (see the module docstring)."""
 
     min_n: int = 1
@@ -53,7 +78,7 @@ class Speculation:
     """How a scheduler speculates: the proposer, the most tokens a request drafts a step (`k`), and how many steps in
     a row that accept nothing end a request's drafting (`patience`)."""
 
-    proposer: NgramProposer = NgramProposer()
+    proposer: Proposer = NgramProposer()
     k: int = 4
     patience: int = 4
     rows: int = 4  # drafts may widen a wave to this many rows; past it, they only fill the rows its width pads

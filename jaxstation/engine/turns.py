@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxstation.engine.jobs import Job, Result
 from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample
-from jaxstation.engine.speculative import DraftLength, NgramProposer
+from jaxstation.engine.speculative import DraftLength, Proposer
 
 
 @dataclasses.dataclass
@@ -87,16 +87,20 @@ class Plan:
 
 
 def draft_rows(lanes: Sequence[Lane | None], rows: list[DecodeRow | None], verify_rows: int,
-               proposer: NgramProposer) -> None:
+               proposer: Proposer) -> None:
     """Give the decode rows of lanes that speculate their drafts, the oldest request first, while the verify step's
     rows fit `verify_rows`; never more than a request may still generate after the row's own token."""
     room = verify_rows - sum(r is not None for r in rows)
+    if room <= 0:
+        return
+    asks = []
     for i in sorted((i for i, r in enumerate(rows) if r is not None), key=lambda i: lanes[i].admitted_at):
         lane = lanes[i]
-        k = min(room, lane.draft.k if lane.draft else 0, lane.job.max_new_tokens - len(lane.samples) - 1)
-        if k > 0 and lane.speculates and (drafts := proposer.propose(lane.history(), k)):
-            rows[i] = dataclasses.replace(rows[i], drafts=tuple(drafts))
-            room -= len(drafts)
+        k = min(lane.draft.k if lane.draft else 0, lane.job.max_new_tokens - len(lane.samples) - 1)
+        if k > 0 and lane.speculates:
+            asks.append((i, lane.history(), k))
+    for i, drafts in proposer.propose_batch(asks, room).items():
+        rows[i] = dataclasses.replace(rows[i], drafts=tuple(drafts))
 
 
 def prompt_pieces(lanes: Sequence[Lane | None], waiting: Sequence[int], chunk: int, budget: int

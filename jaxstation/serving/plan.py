@@ -42,7 +42,7 @@ class Plan:
     attention: str  # the decode attention: blocked, kernel, xla or cudnn (--attention)
     wave_widths: tuple[int, ...]  # the decode wave widths, the lanes last (--wave-widths)
     prefill_budget: int  # rows per packed admission step; 0: one prefill chunk per turn (--prefill-budget)
-    speculative: str = "off"  # off, or ngram: drafts verified in one step (--speculative)
+    speculative: str = "off"  # off, ngram or draft: drafts verified in one step (--speculative)
 
     def __str__(self) -> str:
         widths = ",".join(map(str, self.wave_widths))

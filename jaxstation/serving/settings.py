@@ -28,7 +28,7 @@ ATTENTION_CHOICES = ("auto", *ATTENTIONS)
 LAYER_LOOP_CHOICES = ("auto", *LAYER_LOOPS)
 MATMUL_CHOICES = ("auto", *MATMULS)
 PREFIX_REUSE = ("auto", "resume", "off")
-SPECULATIVE = ("off", "ngram")
+SPECULATIVE = ("off", "ngram", "draft")
 REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "none")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -127,7 +127,10 @@ SETTINGS: tuple[_Setting, ...] = (
              "reuse cached prompt KV: auto (every request), resume (only /generate with resume: true) or off",
              commands=_FRONT),
     _Setting("speculative", "MOONSHINE_SPECULATIVE", "--speculative", _parse_str,
-             "speculative decoding: off, or ngram (prompt-lookup drafts verified in one step; the tokens are the same)",
+             "speculative decoding: off, ngram (prompt-lookup drafts) or draft (a draft model's; --draft-model), "
+             "verified in one step; the tokens are the same", commands=frozenset({"serve"})),
+    _Setting("draft_model", "MOONSHINE_DRAFT_MODEL", "--draft-model", _parse_str,
+             "speculative decoding with a draft model: its HF directory or .gguf file, with the model's vocabulary",
              commands=frozenset({"serve"})),
     _Setting("draft_tokens", "MOONSHINE_DRAFT_TOKENS", "--draft-tokens", _parse_int,
              "speculative decoding: the most tokens a request drafts a step", commands=frozenset({"serve"})),
@@ -204,6 +207,7 @@ class StationConfig:
     continuous: bool = False
     prefix_reuse: str = "auto"
     speculative: str = "off"
+    draft_model: str | None = None  # speculative=draft: the draft model's checkpoint
     draft_tokens: int = 3
     max_queue: int = 64
     drain_s: float = 30.0
@@ -238,6 +242,9 @@ class StationConfig:
         if self.speculative not in SPECULATIVE:
             raise ConfigError(f"{self.named('speculative')}={self.speculative!r} must be one of "
                               f"{', '.join(SPECULATIVE)}")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ConfigError(f"{self.named('speculative')}=draft and {self.named('draft_model')} go together (here: "
+                              f"{self.speculative} and {self.draft_model or 'no draft model'})")
         if self.responses_store_age_s <= 0:
             raise ConfigError(f"{self.named('responses_store_age_s')}={self.responses_store_age_s} must be > 0")
         if self.prefix_reuse not in PREFIX_REUSE:

@@ -18,9 +18,9 @@ from jaxstation.engine.constraints import Constraint, ConstraintError, Constrain
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.runner import Runner
 from jaxstation.engine.scheduler import Scheduler
-from jaxstation.engine.speculative import Speculation
 from jaxstation.model.loader import CheckpointError, LoadedModel
 from jaxstation.serving.coldstart import CompileCount, StartupClock, enable_compile_cache
+from jaxstation.serving.draft import load_draft, speculation
 from jaxstation.serving.memory import check_memory
 from jaxstation.serving.plan import Plan, load_planned, planned_engine, startup_plan
 from jaxstation.serving.settings import StationConfig
@@ -81,9 +81,13 @@ class Station:
                 self.plan = startup_plan(c, self.model.cfg)
             with clock.phase("arena_alloc"):
                 self.engine = self._engine_factory(self.model, c, self.plan)
+            draft = None
+            if self.plan.speculative == "draft":
+                with clock.phase("draft_load"):
+                    draft = load_draft(c, self.metrics.step.labels("draft").observe)
             if self._before_warmup is not None:
                 self._before_warmup()
-            for name, run in self.engine.warmup_steps():
+            for name, run in [*self.engine.warmup_steps(), *(draft.warmup_steps() if draft else [])]:
                 with clock.phase(f"compile_{name}"):
                     run()
                     jax.block_until_ready(self.engine.arena)
@@ -92,10 +96,9 @@ class Station:
             self.metrics.startup_programs.labels("cache").set(cached)
             log.info("start-up programs: %d compiled, %d read from the persistent compilation cache", compiled, cached)
             tok = self.model.tokenizer
-            speculation = Speculation(k=c.draft_tokens) if self.plan.speculative == "ngram" else None
             scheduler = Scheduler(self.engine, continuous=c.continuous, max_queue=c.max_queue,
                                   terminal_ids=tok.terminal_ids if tok is not None else frozenset(),
-                                  metrics=self.metrics, speculation=speculation)
+                                  metrics=self.metrics, speculation=speculation(c, self.plan, draft))
             with self._lock:
                 if self._stopped:  # shut down while loading
                     return
