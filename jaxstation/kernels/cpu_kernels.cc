@@ -379,8 +379,42 @@ struct Q6_KFormat {
   }
 };
 
+#if defined(__AVX512F__)
+// Q4_K and Q5_K with AVX-512: a group's 16 (Q5_K: 32) possible weights fill one vector (two), each computed by
+// KQuant's multiply and add, and a column's weight is one permute by its 4-bit (5-bit) value.
+template <typename Format>
+struct KTable {
+  using Elem = uint8_t;
+  static constexpr int64_t kBlock = 256, kBytes = Format::kBytes;
+  struct Group {
+    __m512i q[2];  // columns 0-15 and 16-31: each column's value as an int32 lane
+    Vec low, high;  // lane v: the weight of value v, and of value v + 16
+  };
+  static Group Decode(const uint8_t* row, int64_t k) {
+    KGroup g;
+    Format::Fill(row + k / kBlock * kBytes, k % kBlock / kGroup, g);
+    Group t;
+    for (int h = 0; h < 2; ++h) {
+      const __m512i low = Bits(g.ql + 16 * h, g.low_shift, 0x0F, 0);
+      t.q[h] = Format::kHighMask ? _mm512_or_si512(low, Bits(g.qh + 16 * h, g.high_shift, 1, 4)) : low;
+    }
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    t.low = Add(Mul(g.d[0], _mm512_cvtepi32_ps(iota)), g.m);
+    t.high = Format::kHighMask ? Add(Mul(g.d[0], _mm512_cvtepi32_ps(_mm512_add_epi32(iota, _mm512_set1_epi32(16)))), g.m)
+                               : t.low;
+    return t;
+  }
+  static Vec Weight(const Group& g, int64_t i) {
+    return Format::kHighMask ? _mm512_permutex2var_ps(g.low, g.q[i / 16], g.high)
+                             : _mm512_permutexvar_ps(g.q[i / 16], g.low);
+  }
+};
+using Q4_K = KTable<Q4_KFormat>;
+using Q5_K = KTable<Q5_KFormat>;
+#else
 using Q4_K = KQuant<Q4_KFormat>;
 using Q5_K = KQuant<Q5_KFormat>;
+#endif
 using Q6_K = KQuant<Q6_KFormat>;
 
 // R rows x C channels, the whole K: R * C * 2 accumulators in registers. `w` is channel n0's weights, each channel
