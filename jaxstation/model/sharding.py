@@ -1,0 +1,122 @@
+"""Tensor parallelism: a `Mesh` of N devices on one axis, and where each weight and the KV arena live on it.
+
+Every device holds 1/N of the attention heads, of the KV heads and of the MLP's hidden dimension: q/k/v and gate/up
+are split by their output columns, o and down by their input rows, so each device computes its own heads and its own
+slice of the MLP, and XLA's SPMD partitioner adds one all-reduce after o and one after down (NCCL on GPUs, the CPU
+client's collectives on CPU). The KV arena is split by KV heads, so each device keeps the k and v of its own heads.
+The embedding and the LM head are replicated (`VOCAB_SHARDED`: bench/step.py measured both), as are the norms and
+sampling. A compiled step is an ordinary `jax.jit` over arrays that carry their `NamedSharding`: the same program and
+the same scheduler run at any N.
+
+The fused projections hold several matrices side by side (wqkv: q | k | v; w_gate_up: gate | up). Split into N
+contiguous pieces, the first device would hold q's first columns and none of k. So at N > 1 the loader lays fused
+columns out shard-major (`shard_major`): [q_0 k_0 v_0 | q_1 k_1 v_1 | ...], piece i holding device i's heads, and a
+step reads the pieces back with `split_fused`; at N = 1 both are the plain layout and the plain slices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxstation.model.config import ModelConfig
+
+AXIS = "tp"  # the mesh's one axis
+VOCAB_SHARDED = False  # the embedding and the LM head: replicated (False) or split by vocabulary rows
+COLUMN_SPLIT = frozenset({"wqkv", "w_gate_up", "bqkv"})  # split on their last (output) axis
+ROW_SPLIT = frozenset({"wo", "w_down"})  # split on their input axis ([..., in, out]); their scales replicated
+
+
+def make_mesh(n: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A one-axis mesh over the first `n` devices (default: every process's, `jax.devices()`)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if n > len(devices):
+        raise ValueError(f"a mesh of {n} devices needs {n} devices, {len(devices)} are visible")
+    return Mesh(np.array(devices[:n]), (AXIS,))
+
+
+def shard_major(w: np.ndarray, sizes: Sequence[int], shards: int) -> np.ndarray:
+    """Fused columns w [..., sum(sizes)] (pieces of `sizes` side by side) -> shard-major: each piece cut into `shards`
+    equal parts and shard i's parts of every piece side by side, shard by shard."""
+    if shards == 1:
+        return w
+    pieces = np.split(np.asarray(w), np.cumsum(sizes)[:-1], axis=-1)
+    parts = [np.split(p, shards, axis=-1) for p in pieces]
+    return np.concatenate([part[i] for i in range(shards) for part in parts], axis=-1)
+
+
+def split_fused(y: jax.Array, sizes: Sequence[int], shards: int) -> list[jax.Array]:
+    """The pieces of a fused projection's output y [..., sum(sizes)], laid out by `shard_major` for `shards`: each
+    piece [..., size], its columns in their natural order."""
+    if shards == 1:
+        bounds = np.cumsum([0, *sizes])
+        return [y[..., a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    lead = y.shape[:-1]
+    y = y.reshape(*lead, shards, sum(sizes) // shards)  # [..., shards, per shard]
+    out, at = [], 0
+    for size in sizes:
+        out.append(y[..., at:at + size // shards].reshape(*lead, size))
+        at += size // shards
+    return out
+
+
+def indivisible(cfg: ModelConfig, shards: int) -> str | None:
+    """Why a model of `cfg` cannot split over `shards` devices (a head count or the MLP width does not divide), or
+    None."""
+    for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
+                    ("MLP hidden size", cfg.intermediate_size)):
+        if n % shards:
+            return f"the model's {what} ({n}) do not divide by {shards} devices"
+    return None
+
+
+def _spec(path: tuple, leaf: jax.Array) -> PartitionSpec:
+    """Where one weight leaf lives: split on one axis by the slot it belongs to, or replicated."""
+    names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
+    slot, part = names[-2] if len(names) > 1 and names[-1] in ("q", "scale", "w") else names[-1], names[-1]
+    axis = None
+    if slot in COLUMN_SPLIT:
+        axis = leaf.ndim - 1
+    elif slot in ROW_SPLIT and part != "scale":
+        axis = leaf.ndim - 2
+    elif VOCAB_SHARDED and slot == "embed":
+        axis = 0
+    elif VOCAB_SHARDED and slot == "lm_head":
+        axis = leaf.ndim - 1
+    return PartitionSpec(*(AXIS if a == axis else None for a in range(leaf.ndim)))
+
+
+def shard_params(params, mesh: Mesh):
+    """`params` (laid out by the loader for the mesh's size) placed on `mesh`, each leaf split as `_spec` says."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: jax.device_put(leaf, NamedSharding(mesh, _spec(path, leaf))), params)
+
+
+def arena_sharding(mesh: Mesh) -> NamedSharding:
+    """The KV arena's k and v [layers, lanes, max_seq, kv_heads, head_dim]: split by KV heads."""
+    return NamedSharding(mesh, PartitionSpec(None, None, None, AXIS, None))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def mesh_of(tree) -> Mesh | None:
+    """The mesh the arrays of `tree` are placed on, or None for arrays on one device."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+            return sharding.mesh
+    return None
+
+
+def device_bytes(tree) -> int:
+    """Bytes of `tree` one device holds: its shard of each split leaf, the whole of each replicated one."""
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        shards = getattr(leaf, "addressable_shards", None)
+        total += shards[0].data.nbytes if shards else leaf.nbytes
+    return total
