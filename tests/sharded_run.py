@@ -5,6 +5,8 @@ rest of the suite keeps one. For each case (a model, a weight format, a number o
 8-lane engine at N: a greedy request's tokens and logits on lane 0 alone and beside 1, 3 and 7 sampled requests;
 and from an engine at N = 1 the same request alone. The test compares them.
 
+A case "stage:name:dtype:N" saves a mesh station's fingerprint and residuals at N = 1 and N instead.
+
 Usage: JAX_NUM_CPU_DEVICES=4 python tests/sharded_run.py OUT.npz CASE...  (CASE: name:dtype:N, e.g. tiny-qwen2:int8:2;
 a name "wide-<fixture>" is that fixture's family with 8 heads and 4 KV heads and seeded random weights)
 """
@@ -26,7 +28,8 @@ from conftest import FIXTURES, run_wave  # noqa: E402
 
 from jaxstation.engine.engine import Engine  # noqa: E402
 from jaxstation.engine.rows import SamplingParams  # noqa: E402
-from jaxstation.model.config import ModelConfig  # noqa: E402
+from jaxstation.mesh.stage import Stage  # noqa: E402
+from jaxstation.model.config import LayerRange, ModelConfig  # noqa: E402
 from jaxstation.model.layers import build_params  # noqa: E402
 from jaxstation.model.loader import LoadedModel, checkpoint_config, hf_config  # noqa: E402
 from jaxstation.model.sharding import device_bytes, make_mesh, shard_params  # noqa: E402
@@ -60,7 +63,7 @@ def wide_tensors(cfg: ModelConfig, seed: int = 0):
     return tensor
 
 
-def load(name: str, dtype: str, shards: int) -> LoadedModel:
+def load(name: str, dtype: str, shards: int, matmul: str = "auto") -> LoadedModel:
     """A fixture (or its wide variant) laid out for `shards` devices and placed on a mesh of them."""
     if name.startswith("wide-"):
         path = FIXTURES / name.removeprefix("wide-")
@@ -69,7 +72,8 @@ def load(name: str, dtype: str, shards: int) -> LoadedModel:
         if shards > 1:
             params = shard_params(params, make_mesh(shards))
         return LoadedModel(cfg=cfg, params=params, tokenizer=None, source=path)
-    config = StationConfig(model=str(FIXTURES / name), dtype=dtype, layer_loop="unroll", tensor_parallel=shards)
+    config = StationConfig(model=str(FIXTURES / name), dtype=dtype, layer_loop="unroll", matmul=matmul,
+                           tensor_parallel=shards)
     return load_planned(config, resolve_plan(config, checkpoint_config(config.model)))  # as a station loads it
 
 
@@ -94,13 +98,29 @@ def run_case(name: str, dtype: str, shards: int) -> dict[str, np.ndarray]:
     return out
 
 
+def run_stage(name: str, dtype: str, shards: int) -> dict[str, np.ndarray]:
+    """A mesh station holding the first layer, at N = 1 and at N = shards: its fingerprint, the residuals of one
+    prefill chunk of PROMPT, and how its arena is split."""
+    out: dict[str, np.ndarray] = {}
+    tokens = np.zeros((1, 16), np.int32)
+    tokens[0, :len(PROMPT)] = PROMPT
+    for n in (1, shards):
+        model = load(name, dtype, n, matmul="xla")  # the layout of the weights is part of the fingerprint
+        stage = Stage(model, LayerRange(0, 1), lanes=8, max_seq=64, chunk=16, block=16)
+        out[f"{n}:fingerprint"] = np.array(stage.fingerprint)
+        out[f"{n}:residuals"] = stage.forward("prefill", tokens, np.arange(16, dtype=np.int32)[None], 0, 1)
+        out[f"{n}:arena_spec"] = np.array(str(getattr(stage.arena.k.sharding, "spec", "")))
+    return out
+
+
 def main() -> None:
     path, cases = sys.argv[1], sys.argv[2:]
     enable_compile_cache(os.environ.get("MOONSHINE_COMPILE_CACHE_DIR"))  # the test run's, where it has one
     saved = {}
     for case in cases:
-        name, dtype, n = case.split(":")
-        saved.update({f"{case}/{k}": v for k, v in run_case(name, dtype, int(n)).items()})
+        kind, name, dtype, n = case.split(":") if case.startswith("stage:") else ("case", *case.split(":"))
+        run = run_stage if kind == "stage" else run_case
+        saved.update({f"{case}/{k}": v for k, v in run(name, dtype, int(n)).items()})
     np.savez(path, **saved)
 
 

@@ -20,7 +20,7 @@ from conftest import FIXTURES, TESTS
 
 from jaxstation.model.loader import checkpoint_config, hf_config
 from jaxstation.model.shapes import ARCHITECTURES
-from jaxstation.model.sharding import shard_major, split_fused
+from jaxstation.model.sharding import natural_order, shard_major, split_fused
 from jaxstation.serving.memory import check_memory, weight_bytes
 from jaxstation.serving.plan import resolve_plan
 from jaxstation.serving.settings import ConfigError, GiB, StationConfig, resolve
@@ -29,6 +29,7 @@ from jaxstation.serving.settings import ConfigError, GiB, StationConfig, resolve
 # over 4, a fixture's family with 8 heads and 4 KV heads and seeded random weights
 CASES = ("tiny-qwen2:int8:2", "tiny-qwen3:float32:2", "tiny-gemma2:int8:2", "tiny-gemma3:float32:2",
          "wide-tiny-llama3:float32:4", "wide-tiny-mistral:int8:4")
+STAGE = "stage:tiny-qwen2:int8:2"  # a mesh station split over 2 devices
 TOLERANCE = 1e-4
 
 
@@ -36,7 +37,7 @@ TOLERANCE = 1e-4
 def sharded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]:
     out = tmp_path_factory.mktemp("sharded") / "runs.npz"
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "4", "PYTHONPATH": str(TESTS.parent)}
-    subprocess.run([sys.executable, str(TESTS / "sharded_run.py"), str(out), *CASES], env=env, check=True,
+    subprocess.run([sys.executable, str(TESTS / "sharded_run.py"), str(out), *CASES, STAGE], env=env, check=True,
                    timeout=600)
     with np.load(out) as data:
         return {k: data[k] for k in data.files}
@@ -68,6 +69,14 @@ def test_the_arena_is_split_by_kv_heads(sharded: dict, case: str) -> None:
     assert str(sharded[f"{case}/{n}:arena_spec"]) == "P(None, None, None, 'tp')"
 
 
+def test_a_split_mesh_station_serves_the_same_model_within_the_tolerance(sharded: dict) -> None:
+    assert str(sharded[f"{STAGE}/1:fingerprint"]) == str(sharded[f"{STAGE}/2:fingerprint"])
+    one, split = sharded[f"{STAGE}/1:residuals"], sharded[f"{STAGE}/2:residuals"]
+    assert one.shape == split.shape == (1, 16, 64)
+    assert float(np.abs(one - split).max()) <= TOLERANCE
+    assert str(sharded[f"{STAGE}/2:arena_spec"]) == "P(None, None, None, 'tp')"
+
+
 def test_each_device_holds_its_share_of_the_weights_as_the_memory_check_counts(sharded: dict) -> None:
     cfg = dataclasses.replace(hf_config(FIXTURES / "tiny-llama3" / "config.json"), num_heads=8,
                               num_kv_heads=4)
@@ -82,6 +91,7 @@ def test_fused_columns_laid_out_shard_major_read_back_in_order() -> None:
     laid = shard_major(w, sizes, shards)
     # each half holds its own q, k and v columns: q[:4] k[:2] v[:2] | q[4:] k[2:] v[2:]
     assert laid[0].tolist() == [0, 1, 2, 3, 8, 9, 12, 13, 4, 5, 6, 7, 10, 11, 14, 15]
+    assert natural_order(laid, sizes, shards).tolist() == w.tolist()
     pieces = split_fused(jnp.asarray(laid), sizes, shards)
     assert [np.asarray(p).tolist() for p in pieces] == [w[:, :8].tolist(), w[:, 8:12].tolist(), w[:, 12:].tolist()]
     assert [np.asarray(p).tolist() for p in split_fused(jnp.asarray(w), sizes, 1)] == [

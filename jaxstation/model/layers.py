@@ -44,7 +44,7 @@ from jaxstation.model.quant import (
     stack,
     take_rows,
 )
-from jaxstation.model.sharding import shard_major, split_fused
+from jaxstation.model.sharding import fused_sizes, shard_major, split_fused
 
 LAYER_LOOPS = ("scan", "unroll")
 # a layer's weights that are not projections
@@ -146,10 +146,10 @@ def build_params(cfg: ModelConfig, tensor: Callable[[int | None, str], Tensor], 
 
     def layer_arrays(i: int) -> dict[str, Tensor]:
         t = functools.partial(tensor, i)
-        qkv = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+        qkv, gate_up = fused_sizes(cfg, "wqkv"), fused_sizes(cfg, "w_gate_up")
         arrays = {"attn_norm": t("attn_norm"), "wqkv": shard_major(projection([t("q"), t("k"), t("v")]), qkv, shards),
                   "wo": projection([t("o")]), "mlp_norm": t("mlp_norm"), "w_down": projection([t("down")]),
-                  "w_gate_up": shard_major(projection([t("gate"), t("up")]), (cfg.intermediate_size,) * 2, shards)}
+                  "w_gate_up": shard_major(projection([t("gate"), t("up")]), gate_up, shards)}
         if cfg.qkv_bias:
             arrays["bqkv"] = shard_major(np.concatenate([t("bq"), t("bk"), t("bv")]), qkv, shards)
         if cfg.qk_norm:
@@ -265,9 +265,8 @@ def qkv_proj(cfg: ModelConfig, layer: LayerParams, x: jax.Array, rot: Rotary):
     qkv = matmul(h, layer.wqkv)
     if layer.bqkv is not None:
         qkv = qkv + layer.bqkv
-    nq, nk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     lead = x.shape[:-1]
-    q, k, v = split_fused(qkv, (nq, nk, nk), layer.shards)
+    q, k, v = split_fused(qkv, fused_sizes(cfg, "wqkv"), layer.shards)
     q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
     k, v = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim), v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     if layer.q_norm is not None:
@@ -284,7 +283,7 @@ def mlp_block(cfg: ModelConfig, layer: LayerParams, x: jax.Array) -> jax.Array:
     """Residual gated MLP: x + down(act(gate) * up), SwiGLU or GeGLU (tanh GELU)."""
     h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps, feeds=layer.w_gate_up)
     gate_up = matmul(h, layer.w_gate_up)
-    gate, up = split_fused(gate_up, (cfg.intermediate_size,) * 2, layer.shards)
+    gate, up = split_fused(gate_up, fused_sizes(cfg, "w_gate_up"), layer.shards)
     act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
     return x + _post_norm(cfg, matmul(act * up, layer.w_down), layer.post_mlp_norm)
 

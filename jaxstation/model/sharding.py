@@ -48,6 +48,23 @@ def shard_major(w: np.ndarray, sizes: Sequence[int], shards: int) -> np.ndarray:
     return np.concatenate([part[i] for i in range(shards) for part in parts], axis=-1)
 
 
+def natural_order(w: np.ndarray, sizes: Sequence[int], shards: int) -> np.ndarray:
+    """The inverse of `shard_major`: fused columns w [..., sum(sizes)] laid out for `shards` devices, in the plain
+    layout (the pieces side by side)."""
+    if shards == 1:
+        return w
+    per = np.cumsum([s // shards for s in sizes])[:-1]
+    blocks = [np.split(b, per, axis=-1) for b in np.split(np.asarray(w), shards, axis=-1)]
+    return np.concatenate([blocks[i][j] for j in range(len(sizes)) for i in range(shards)], axis=-1)
+
+
+def fused_sizes(cfg: ModelConfig, slot: str) -> tuple[int, ...] | None:
+    """The pieces of a fused slot's columns (wqkv and bqkv: q, k, v; w_gate_up: gate, up), or None for another slot."""
+    kv = cfg.num_kv_heads * cfg.head_dim
+    return {"wqkv": (cfg.num_heads * cfg.head_dim, kv, kv), "bqkv": (cfg.num_heads * cfg.head_dim, kv, kv),
+            "w_gate_up": (cfg.intermediate_size,) * 2}.get(slot)
+
+
 def split_fused(y: jax.Array, sizes: Sequence[int], shards: int) -> list[jax.Array]:
     """The pieces of a fused projection's output y [..., sum(sizes)], laid out by `shard_major` for `shards`: each
     piece [..., size], its columns in their natural order."""
