@@ -12,11 +12,18 @@ import dataclasses
 import os
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import FIXTURES, TESTS
+from server_util import free_port
+from sharded_run import PROMPT
 
 from jaxstation.model.loader import checkpoint_config, hf_config
 from jaxstation.model.shapes import ARCHITECTURES
@@ -148,3 +155,84 @@ def test_the_memory_check_is_per_device_and_names_the_numbers() -> None:
     with pytest.raises(ConfigError, match=r"^the KV arena needs 8.00 GiB on each device \(--tensor-parallel=4\) .* "
                                           r"plus 3.75 GiB of weights, but only 11.00 GiB is free on the device"):
         check_memory(cfg, config, "bfloat16", available=11 * GiB)  # 13.5 GiB: a quarter of each layer, the whole head
+
+
+# ---- a group of processes -----------------------------------------------------------------------------------------
+GROUP_SHAPE = ["--lanes", "8", "--max-seq", "64", "--prefill-chunk", "16", "--kv-block", "16"]  # sharded_run's engine
+
+
+class GroupProcess:
+    """`jaxstation serve` as process `process_id` of a group of two on loopback, one CPU device each."""
+
+    def __init__(self, process_id: int, coordinator: str) -> None:
+        self.port = free_port()
+        env = {**os.environ, "PYTHONPATH": str(TESTS.parent), "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
+        args = [sys.executable, "-m", "jaxstation", "serve", "--model", str(FIXTURES / "tiny-qwen2"), "--dtype",
+                "int8", "--layer-loop", "unroll", *GROUP_SHAPE, "--tensor-parallel", "2", "--coordinator-address",
+                coordinator, "--num-processes", "2", "--process-id", str(process_id), "--port", str(self.port)]
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stderr(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"exited {self.proc.returncode}: {self.stderr()[-2000:]}"
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"not ready within {timeout} s: {self.stderr()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[tuple[GroupProcess, GroupProcess]]:
+    """Two processes splitting tiny-qwen2 (int8) over their two CPU devices, with jax.distributed and gloo."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    procs = (GroupProcess(0, coordinator), GroupProcess(1, coordinator))
+    try:
+        for p in procs:
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_a_group_of_two_processes_gives_the_tokens_of_one_process_split_alike(sharded: dict, group) -> None:
+    leader, follower = group
+    assert httpx.get(follower.url + "/ready").json() == {"status": "ok", "process_id": 1, "role": "follower"}
+    refused = httpx.post(follower.url + "/generate", json={"tokens": PROMPT, "max_new_tokens": 7})
+    assert refused.status_code == 404 and refused.json()["error"]["message"] == (
+        "process 1 of a group serves only /health and /ready: send requests to process 0")
+    reply = httpx.post(leader.url + "/generate", json={"tokens": PROMPT, "max_new_tokens": 7}, timeout=60).json()
+    assert reply["generated"] == sharded["tiny-qwen2:int8:2/2:0:tokens"].tolist()
+
+
+def test_a_lost_process_ends_the_group_and_fails_the_requests_in_flight(group) -> None:
+    leader, follower = group
+    body = {"tokens": PROMPT, "max_new_tokens": 50}
+    with ThreadPoolExecutor(6) as pool:
+        replies = [pool.submit(httpx.post, leader.url + "/generate", json=body, timeout=60) for _ in range(6)]
+        replies[0].result()  # the first has run; the rest wait for a lane (one request at a time)
+        follower.proc.kill()
+        statuses = sorted(r.result().status_code for r in replies)
+    assert leader.proc.wait(timeout=30) == 1  # LOST_S bounds it; a killed peer's connection closes at once
+    assert statuses[0] == 200 and statuses[-1] in (500, 502, 503) and set(statuses) <= {200, 500, 502, 503}
+    assert "process 1 lost (its connection closed): multi-controller JAX cannot go on without it; exiting" in (
+        leader.stderr())

@@ -90,8 +90,9 @@ def indivisible(cfg: ModelConfig, shards: int) -> str | None:
     return None
 
 
-def _spec(path: tuple, leaf: jax.Array) -> PartitionSpec:
-    """Where one weight leaf lives: split on one axis by the slot it belongs to, or replicated."""
+def _spec(path: tuple, leaf: jax.Array, vocab: bool) -> PartitionSpec:
+    """Where one weight leaf lives: split on one axis by the slot it belongs to, or replicated; the embedding and the
+    head split by vocabulary rows with `vocab`."""
     names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
     slot, part = names[-2] if len(names) > 1 and names[-1] in ("q", "scale", "w") else names[-1], names[-1]
     axis = None
@@ -99,17 +100,17 @@ def _spec(path: tuple, leaf: jax.Array) -> PartitionSpec:
         axis = leaf.ndim - 1
     elif slot in ROW_SPLIT and part != "scale":
         axis = leaf.ndim - 2
-    elif VOCAB_SHARDED and slot == "embed":
+    elif vocab and slot == "embed":
         axis = 0
-    elif VOCAB_SHARDED and slot == "lm_head":
+    elif vocab and slot == "lm_head":
         axis = leaf.ndim - 1
     return PartitionSpec(*(AXIS if a == axis else None for a in range(leaf.ndim)))
 
 
-def shard_params(params, mesh: Mesh):
+def shard_params(params, mesh: Mesh, vocab: bool = VOCAB_SHARDED):
     """`params` (laid out by the loader for the mesh's size) placed on `mesh`, each leaf split as `_spec` says."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: jax.device_put(leaf, NamedSharding(mesh, _spec(path, leaf))), params)
+        lambda path, leaf: jax.device_put(leaf, NamedSharding(mesh, _spec(path, leaf, vocab))), params)
 
 
 def arena_sharding(mesh: Mesh) -> NamedSharding:

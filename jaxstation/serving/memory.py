@@ -42,16 +42,17 @@ def weight_bytes(cfg: ModelConfig, dtype: str, shards: int = 1) -> int:
 
 
 def available_memory(shards: int = 1) -> tuple[int | None, str]:
-    """(bytes free for the arena on each of `shards` devices, where): free host RAM on CPU, shared by its devices;
-    the allocator's headroom on an accelerator, the least of this process's first `shards` devices."""
+    """(bytes free for the arena on each of `shards` devices, where): free host RAM on CPU, shared by this process's
+    devices; the allocator's headroom on an accelerator, the least of this process's devices (of a group's, its
+    share)."""
     devices = jax.local_devices()[:shards]
     if devices[0].platform == "cpu":
         try:
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError):
             return None, "cpu"
-        where = "cpu (free RAM)" if shards == 1 else f"each of {shards} cpu devices (free RAM / {shards})"
-        return free // shards, where
+        n = len(devices)
+        return free // n, "cpu (free RAM)" if n == 1 else f"each of {n} cpu devices (free RAM / {n})"
     stats = [d.memory_stats() or {} for d in devices]
     if any("bytes_limit" not in s for s in stats):
         return None, devices[0].device_kind

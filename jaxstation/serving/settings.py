@@ -104,6 +104,14 @@ SETTINGS: tuple[_Setting, ...] = (
     _Setting("tensor_parallel", "MOONSHINE_TENSOR_PARALLEL", "--tensor-parallel", _parse_int,
              "devices one model is split over (heads, KV heads and the MLP's width; docs/sharding.md); above 1 it runs "
              "XLA's dot and full waves", commands=frozenset({"serve", "station"})),
+    _Setting("coordinator_address", "MOONSHINE_COORDINATOR_ADDRESS", "--coordinator-address", _parse_str,
+             "a group of processes: host:port of the JAX coordinator, which process 0 runs (its port + 1 carries the "
+             "step calls)", commands=frozenset({"serve"})),
+    _Setting("num_processes", "MOONSHINE_NUM_PROCESSES", "--num-processes", _parse_int,
+             "a group of processes: how many (default: LWS_GROUP_SIZE, else 1)", commands=frozenset({"serve"})),
+    _Setting("process_id", "MOONSHINE_PROCESS_ID", "--process-id", _parse_int,
+             "a group of processes: this one's index, 0 serving HTTP (default: LWS_WORKER_INDEX or "
+             "JOB_COMPLETION_INDEX)", commands=frozenset({"serve"})),
     _Setting("host", "MOONSHINE_HOST", "--host", _parse_str, "TCP bind address"),
     _Setting("port", "PORT", "--port", _parse_int, "TCP port (PORT is honoured, as Cloud Run sets it)"),
     _Setting("uds", "MOONSHINE_UDS", "--uds", _parse_str, "listen on this Unix socket instead of TCP"),
@@ -196,6 +204,9 @@ class StationConfig:
     layer_loop: str = "auto"
     matmul: str = "auto"
     tensor_parallel: int = 1
+    coordinator_address: str | None = None  # a group of processes (serving/group.py); None: one process
+    num_processes: int | None = None
+    process_id: int | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     uds: str | None = None
