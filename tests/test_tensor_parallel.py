@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -25,9 +28,11 @@ from conftest import FIXTURES, TESTS
 from server_util import free_port
 from sharded_run import PROMPT
 
+from jaxstation.engine.rows import DecodeRow, SamplingParams
 from jaxstation.model.loader import checkpoint_config, hf_config
 from jaxstation.model.shapes import ARCHITECTURES
 from jaxstation.model.sharding import natural_order, shard_major, split_fused
+from jaxstation.serving.group import Group, process_group, receive, send
 from jaxstation.serving.memory import check_memory, weight_bytes
 from jaxstation.serving.plan import resolve_plan
 from jaxstation.serving.settings import ConfigError, GiB, StationConfig, resolve
@@ -236,3 +241,35 @@ def test_a_lost_process_ends_the_group_and_fails_the_requests_in_flight(group) -
     assert statuses[0] == 200 and statuses[-1] in (500, 502, 503) and set(statuses) <= {200, 500, 502, 503}
     assert "process 1 lost (its connection closed): multi-controller JAX cannot go on without it; exiting" in (
         leader.stderr())
+
+
+def test_a_group_reads_its_place_from_the_settings_or_its_launcher() -> None:
+    lws = {"LWS_LEADER_ADDRESS": "jaxstation-0.jaxstation", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1"}
+    group = process_group(StationConfig(tensor_parallel=8), lws)
+    assert group == Group("jaxstation-0.jaxstation:8476", 2, 1) and not group.leader
+    assert group.step_address == ("jaxstation-0.jaxstation", 8477)
+    indexed = resolve(None, {"MOONSHINE_NUM_PROCESSES": "3", "MOONSHINE_COORDINATOR_ADDRESS": "10.0.0.2:9000"})
+    assert process_group(indexed, {"JOB_COMPLETION_INDEX": "2"}) == Group("10.0.0.2:9000", 3, 2)
+    assert process_group(StationConfig(), {}) is None
+    with pytest.raises(ConfigError) as e:
+        process_group(StationConfig(num_processes=2, process_id=0), {})
+    assert str(e.value) == ("a group of 2 processes needs MOONSHINE_COORDINATOR_ADDRESS and MOONSHINE_PROCESS_ID (or a "
+                            "launcher's LWS_LEADER_ADDRESS and LWS_WORKER_INDEX)")
+    with pytest.raises(ConfigError, match=r"^MOONSHINE_PROCESS_ID=2 must lie in \[0, 2\)$"):
+        process_group(StationConfig(num_processes=2, process_id=2, coordinator_address="h:1"), {})
+
+
+def test_step_calls_cross_the_wire_whole_and_nothing_else_is_unpickled() -> None:
+    row = DecodeRow(7, 12, SamplingParams(temperature=0.5, seed=3, logit_bias=((4, 1.5),)), 2,
+                    mask=np.array([1, 0, 3], np.uint32))
+    a, b = socket.socketpair()
+    with a, b:
+        send(a, ("decode", ([row, None],), {"return_logits": False}))
+        name, args, kwargs = receive(b)
+        assert (name, kwargs) == ("decode", {"return_logits": False})
+        got = args[0][0]
+        assert dataclasses.replace(got, mask=None) == dataclasses.replace(row, mask=None) and args[0][1] is None
+        assert got.mask.tolist() == [1, 0, 3] and got.mask.dtype == np.uint32
+        a.sendall(struct.pack("!I", len(evil := pickle.dumps(os.system))) + evil)
+        with pytest.raises(pickle.UnpicklingError, match="a step call may not hold posix.system"):
+            receive(b)

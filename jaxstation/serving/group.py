@@ -48,8 +48,8 @@ LOST_S = 10.0  # a peer silent this long is lost
 CONNECT_S = 300.0  # how long the leader waits for every follower to connect (they load and compile first)
 CALLS = ("begin", "prefill", "prefill_scored", "decode", "verify", "pack", "reset")  # what runs a step
 _ALLOWED = {("jaxstation.engine.rows", n) for n in ("DecodeRow", "SamplingParams", "PromptPiece")} | {
-    ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
-    ("numpy._core.multiarray", "_reconstruct"), ("builtins", "frozenset"), ("builtins", "set")}
+    ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy._core.numeric", "_frombuffer"), ("builtins", "frozenset"), ("builtins", "set")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +189,7 @@ class Leader:
         self.lock = threading.Lock()
         self.connected = threading.Event()
         self.failing = threading.Lock()  # held by the thread that ends the group
-        self.server = socket.create_server(group.step_address, reuse_port=False)
+        self.server = socket.create_server(("", group.step_address[1]))  # every interface, as the coordinator
         threading.Thread(target=self._accept, name="jaxstation-group-accept", daemon=True).start()
 
     def _accept(self) -> None:
