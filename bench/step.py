@@ -33,8 +33,8 @@ def main() -> None:
     ap.add_argument("--live", type=int, nargs="+", default=[128, 1024])
     ap.add_argument("--max-seq", type=int, default=2048)
     ap.add_argument("--tensor-parallel", type=int, nargs="+", default=[1], help="devices to split the model over")
-    ap.add_argument("--vocab-sharded", action="store_true",
-                    help="split the embedding and the head by vocabulary rows too (default: replicated)")
+    ap.add_argument("--vocab-replicated", action="store_true",
+                    help="keep the embedding and the head whole on every device (default: split by vocabulary rows)")
     ap.add_argument("--name", default="step", help="result file name")
     args = ap.parse_args()
 
@@ -44,8 +44,8 @@ def main() -> None:
     rows, models = [], {}
     for n in args.tensor_parallel:
         model, engine_kw = bench_model(args, args.max_seq, n)
-        if args.vocab_sharded and n > 1:
-            model = dataclasses.replace(model, params=shard_params(model.params, make_mesh(n), vocab=True))
+        if args.vocab_replicated and n > 1:
+            model = dataclasses.replace(model, params=shard_params(model.params, make_mesh(n), vocab=False))
         models[n] = {"weight_bytes": model.params.nbytes, "weight_bytes_per_device": device_bytes(model.params)}
         print(f"{model.source}: {args.dtype}, layer loop {args.layer_loop}, matmul {args.matmul}, attention "
               f"{args.attention}, tensor_parallel {n}; weights {model.params.nbytes / 1e6:.0f} MB, "

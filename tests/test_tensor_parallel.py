@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import httpx
 import jax.numpy as jnp
@@ -94,7 +94,7 @@ def test_each_device_holds_its_share_of_the_weights_as_the_memory_check_counts(s
                               num_kv_heads=4)
     whole, quarter = (int(sharded[f"wide-tiny-llama3:float32:4/{n}:device_bytes"]) for n in (1, 4))
     assert whole == weight_bytes(cfg, "float32") and quarter == weight_bytes(cfg, "float32", 4)
-    assert quarter < 0.5 * whole  # the projections are split; the embedding and the head are whole on each device
+    assert quarter < 0.26 * whole  # every matrix is split, the embedding and the head too; the norms are whole
 
 
 def test_fused_columns_laid_out_shard_major_read_back_in_order() -> None:
@@ -158,8 +158,8 @@ def test_the_memory_check_is_per_device_and_names_the_numbers() -> None:
         "MOONSHINE_BATCH_LANES (at most 6 lanes fit at this max_seq) or MOONSHINE_MAX_SEQ (at most 24576 positions "
         "fit at 8 lanes)")
     with pytest.raises(ConfigError, match=r"^the KV arena needs 8.00 GiB on each device \(--tensor-parallel=4\) .* "
-                                          r"plus 3.75 GiB of weights, but only 11.00 GiB is free on the device"):
-        check_memory(cfg, config, "bfloat16", available=11 * GiB)  # 13.5 GiB: a quarter of each layer, the whole head
+                                          r"plus 3.38 GiB of weights, but only 11.00 GiB is free on the device"):
+        check_memory(cfg, config, "bfloat16", available=11 * GiB)  # 13.5 GiB in all: a quarter of each matrix
 
 
 # ---- a group of processes -----------------------------------------------------------------------------------------
@@ -234,7 +234,7 @@ def test_a_lost_process_ends_the_group_and_fails_the_requests_in_flight(group) -
     body = {"tokens": PROMPT, "max_new_tokens": 50}
     with ThreadPoolExecutor(6) as pool:
         replies = [pool.submit(httpx.post, leader.url + "/generate", json=body, timeout=60) for _ in range(6)]
-        replies[0].result()  # the first has run; the rest wait for a lane (one request at a time)
+        wait(replies, return_when=FIRST_COMPLETED)  # one has run; the rest wait for the lane (one request at a time)
         follower.proc.kill()
         statuses = sorted(r.result().status_code for r in replies)
     assert leader.proc.wait(timeout=30) == 1  # LOST_S bounds it; a killed peer's connection closes at once

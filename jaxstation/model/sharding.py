@@ -4,9 +4,10 @@ Every device holds 1/N of the attention heads, of the KV heads and of the MLP's 
 are split by their output columns, o and down by their input rows, so each device computes its own heads and its own
 slice of the MLP, and XLA's SPMD partitioner adds one all-reduce after o and one after down (NCCL on GPUs, the CPU
 client's collectives on CPU). The KV arena is split by KV heads, so each device keeps the k and v of its own heads.
-The embedding and the LM head are replicated (`VOCAB_SHARDED`: bench/step.py measured both), as are the norms and
-sampling. A compiled step is an ordinary `jax.jit` over arrays that carry their `NamedSharding`: the same program and
-the same scheduler run at any N.
+The embedding and the LM head are split by vocabulary rows (`VOCAB_SHARDED`: bench/step.py measured it faster than
+replicating them, and it saves each device (N - 1) / N of them); the norms and sampling are replicated. A compiled
+step is an ordinary `jax.jit` over arrays that carry their `NamedSharding`: the same program and the same scheduler
+run at any N.
 
 The fused projections hold several matrices side by side (wqkv: q | k | v; w_gate_up: gate | up). Split into N
 contiguous pieces, the first device would hold q's first columns and none of k. So at N > 1 the loader lays fused
@@ -25,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxstation.model.config import ModelConfig
 
 AXIS = "tp"  # the mesh's one axis
-VOCAB_SHARDED = False  # the embedding and the LM head: replicated (False) or split by vocabulary rows
+VOCAB_SHARDED = True  # the embedding and the LM head split by vocabulary rows (True) or replicated
 COLUMN_SPLIT = frozenset({"wqkv", "w_gate_up", "bqkv"})  # split on their last (output) axis
 ROW_SPLIT = frozenset({"wo", "w_down"})  # split on their input axis ([..., in, out]); their scales replicated
 
