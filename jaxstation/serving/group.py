@@ -194,9 +194,17 @@ class Leader:
 
     def _accept(self) -> None:
         while len(self.followers) < self.group.processes - 1:
-            conn, _ = self.server.accept()
+            conn, peer = self.server.accept()
             conn.settimeout(LOST_S)
-            process_id = receive(conn)
+            try:
+                process_id = receive(conn)
+            except (OSError, pickle.UnpicklingError, struct.error) as e:
+                process_id = f"nothing readable ({_why(e)})"
+            expected = set(range(1, self.group.processes)) - set(self.followers)
+            if not isinstance(process_id, int) or process_id not in expected:
+                log.warning("group: %s:%d said it is process %s; closing that connection", *peer[:2], process_id)
+                conn.close()
+                continue
             with self.lock:
                 self.followers[process_id] = conn
             log.info("group: process %d connected", process_id)
