@@ -104,6 +104,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     group = process_group(config)
     if group is None:
         return warmup_only(config) if args.warmup_only else serve(config, station_and_app)
+    if args.warmup_only:
+        raise ConfigError("--warmup-only compiles one process's steps; a group of processes compiles them together "
+                          "when it starts")
     initialize(group, config)
     if not group.leader:
         return serve_follower(config, group)

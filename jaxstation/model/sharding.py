@@ -91,9 +91,9 @@ def indivisible(cfg: ModelConfig, shards: int) -> str | None:
     return None
 
 
-def _spec(path: tuple, leaf: jax.Array, vocab: bool) -> PartitionSpec:
+def _spec(path: tuple, leaf: jax.Array, vocab: bool, shards: int) -> PartitionSpec:
     """Where one weight leaf lives: split on one axis by the slot it belongs to, or replicated; the embedding and the
-    head split by vocabulary rows with `vocab`."""
+    head split by vocabulary rows with `vocab`, where the vocabulary divides by `shards` (else whole)."""
     names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
     slot, part = names[-2] if len(names) > 1 and names[-1] in ("q", "scale", "w") else names[-1], names[-1]
     axis = None
@@ -101,17 +101,16 @@ def _spec(path: tuple, leaf: jax.Array, vocab: bool) -> PartitionSpec:
         axis = leaf.ndim - 1
     elif slot in ROW_SPLIT and part != "scale":
         axis = leaf.ndim - 2
-    elif vocab and slot == "embed":
-        axis = 0
-    elif vocab and slot == "lm_head":
-        axis = leaf.ndim - 1
+    elif vocab and slot in ("embed", "lm_head"):
+        axis = 0 if slot == "embed" else leaf.ndim - 1
+        axis = axis if leaf.shape[axis] % shards == 0 else None
     return PartitionSpec(*(AXIS if a == axis else None for a in range(leaf.ndim)))
 
 
 def shard_params(params, mesh: Mesh, vocab: bool = VOCAB_SHARDED):
     """`params` (laid out by the loader for the mesh's size) placed on `mesh`, each leaf split as `_spec` says."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: jax.device_put(leaf, NamedSharding(mesh, _spec(path, leaf, vocab))), params)
+        lambda path, leaf: jax.device_put(leaf, NamedSharding(mesh, _spec(path, leaf, vocab, mesh.size))), params)
 
 
 def arena_sharding(mesh: Mesh) -> NamedSharding:
