@@ -102,8 +102,9 @@ def add_lane_sweep_args(ap, reps: int, name: str) -> None:
     ap.add_argument("--name", default=name)
 
 
-def bench_model(args, max_seq: int):
-    """(LoadedModel, Engine keyword arguments) for the model args, as a station with max_seq would plan them."""
+def bench_model(args, max_seq: int, tensor_parallel: int = 1):
+    """(LoadedModel, Engine keyword arguments) for the model args, as a station with max_seq split over
+    `tensor_parallel` devices would plan them."""
     from jaxstation.model.loader import checkpoint_config
     from jaxstation.model.shapes import ARCHITECTURES, random_model
     from jaxstation.serving.plan import load_planned, resolve_plan
@@ -111,10 +112,10 @@ def bench_model(args, max_seq: int):
 
     station = StationConfig(model=f"random:{args.shape}" if args.shape else args.model,  # random weights: no file
                             dtype=args.dtype, layer_loop=args.layer_loop, matmul=args.matmul, attention=args.attention,
-                            max_seq=max_seq, prefill_chunk=1, kv_block=1)
+                            max_seq=max_seq, prefill_chunk=1, kv_block=1, tensor_parallel=tensor_parallel)
     plan = resolve_plan(station, ARCHITECTURES[args.shape] if args.shape else checkpoint_config(args.model))
     if args.shape:
-        model = random_model(args.shape, plan.dtype, plan.layer_loop, matmul=plan.matmul)
+        model = random_model(args.shape, plan.dtype, plan.layer_loop, matmul=plan.matmul, shards=tensor_parallel)
     else:
         model = load_planned(station, plan)
     args.dtype, args.layer_loop, args.matmul, args.attention = plan.dtype, plan.layer_loop, plan.matmul, plan.attention

@@ -12,7 +12,7 @@ from jaxstation.openai.routes import openai_endpoints
 from jaxstation.serving.coldstart import StartupClock
 from jaxstation.serving.routes import station_app, station_endpoints
 from jaxstation.serving.settings import StationConfig
-from jaxstation.serving.station import Station
+from jaxstation.serving.station import EngineFactory, Station
 
 
 def create_app(station: Station) -> Starlette:
@@ -21,7 +21,8 @@ def create_app(station: Station) -> Starlette:
                        + responses_endpoints(station) + anthropic_endpoints(station))
 
 
-def station_and_app(config: StationConfig) -> tuple[Starlette, Station]:
-    """A station of `config`, its start-up timed from process start, and its app (what `serve` runs)."""
-    station = Station(config, clock=StartupClock.from_process_start())
+def station_and_app(config: StationConfig, engine_factory: EngineFactory | None = None) -> tuple[Starlette, Station]:
+    """A station of `config`, its start-up timed from process start, and its app (what `serve` runs); its engine built
+    by `engine_factory` (default: a local Engine)."""
+    station = Station(config, clock=StartupClock.from_process_start(), engine_factory=engine_factory)
     return create_app(station), station

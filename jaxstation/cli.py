@@ -9,6 +9,7 @@ import secrets
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from jaxstation import __version__
 from jaxstation.model.loader import CheckpointError
@@ -22,6 +23,12 @@ from jaxstation.serving.settings import (
     add_arguments,
     resolve,
 )
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
+    from jaxstation.serving.group import Group
+    from jaxstation.serving.station import Station
 
 
 def _plugin_error_in_one_line(record: logging.LogRecord) -> bool:
@@ -90,12 +97,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from jaxstation.app import station_and_app
     from jaxstation.model.loader import checkpoint_config
     from jaxstation.serving.draft import check_draft
+    from jaxstation.serving.group import initialize, process_group, serve_follower
     from jaxstation.serving.server import serve, warmup_only
 
     config = resolve(args, command="serve")
     checkpoint_config(config.model)  # a bad checkpoint is refused here, before the server announces that it listens
     check_draft(config)  # as a draft model whose vocabulary differs
-    return warmup_only(config) if args.warmup_only else serve(config, station_and_app)
+    group = process_group(config)
+    if group is None:
+        return warmup_only(config) if args.warmup_only else serve(config, station_and_app)
+    if args.warmup_only:
+        raise ConfigError("--warmup-only compiles one process's steps; a group of processes compiles them together "
+                          "when it starts")
+    initialize(group, config)
+    if not group.leader:
+        return serve_follower(config, group)
+    return serve(config, lambda c: _group_leader(c, group))
+
+
+def _group_leader(config: StationConfig, group: Group) -> tuple[Starlette, Station]:
+    """Process 0 of a group: the station, its engine's step calls sent to every follower; a lost follower fails the
+    requests in flight (503) before the process exits."""
+    from jaxstation.app import station_and_app
+    from jaxstation.serving.group import Leader
+
+    leader = Leader(group)
+    app, station = station_and_app(config, engine_factory=leader.engine_factory)
+    leader.on_lost = lambda: station.scheduler is not None and station.scheduler.drain(0)
+    return app, station
 
 
 def cmd_station(args: argparse.Namespace) -> int:

@@ -8,9 +8,11 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxstation.engine.penalties import TokenState, allocate_token_state
 from jaxstation.model.config import ModelConfig
+from jaxstation.model.sharding import arena_sharding, replicated
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "tokens"], meta_fields=[])
@@ -41,9 +43,15 @@ def arena_bytes(cfg: ModelConfig, lanes: int, max_seq: int, dtype: jnp.dtype) ->
     return 2 * n * jnp.dtype(dtype).itemsize
 
 
-def allocate_arena(cfg: ModelConfig, lanes: int, max_seq: int, dtype: jnp.dtype, token_state: bool = False
-                   ) -> KVArena:
-    """Zeros; with `token_state`, also the lanes' TokenState (9 bytes per lane and vocabulary entry)."""
+def allocate_arena(cfg: ModelConfig, lanes: int, max_seq: int, dtype: jnp.dtype, token_state: bool = False,
+                   mesh: Mesh | None = None) -> KVArena:
+    """Zeros; with `token_state`, also the lanes' TokenState (9 bytes per lane and vocabulary entry). On a `mesh`, k and
+    v are split by KV heads and the token state is replicated (model/sharding.py)."""
     shape = arena_shape(cfg, lanes, max_seq)
     tokens = allocate_token_state(lanes, cfg.vocab_size) if token_state else None
-    return KVArena(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), tokens=tokens)
+    arena = KVArena(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), tokens=tokens)
+    if mesh is None:
+        return arena
+    kv = arena_sharding(mesh)
+    return KVArena(k=jax.device_put(arena.k, kv), v=jax.device_put(arena.v, kv),
+                   tokens=jax.device_put(tokens, replicated(mesh)))

@@ -47,6 +47,7 @@ from jaxstation.engine.rows import (
 from jaxstation.engine.steps import prefill_chunk, step_rows
 from jaxstation.kernels import host_memory
 from jaxstation.model.loader import LoadedModel
+from jaxstation.model.sharding import mesh_of
 
 PACK_FLOOR = 16  # the narrowest packed step
 SLOT_FLOOR = 8  # the fewest sampled rows of a packed step, where it may sample more than twice as many
@@ -123,7 +124,8 @@ class Engine:
         """(Re)allocate the arena, e.g. after a failed step left donated buffers unusable."""
         self.lane_versions.touch(range(self.lanes))
         self.arena = None
-        self.arena = allocate_arena(self.cfg, self.lanes, self.max_seq, self.params.dtype, token_state=True)
+        self.arena = allocate_arena(self.cfg, self.lanes, self.max_seq, self.params.dtype, token_state=True,
+                                    mesh=mesh_of(self.params))
 
     def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int]) -> None:
         """A request takes `lane`: before its first prefill chunk (at 0 or on a reused prefix), write the lane's token

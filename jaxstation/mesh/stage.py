@@ -28,6 +28,7 @@ from jaxstation.mesh.wire import DTYPES, WireError
 from jaxstation.model.config import LayerRange, ModelConfig
 from jaxstation.model.layers import Params, embed_tokens, layer_at, lm_logits
 from jaxstation.model.loader import LoadedModel
+from jaxstation.model.sharding import fused_sizes, mesh_of, natural_order
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingArrays))
 _SAMPLING_DTYPES = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32,
@@ -44,10 +45,19 @@ def fingerprint(model: LoadedModel) -> str:
     named = [("globals", dataclasses.replace(params, layers=()))] + [(f"layer{i}", x) for i, x in enumerate(layers)]
     for name, tree in named:
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-            a = np.asarray(leaf)
+            a = _natural(model.cfg, tree, path, np.asarray(leaf))
             h.update(f"{name}{jax.tree_util.keystr(path)}:{a.dtype}:{a.shape}".encode())
             h.update(a.tobytes())
     return h.hexdigest()
+
+
+def _natural(cfg: ModelConfig, tree, path: tuple, a: np.ndarray) -> np.ndarray:
+    """A weight leaf in the plain layout, whatever number of devices its layer's fused columns were laid out for: a
+    split station serves the same model as a whole one."""
+    shards = getattr(tree, "shards", 1)
+    slot = next((k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)), None)
+    sizes = fused_sizes(cfg, slot) if shards > 1 else None
+    return a if sizes is None else natural_order(a, sizes, shards)
 
 
 def slice_params(cfg: ModelConfig, params: Params, layers: LayerRange) -> tuple[ModelConfig, Params]:
@@ -110,7 +120,7 @@ class Stage:
         self.layer_loop = self.params.layer_loop
         self.lanes, self.max_seq, self.chunk, self.block = lanes, max_seq, chunk, block
         self.attention = attention
-        self.arena = allocate_arena(self.cfg, lanes, max_seq, self.dtype)
+        self.arena = allocate_arena(self.cfg, lanes, max_seq, self.dtype, mesh=mesh_of(self.params))
 
     @property
     def dtype_name(self) -> str:
@@ -280,7 +290,7 @@ class Stage:
     def reset(self) -> None:
         """A fresh arena, e.g. after a failed step left the donated one unusable."""
         self.arena = None
-        self.arena = allocate_arena(self.cfg, self.lanes, self.max_seq, self.dtype)
+        self.arena = allocate_arena(self.cfg, self.lanes, self.max_seq, self.dtype, mesh=mesh_of(self.params))
 
     def warmup(self) -> None:
         """Compile the prefill and decode shapes (and the head's). Whatever this writes precedes every request,

@@ -44,6 +44,7 @@ from jaxstation.model.quant import (
     stack,
     take_rows,
 )
+from jaxstation.model.sharding import fused_sizes, shard_major, split_fused
 
 LAYER_LOOPS = ("scan", "unroll")
 # a layer's weights that are not projections
@@ -53,7 +54,7 @@ Carry = TypeVar("Carry")
 
 @partial(jax.tree_util.register_dataclass, data_fields=[
     "attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down", "bqkv", "q_norm", "k_norm", "post_attn_norm",
-    "post_mlp_norm"], meta_fields=[])
+    "post_mlp_norm"], meta_fields=["shards"])
 @dataclasses.dataclass(frozen=True)
 class LayerParams:
     """One layer's weights ("unroll"), or every layer's stacked on a leading axis ("scan"). The optional ones are
@@ -71,6 +72,7 @@ class LayerParams:
     k_norm: jax.Array | None = None  # [head_dim]
     post_attn_norm: jax.Array | None = None  # [d]
     post_mlp_norm: jax.Array | None = None  # [d]
+    shards: int = 1  # the devices wqkv and w_gate_up are laid out for (`sharding.shard_major`)
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["embed", "layers", "final_norm", "lm_head"], meta_fields=[])
@@ -121,11 +123,12 @@ WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "gguf")  # gguf: a GGUF file's b
 
 
 def build_params(cfg: ModelConfig, tensor: Callable[[int | None, str], Tensor], weights: str = "float32",
-                 layer_loop: str = "scan", matmul: str = "xla") -> Params:
+                 layer_loop: str = "scan", matmul: str = "xla", shards: int = 1) -> Params:
     """Build Params from checkpoint-oriented tensors ([out, in], HF slot names via `tensor(layer, slot)`): fuse q/k/v
     and gate/up, transpose to [in, out], cast or quantize, and lay the layers out for `layer_loop`.
     matmul "kernel" lays float32 and int8 projections out for the CPU kernel (`quant.KernelWeight`); weights "gguf"
-    keeps GGUF blocks (`quant.GGUFBlocks`) as stored there, and reads any other tensor as float32."""
+    keeps GGUF blocks (`quant.GGUFBlocks`) as stored there, and reads any other tensor as float32. shards > 1 lays the
+    fused projections out for that many devices (`sharding.shard_major`), for XLA's dot only."""
     if weights not in WEIGHT_DTYPES:
         raise ValueError(f"weights must be one of {WEIGHT_DTYPES}, got {weights!r}")
     if weights == "gguf" and matmul != "kernel":
@@ -134,6 +137,8 @@ def build_params(cfg: ModelConfig, tensor: Callable[[int | None, str], Tensor], 
         raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
     if matmul not in MATMULS:
         raise ValueError(f"matmul must be one of {MATMULS}, got {matmul!r}")
+    if shards > 1 and matmul != "xla":
+        raise ValueError("weights laid out for several devices need matmul 'xla': XLA cannot split the CPU kernel")
     dtype = compute_dtype(weights)
 
     def proj(w: Tensor) -> Weight:  # [in, out] or [layers, in, out]; GGUF blocks out-major
@@ -141,11 +146,12 @@ def build_params(cfg: ModelConfig, tensor: Callable[[int | None, str], Tensor], 
 
     def layer_arrays(i: int) -> dict[str, Tensor]:
         t = functools.partial(tensor, i)
-        arrays = {"attn_norm": t("attn_norm"), "wqkv": projection([t("q"), t("k"), t("v")]),
-                  "wo": projection([t("o")]), "mlp_norm": t("mlp_norm"), "w_gate_up": projection([t("gate"), t("up")]),
-                  "w_down": projection([t("down")])}
+        qkv, gate_up = fused_sizes(cfg, "wqkv"), fused_sizes(cfg, "w_gate_up")
+        arrays = {"attn_norm": t("attn_norm"), "wqkv": shard_major(projection([t("q"), t("k"), t("v")]), qkv, shards),
+                  "wo": projection([t("o")]), "mlp_norm": t("mlp_norm"), "w_down": projection([t("down")]),
+                  "w_gate_up": shard_major(projection([t("gate"), t("up")]), gate_up, shards)}
         if cfg.qkv_bias:
-            arrays["bqkv"] = np.concatenate([t("bq"), t("bk"), t("bv")])
+            arrays["bqkv"] = shard_major(np.concatenate([t("bq"), t("bk"), t("bv")]), qkv, shards)
         if cfg.qk_norm:
             arrays["q_norm"], arrays["k_norm"] = t("q_norm"), t("k_norm")
         if cfg.sandwich_norms:
@@ -154,7 +160,7 @@ def build_params(cfg: ModelConfig, tensor: Callable[[int | None, str], Tensor], 
 
     def build(a: dict) -> LayerParams:
         vectors = {k: jnp.asarray(v, dtype) for k, v in a.items() if k in VECTOR_SLOTS}
-        return LayerParams(**vectors, **{k: proj(a[k]) for k in ("wqkv", "wo", "w_gate_up", "w_down")})
+        return LayerParams(**vectors, **{k: proj(a[k]) for k in ("wqkv", "wo", "w_gate_up", "w_down")}, shards=shards)
 
     if layer_loop == "unroll":
         layers: LayerParams | tuple[LayerParams, ...] = tuple(build(layer_arrays(i)) for i in range(cfg.num_layers))
@@ -259,11 +265,10 @@ def qkv_proj(cfg: ModelConfig, layer: LayerParams, x: jax.Array, rot: Rotary):
     qkv = matmul(h, layer.wqkv)
     if layer.bqkv is not None:
         qkv = qkv + layer.bqkv
-    nq, nk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     lead = x.shape[:-1]
-    q = qkv[..., :nq].reshape(*lead, cfg.num_heads, cfg.head_dim)
-    k = qkv[..., nq:nq + nk].reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    v = qkv[..., nq + nk:].reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    q, k, v = split_fused(qkv, fused_sizes(cfg, "wqkv"), layer.shards)
+    q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
+    k, v = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim), v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     if layer.q_norm is not None:
         q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
     return rope(q, rot), rope(k, rot), v
@@ -278,7 +283,7 @@ def mlp_block(cfg: ModelConfig, layer: LayerParams, x: jax.Array) -> jax.Array:
     """Residual gated MLP: x + down(act(gate) * up), SwiGLU or GeGLU (tanh GELU)."""
     h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps, feeds=layer.w_gate_up)
     gate_up = matmul(h, layer.w_gate_up)
-    gate, up = gate_up[..., :cfg.intermediate_size], gate_up[..., cfg.intermediate_size:]
+    gate, up = split_fused(gate_up, fused_sizes(cfg, "w_gate_up"), layer.shards)
     act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
     return x + _post_norm(cfg, matmul(act * up, layer.w_down), layer.post_mlp_norm)
 

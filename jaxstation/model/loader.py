@@ -104,7 +104,7 @@ def _map_name(name: str, globals_: Mapping[str, str], layer_re: re.Pattern, laye
 
 
 def _assemble(cfg: ModelConfig, tensors: Mapping[tuple[int | None, str], Tensor], names: Mapping, weights: str,
-              layer_loop: str, source: str, matmul: str) -> Params:
+              layer_loop: str, source: str, matmul: str, shards: int = 1) -> Params:
     """Check every tensor's presence and shape, then build the Params (`model.build_params`)."""
     shapes = _expected_shapes(cfg)
     required = [(None, "embed"), (None, "final_norm")] + [
@@ -122,10 +122,10 @@ def _assemble(cfg: ModelConfig, tensors: Mapping[tuple[int | None, str], Tensor]
                 f"tensor {names[key]!r} in {source} has shape {tuple(arr.shape)}, expected {shapes[key[1]]}"
             )
 
-    return build_params(cfg, lambda layer, slot: tensors[layer, slot], weights, layer_loop, matmul)
+    return build_params(cfg, lambda layer, slot: tensors[layer, slot], weights, layer_loop, matmul, shards)
 
 
-def load_hf_dir(path: Path, dtype: str = "float32", layer_loop: str = "scan", matmul: str = "xla"
+def load_hf_dir(path: Path, dtype: str = "float32", layer_loop: str = "scan", matmul: str = "xla", shards: int = 1
                 ) -> tuple[ModelConfig, Params]:
     """An HF directory: config.json plus model.safetensors, or shards listed in model.safetensors.index.json."""
     from safetensors import safe_open
@@ -164,7 +164,7 @@ def load_hf_dir(path: Path, dtype: str = "float32", layer_loop: str = "scan", ma
             raise CheckpointError(f"cannot read safetensors file {fpath}: {e}") from e
     if cfg.tie_word_embeddings:
         tensors.pop((None, "lm_head"), None)
-    return cfg, _assemble(cfg, tensors, names, dtype, layer_loop, str(path), matmul)
+    return cfg, _assemble(cfg, tensors, names, dtype, layer_loop, str(path), matmul, shards)
 
 
 def _all_keys(cfg: ModelConfig) -> list[tuple[int | None, str]]:
@@ -248,7 +248,7 @@ def open_gguf(path: Path) -> GGUFFile:
 
 
 def load_gguf(path: Path, dtype: str = "float32", reader: GGUFFile | None = None, layer_loop: str = "scan",
-              matmul: str = "xla") -> tuple[ModelConfig, Params]:
+              matmul: str = "xla", shards: int = 1) -> tuple[ModelConfig, Params]:
     """A GGUF file: config from metadata, tensors dequantized with the gguf package; with dtype "gguf", matrices in a
     block format the CPU kernel reads stay in their blocks (`quant.GGUFBlocks`)."""
     from gguf import dequantize
@@ -272,26 +272,27 @@ def load_gguf(path: Path, dtype: str = "float32", reader: GGUFFile | None = None
         if interleaved and key[1] in ("q", "k") and arr.shape == _expected_shapes(cfg)[key[1]]:
             arr = _unpermute_rope(arr, cfg.num_heads if key[1] == "q" else cfg.num_kv_heads)
         tensors[key] = arr
-    return cfg, _assemble(cfg, tensors, names, dtype, layer_loop, str(path), matmul)
+    return cfg, _assemble(cfg, tensors, names, dtype, layer_loop, str(path), matmul, shards)
 
 
 def load_model(path: str | Path | None = None, dtype: str = "float32", layer_loop: str = "scan",
-               matmul: str = "xla") -> LoadedModel:
+               matmul: str = "xla", shards: int = 1) -> LoadedModel:
     """Load a model and its tokenizer: an HF directory, a .gguf file, or (None) the embedded default model.
 
     dtype: the weights' dtype, one of `model.WEIGHT_DTYPES` (int8 quantizes every projection at load);
     layer_loop: the per-layer weight layout, one of `model.LAYER_LOOPS`;
-    matmul: "xla" or "kernel" (the CPU kernel, `quant.MATMULS`).
+    matmul: "xla" or "kernel" (the CPU kernel, `quant.MATMULS`);
+    shards: the devices the weights will be split over (`sharding.shard_major`; `sharding.shard_params` places them).
     """
     if dtype not in WEIGHT_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(WEIGHT_DTYPES)}, got {dtype!r}")
     source = model_source(path)
     if source.is_dir():
-        cfg, params = load_hf_dir(source, dtype, layer_loop, matmul)
+        cfg, params = load_hf_dir(source, dtype, layer_loop, matmul, shards)
         tokenizer = tokenizer_of(source)
     else:
         reader = open_gguf(source)
-        cfg, params = load_gguf(source, dtype, reader, layer_loop, matmul)
+        cfg, params = load_gguf(source, dtype, reader, layer_loop, matmul, shards)
         tokenizer = tokenizer_of(source, reader.fields)
     return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, source=source)
 

@@ -15,11 +15,15 @@ from jaxstation.model.config import ModelConfig
 from jaxstation.model.layers import LayerParams, Params, compute_dtype
 from jaxstation.model.loader import LoadedModel
 from jaxstation.model.quant import prepare, prepare_embedding
+from jaxstation.model.sharding import make_mesh, shard_params
 
 ARCHITECTURES: dict[str, ModelConfig] = {
     "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                                 num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
                                 max_position=8192, tie_word_embeddings=True),
+    "qwen3-0.6b": ModelConfig(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
+                              num_heads=16, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+                              max_position=40960, tie_word_embeddings=True, qk_norm=True),
     "mistral-7b": ModelConfig(vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_layers=32,
                               num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1e6,
                               max_position=32768, tie_word_embeddings=False),
@@ -42,8 +46,9 @@ ARCHITECTURES: dict[str, ModelConfig] = {
 
 
 def random_params(cfg: ModelConfig, weights: str = "bfloat16", layer_loop: str = "scan", seed: int = 0,
-                  matmul: str = "xla") -> Params:
-    """N(0, 0.02) weights and unit norms at cfg's shapes, drawn on the default device."""
+                  matmul: str = "xla", shards: int = 1) -> Params:
+    """N(0, 0.02) weights and unit norms at cfg's shapes, drawn on the default device; with shards > 1, taken as laid
+    out for that many devices (random weights have no other order) and placed on a mesh of them."""
     dtype = compute_dtype(weights)
     d, f = cfg.hidden_size, cfg.intermediate_size
     key = iter(jax.random.split(jax.random.PRNGKey(seed), 8 * cfg.num_layers + 8))
@@ -63,20 +68,21 @@ def random_params(cfg: ModelConfig, weights: str = "bfloat16", layer_loop: str =
                            q_norm=jnp.ones((*lead, hd), dtype) if cfg.qk_norm else None,
                            k_norm=jnp.ones((*lead, hd), dtype) if cfg.qk_norm else None,
                            post_attn_norm=jnp.ones((*lead, d), dtype) if cfg.sandwich_norms else None,
-                           post_mlp_norm=jnp.ones((*lead, d), dtype) if cfg.sandwich_norms else None)
+                           post_mlp_norm=jnp.ones((*lead, d), dtype) if cfg.sandwich_norms else None, shards=shards)
 
     layers = (tuple(layer(()) for _ in range(cfg.num_layers)) if layer_loop == "unroll"
               else layer((cfg.num_layers,)))
     embed = prepare_embedding(normal((cfg.vocab_size, d)), weights, matmul, cfg.tie_word_embeddings)
     lm_head = None if cfg.tie_word_embeddings else proj((d, cfg.vocab_size))
-    return Params(embed=embed, layers=layers, final_norm=jnp.ones((d,), dtype), lm_head=lm_head)
+    params = Params(embed=embed, layers=layers, final_norm=jnp.ones((d,), dtype), lm_head=lm_head)
+    return params if shards == 1 else shard_params(params, make_mesh(shards))
 
 
 def random_model(name: str, weights: str = "bfloat16", layer_loop: str = "scan", seed: int = 0,
-                 matmul: str = "xla") -> LoadedModel:
+                 matmul: str = "xla", shards: int = 1) -> LoadedModel:
     """A LoadedModel (no tokenizer) of the named architecture with random weights."""
     if name not in ARCHITECTURES:
         raise ValueError(f"unknown shape {name!r}; known: {', '.join(ARCHITECTURES)}")
     cfg = ARCHITECTURES[name]
-    return LoadedModel(cfg=cfg, params=random_params(cfg, weights, layer_loop, seed, matmul), tokenizer=None,
+    return LoadedModel(cfg=cfg, params=random_params(cfg, weights, layer_loop, seed, matmul, shards), tokenizer=None,
                        source=Path(f"random:{name}"))

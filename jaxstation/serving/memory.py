@@ -25,35 +25,44 @@ def use_gpu_memory_fraction() -> None:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEM_FRACTION)
 
 
-def weight_bytes(cfg: ModelConfig, dtype: str) -> int:
-    """Bytes the model's weights take once loaded as `dtype` (int8: one byte per projection weight plus a float32
-    scale per output channel; gguf: at most Q8_0's 34 bytes per 32 weights, the largest block format the kernel reads;
-    norms and an untied embedding in the compute dtype)."""
+def weight_bytes(cfg: ModelConfig, dtype: str, shards: int = 1) -> int:
+    """Bytes the model's weights take on one device once loaded as `dtype` and split over `shards` devices (int8: one
+    byte per projection weight plus a float32 scale per output channel; gguf: at most Q8_0's 34 bytes per 32 weights,
+    the largest block format the kernel reads; norms and an untied embedding in the compute dtype). Split, each device
+    holds 1/shards of every projection, of the embedding and of the head (where the vocabulary divides), the whole of
+    the norms and (at most) of the int8 scales (model/sharding.py)."""
     d, v = cfg.hidden_size, cfg.vocab_size
     proj_in_out = projection_shapes(cfg)
     float_size = jnp.dtype(compute_dtype(dtype)).itemsize
     weight_size = {"int8": 1, "gguf": 34 / 32}.get(dtype, float_size)
-    proj = cfg.num_layers * sum(i * o for i, o in proj_in_out) + (0 if cfg.tie_word_embeddings else d * v)
+    proj = cfg.num_layers * sum(i * o for i, o in proj_in_out) * weight_size
+    head = 0 if cfg.tie_word_embeddings else d * v * weight_size
     scales = 4 * (cfg.num_layers * sum(o for _, o in proj_in_out) + v) if dtype == "int8" else 0
     embed = v * d * (weight_size if cfg.tie_word_embeddings else float_size)
     norms = (2 * cfg.num_layers + 1) * d * float_size
-    return int(proj * weight_size + scales + embed + norms)
+    vocab_shards = shards if v % shards == 0 else 1
+    return int(proj / shards + (head + embed) / vocab_shards + scales + norms)
 
 
-def available_memory() -> tuple[int | None, str]:
-    """(bytes free for the arena, where): free host RAM on CPU, the allocator's headroom on an accelerator."""
-    device = jax.devices()[0]
-    if device.platform == "cpu":
+def available_memory(shards: int = 1) -> tuple[int | None, str]:
+    """(bytes free for the arena on each of `shards` devices, where): free host RAM on CPU, shared by this process's
+    devices; the allocator's headroom on an accelerator, the least of this process's devices (of a group's, its
+    share)."""
+    devices = jax.local_devices()[:shards]
+    if devices[0].platform == "cpu":
         try:
-            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "cpu (free RAM)"
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError):
             return None, "cpu"
-    stats = device.memory_stats() or {}
-    if "bytes_limit" not in stats:
-        return None, device.device_kind
+        n = len(devices)
+        return free // n, "cpu (free RAM)" if n == 1 else f"each of {n} cpu devices (free RAM / {n})"
+    stats = [d.memory_stats() or {} for d in devices]
+    if any("bytes_limit" not in s for s in stats):
+        return None, devices[0].device_kind
     fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
-    return (stats["bytes_limit"] - stats.get("bytes_in_use", 0),
-            f"{device.device_kind} (JAX's pool of {_gib(stats['bytes_limit'])}, "
+    each = "" if shards == 1 else f"each of {shards} "
+    return (min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats),
+            f"{each}{devices[0].device_kind} (JAX's pool of {_gib(stats[0]['bytes_limit'])}, "
             f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction})")
 
 
@@ -68,29 +77,33 @@ def check_memory(cfg: ModelConfig, station: StationConfig, dtype: str, *, weight
     dtype: the weight format the plan chose (serving/plan.py).
 
     weights_resident: the weights are already loaded, so the free figure has them taken off already.
-    available: bytes free (default: measured by `available_memory`).
+    available: bytes free on each device (default: measured by `available_memory`).
+    Split over `station.tensor_parallel` devices, each holds 1/N of the arena and its share of the weights: the check
+    is per device.
     """
     if station.max_seq > cfg.max_position:
         raise ConfigError(f"{station.named('max_seq')}={station.max_seq} exceeds the model's max_position "
                           f"({cfg.max_position}); lower {station.named('max_seq')}")
     where = "the device"
+    shards = station.tensor_parallel
     if available is None:
-        available, where = available_memory()
+        available, where = available_memory(shards)
     if available is None:
         log.warning("cannot measure free memory on %s; skipping the arena memory check", where)
         return
     arena_dtype = compute_dtype(dtype)
-    arena = arena_bytes(cfg, station.lanes, station.max_seq, arena_dtype)
-    weights = 0 if weights_resident else weight_bytes(cfg, dtype)
+    arena = arena_bytes(cfg, station.lanes, station.max_seq, arena_dtype) // shards
+    weights = 0 if weights_resident else weight_bytes(cfg, dtype, shards)
     if arena + weights <= available:
         return
     per_lane = arena // station.lanes
     fit_lanes = max(0, (available - weights) // per_lane)
-    per_block = arena_bytes(cfg, station.lanes, station.kv_block, arena_dtype)
+    per_block = arena_bytes(cfg, station.lanes, station.kv_block, arena_dtype) // shards
     fit_seq = max(0, (available - weights) // per_block) * station.kv_block
     lanes, max_seq = station.named("lanes"), station.named("max_seq")
+    split = "" if shards == 1 else f" on each device ({station.named('tensor_parallel')}={shards})"
     raise ConfigError(
-        f"the KV arena needs {_gib(arena)} ({lanes}={station.lanes} x {max_seq}={station.max_seq}, "
+        f"the KV arena needs {_gib(arena)}{split} ({lanes}={station.lanes} x {max_seq}={station.max_seq}, "
         f"{_gib(per_lane)} per lane)" + (f" plus {_gib(weights)} of weights" if weights else "")
         + f", but only {_gib(available)} is free on {where}. Lower {lanes} (at most {fit_lanes} lanes fit at "
         f"this max_seq) or {max_seq} (at most {fit_seq} positions fit at {station.lanes} lanes)"

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jaxstation.engine import layout
 from jaxstation.engine.engine import Engine
 from jaxstation.kernels import cpu_kernel
+from jaxstation.model import sharding
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.layers import compute_dtype, kernel_takes_every_matmul
 from jaxstation.model.loader import LoadedModel, checkpoint_config, load_model
@@ -43,12 +44,14 @@ class Plan:
     wave_widths: tuple[int, ...]  # the decode wave widths, the lanes last (--wave-widths)
     prefill_budget: int  # rows per packed admission step; 0: one prefill chunk per turn (--prefill-budget)
     speculative: str = "off"  # off, ngram or draft: drafts verified in one step (--speculative)
+    tensor_parallel: int = 1  # the devices the model is split over (--tensor-parallel)
 
     def __str__(self) -> str:
         widths = ",".join(map(str, self.wave_widths))
         return (f"backend {self.backend}, dtype {self.dtype}, matmul {self.matmul}, layer_loop {self.layer_loop}, "
                 f"attention {self.attention}, wave_widths {widths}, prefill_budget {self.prefill_budget or 'off'}, "
-                f"speculative {self.speculative}")
+                f"speculative {self.speculative}"
+                + (f", tensor_parallel {self.tensor_parallel}" if self.tensor_parallel > 1 else ""))
 
 
 def resolve_plan(config: StationConfig, cfg: ModelConfig) -> Plan:
@@ -56,13 +59,14 @@ def resolve_plan(config: StationConfig, cfg: ModelConfig) -> Plan:
     `config.stations` set) runs full waves and feeds prompts one chunk at a time. Raises ConfigError naming the
     setting that cannot work here."""
     backend = jax.default_backend()
-    kernel_error = _kernel_error()
+    shards = _tensor_parallel(config, cfg)
+    kernel_error = _sharded_kernel_error(config) if shards > 1 else _kernel_error()
     dtype = _dtype(config, backend, kernel_error)
     matmul = _matmul(config, dtype, kernel_error)
     layer_loop = _layer_loop(config, backend, dtype, matmul)
-    attention = _attention(config, cfg, backend, dtype)
+    attention = _attention(config, cfg, backend, dtype, kernel_error)
     if config.layers is not None or config.station_urls:
-        return Plan(backend, dtype, matmul, layer_loop, attention, (config.lanes,), 0)
+        return Plan(backend, dtype, matmul, layer_loop, attention, (config.lanes,), 0, tensor_parallel=shards)
     row_invariant = matmul == "kernel" and kernel_takes_every_matmul(cfg)
     widths, budget = _waves(config, row_invariant, attention)
     if config.speculative != "off" and len(widths) < 2:
@@ -70,7 +74,30 @@ def resolve_plan(config: StationConfig, cfg: ModelConfig) -> Plan:
                           f"need every matmul on the CPU kernel and its attention (here: matmul {matmul}, attention "
                           f"{attention}, backend {backend}); a verify row's independence of its place in the step is "
                           "checked on the CPU kernels only")
-    return Plan(backend, dtype, matmul, layer_loop, attention, widths, budget, config.speculative)
+    return Plan(backend, dtype, matmul, layer_loop, attention, widths, budget, config.speculative, shards)
+
+
+def _tensor_parallel(config: StationConfig, cfg: ModelConfig) -> int:
+    """The devices the model is split over: the setting, if this process sees that many and the model's heads and
+    MLP width divide by it."""
+    n = config.tensor_parallel
+    if n == 1:
+        return 1
+    if refusal := sharding.indivisible(cfg, n):
+        raise ConfigError(f"{config.named('tensor_parallel')}={n}: {refusal}")
+    devices = jax.devices()
+    if n > len(devices):
+        hint = (f"; on CPU, JAX_NUM_CPU_DEVICES={n} (or XLA_FLAGS=--xla_force_host_platform_device_count={n}) "
+                "makes that many" if devices[0].platform == "cpu" else "")
+        raise ConfigError(f"{config.named('tensor_parallel')}={n} needs {n} devices, and {len(devices)} "
+                          f"{devices[0].platform} device(s) are visible here{hint}")
+    return n
+
+
+def _sharded_kernel_error(config: StationConfig) -> str:
+    """Why a split station does not run the CPU kernels: XLA's SPMD partitioner cannot split their custom calls."""
+    return (f"{config.named('tensor_parallel')}={config.tensor_parallel} splits the model over devices with XLA's "
+            "SPMD partitioner, which cannot split the CPU kernels' custom calls (docs/sharding.md)")
 
 
 def _kernel_error() -> str | None:
@@ -119,12 +146,14 @@ def _layer_loop(config: StationConfig, backend: str, dtype: str, matmul: str) ->
     return "scan" if dtype == "int8" and backend != "gpu" and matmul == "xla" else "unroll"
 
 
-def _attention(config: StationConfig, cfg: ModelConfig, backend: str, dtype: str) -> str:
+def _attention(config: StationConfig, cfg: ModelConfig, backend: str, dtype: str, kernel_error: str | None) -> str:
     """The decode attention: the setting, if it serves the model, or cuDNN on a GPU for bfloat16 activations
     (cuDNN's flash attention has no float32; float32 keeps the blocked walk at highest precision) unless the model's
     sliding window would be cut; on CPU the decode attention kernel for float32 activations when it builds and fits
     the heads. Scores with a soft cap (Gemma 2) take the blocked walk: neither the kernel nor cuDNN caps them."""
     activations = compute_dtype(dtype)
+    if config.attention == "kernel" and kernel_error is not None:
+        raise ConfigError(f"{config.named('attention')}=kernel: {kernel_error}")
     if config.attention != "auto":
         if refusal := layout.attention_refusal(cfg, config.attention, activations, config.max_seq):
             raise ConfigError(f"{config.named('attention')}={config.attention!r} {refusal}")
@@ -134,7 +163,8 @@ def _attention(config: StationConfig, cfg: ModelConfig, backend: str, dtype: str
     if backend == "gpu":
         windowed = cfg.sliding_window is not None and config.max_seq > cfg.sliding_window
         return "cudnn" if activations == jnp.bfloat16 and not windowed else "blocked"
-    return "kernel" if cpu_kernel.attention_serves(cfg.head_dim, cfg.group_size, activations) else "blocked"
+    serves = kernel_error is None and cpu_kernel.attention_serves(cfg.head_dim, cfg.group_size, activations)
+    return "kernel" if serves else "blocked"
 
 
 def _waves(config: StationConfig, row_invariant: bool, attention: str) -> tuple[tuple[int, ...], int]:
@@ -162,7 +192,11 @@ def startup_plan(config: StationConfig, cfg: ModelConfig | None = None) -> Plan:
 
 def load_planned(config: StationConfig, plan: Plan) -> LoadedModel:
     """The model `config` names, loaded as `plan` says."""
-    return load_model(config.model, plan.dtype, plan.layer_loop, plan.matmul)
+    model = load_model(config.model, plan.dtype, plan.layer_loop, plan.matmul, plan.tensor_parallel)
+    if plan.tensor_parallel == 1:
+        return model
+    mesh = sharding.make_mesh(plan.tensor_parallel)
+    return dataclasses.replace(model, params=sharding.shard_params(model.params, mesh))
 
 
 def planned_engine(model: LoadedModel, config: StationConfig, plan: Plan) -> Engine:

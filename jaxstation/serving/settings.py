@@ -101,6 +101,17 @@ SETTINGS: tuple[_Setting, ...] = (
              "projections: kernel (the CPU kernel: int8 read as int8, rows independent of the wave's width, built with "
              "the system C++ compiler at first use), xla (XLA's dot); auto is kernel on CPU for float32 and int8 "
              "when it builds, else xla"),
+    _Setting("tensor_parallel", "MOONSHINE_TENSOR_PARALLEL", "--tensor-parallel", _parse_int,
+             "devices one model is split over (heads, KV heads and the MLP's width; docs/sharding.md); above 1 it runs "
+             "XLA's dot and full waves", commands=frozenset({"serve", "station"})),
+    _Setting("coordinator_address", "MOONSHINE_COORDINATOR_ADDRESS", "--coordinator-address", _parse_str,
+             "a group of processes: host:port of the JAX coordinator, which process 0 runs (its port + 1 carries the "
+             "step calls)", commands=frozenset({"serve"})),
+    _Setting("num_processes", "MOONSHINE_NUM_PROCESSES", "--num-processes", _parse_int,
+             "a group of processes: how many (default: LWS_GROUP_SIZE, else 1)", commands=frozenset({"serve"})),
+    _Setting("process_id", "MOONSHINE_PROCESS_ID", "--process-id", _parse_int,
+             "a group of processes: this one's index, 0 serving HTTP (default: LWS_WORKER_INDEX or "
+             "JOB_COMPLETION_INDEX)", commands=frozenset({"serve"})),
     _Setting("host", "MOONSHINE_HOST", "--host", _parse_str, "TCP bind address"),
     _Setting("port", "PORT", "--port", _parse_int, "TCP port (PORT is honoured, as Cloud Run sets it)"),
     _Setting("uds", "MOONSHINE_UDS", "--uds", _parse_str, "listen on this Unix socket instead of TCP"),
@@ -195,6 +206,10 @@ class StationConfig:
     attention: str = "auto"
     layer_loop: str = "auto"
     matmul: str = "auto"
+    tensor_parallel: int = 1
+    coordinator_address: str | None = None  # a group of processes (serving/group.py); None: one process
+    num_processes: int | None = None
+    process_id: int | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     uds: str | None = None
@@ -253,7 +268,7 @@ class StationConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"{self.named('port')}={self.port} must be a TCP port in [0, 65535]")
         for field in ("lanes", "max_seq", "prefill_chunk", "kv_block", "max_queue", "max_body_bytes",
-                      "responses_store_size", "draft_tokens"):
+                      "responses_store_size", "draft_tokens", "tensor_parallel"):
             if getattr(self, field) < 1:
                 raise ConfigError(f"{self.named(field)}={getattr(self, field)} must be >= 1")
         object.__setattr__(self, "wave_widths", self._parse_wave_widths())

@@ -27,6 +27,8 @@ from jaxstation.serving.settings import StationConfig
 
 log = logging.getLogger(__name__)
 
+EngineFactory = Callable[[LoadedModel, StationConfig, Plan], Runner]  # builds a station's engine once it has loaded
+
 
 class Station:
     """One serving station: config, plan, model, engine, scheduler, metrics, and whether it is ready.
@@ -40,7 +42,7 @@ class Station:
 
     def __init__(self, config: StationConfig, *, model: LoadedModel | None = None,
                  before_warmup: Callable[[], None] | None = None, clock: StartupClock | None = None,
-                 engine_factory: Callable[[LoadedModel, StationConfig, Plan], Runner] | None = None) -> None:
+                 engine_factory: EngineFactory | None = None) -> None:
         self.config = config
         self.plan: Plan | None = None  # resolved once by the loading thread, before the weights load
         self.model = model
