@@ -557,7 +557,8 @@ ffi::Error Run(ffi::ThreadPool pool, const float* x, const typename F::Elem* w, 
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t per = std::max<int64_t>(32, (N / (4 * threads) + 3) / 4 * 4);
   const int64_t items = (N + per - 1) / per;
-  // float32 weights need no rebuilding; the others are rebuilt once per call where more than one row tile reads them
+  // float32 weights need no rebuilding; the others are rebuilt once per call from 16 rows on (below, a channel pair is
+  // read from memory once and from L1 by its other row tiles)
   const bool rebuild = M >= 16 && !std::is_same_v<F, Plain<float>>;
   ParallelFor(pool, items, [&](int64_t i) {
     const int64_t n0 = i * per, n1 = std::min(N, (i + 1) * per);
