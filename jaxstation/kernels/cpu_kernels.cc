@@ -246,16 +246,16 @@ struct Q5 {
   };
   static Group Decode(const uint8_t* row, int64_t k) {
     const uint8_t* b = row + k / kBlock * kBytes;
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const uint32_t qh = HighBits(b);  // bit c: column c's fifth bit, set into its lane through a mask
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kHigh + 4)));
-    const __m512i bits = _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(HighBits(b))), iota);
-    const __m512i five = _mm512_set1_epi32(0x10), nibble = _mm512_set1_epi32(0x0F);
-    const __m512i q0 = _mm512_or_si512(_mm512_and_si512(bytes, nibble),
-                                       _mm512_and_si512(_mm512_slli_epi32(bits, 4), five));
-    const __m512i q1 = _mm512_or_si512(_mm512_srli_epi32(bytes, 4), _mm512_and_si512(_mm512_srli_epi32(bits, 12), five));
+    const __m512i five = _mm512_set1_epi32(0x10);
+    const __m512i low4 = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)), high4 = _mm512_srli_epi32(bytes, 4);
+    const __m512i q0 = _mm512_mask_or_epi32(low4, static_cast<__mmask16>(qh), low4, five);
+    const __m512i q1 = _mm512_mask_or_epi32(high4, static_cast<__mmask16>(qh >> 16), high4, five);
+    const Vec iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const Vec d = Set1(HalfToFloat(b));
-    Vec low = Mul(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(iota, _mm512_set1_epi32(kBias))));
-    Vec high = Mul(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(iota, _mm512_set1_epi32(kBias - 16))));
+    Vec low = Mul(d, Sub(iota, Set1(kBias)));
+    Vec high = Mul(d, Sub(iota, Set1(kBias - 16)));
     if (kMin) {
       const Vec m = Set1(HalfToFloat(b + 2));
       low = Add(low, m), high = Add(high, m);
