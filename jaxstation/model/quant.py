@@ -14,6 +14,7 @@ float32's. A `JoinedWeight` is one projection whose parts a file stores in diffe
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from functools import partial
 
 import jax
@@ -110,9 +111,7 @@ def projection(parts: list[Tensor]) -> Tensor:
     consecutive parts of one format concatenated; a tuple where formats differ); anything else becomes a dense
     [in, sum(out_i)]."""
     if all(isinstance(p, GGUFBlocks) for p in parts):
-        runs = [[parts[0]]]
-        for p in parts[1:]:
-            runs[-1].append(p) if p.fmt == runs[-1][0].fmt else runs.append([p])
+        runs = [list(run) for _, run in itertools.groupby(parts, key=lambda p: p.fmt)]
         joined = tuple(GGUFBlocks(np.concatenate([p.data for p in run]), run[0].fmt,
                                   (sum(p.shape[0] for p in run), run[0].shape[1])) for run in runs)
         return joined[0] if len(joined) == 1 else joined
