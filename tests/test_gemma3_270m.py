@@ -4,22 +4,35 @@ It loads as a Q4_K_M mix (Q5_0, Q8_0, Q4_K and Q6_K matrices), the way a CPU sta
 prompts equal transformers' from the same file (`tests/reference/gemma3_270m_reference.json`); a request gives the same
 tokens and logits alone and beside 7 others; and the model served as stored gives the logits of the same model
 dequantized to float32, bit for bit.
+
+As a station runs it: a layer of every stored combination and the 262,144-row head give each row the same bits at
+every wave and packed width; and a station with continuous batching, narrow waves and packed admission gives a greedy
+and a seeded request the same tokens and log-probabilities, over 64 tokens, alone and beside 1, 3 and 7 others,
+through its scheduler and over HTTP with the openai client.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import json
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
 import jax.numpy as jnp
 import numpy as np
+import openai
 import pytest
 from conftest import REFERENCE, run_wave, station_plan
+from server_util import ServerThread, wait_for
+from test_row_invariance import assert_rows_equal_at_every_width, row_invariant_parts
 
+from jaxstation.app import create_app
 from jaxstation.engine.engine import Engine
+from jaxstation.engine.jobs import Job
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.model.gguf_file import GGUFFile
 from jaxstation.model.layers import forward_full
@@ -27,6 +40,7 @@ from jaxstation.model.loader import LoadedModel, load_model
 from jaxstation.model.quant import KernelWeight
 from jaxstation.serving.plan import Plan
 from jaxstation.serving.settings import StationConfig
+from jaxstation.serving.station import Station
 
 GREEDY = json.loads((REFERENCE / "gemma3_270m_reference.json").read_text(encoding="utf-8"))["greedy"]
 STEPS = len(GREEDY[0]["greedy_ids"]) - 1
@@ -91,3 +105,92 @@ def test_as_stored_gives_the_dequantized_models_logits(gemma3_270m: Path, gemma:
     got = np.asarray(forward_full(gemma.cfg, gemma.params, tokens))
     want = np.asarray(forward_full(dense.cfg, dense.params, tokens))
     assert np.array_equal(got, want), np.abs(got - want).max()
+
+
+def stored_combinations(model: LoadedModel) -> list[int]:
+    """The first layer of each combination of stored formats (q/k/v, o, down) and attention kind (local, global)."""
+    def kind(i: int) -> tuple:
+        layer = model.params.layers[i]
+        qkv = layer.wqkv.blocks if isinstance(layer.wqkv, KernelWeight) else tuple(w.blocks for w in layer.wqkv.parts)
+        return qkv, layer.wo.blocks, layer.w_down.blocks, model.cfg.is_local(i)
+
+    first = {}
+    for i in range(model.cfg.num_layers):
+        first.setdefault(kind(i), i)
+    return sorted(first.values())
+
+
+def test_each_stored_layer_and_the_head_are_bit_equal_at_every_width(gemma: LoadedModel) -> None:
+    layers = stored_combinations(gemma)
+    assert len(layers) >= 4  # joined and single q/k/v, Q4_K and Q6_K o and down, local and global layers
+    for name, (fn, args) in row_invariant_parts(gemma.cfg, gemma.params, layers).items():
+        assert_rows_equal_at_every_width(fn, *args, what=name)
+
+
+# The station as it serves: 8 lanes, continuous batching, waves of 1, 2, 4 and 8 rows, packed admission steps.
+TARGETS = [{"prompt": "The capital of France is", "temperature": 0.0},
+           {"prompt": "def fibonacci(n):", "temperature": 0.8, "seed": 7}]
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def served(gemma3_270m: Path, gemma: LoadedModel):
+    station = Station(StationConfig(model=str(gemma3_270m), lanes=8, max_seq=128, prefill_chunk=32, kv_block=128,
+                                    continuous=True, drain_s=5), model=gemma)
+    with ServerThread(create_app(station)) as server, server.client(timeout=300) as http:
+        wait_for(lambda: http.get("/ready").status_code == 200, 600, "the station did not turn ready", 0.2)
+        assert station.plan.wave_widths == (1, 2, 4, 8) and station.plan.prefill_budget > 0
+        yield station, server
+
+
+def neighbours(n: int, rng: np.random.Generator) -> list[dict]:
+    """n requests that arrive while the targets decode and leave before them: packed admission steps and every
+    wave width in between."""
+    return [{"prompt": " ".join(rng.choice(["Once", "upon", "a", "time", "the", "river", "sang", "42"], 12)),
+             "temperature": 0.7, "seed": i, "max_tokens": int(rng.integers(4, 48)), "delay": float(rng.uniform(0, 1))}
+            for i in range(n)]
+
+
+def alone_and_beside(run: Callable[[dict], object]) -> None:
+    """Each target alone, then both at once among 0, 2 and 6 neighbours (so each beside 1, 3 and 7 others): the
+    same results, compared with ==."""
+    alone = [run(t) for t in TARGETS]
+    rng = np.random.default_rng(3)
+    for n in (0, 2, 6):
+        with concurrent.futures.ThreadPoolExecutor(n + 2) as pool:
+            beside = [pool.submit(run, t) for t in TARGETS]
+            for f in [pool.submit(run, r) for r in neighbours(n, rng)]:
+                f.result()
+            assert [f.result() for f in beside] == alone, f"beside {n + 1} others"
+
+
+def test_through_the_scheduler_alone_and_beside_others(served, gemma: LoadedModel) -> None:
+    station, _ = served
+
+    def run(request: dict) -> tuple:
+        time.sleep(request.get("delay", 0))
+        sampling = SamplingParams(temperature=request["temperature"], seed=request.get("seed", 0))
+        job = Job(gemma.tokenizer.encode(request["prompt"]), request.get("max_tokens", NEW_TOKENS), sampling)
+        result = station.scheduler.submit(job).result(timeout=300)
+        assert len(result.samples) == job.max_new_tokens
+        return result.generated, [(s.logprob, s.top) for s in result.samples]
+
+    alone_and_beside(run)
+
+
+def test_over_http_alone_and_beside_others(served) -> None:
+    _, server = served
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0,
+                           timeout=300)
+
+    def run(request: dict) -> tuple:
+        time.sleep(request.get("delay", 0))
+        reply = client.completions.create(
+            model="gemma", prompt=request["prompt"], max_tokens=request.get("max_tokens", NEW_TOKENS),
+            temperature=request["temperature"], seed=request.get("seed"), logprobs=2,
+            extra_body={"ignore_eos": True})
+        choice = reply.choices[0]
+        assert reply.usage.completion_tokens == request.get("max_tokens", NEW_TOKENS)
+        return choice.text, choice.logprobs.token_logprobs, choice.logprobs.top_logprobs
+
+    alone_and_beside(run)

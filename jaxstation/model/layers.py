@@ -211,10 +211,11 @@ def window_at(cfg: ModelConfig, layer: jax.Array | int) -> jax.Array | int | Non
     return jnp.where(jnp.asarray(cfg.local_layers)[layer], cfg.sliding_window, NO_WINDOW)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, feeds: Weight | None = None) -> jax.Array:
-    """HF's LlamaRMSNorm: normalise in float32, cast back, then scale. A norm that feeds a projection on the CPU kernel
-    runs on the kernels too (one call, not the handful of XLA fusions a row-invariant sum takes)."""
-    if feeds is not None and on_kernel(feeds) and x.dtype == jnp.float32:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, beside: Weight | None = None) -> jax.Array:
+    """HF's LlamaRMSNorm: normalise in float32, cast back, then scale. A norm beside a projection on the CPU kernel
+    (feeding it or fed by it) runs on the kernels too: each row in one fixed order whatever the rows (XLA's fusions
+    of a norm computed a row differently at different row counts), in one call where XLA needs a handful of fusions."""
+    if beside is not None and on_kernel(beside) and x.dtype == jnp.float32:
         return cpu_kernel.rms_norm(x, weight, eps)
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(row_sum(xf * xf)[..., None] / x.shape[-1] + eps)
@@ -261,7 +262,7 @@ def rope(x: jax.Array, rot: Rotary) -> jax.Array:
 
 def qkv_proj(cfg: ModelConfig, layer: LayerParams, x: jax.Array, rot: Rotary):
     """Norm, fused q/k/v projection and RoPE. x: [..., T, d] -> q [..., T, heads, hd], k/v [..., T, kv_heads, hd]."""
-    h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps, feeds=layer.wqkv)
+    h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps, beside=layer.wqkv)
     qkv = matmul(h, layer.wqkv)
     if layer.bqkv is not None:
         qkv = qkv + layer.bqkv
@@ -270,32 +271,33 @@ def qkv_proj(cfg: ModelConfig, layer: LayerParams, x: jax.Array, rot: Rotary):
     q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
     k, v = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim), v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     if layer.q_norm is not None:
-        q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps, beside=layer.wqkv)
+        k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps, beside=layer.wqkv)
     return rope(q, rot), rope(k, rot), v
 
 
 def attn_out(cfg: ModelConfig, layer: LayerParams, x: jax.Array, o: jax.Array) -> jax.Array:
     """The residual after attention: x + o @ wo (normed first with sandwich norms). o: [..., heads * head_dim]."""
-    return x + _post_norm(cfg, matmul(o, layer.wo), layer.post_attn_norm)
+    return x + _post_norm(cfg, matmul(o, layer.wo), layer.post_attn_norm, layer.wo)
 
 
 def mlp_block(cfg: ModelConfig, layer: LayerParams, x: jax.Array) -> jax.Array:
     """Residual gated MLP: x + down(act(gate) * up), SwiGLU or GeGLU (tanh GELU)."""
-    h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps, feeds=layer.w_gate_up)
+    h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps, beside=layer.w_gate_up)
     gate_up = matmul(h, layer.w_gate_up)
     gate, up = split_fused(gate_up, fused_sizes(cfg, "w_gate_up"), layer.shards)
     act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-    return x + _post_norm(cfg, matmul(act * up, layer.w_down), layer.post_mlp_norm)
+    return x + _post_norm(cfg, matmul(act * up, layer.w_down), layer.post_mlp_norm, layer.w_down)
 
 
-def _post_norm(cfg: ModelConfig, y: jax.Array, weight: jax.Array | None) -> jax.Array:
-    return y if weight is None else rms_norm(y, weight, cfg.rms_norm_eps)
+def _post_norm(cfg: ModelConfig, y: jax.Array, weight: jax.Array | None, fed_by: Weight) -> jax.Array:
+    return y if weight is None else rms_norm(y, weight, cfg.rms_norm_eps, beside=fed_by)
 
 
 def lm_logits(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
     """Final norm and lm_head; float32 logits [..., vocab]."""
     head = params.embed if params.lm_head is None else params.lm_head
-    h = rms_norm(x, params.final_norm, cfg.rms_norm_eps, feeds=head)
+    h = rms_norm(x, params.final_norm, cfg.rms_norm_eps, beside=head)
     if params.lm_head is None:
         logits = matmul_transposed(h, params.embed)
     else:
