@@ -12,10 +12,15 @@ import json
 import anthropic
 import httpx
 import pytest
+from conftest import REFERENCE
 from server_util import ServerThread, wait_for
 
+from jaxstation.anthropic.protocol import MessagesRequest
+from jaxstation.anthropic.translate import BILLING_HEADER, chat_body
 from jaxstation.app import create_app
 from jaxstation.model.loader import LoadedModel
+from jaxstation.openai.parse import chat_prompt
+from jaxstation.openai.protocol import ChatCompletionRequest
 from jaxstation.serving.settings import StationConfig
 from jaxstation.serving.station import Station
 
@@ -155,6 +160,25 @@ def test_what_claude_code_sends_is_accepted(station) -> None:
                   headers={"anthropic-version": "2023-06-01", "anthropic-beta": "claude-code-20250219"})
     assert r.status_code == 200, r.text
     assert r.json()["type"] == "message" and r.json()["model"] == MODEL
+
+
+def test_claude_codes_billing_block_is_not_prompt(default_model: LoadedModel) -> None:
+    """Two real Claude Code sessions, whose first system blocks are billing lines with different hashes, give prompts
+    that agree up to the user's turn, so that the second session reuses the first one's cached prefix."""
+    sessions = json.loads((REFERENCE / "claude_code_sessions.json").read_text(encoding="utf-8"))["requests"]
+    assert [r["system"][0]["text"][:27] for r in sessions] == [BILLING_HEADER] * 2
+    first, second = (r["system"] for r in sessions)
+    assert first[0] != second[0] and first[1:] == second[1:]
+    prompts = [chat_prompt(ChatCompletionRequest.model_validate(chat_body(MessagesRequest.model_validate(r))),
+                           default_model.tokenizer)[1] for r in sessions]
+    shared = next(i for i, (x, y) in enumerate(zip(*prompts, strict=False)) if x != y)
+    system = default_model.tokenizer.encode(_system_text(sessions[0]))
+    assert shared > len(system) > 1000, (shared, len(system), [len(p) for p in prompts])
+    assert "x-anthropic-billing-header" not in default_model.tokenizer.decode(prompts[0])
+
+
+def _system_text(request: dict) -> str:
+    return "\n".join(b["text"] for b in request["system"][1:])
 
 
 @pytest.mark.parametrize("change, field", [

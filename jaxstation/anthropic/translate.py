@@ -6,6 +6,9 @@ are the assistant's tool calls, each `tool_result` a tool turn, and earlier thin
 too). tool_choice `auto`, `any`, `tool` and `none` are chat's `auto`, `required`, a named function and `none`;
 `disable_parallel_tool_use` is `parallel_tool_calls: false`; `thinking` sets the template's `enable_thinking`;
 `output_config.format` is a JSON-schema `response_format`. Both APIs then share one run of the engine.
+
+A system text block that starts with `x-anthropic-billing-header:` is not prompt: Claude Code opens its system prompt
+with one whose hash changes every session, and kept, it would end every session's cached prefix at its first line.
 """
 
 from __future__ import annotations
@@ -16,11 +19,20 @@ from typing import Any
 from jaxstation.anthropic import protocol as a
 from jaxstation.openai.run import Choice, Run
 
+BILLING_HEADER = "x-anthropic-billing-header:"
+
 
 def _text(content: str | list | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     return "\n".join(b.text for b in content if isinstance(b, a.TextBlock))
+
+
+def _system(content: str | list) -> str:
+    """A system prompt's text, less Claude Code's per-session billing block."""
+    if isinstance(content, list):
+        content = [b for b in content if not (isinstance(b, a.TextBlock) and b.text.startswith(BILLING_HEADER))]
+    return _text(content)
 
 
 def _user_turns(content: str | list) -> list[dict]:
@@ -65,11 +77,11 @@ def _tool_choice(choice: a.ToolChoice | None) -> dict[str, Any]:
 def chat_body(req: a.MessagesInput) -> dict[str, Any]:
     """The chat completions body of a Messages request (or of a count_tokens one, without sampling)."""
     messages: list[dict] = []
-    if req.system:
-        messages.append({"role": "system", "content": _text(req.system)})
+    if req.system and (system := _system(req.system)):
+        messages.append({"role": "system", "content": system})
     for m in req.messages:
         if m.role == "system":
-            messages.append({"role": "system", "content": _text(m.content)})
+            messages.append({"role": "system", "content": _system(m.content)})
         else:
             messages += _user_turns(m.content) if m.role == "user" else [_assistant_turn(m.content)]
     body: dict[str, Any] = {"model": req.model, "messages": messages, **_tool_choice(req.tool_choice)}
