@@ -139,3 +139,14 @@ def test_a_jax_plugin_that_cannot_start_is_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1 and lines[0].endswith(
         "WARNING jax._src.xla_bridge: Jax plugin configuration error: Exception when calling "
         "jax_plugins.no_driver.initialize(): RuntimeError: operation cuInit(0) failed: Unknown CUDA error 303"), lines
+
+
+def test_a_chat_template_that_does_not_render_names_its_file_and_line(tmp_path: Path) -> None:
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ bos_token }}\n{% for m in messages %}\n{{ m['content'] | nosuchfilter }}\n{% endfor %}\n")
+    r = run_cli("serve", "--chat-template", str(template), "--port", "0")
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[0] == f"error: --chat-template: {template}, line 3: No filter named 'nosuchfilter'."
+    assert "Traceback" not in r.stderr + r.stdout
+    r = run_cli("serve", "--served-model-name", "a,,b", "--port", "0")
+    assert r.stderr.splitlines()[0] == "error: --served-model-name='a,,b' must be one name or several, comma-separated"

@@ -1,11 +1,14 @@
 """Chat templates rendered as transformers renders them: Jinja2 in a sandbox, with its `tojson`, `raise_exception`,
-`strftime_now` and `{% generation %}` markers."""
+`strftime_now` and `{% generation %}` markers. `read_template` takes a user's own (`--chat-template`), from a file
+or inline, and refuses one that does not render, naming the file and the line."""
 
 from __future__ import annotations
 
 import json
+import traceback
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -47,3 +50,28 @@ def compile_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
+
+
+# what a template must render at start-up: a user's turn and the assistant's opening
+_PROBE = [{"role": "user", "content": "Hello"}]
+
+
+def read_template(value: str) -> tuple[str, str]:
+    """(the template, where it came from) for `value`, a Jinja file's path or the template itself. Raises ValueError,
+    naming the file (or "inline") and the line, when it does not parse or does not render a user's turn."""
+    path = Path(value)
+    if "{{" not in value and "{%" not in value:
+        if not path.is_file():
+            raise ValueError(f"{value!r} is neither a file nor a Jinja template")
+        where, source = str(path), path.read_text(encoding="utf-8")
+    else:
+        where, source = "inline template", value
+    try:
+        compile_template(source).render(messages=_PROBE, add_generation_prompt=True, bos_token="", eos_token="")
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"{where}, line {e.lineno}: {e.message}") from None
+    except Exception as e:  # noqa: BLE001 - any error a template raises while rendering
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == "<template>"]
+        at = f", line {lines[-1]}" if lines else ""
+        raise ValueError(f"{where}{at}: {type(e).__name__}: {e}") from None
+    return source, where

@@ -60,6 +60,9 @@ _GGUF_PRE_SPLITS: dict[str, tuple[str, ...]] = {
 }
 
 
+END_OF_TURN = frozenset({"<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>", "<|eom_id|>"})
+
+
 @lru_cache(maxsize=1)
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map used by byte-level BPE vocabularies."""
@@ -118,6 +121,9 @@ def gguf_backend(meta: Mapping[str, Any]) -> tuple[RustTokenizer, dict[str, Any]
         for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
         if (v := _field(meta, key)) is not None
     ]
+    # a control token that ends a turn ends generation too, as llama.cpp finds them (Gemma's files name none)
+    eos_ids += [i for i, (t, kind) in enumerate(zip(tokens, token_type, strict=False))
+                if kind == _TOKEN_TYPE_CONTROL and t in END_OF_TURN and i not in eos_ids]
     # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise
     add_bos = bool(_field(meta, "tokenizer.ggml.add_bos_token", not byte_level)) and bos_id is not None
     add_eos = bool(_field(meta, "tokenizer.ggml.add_eos_token", False)) and bool(eos_ids)

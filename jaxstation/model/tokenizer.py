@@ -8,6 +8,7 @@ bytes of every token, and precomputes which tokens end a sentence (`terminal_ids
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -208,10 +209,16 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
 
+    def with_chat_template(self, chat_template: str) -> Tokenizer:
+        """This tokenizer with another chat template."""
+        other = copy.copy(self)
+        other.chat_template = chat_template
+        return other
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render `messages` with the chat template the way transformers does."""
         if not self.chat_template:
-            raise ValueError("this tokenizer has no chat template; cannot apply one")
+            raise ValueError("this model has no chat template; start the station with --chat-template to give it one")
         context: dict[str, Any] = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
         context.update(kwargs)
         return compile_template(self.chat_template).render(

@@ -69,15 +69,22 @@ def tokenizer_config(tok: Tokenizer, max_model_len: int) -> p.TokenizerInfo:
     return info
 
 
-def served_model_name(station: Station) -> str:
-    """The name /v1/models lists and replies carry: the checkpoint's file stem or directory name."""
+def served_model_names(station: Station) -> tuple[str, ...]:
+    """The names /v1/models lists: --served-model-name's, else the checkpoint's file stem or directory name."""
+    if station.config.served_model_name:
+        return station.config.served_model_name
     if station.model is not None:
         source = Path(station.model.source)
     elif station.config.model:
         source = Path(station.config.model)
     else:
         source = Path(DEFAULT_GGUF_NAME)
-    return source.name if source.is_dir() else source.stem
+    return (source.name if source.is_dir() else source.stem,)
+
+
+def served_model_name(station: Station) -> str:
+    """The name replies carry."""
+    return served_model_names(station)[0]
 
 
 def wire(reply: BaseModel) -> dict[str, Any]:
@@ -169,9 +176,11 @@ class OpenAIRoutes:
         return await self.completions(request, chat=False)
 
     async def models(self, request: Request) -> Response:
-        card = p.ModelCard(id=served_model_name(self.station), object="model", created=int(time.time()),
-                           owned_by="jaxstation", max_model_len=self.station.config.max_request_tokens)
-        return JSONResponse(wire(p.ModelList(object="list", data=[card])))
+        now = int(time.time())
+        cards = [p.ModelCard(id=name, object="model", created=now, owned_by="jaxstation",
+                             max_model_len=self.station.config.max_request_tokens)
+                 for name in served_model_names(self.station)]
+        return JSONResponse(wire(p.ModelList(object="list", data=cards)))
 
     async def tokenize(self, request: Request) -> Response:
         try:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from jaxstation.engine.layout import ATTENTIONS, PACK_BUDGET_AUTO
+from jaxstation.model.chat_template import read_template
 from jaxstation.model.config import LayerRange
 from jaxstation.model.layers import LAYER_LOOPS, WEIGHT_DTYPES
 from jaxstation.model.quant import MATMULS
@@ -63,6 +64,13 @@ def _parse_float(name: str, value: str) -> float:
 
 def _parse_str(name: str, value: str) -> str | None:
     return value or None
+
+
+def _parse_names(name: str, value: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in value.split(","))
+    if not all(names):
+        raise ConfigError(f"{name}={value!r} must be one name or several, comma-separated")
+    return names
 
 
 COMMANDS = ("serve", "station", "host")
@@ -155,6 +163,12 @@ SETTINGS: tuple[_Setting, ...] = (
              "API key: with it set, every route except /health and /ready needs 'Authorization: Bearer <key>' "
              "(or 'x-api-key: <key>')",
              commands=_FRONT),
+    _Setting("chat_template", "MOONSHINE_CHAT_TEMPLATE", "--chat-template", _parse_str,
+             "the chat template, in place of the checkpoint's (or for a checkpoint without one): a Jinja file, or the "
+             "template itself", commands=_FRONT),
+    _Setting("served_model_name", "MOONSHINE_SERVED_MODEL_NAME", "--served-model-name", _parse_names,
+             "the model's name in /v1/models and in replies, or several comma-separated (replies carry the first); "
+             "default: the checkpoint's file or directory name. Requests may name any model", commands=_FRONT),
     _Setting("reasoning_parser", "MOONSHINE_REASONING_PARSER", "--reasoning-parser", _parse_str,
              "split <think>...</think> from the answer: qwen3, deepseek_r1 (the output starts in the thinking), none, "
              "or auto (qwen3 when the chat template writes </think>, else none)", commands=_FRONT),
@@ -228,6 +242,8 @@ class StationConfig:
     drain_s: float = 30.0
     max_body_bytes: int = 1 * MiB
     api_key: str | None = dataclasses.field(default=None, repr=False)
+    chat_template: str | None = dataclasses.field(default=None, repr=False)  # the template's text, once read
+    served_model_name: tuple[str, ...] = ()
     reasoning_parser: str = "auto"
     responses_store_size: int = 256
     responses_store_age_s: float = 3600.0
@@ -285,6 +301,11 @@ class StationConfig:
             raise ConfigError(f"{self.named('mesh_recover_s')}={self.mesh_recover_s} must be >= 0 seconds")
         if not self.mesh_hop_timeout_s > 0:
             raise ConfigError(f"{self.named('mesh_hop_timeout_s')}={self.mesh_hop_timeout_s} must be > 0 seconds")
+        if self.chat_template is not None:
+            try:
+                object.__setattr__(self, "chat_template", read_template(self.chat_template)[0])
+            except ValueError as e:
+                raise ConfigError(f"{self.named('chat_template')}: {e}") from None
         if self.layers is not None:
             try:
                 LayerRange.parse(self.layers)
@@ -366,7 +387,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         default = getattr(defaults, s.field)
         if isinstance(default, bool):
             default = "on" if default else "off"
-        shown = "" if default is None or s.field == "api_key" else f" (default: {default})"
+        shown = "" if default in (None, ()) or s.field == "api_key" else f" (default: {default})"
         help_ = f"{s.help}{shown} [env {s.env}]" if s.env else f"{s.help}{shown}"
         if s.parse is parse_bool:
             parser.add_argument(s.flag, dest=s.field, action=argparse.BooleanOptionalAction, default=None, help=help_)
@@ -389,8 +410,9 @@ def resolve(args: argparse.Namespace | None = None, env: Mapping[str, str] | Non
         if command is not None and command not in s.commands:
             continue
         flag_value = getattr(args, s.field, None) if args is not None else None
-        if flag_value is not None:
-            values[s.field], sources[s.field] = flag_value, s.flag
+        if flag_value is not None:  # argparse typed the numbers and booleans; the rest is parsed here
+            values[s.field] = s.parse(s.flag, flag_value) if isinstance(flag_value, str) else flag_value
+            sources[s.field] = s.flag
         elif s.env and env.get(s.env, "").strip():
             values[s.field], sources[s.field] = s.parse(s.env, env[s.env]), s.env
     return StationConfig(**values, sources=sources)

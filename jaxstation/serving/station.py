@@ -7,6 +7,7 @@ in-flight ones finish (up to `drain_s`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -81,6 +82,9 @@ class Station:
                 log.info("loaded %s", self.model.source)
             else:
                 self.plan = startup_plan(c, self.model.cfg)
+            if c.chat_template is not None:
+                self.model = dataclasses.replace(self.model, tokenizer=self.model.tokenizer.with_chat_template(
+                    c.chat_template))
             with clock.phase("arena_alloc"):
                 self.engine = self._engine_factory(self.model, c, self.plan)
             draft = None
