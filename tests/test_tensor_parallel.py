@@ -29,6 +29,7 @@ from server_util import free_port
 from sharded_run import PROMPT
 
 from jaxstation.engine.rows import DecodeRow, SamplingParams
+from jaxstation.model.layers import projection_shapes
 from jaxstation.model.loader import checkpoint_config, hf_config
 from jaxstation.model.shapes import ARCHITECTURES
 from jaxstation.model.sharding import natural_order, shard_major, split_fused
@@ -42,6 +43,7 @@ from jaxstation.serving.settings import ConfigError, GiB, StationConfig, resolve
 CASES = ("tiny-qwen2:int8:2", "tiny-qwen3:float32:2", "tiny-gemma2:int8:2", "tiny-gemma3:float32:2",
          "wide-tiny-llama3:float32:4", "wide-tiny-mistral:int8:4")
 STAGE = "stage:tiny-qwen2:int8:2"  # a mesh station split over 2 devices
+LOAD = "load:tiny-qwen2:float32:2"  # device 0's bytes while a station loads a model split over 2 devices
 TOLERANCE = 1e-4
 
 
@@ -49,7 +51,7 @@ TOLERANCE = 1e-4
 def sharded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]:
     out = tmp_path_factory.mktemp("sharded") / "runs.npz"
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "4", "PYTHONPATH": str(TESTS.parent)}
-    subprocess.run([sys.executable, str(TESTS / "sharded_run.py"), str(out), *CASES, STAGE], env=env, check=True,
+    subprocess.run([sys.executable, str(TESTS / "sharded_run.py"), str(out), *CASES, STAGE, LOAD], env=env, check=True,
                    timeout=600)
     with np.load(out) as data:
         return {k: data[k] for k in data.files}
@@ -95,6 +97,16 @@ def test_each_device_holds_its_share_of_the_weights_as_the_memory_check_counts(s
     whole, quarter = (int(sharded[f"wide-tiny-llama3:float32:4/{n}:device_bytes"]) for n in (1, 4))
     assert whole == weight_bytes(cfg, "float32") and quarter == weight_bytes(cfg, "float32", 4)
     assert quarter < 0.26 * whole  # every matrix is split, the embedding and the head too; the norms are whole
+
+
+def test_a_split_load_never_holds_more_than_a_share_and_one_matrix_on_device_0(sharded: dict) -> None:
+    """Each weight goes from host memory straight onto its shards: device 0 never holds the whole model, which
+    the memory check (counting 1/N a device) would not have room for."""
+    cfg = checkpoint_config(FIXTURES / "tiny-qwen2")
+    share = weight_bytes(cfg, "float32", 2)
+    matrix = 4 * max(cfg.vocab_size * cfg.hidden_size, *(i * o for i, o in projection_shapes(cfg)))
+    assert int(sharded[f"{LOAD}/device_bytes"]) < share + matrix / 8  # its share once loaded (and the qkv biases)
+    assert int(sharded[f"{LOAD}/peak"]) <= share + matrix, (int(sharded[f"{LOAD}/peak"]), share, matrix)
 
 
 def test_fused_columns_laid_out_shard_major_read_back_in_order() -> None:
