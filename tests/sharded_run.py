@@ -5,7 +5,8 @@ rest of the suite keeps one. For each case (a model, a weight format, a number o
 8-lane engine at N: a greedy request's tokens and logits on lane 0 alone and beside 1, 3 and 7 sampled requests;
 and from an engine at N = 1 the same request alone. The test compares them.
 
-A case "stage:name:dtype:N" saves a mesh station's fingerprint and residuals at N = 1 and N instead.
+A case "stage:name:dtype:N" saves a mesh station's fingerprint and residuals at N = 1 and N instead; a case
+"load:name:dtype:N" the most bytes device 0 held while a station loaded the model split over N devices.
 
 Usage: JAX_NUM_CPU_DEVICES=4 python tests/sharded_run.py OUT.npz CASE...  (CASE: name:dtype:N, e.g. tiny-qwen2:int8:2;
 a name "wide-<fixture>" is that fixture's family with 8 heads and 4 KV heads and seeded random weights)
@@ -14,11 +15,13 @@ a name "wide-<fixture>" is that fixture's family with 8 heads and 4 KV heads and
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import zlib
 from pathlib import Path
 
+import jax
 import numpy as np
 
 TESTS = Path(__file__).resolve().parent
@@ -113,13 +116,38 @@ def run_stage(name: str, dtype: str, shards: int) -> dict[str, np.ndarray]:
     return out
 
 
+def device_0_bytes() -> int:
+    """Bytes of the live arrays device 0 holds: its shard of each split array, the whole of one it holds whole."""
+    device = jax.devices()[0]
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.live_arrays()
+               if device in a.sharding.device_set)
+
+
+def run_load(name: str, dtype: str, shards: int) -> dict[str, np.ndarray]:
+    """The most bytes device 0 holds while `load` splits the model over `shards` devices: sampled at every return
+    from a jaxstation function, so each weight the loader builds is seen before the next one."""
+    peak = 0
+
+    def on_return(frame, event: str, _arg) -> None:
+        nonlocal peak
+        if event == "return" and frame.f_globals.get("__name__", "").startswith("jaxstation."):
+            peak = max(peak, device_0_bytes())
+
+    sys.setprofile(on_return)
+    try:
+        model = load(name, dtype, shards)
+    finally:
+        sys.setprofile(None)
+    return {"peak": np.array(max(peak, device_0_bytes())), "device_bytes": np.array(device_bytes(model.params))}
+
+
 def main() -> None:
     path, cases = sys.argv[1], sys.argv[2:]
     enable_compile_cache(os.environ.get("MOONSHINE_COMPILE_CACHE_DIR"))  # the test run's, where it has one
     saved = {}
     for case in cases:
-        kind, name, dtype, n = case.split(":") if case.startswith("stage:") else ("case", *case.split(":"))
-        run = run_stage if kind == "stage" else run_case
+        kind, name, dtype, n = case.split(":") if case.count(":") == 3 else ("case", *case.split(":"))
+        run = {"stage": run_stage, "load": run_load}.get(kind, run_case)
         saved.update({f"{case}/{k}": v for k, v in run(name, dtype, int(n)).items()})
     np.savez(path, **saved)
 

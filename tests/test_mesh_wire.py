@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxstation.mesh.wire import DTYPES, WireError, decode, encode
+from jaxstation.serving.wire import DTYPES, WireError, decode, encode
 
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 0, 4), (2, 3, 4, 5)]
 

@@ -18,6 +18,7 @@ from server_util import ServerThread, metric, queue_held_full, raw_post, wait_fo
 from jaxstation.app import create_app
 from jaxstation.model.loader import LoadedModel
 from jaxstation.openai.parse import parse_chat, render_chat
+from jaxstation.openai.protocol import MAX_PROMPTS
 from jaxstation.serving.settings import StationConfig
 from jaxstation.serving.station import Station
 
@@ -516,9 +517,31 @@ def test_queue_full_is_503_with_retry_after(default_model: LoadedModel) -> None:
             assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1, r.text
             assert "queue is full" in r.json()["error"]["message"]
             with pytest.raises(openai.InternalServerError):
-                openai_client(server).chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=2, n=2)
+                openai_client(server).chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=2)
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 200, r.text
+
+
+
+def test_a_request_larger_than_the_queue_is_400_naming_max_queue(default_model: LoadedModel) -> None:
+    """Jobs (prompts x n) past max_queue could never be queued: a 400, not a 503 to retry; the prompt list's bound
+    is in /openapi.json."""
+    st = make_station(default_model, max_queue=8)
+    with ServerThread(create_app(st)) as server, server.client() as http:
+        wait_ready(http)
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": ["Hi"] * 9, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "max_queue" in r.json()["error"]["message"] and "9" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": ["Hi"] * 5, "n": 2, "max_tokens": 2})
+        assert r.status_code == 400 and "10" in r.json()["error"]["message"], r.text
+        assert http.post("/v1/completions", json={"model": MODEL, "prompt": ["Hi"] * 8, "max_tokens": 2}
+                         ).status_code == 200
+        prompt = http.get("/openapi.json").json()["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
+        lists = {branch["items"].get("type"): branch.get("maxItems") for branch in prompt["anyOf"]
+                 if branch.get("type") == "array"}
+        assert lists["string"] == lists["array"] == MAX_PROMPTS  # a list of texts, a list of token-id lists
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": ["Hi"] * (MAX_PROMPTS + 1), "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
 
 
 COPY = ("Repeat this list twice, exactly: red, orange, yellow, green, blue, indigo, violet. "

@@ -238,3 +238,58 @@ def test_thinking_comes_back_where_each_api_puts_it(station, monkeypatch) -> Non
         streamed_msg = s.get_final_message()
     assert [(b.type, b.thinking) for b in msg.content] == [(b.type, b.thinking) for b in streamed_msg.content] == [
         ("thinking", thinking)]
+
+
+def fail_decode_after(st: Station, monkeypatch: pytest.MonkeyPatch, ok_calls: int) -> None:
+    """Make the station's decode step raise after `ok_calls` good calls, once; then it runs again."""
+    real, calls = st.engine.decode, []
+
+    def decode(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == ok_calls + 1:
+            raise RuntimeError("injected decode failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(st.engine, "decode", decode)
+
+
+def stream_until_failure(server: ServerThread, api: str) -> tuple[list[str], str]:
+    """Stream HELLO through `api` with its SDK: the text that came before the failure, and the failure's message
+    (as each API carries it: an error chunk, `response.failed`, an `error` event)."""
+    ask, text = [{"role": "user", "content": HELLO}], []
+    openai_client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+    try:
+        if api == "responses":
+            with openai_client.responses.stream(model=MODEL, input=ask, temperature=0, max_output_tokens=40,
+                                                store=False) as stream:
+                events = list(stream)
+            text = [e.delta for e in events if e.type == "response.output_text.delta"]
+            assert events[-1].type == "response.failed", [e.type for e in events[-3:]]
+            return text, events[-1].response.error.message
+        if api == "messages":
+            messages = anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="unused",
+                                           max_retries=0)
+            with messages.messages.stream(model=MODEL, messages=ask, max_tokens=40) as stream:
+                for piece in stream.text_stream:
+                    text.append(piece)
+        elif api == "chat":
+            for chunk in openai_client.chat.completions.create(model=MODEL, messages=ask, temperature=0,
+                                                               max_tokens=40, stream=True):
+                text.append(chunk.choices[0].delta.content or "")
+        else:
+            for chunk in openai_client.completions.create(model=MODEL, prompt=HELLO, temperature=0, max_tokens=40,
+                                                          stream=True):
+                text.append(chunk.choices[0].text)
+    except (openai.APIError, anthropic.APIError) as e:
+        return text, str(e)
+    raise AssertionError(f"the {api} stream ended without its failure event")
+
+
+@pytest.mark.parametrize("api", ["chat", "completions", "responses", "messages"])
+def test_a_step_failing_mid_stream_ends_each_api_stream_with_its_failure_event(station, monkeypatch, api) -> None:
+    server, http, _, st = station
+    fail_decode_after(st, monkeypatch, 2)
+    text, message = stream_until_failure(server, api)
+    assert "".join(text) and "injected decode failure" in message, (text, message)
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": HELLO, "max_tokens": 2})
+    assert r.status_code == 200  # the station keeps serving

@@ -7,6 +7,7 @@ are asserted exactly.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
 import time
@@ -341,6 +342,57 @@ def test_future_cancelled_by_its_caller_does_not_fail_the_wave(stations):
     assert fa.cancelled()
     assert fake.resets == 0
     assert requests(sched, "error") == 0
+
+
+
+def test_a_reset_whose_caller_went_away_leaves_the_decode_thread_serving(stations):
+    """A handler awaiting /reset_prefix_cache through asyncio.wrap_future is cancelled (a shutdown): that cancels
+    the reset's Future, which the decode thread answers later."""
+    fake, sched = stations(lanes=1)
+    fake.hold()
+    first = sched.submit(Job(tokens=[1], max_new_tokens=2))
+    sched.start()
+    fake.wait_blocked()
+
+    async def reset_then_go_away() -> None:
+        task = asyncio.ensure_future(asyncio.wrap_future(sched.reset_prefix_cache()))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(reset_then_go_away())
+    fake.release()
+    assert first.result(TIMEOUT).generated == expected([1], 2)
+    assert sched.submit(Job(tokens=[2], max_new_tokens=2)).result(TIMEOUT).generated == expected([2], 2)
+    assert sched.alive and requests(sched, "error") == 0
+
+
+def test_cancelled_queued_jobs_leave_the_queue_at_once(stations):
+    """After a partial QueueFull a request cancels the jobs it queued (openai.run): they free their slots at once,
+    not when the decode thread reaches them."""
+    fake, sched = stations(lanes=1, max_queue=3)
+    fake.hold()
+    running = sched.submit(Job(tokens=[1], max_new_tokens=2))
+    sched.start()
+    fake.wait_blocked()  # lane 0 is busy; the decode thread is parked in a step
+    queued = [Job(tokens=[i], max_new_tokens=2) for i in (2, 3, 4)]
+    futures = [sched.submit(job) for job in queued]
+    with pytest.raises(QueueFull):
+        sched.submit(Job(tokens=[5], max_new_tokens=2))
+    for job in queued:
+        sched.cancel(job)
+    depth = sched.metrics.registry.get_sample_value("jaxstation_queue_depth")
+    assert (len(sched.pending), depth) == (0, 0)
+    for future in futures:
+        with pytest.raises(Cancelled):
+            future.result(0)
+    later = sched.submit(Job(tokens=[6], max_new_tokens=2))
+    fake.release()
+    assert running.result(TIMEOUT).generated == expected([1], 2)
+    assert later.result(TIMEOUT).generated == expected([6], 2)
+    assert fake.lanes_of([2]) == fake.lanes_of([3]) == fake.lanes_of([4]) == []
+    assert requests(sched, "cancelled") == 3
 
 
 def test_raising_on_token_cancels_only_its_own_job(stations):

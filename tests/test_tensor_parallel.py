@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
@@ -28,20 +29,24 @@ from conftest import FIXTURES, TESTS
 from server_util import free_port
 from sharded_run import PROMPT
 
-from jaxstation.engine.rows import DecodeRow, SamplingParams
+from jaxstation.engine.engine import Engine
+from jaxstation.engine.rows import DecodeRow, PromptPiece, SamplingParams
+from jaxstation.model.layers import projection_shapes
 from jaxstation.model.loader import checkpoint_config, hf_config
 from jaxstation.model.shapes import ARCHITECTURES
 from jaxstation.model.sharding import natural_order, shard_major, split_fused
-from jaxstation.serving.group import Group, process_group, receive, send
+from jaxstation.serving.group import CALLS, LOCAL, Group, LeaderEngine, process_group, receive, send
 from jaxstation.serving.memory import check_memory, weight_bytes
 from jaxstation.serving.plan import resolve_plan
 from jaxstation.serving.settings import ConfigError, GiB, StationConfig, resolve
+from jaxstation.serving.wire import WireError, encode
 
 # every family once, float32 and int8: over 2 devices (the fixtures' 2 KV heads), as a station plans and loads them;
 # over 4, a fixture's family with 8 heads and 4 KV heads and seeded random weights
 CASES = ("tiny-qwen2:int8:2", "tiny-qwen3:float32:2", "tiny-gemma2:int8:2", "tiny-gemma3:float32:2",
          "wide-tiny-llama3:float32:4", "wide-tiny-mistral:int8:4")
 STAGE = "stage:tiny-qwen2:int8:2"  # a mesh station split over 2 devices
+LOAD = "load:tiny-qwen2:float32:2"  # device 0's bytes while a station loads a model split over 2 devices
 TOLERANCE = 1e-4
 
 
@@ -49,7 +54,7 @@ TOLERANCE = 1e-4
 def sharded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]:
     out = tmp_path_factory.mktemp("sharded") / "runs.npz"
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "4", "PYTHONPATH": str(TESTS.parent)}
-    subprocess.run([sys.executable, str(TESTS / "sharded_run.py"), str(out), *CASES, STAGE], env=env, check=True,
+    subprocess.run([sys.executable, str(TESTS / "sharded_run.py"), str(out), *CASES, STAGE, LOAD], env=env, check=True,
                    timeout=600)
     with np.load(out) as data:
         return {k: data[k] for k in data.files}
@@ -95,6 +100,16 @@ def test_each_device_holds_its_share_of_the_weights_as_the_memory_check_counts(s
     whole, quarter = (int(sharded[f"wide-tiny-llama3:float32:4/{n}:device_bytes"]) for n in (1, 4))
     assert whole == weight_bytes(cfg, "float32") and quarter == weight_bytes(cfg, "float32", 4)
     assert quarter < 0.26 * whole  # every matrix is split, the embedding and the head too; the norms are whole
+
+
+def test_a_split_load_never_holds_more_than_a_share_and_one_matrix_on_device_0(sharded: dict) -> None:
+    """Each weight goes from host memory straight onto its shards: device 0 never holds the whole model, which
+    the memory check (counting 1/N a device) would not have room for."""
+    cfg = checkpoint_config(FIXTURES / "tiny-qwen2")
+    share = weight_bytes(cfg, "float32", 2)
+    matrix = 4 * max(cfg.vocab_size * cfg.hidden_size, *(i * o for i, o in projection_shapes(cfg)))
+    assert int(sharded[f"{LOAD}/device_bytes"]) < share + matrix / 8  # its share once loaded (and the qkv biases)
+    assert int(sharded[f"{LOAD}/peak"]) <= share + matrix, (int(sharded[f"{LOAD}/peak"]), share, matrix)
 
 
 def test_fused_columns_laid_out_shard_major_read_back_in_order() -> None:
@@ -259,7 +274,7 @@ def test_a_group_reads_its_place_from_the_settings_or_its_launcher() -> None:
         process_group(StationConfig(num_processes=2, process_id=2, coordinator_address="h:1"), {})
 
 
-def test_step_calls_cross_the_wire_whole_and_nothing_else_is_unpickled() -> None:
+def test_step_calls_cross_the_wire_whole_and_nothing_else_is_decoded() -> None:
     row = DecodeRow(7, 12, SamplingParams(temperature=0.5, seed=3, logit_bias=((4, 1.5),)), 2,
                     mask=np.array([1, 0, 3], np.uint32))
     a, b = socket.socketpair()
@@ -271,5 +286,55 @@ def test_step_calls_cross_the_wire_whole_and_nothing_else_is_unpickled() -> None
         assert dataclasses.replace(got, mask=None) == dataclasses.replace(row, mask=None) and args[0][1] is None
         assert got.mask.tolist() == [1, 0, 3] and got.mask.dtype == np.uint32
         a.sendall(struct.pack("!I", len(evil := pickle.dumps(os.system))) + evil)
-        with pytest.raises(pickle.UnpicklingError, match="a step call may not hold posix.system"):
+        with pytest.raises(WireError, match="header"):
             receive(b)
+        a.sendall(struct.pack("!I", len(evil := encode({"message": {"row": "Popen", "fields": {}}}, {}))) + evil)
+        with pytest.raises(WireError, match="a step call may not hold"):
+            receive(b)
+
+
+def test_a_step_call_crosses_the_wire_as_json_and_raw_buffers() -> None:
+    """No pickle and no module path on the wire (a leader and its followers may run different NumPy lines): the
+    arrays travel as raw buffers with their dtype and shape, the rest as JSON."""
+    piece = PromptPiece(1, [5, 6, 7], 0, 3, SamplingParams(temperature=0.25, allowed_token_ids=(3, 4)), mask=None)
+    row = DecodeRow(7, 12, SamplingParams(seed=3), 2, mask=np.array([1, 0, 3], np.uint32), drafts=(4, 5))
+    call = ("pack", ([piece], [row, None]), {"sampled": 2})
+    a, b = socket.socketpair()
+    with a, b:
+        send(a, call)
+        frame = b.recv(1 << 20)
+        assert b"numpy" not in frame and frame[4:5] == b"{", frame[:80]
+        a.sendall(frame)
+        name, (pieces, rows), kwargs = receive(b)
+    assert (name, kwargs, pieces, rows[1]) == ("pack", {"sampled": 2}, [piece], None)
+    assert dataclasses.replace(rows[0], mask=None) == dataclasses.replace(row, mask=None)
+    assert rows[0].mask.tolist() == [1, 0, 3] and rows[0].mask.dtype == np.uint32
+
+
+class _Grown:
+    """An engine with a step method the group does not know yet."""
+
+    lanes = 4
+
+    def decode(self, rows: list) -> str:
+        return "decoded"
+
+    def new_step(self) -> str:
+        return "ran on the leader alone"
+
+
+def test_a_leader_engine_refuses_a_method_it_does_not_know() -> None:
+    """A method neither forwarded to the followers nor known to run no step would desync the group: refused."""
+    sent = []
+    leader = types.SimpleNamespace(call=lambda name, args, kwargs: sent.append(name))
+    engine = LeaderEngine(_Grown(), leader)
+    assert engine.lanes == 4 and engine.decode([]) == "decoded" and sent == ["decode"]
+    with pytest.raises(AttributeError, match="new_step"):
+        engine.new_step()
+
+
+def test_every_engine_method_is_a_step_call_or_runs_no_step() -> None:
+    """Each public method of the Engine is listed once: forwarded to the followers (CALLS) or run on the leader
+    alone (LOCAL). A new method fails here until it is listed."""
+    methods = {n for n, v in vars(Engine).items() if callable(v) and not n.startswith("_")}
+    assert methods == set(CALLS) | set(LOCAL) and not set(CALLS) & set(LOCAL)

@@ -25,7 +25,7 @@ import dataclasses
 import json
 import threading
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Literal
 
@@ -154,8 +154,8 @@ class Constraint:
 class Grammars:
     """Compiles constraints for one model's tokenizer. llguidance's tokenizer (built from the vocabulary in about
     0.4 s) is built on the first compile, under a lock, so a station that never sees a constraint never pays for it.
-    Compiling is thread-safe and runs on a small pool so that a compile past `timeout_s` is answered at once (the
-    pool's thread finishes it in the background)."""
+    Compiling is thread-safe, and each compile runs on a thread of its own so that a compile past `timeout_s` is
+    answered at once; its thread finishes it in the background and ends, holding up no later compile."""
 
     def __init__(self, tokenizer: Tokenizer, vocab: int, eos_ids: Iterable[int],
                  timeout_s: float = COMPILE_TIMEOUT_S) -> None:
@@ -163,7 +163,6 @@ class Grammars:
         self.timeout_s = timeout_s
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
 
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -178,7 +177,9 @@ class Grammars:
         build does not count against)."""
         grammar = spec.grammar()
         self.tokenizer()
-        future = self._pool.submit(self._matcher, grammar)
+        future: Future = Future()
+        threading.Thread(target=self._compile_into, args=(grammar, future), name="grammar-compile",
+                         daemon=True).start()
         try:
             matcher = future.result(timeout=self.timeout_s)
         except FutureTimeout:
@@ -187,6 +188,13 @@ class Grammars:
         if matcher.is_error():
             raise ConstraintError(spec.field, f"{spec.field}: {matcher.get_error()}")
         return Constraint(matcher, self.vocab, spec.field)
+
+    def _compile_into(self, grammar: str, future: Future) -> None:
+        """Answer `future` with the grammar's matcher (its own compile thread)."""
+        try:
+            future.set_result(self._matcher(grammar))
+        except Exception as e:
+            future.set_exception(e)
 
     def _matcher(self, grammar: str) -> llguidance.LLMatcher:
         """The matcher, with its first mask computed once: a grammar that cannot start fails here, not in a wave."""

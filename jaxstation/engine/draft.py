@@ -43,7 +43,8 @@ class DraftModel:
             raise ValueError("a draft engine catches up in packed steps: it needs a prefill budget")
         self.engine = engine
         self.observe = observe
-        self.written: list[list[int]] = [[] for _ in range(engine.lanes)]  # per lane: the tokens fed, by position
+        # per lane: the tokens fed, by position. The decode thread's, as the draft engine is (the loader's in warm-up)
+        self.written: list[list[int]] = [[] for _ in range(engine.lanes)]
 
     def propose_batch(self, asks: Sequence[Ask], room: int) -> dict[int, list[int]]:
         """k tokens for each ask (oldest first) while `room` lasts, drafted together."""

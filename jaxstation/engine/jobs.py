@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 from jaxstation.engine.constraints import Constraint
 from jaxstation.engine.rows import Sample, SamplingParams
@@ -74,3 +74,16 @@ class Result:
     timing: dict[str, float]  # queue_s, ttft_s, total_s, and cached_tokens (prompt tokens not prefilled)
     prompt_logprobs: list[Sample] = dataclasses.field(default_factory=list)  # prompt tokens 1.., if the job asked
     stop_sample: Sample | None = None  # the stop id that ended it, if one did (not in `generated`)
+
+
+def answer(future: Future, result: object = None, error: Exception | None = None) -> None:
+    """Resolve a job's (or a reset's) Future with `result` or `error`. One already resolved, or cancelled by its caller
+    (an awaiting task cancelled through asyncio.wrap_future), is left as it is: that must never fail the decode
+    thread."""
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except InvalidStateError:
+        pass

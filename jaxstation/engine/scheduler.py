@@ -12,8 +12,9 @@ takes each token after. With no live lane and nothing pending the thread waits o
 Who owns what (docs/design.md has the map). `cond`, a re-entrant lock, guards `pending`, `_accepting`, `_stop`,
 `_prefix_resets`, each job's `cancelled` and `stop_requested`, and `lanes` (written by the decode thread under it).
 The decode thread alone owns the engine, the prefix cache, `prefill_order` and each `Lane`'s progress. Other threads
-never touch that state: `cancel` and `finish_early` set a flag under `cond`; `reset_prefix_cache` queues a Future that
-the decode thread answers between two turns; `drain` stops the queue and waits on `cond`.
+never touch that state: `cancel` (which also drops a queued job) and `finish_early` set a flag under `cond`;
+`reset_prefix_cache` queues a Future that the decode thread answers between two turns; `drain` stops the queue and
+waits on `cond`. Futures are answered by `jobs.answer`, which leaves one its caller cancelled as it is.
 
 Backpressure. The queue holds at most `max_queue` jobs; `submit` past that raises QueueFull (the server answers 503
 with Retry-After) instead of letting latency grow without bound. Once `drain` starts, `submit` raises ShuttingDown.
@@ -48,13 +49,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from typing import TypeVar
 
 import numpy as np
 
 from jaxstation.engine.constraints import ConstraintFailed
-from jaxstation.engine.jobs import Cancelled, Job, QueueFull, ShuttingDown, StepFailed
+from jaxstation.engine.jobs import Cancelled, Job, QueueFull, ShuttingDown, StepFailed, answer
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.prefix_cache import PrefixCache
 from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample
@@ -117,9 +118,13 @@ class Scheduler:
         return job.future
 
     def cancel(self, job: Job) -> None:
-        """Drop `job`: a queued job never runs, a running one frees its lane within one wave."""
+        """Drop `job`: a queued job leaves the queue at once, failed with Cancelled; a running one frees its lane."""
         with self.cond:
             job.cancelled = True
+            if any(waiting is job for waiting in self.pending):
+                self.pending = deque(waiting for waiting in self.pending if waiting is not job)
+                self._fail_job(job, Cancelled("the request was cancelled"), "cancelled")
+            self.metrics.queue_depth.set(len(self.pending))
             self.cond.notify()
 
     def finish_early(self, job: Job) -> None:
@@ -200,7 +205,7 @@ class Scheduler:
     def _reset_prefixes(self) -> None:
         """Answer the queued reset_prefix_cache requests. Holds cond."""
         for done in self._prefix_resets:
-            done.set_result(self.prefix_cache.clear())
+            answer(done, self.prefix_cache.clear())
         self._prefix_resets.clear()
 
     def _ending(self) -> dict[int, str]:
@@ -214,8 +219,6 @@ class Scheduler:
         lane with the longest reusable prefix. Holds cond."""
         now = time.perf_counter()
         while True:
-            while self.pending and self.pending[0].cancelled:  # a cancelled job never takes (or skips) a lane
-                self._fail_job(self.pending.popleft(), Cancelled("the request was cancelled"), "cancelled")
             free = [i for i, lane in enumerate(self.lanes) if lane is None]
             if not self.pending or not free or (not self.continuous and self.busy_lanes):
                 break
@@ -403,10 +406,7 @@ class Scheduler:
     def _retire(self, i: int, reason: str) -> None:
         lane = self._free(i)
         self.metrics.requests.labels("ok").inc()
-        try:
-            lane.job.future.set_result(lane.result(reason, time.perf_counter()))
-        except InvalidStateError:  # its caller cancelled the Future; that must not fail the wave
-            pass
+        answer(lane.job.future, lane.result(reason, time.perf_counter()))
 
     def _free(self, i: int) -> Lane:
         """Free lane i; its prefill-written KV stays behind for reuse (not a scored prefill's: another program)."""
@@ -423,8 +423,7 @@ class Scheduler:
     def _fail_job(self, job: Job, error: Exception, outcome: str = "error") -> None:
         """Answer `job` with `error`, counted under `outcome`."""
         self.metrics.requests.labels(outcome).inc()
-        if not job.future.done():
-            job.future.set_exception(error)
+        answer(job.future, error=error)
 
     def _fail(self, i: int, error: Exception) -> None:
         """Free lane i and fail its job with `error`."""
@@ -448,3 +447,4 @@ class Scheduler:
             self._fail_lanes(error)
             self._fail_pending(error)
             self._reset_prefixes()
+

@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxstation.engine.jobs import UpstreamFailed
-from jaxstation.mesh.wire import CONTENT_TYPE, WireError, decode, encode
 from jaxstation.model.config import LayerRange, ModelConfig
 from jaxstation.model.layers import compute_dtype
 from jaxstation.serving.plan import Plan
 from jaxstation.serving.settings import StationConfig
+from jaxstation.serving.wire import CONTENT_TYPE, WireError, decode, encode
 
 RETRY_S = 0.25  # between probes of a lost station
 

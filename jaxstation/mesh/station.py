@@ -5,7 +5,7 @@ the station can serve (a start-up probe); `GET /metrics` gives request counts an
 host what the station holds (layers, model fingerprint, lane geometry, dtype); `POST /forward` runs one wave through
 the range; `POST /lm_head` (last station only) samples; `POST /score` (last station only) gives a prefill chunk's
 prompt logprobs. All but /health and /ready need the mesh token as a bearer token, compared in constant time.
-Payloads are `mesh.wire` binary; a payload that does not fit the station's settings gets a 400 JSON error naming the
+Payloads are `serving.wire` binary; a payload that does not fit the station's settings gets a 400 JSON error naming the
 field, and an unknown route or method a JSON 404 or 405.
 
 The epoch is a random id chosen when the station starts (and again whenever its arena is rebuilt), sent with every
@@ -33,7 +33,6 @@ from starlette.routing import Route
 
 from jaxstation.engine.metrics import MeshStationMetrics
 from jaxstation.mesh.stage import Stage
-from jaxstation.mesh.wire import CONTENT_TYPE, MAX_HEADER_BYTES, WireError, decode, encode
 from jaxstation.model.loader import LoadedModel
 from jaxstation.serving.access_log import configure_logging
 from jaxstation.serving.coldstart import enable_compile_cache
@@ -44,6 +43,7 @@ from jaxstation.serving.routes import json_http_error
 from jaxstation.serving.server import run_server, uvicorn_config
 from jaxstation.serving.settings import StationConfig
 from jaxstation.serving.station import start_failed
+from jaxstation.serving.wire import CONTENT_TYPE, MAX_HEADER_BYTES, WireError, decode, encode
 
 log = logging.getLogger(__name__)
 EPOCH_HEADER = "X-Mesh-Epoch"

@@ -44,7 +44,7 @@ from jaxstation.model.quant import (
     stack,
     take_rows,
 )
-from jaxstation.model.sharding import fused_sizes, shard_major, split_fused
+from jaxstation.model.sharding import fused_sizes, make_mesh, on_shards, shard_major, split_fused
 
 LAYER_LOOPS = ("scan", "unroll")
 # a layer's weights that are not projections
@@ -128,7 +128,10 @@ def build_params(cfg: ModelConfig, tensor: Callable[[int | None, str], Tensor], 
     and gate/up, transpose to [in, out], cast or quantize, and lay the layers out for `layer_loop`.
     matmul "kernel" lays float32 and int8 projections out for the CPU kernel (`quant.KernelWeight`); weights "gguf"
     keeps GGUF blocks (`quant.GGUFBlocks`) as stored there, and reads any other tensor as float32. shards > 1 lays the
-    fused projections out for that many devices (`sharding.shard_major`), for XLA's dot only."""
+    fused projections out for that many devices (`sharding.shard_major`), for XLA's dot only, and puts each matrix
+    from host memory straight onto its shards of a mesh of that many devices (`sharding.on_shards`), so no device
+    holds more than its share and the one matrix being cast or quantized (`sharding.shard_params` then places
+    the rest)."""
     if weights not in WEIGHT_DTYPES:
         raise ValueError(f"weights must be one of {WEIGHT_DTYPES}, got {weights!r}")
     if weights == "gguf" and matmul != "kernel":
@@ -140,9 +143,10 @@ def build_params(cfg: ModelConfig, tensor: Callable[[int | None, str], Tensor], 
     if shards > 1 and matmul != "xla":
         raise ValueError("weights laid out for several devices need matmul 'xla': XLA cannot split the CPU kernel")
     dtype = compute_dtype(weights)
+    mesh = make_mesh(shards) if shards > 1 else None
 
-    def proj(w: Tensor) -> Weight:  # [in, out] or [layers, in, out]; GGUF blocks out-major
-        return prepare(w, weights, matmul)
+    def proj(w: Tensor, slot: str) -> Weight:  # [in, out] or [layers, in, out]; GGUF blocks out-major
+        return prepare(on_shards(slot, w, mesh), weights, matmul)
 
     def layer_arrays(i: int) -> dict[str, Tensor]:
         t = functools.partial(tensor, i)
@@ -160,15 +164,17 @@ def build_params(cfg: ModelConfig, tensor: Callable[[int | None, str], Tensor], 
 
     def build(a: dict) -> LayerParams:
         vectors = {k: jnp.asarray(v, dtype) for k, v in a.items() if k in VECTOR_SLOTS}
-        return LayerParams(**vectors, **{k: proj(a[k]) for k in ("wqkv", "wo", "w_gate_up", "w_down")}, shards=shards)
+        matrices = {k: proj(a[k], k) for k in ("wqkv", "wo", "w_gate_up", "w_down")}
+        return LayerParams(**vectors, **matrices, shards=shards)
 
     if layer_loop == "unroll":
         layers: LayerParams | tuple[LayerParams, ...] = tuple(build(layer_arrays(i)) for i in range(cfg.num_layers))
     else:
         per_layer = [layer_arrays(i) for i in range(cfg.num_layers)]
         layers = build({k: stack([a[k] for a in per_layer]) for k in per_layer[0]})
-    embed_w = prepare_embedding(tensor(None, "embed"), weights, matmul, cfg.tie_word_embeddings)
-    lm_head = None if cfg.tie_word_embeddings else proj(projection([tensor(None, "lm_head")]))
+    embed_w = prepare_embedding(on_shards("embed", tensor(None, "embed"), mesh), weights, matmul,
+                                cfg.tie_word_embeddings)
+    lm_head = None if cfg.tie_word_embeddings else proj(projection([tensor(None, "lm_head")]), "lm_head")
     return Params(embed=embed_w, layers=layers, final_norm=jnp.asarray(tensor(None, "final_norm"), dtype),
                   lm_head=lm_head)
 

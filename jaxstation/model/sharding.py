@@ -91,20 +91,35 @@ def indivisible(cfg: ModelConfig, shards: int) -> str | None:
     return None
 
 
+def slot_spec(slot: str, part: str, shape: Sequence[int], shards: int, vocab: bool = VOCAB_SHARDED) -> PartitionSpec:
+    """Where a weight of `slot` (its `part`: "q", "scale", "w", or the slot itself) lives: split on one axis by its
+    slot, or replicated; the embedding and the head split by vocabulary rows with `vocab`, where the vocabulary
+    divides by `shards` (else whole)."""
+    ndim, axis = len(shape), None
+    if slot in COLUMN_SPLIT:
+        axis = ndim - 1
+    elif slot in ROW_SPLIT and part != "scale":
+        axis = ndim - 2
+    elif vocab and slot in ("embed", "lm_head"):
+        axis = 0 if slot == "embed" else ndim - 1
+        axis = axis if shape[axis] % shards == 0 else None
+    return PartitionSpec(*(AXIS if a == axis else None for a in range(ndim)))
+
+
 def _spec(path: tuple, leaf: jax.Array, vocab: bool, shards: int) -> PartitionSpec:
-    """Where one weight leaf lives: split on one axis by the slot it belongs to, or replicated; the embedding and the
-    head split by vocabulary rows with `vocab`, where the vocabulary divides by `shards` (else whole)."""
+    """`slot_spec` of one weight leaf, its slot and part read from its path in the Params."""
     names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
     slot, part = names[-2] if len(names) > 1 and names[-1] in ("q", "scale", "w") else names[-1], names[-1]
-    axis = None
-    if slot in COLUMN_SPLIT:
-        axis = leaf.ndim - 1
-    elif slot in ROW_SPLIT and part != "scale":
-        axis = leaf.ndim - 2
-    elif vocab and slot in ("embed", "lm_head"):
-        axis = 0 if slot == "embed" else leaf.ndim - 1
-        axis = axis if leaf.shape[axis] % shards == 0 else None
-    return PartitionSpec(*(AXIS if a == axis else None for a in range(leaf.ndim)))
+    return slot_spec(slot, part, leaf.shape, shards, vocab)
+
+
+def on_shards(slot: str, w: np.ndarray, mesh: Mesh | None) -> np.ndarray | jax.Array:
+    """A host weight of `slot` ([..., in, out], or the embedding [vocab, d]) put straight onto `mesh` as `slot_spec`
+    splits it: each device receives only its piece, so no device ever holds the whole weight. Without a mesh, `w`."""
+    if mesh is None:
+        return w
+    w = np.asarray(w)
+    return jax.device_put(w, NamedSharding(mesh, slot_spec(slot, "w", w.shape, mesh.size)))
 
 
 def shard_params(params, mesh: Mesh, vocab: bool = VOCAB_SHARDED):

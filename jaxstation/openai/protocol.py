@@ -17,6 +17,7 @@ from jaxstation.engine.sampling import TOP_LOGPROBS
 from jaxstation.serving.protocol import StructuredOutputs, TokenControls
 
 MAX_N = 8
+MAX_PROMPTS = 256
 MAX_STOPS = 16
 
 _FUNCTIONS = "the legacy functions API is not served; send tools and tool_choice"
@@ -125,9 +126,11 @@ class SamplingFields(Body, TokenControls):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] | \
-        Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)] = Field(
-            description="a string, a list of strings, a list of token ids or a list of such lists")
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | \
+        Annotated[list[TokenId], Field(min_length=1)] | \
+        Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)] \
+        = Field(description=f"a string, a list of strings, a list of token ids or a list of such lists; at most "
+                f"{MAX_PROMPTS} prompts, and prompts x n at most the station's max_queue")
     logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS,
                                  description="the sampled token's logprob plus this many alternatives")
     echo: bool | None = Field(None, description="put the prompt before the completion (not with stream)")

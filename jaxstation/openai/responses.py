@@ -43,11 +43,12 @@ def _id(prefix: str) -> str:
 
 class Output:
     """A response's output items, built from a run's pieces (thinking, text, tool-call deltas), and the events that
-    stream them."""
+    stream them. The open item's text is kept beside it, not in it, so `items` always validates as output items."""
 
     def __init__(self) -> None:
         self.items: list[dict] = []
         self.open: dict | None = None
+        self.open_text = ""  # the open message's or reasoning item's text so far
         self.seq = 0
 
     def event(self, kind: str, **fields: Any) -> dict:
@@ -77,8 +78,8 @@ class Output:
                 part = {"type": "reasoning_text", "text": ""}
                 item = {"type": "reasoning", "id": _id("rs"), "summary": [], "content": [], "status": "in_progress"}
             events = self._start(item, part)
-            self.open["text"] = ""
-        self.open["text"] += text
+            self.open_text = ""
+        self.open_text += text
         return events + [self.event(delta_event, **self._where(), content_index=0, delta=text, **extra)]
 
     def thinking(self, text: str) -> list[dict]:
@@ -107,7 +108,7 @@ class Output:
             events.append(self.event("response.function_call_arguments.done", **self._where(), name=item["name"],
                                      arguments=item["arguments"]))
         else:
-            text = item.pop("text")
+            text = self.open_text
             done = "response.output_text.done" if item["type"] == "message" else "response.reasoning_text.done"
             part = ({"type": "output_text", "text": text, "annotations": [], "logprobs": []}
                     if item["type"] == "message" else {"type": "reasoning_text", "text": text})

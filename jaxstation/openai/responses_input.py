@@ -95,11 +95,12 @@ class Stored:
 
 
 class ResponseStore:
-    """Stored responses by id, bounded in number and age, oldest evicted first."""
+    """Stored responses by id, bounded in number and age, oldest evicted first. The server's event loop owns it:
+    only the Responses routes touch it, from their handlers, so it needs no lock."""
 
     def __init__(self, size: int, age_s: float) -> None:
         self.size, self.age_s = size, age_s
-        self.entries: collections.OrderedDict[str, Stored] = collections.OrderedDict()
+        self.entries: collections.OrderedDict[str, Stored] = collections.OrderedDict()  # the event loop's
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -22,7 +22,7 @@ from jaxstation.model.detokenizer import IncrementalDetokenizer
 from jaxstation.model.tokenizer import Tokenizer
 from jaxstation.openai import protocol as p
 from jaxstation.openai.logprobs import chat_logprobs, completion_logprobs
-from jaxstation.openai.parse import RunRequest
+from jaxstation.openai.parse import RunRequest, bad
 from jaxstation.openai.reasoning import ReasoningStream
 from jaxstation.openai.stops import scan_stops
 from jaxstation.openai.tools import ToolStream
@@ -86,6 +86,10 @@ class Run:
                 tool = ToolStream(req.tools) if req.tools else None
                 reasoning = ReasoningStream(req.reasoning, req.prompt_opens) if req.reasoning else None
                 self.choices.append(Choice(index, i, job, detok, tool=tool, reasoning=reasoning))
+        if len(self.choices) > self.scheduler.max_queue:  # it could never be queued: not a 503 to retry
+            raise bad("prompt" if len(req.prompts) > 1 else "n",
+                      f"the request needs {len(self.choices)} jobs (prompts x n: {len(req.prompts)} x {req.n}), more "
+                      f"than the station's queue holds (max_queue={self.scheduler.max_queue})")
         try:
             for choice in self.choices:
                 future = self.scheduler.submit(choice.job)

@@ -3,27 +3,28 @@
 A group of P processes (one a machine, or one a GPU) splits one model over every process's devices (model/sharding.py:
 `--tensor-parallel` is the group's device count). Multi-controller JAX needs every process to launch the same
 compiled programs, with the same inputs, in the same order. So process 0, the leader, serves HTTP and runs the
-scheduler, and its engine is a `LeaderEngine`: each call that runs a step (begin, prefill, decode, pack, verify,
-reset) is first sent to every other process, then run. The others, the followers, load the same model, warm up the
-same steps in the same order as the leader's station does, then run each call they receive and nothing else; they
-answer /health and /ready for their own probes.
+scheduler, and its engine is a `LeaderEngine`: each call that runs a step (`CALLS`: begin, prefill, decode, pack,
+verify, reset) is first sent to every other process, then run; an engine method neither in `CALLS` nor in `LOCAL`
+(those that run nothing on the devices) is refused, so a new step method cannot run on the leader alone. The others,
+the followers, load the same model, warm up through the same function as the leader's station (`station.warm_up`),
+then run each call they receive and nothing else; they answer /health and /ready for their own probes.
 
 The calls travel over one TCP connection a follower opens to the leader (the coordinator's host, its port + 1), as
-length-prefixed pickles that `_Unpickler` lets build only the engine's row types, numpy arrays and plain values. Both
-ends send a heartbeat every HEARTBEAT_S. Multi-controller JAX does not survive a lost process, so a peer whose
-connection closes, or that is silent for LOST_S, ends the group: the leader fails the requests in flight (503) and
-exits 1 naming the lost process, a follower that loses the leader exits 1, and the launcher restarts the group.
+length-prefixed `serving.wire` payloads: the arrays as raw buffers with their dtype and shape, the rest as JSON that
+may build only the engine's row types, tuples, frozensets and plain values. Nothing on the wire names a module, so
+processes on different NumPy lines read each other. Both ends send a heartbeat every HEARTBEAT_S.
+Multi-controller JAX does not survive a lost process, so a peer whose connection closes, or that is silent for
+LOST_S, ends the group: the leader fails the requests in flight (503) and exits 1 naming the lost process, a follower
+that loses the leader exits 1, and the launcher restarts the group.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import io
 import json
 import logging
 import os
-import pickle
 import socket
 import struct
 import sys
@@ -33,13 +34,17 @@ from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import numpy as np
+
 from jaxstation.engine.engine import Engine
+from jaxstation.engine.rows import DecodeRow, PromptPiece, SamplingParams
 from jaxstation.model.loader import LoadedModel
 from jaxstation.serving.access_log import configure_logging
 from jaxstation.serving.coldstart import enable_compile_cache
 from jaxstation.serving.plan import Plan, load_planned, startup_plan
 from jaxstation.serving.settings import ConfigError, StationConfig
-from jaxstation.serving.station import local_engine
+from jaxstation.serving.station import local_engine, warm_up
+from jaxstation.serving.wire import WireError, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +52,8 @@ HEARTBEAT_S = 1.0  # each end says it is alive this often
 LOST_S = 10.0  # a peer silent this long is lost
 CONNECT_S = 300.0  # how long the leader waits for every follower to connect (they load and compile first)
 CALLS = ("begin", "prefill", "prefill_scored", "decode", "verify", "pack", "reset")  # what runs a step
-_ALLOWED = {("jaxstation.engine.rows", n) for n in ("DecodeRow", "SamplingParams", "PromptPiece")} | {
-    ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy._core.numeric", "_frombuffer"), ("builtins", "frozenset"), ("builtins", "set")}
+LOCAL = ("turn_rows", "warmup_steps", "warmup")  # engine methods that run nothing for a request (each warms up alone)
+_ROWS = {t.__name__: t for t in (DecodeRow, SamplingParams, PromptPiece)}  # what a step call may build
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,22 +126,63 @@ def initialize(group: Group, config: StationConfig) -> None:
 
 
 # ---- the wire ---------------------------------------------------------------------------------------------------
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in _ALLOWED:
-            raise pickle.UnpicklingError(f"a step call may not hold {module}.{name}")
-        return super().find_class(module, name)
+def _plain(value: Any, arrays: dict[str, np.ndarray]) -> Any:
+    """`value` as JSON, its arrays moved to `arrays` (named a0, a1, ...) and referred to by name."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, np.ndarray):
+        name = f"a{len(arrays)}"
+        arrays[name] = value
+        return {"array": name}
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, list):
+        return [_plain(v, arrays) for v in value]
+    if isinstance(value, tuple | frozenset):
+        return {type(value).__name__: [_plain(v, arrays) for v in value]}
+    if isinstance(value, dict):
+        return {"dict": {k: _plain(v, arrays) for k, v in value.items()}}
+    if _ROWS.get(type(value).__name__) is type(value):
+        return {"row": type(value).__name__,
+                "fields": {f.name: _plain(getattr(value, f.name), arrays) for f in dataclasses.fields(value)}}
+    raise WireError("call", f"a step call may not hold {type(value).__name__}")
+
+
+def _value(plain: Any, arrays: dict[str, np.ndarray]) -> Any:
+    """The inverse of `_plain`; WireError for anything it would not have written."""
+    if isinstance(plain, list):
+        return [_value(v, arrays) for v in plain]
+    if not isinstance(plain, dict):
+        return plain
+    if len(plain) == 1 and "array" in plain and plain["array"] in arrays:
+        return np.array(arrays[plain["array"]])  # a writable copy, off the received bytes
+    if len(plain) == 1 and ("tuple" in plain or "frozenset" in plain) and isinstance(items := [*plain.values()][0],
+                                                                                    list):
+        return (tuple if "tuple" in plain else frozenset)(_value(v, arrays) for v in items)
+    if len(plain) == 1 and isinstance(plain.get("dict"), dict):
+        return {k: _value(v, arrays) for k, v in plain["dict"].items()}
+    if set(plain) == {"row", "fields"} and plain["row"] in _ROWS and isinstance(plain["fields"], dict):
+        return _ROWS[plain["row"]](**{k: _value(v, arrays) for k, v in plain["fields"].items()})
+    raise WireError("call", f"a step call may not hold {json.dumps(plain)[:80]}")
 
 
 def send(sock: socket.socket, message: object) -> None:
-    data = pickle.dumps(message, protocol=5)
+    arrays: dict[str, np.ndarray] = {}
+    data = encode({"message": _plain(message, arrays)}, arrays)
     sock.sendall(struct.pack("!I", len(data)) + data)
 
 
 def receive(sock: socket.socket) -> object:
-    """The next message; ConnectionError when the peer closed, TimeoutError when it was silent for the timeout."""
+    """The next message; ConnectionError when the peer closed, TimeoutError when it was silent for the timeout,
+    WireError for a payload that is not a step call, a heartbeat or a process id."""
     (n,) = struct.unpack("!I", _exactly(sock, 4))
-    return _Unpickler(io.BytesIO(_exactly(sock, n))).load()
+    meta, arrays = decode(_exactly(sock, n))
+    if set(meta) != {"message"}:
+        raise WireError("meta", "must hold exactly 'message'")
+    try:
+        return _value(meta["message"], arrays)
+    except TypeError as e:  # a row's fields that do not fit it
+        raise WireError("call", str(e)) from None
 
 
 def _exactly(sock: socket.socket, n: int) -> bytes:
@@ -198,7 +243,7 @@ class Leader:
             conn.settimeout(LOST_S)
             try:
                 process_id = receive(conn)
-            except (OSError, pickle.UnpicklingError, struct.error) as e:
+            except (OSError, WireError, struct.error) as e:
                 process_id = f"nothing readable ({_why(e)})"
             expected = set(range(1, self.group.processes)) - set(self.followers)
             if not isinstance(process_id, int) or process_id not in expected:
@@ -217,7 +262,7 @@ class Leader:
         try:
             while True:
                 receive(conn)  # heartbeats
-        except (OSError, pickle.UnpicklingError, struct.error) as e:
+        except (OSError, WireError, struct.error) as e:
             self.fail(f"process {process_id}", _why(e))
 
     def fail(self, who: str, reason: str) -> None:
@@ -255,6 +300,9 @@ class LeaderEngine:
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._engine, name)
         if name not in CALLS:
+            if callable(attr) and name not in LOCAL:
+                raise AttributeError(f"{name!r} is neither a step call the followers run too (CALLS) nor a method "
+                                     "that runs no step (LOCAL): list it in one of them")
             return attr
 
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -279,7 +327,7 @@ def serve_follower(config: StationConfig, group: Group) -> int:
 
 def follow(engine: Engine, group: Group, ready: threading.Event) -> None:
     """Warm up as the leader's station does, connect to the leader, then run each call it sends, until it is lost."""
-    engine.warmup()
+    warm_up(engine)
     conn = _connect(group)
     lock = threading.Lock()
     with lock:
@@ -291,7 +339,7 @@ def follow(engine: Engine, group: Group, ready: threading.Event) -> None:
     while True:
         try:
             message = receive(conn)
-        except (OSError, pickle.UnpicklingError, struct.error) as e:
+        except (OSError, WireError, struct.error) as e:
             lost("process 0 (the leader)", _why(e))
         if message != "beat":
             name, args, kwargs = message

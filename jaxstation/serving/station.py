@@ -7,6 +7,7 @@ in-flight ones finish (up to `drain_s`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -16,6 +17,7 @@ from typing import Any
 import jax
 
 from jaxstation.engine.constraints import Constraint, ConstraintError, ConstraintSpec, Grammars
+from jaxstation.engine.draft import DraftModel
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.runner import Runner
 from jaxstation.engine.scheduler import Scheduler
@@ -93,10 +95,7 @@ class Station:
                     draft = load_draft(c, self.metrics.step.labels("draft").observe)
             if self._before_warmup is not None:
                 self._before_warmup()
-            for name, run in [*self.engine.warmup_steps(), *(draft.warmup_steps() if draft else [])]:
-                with clock.phase(f"compile_{name}"):
-                    run()
-                    jax.block_until_ready(self.engine.arena)
+            warm_up(self.engine, draft, clock)
             compiled, cached = programs.delta()
             self.metrics.startup_programs.labels("compiled").set(compiled)
             self.metrics.startup_programs.labels("cache").set(cached)
@@ -163,6 +162,15 @@ def local_engine(model: LoadedModel, c: StationConfig, plan: Plan) -> Runner:
     engine = planned_engine(model, c, plan)
     jax.block_until_ready(engine.arena)
     return engine
+
+
+def warm_up(engine: Runner, draft: DraftModel | None = None, clock: StartupClock | None = None) -> None:
+    """Compile and run every step of `engine` (then of `draft`), each timed as a phase on `clock`. The one warm-up of
+    a station and of a group's followers, so every process of a group compiles the same programs in the same order."""
+    for name, run in [*engine.warmup_steps(), *(draft.warmup_steps() if draft else [])]:
+        with clock.phase(f"compile_{name}") if clock else contextlib.nullcontext():
+            run()
+            jax.block_until_ready(engine.arena)
 
 
 def start_failed(station: Any, error: Exception) -> None:
