@@ -179,10 +179,11 @@ def main() -> None:
         proc.wait(30)
     import jax
 
-    payload = {"model": args.random or model.name, "lanes": args.lanes, "max_seq": args.max_seq,
+    name = f"random-{args.random}" if args.random else model.stem
+    payload = {"model": name, "lanes": args.lanes, "max_seq": args.max_seq,
                "new_tokens": args.new_tokens, "jax": jax.__version__, "cases": rows,
                "all_equal": all(r["equal"] for r in rows)}
-    print(write_result(f"{args.name}-{args.random or model.stem}", payload))
+    print(write_result(f"{args.name}-{name}", payload))
     for r in rows:
         print(f"{r['target']!r:28} beside {r['others']}: {'equal' if r['equal'] else r['first_difference']}")
 

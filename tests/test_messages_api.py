@@ -177,6 +177,15 @@ def test_claude_codes_billing_block_is_not_prompt(default_model: LoadedModel) ->
     assert "x-anthropic-billing-header" not in default_model.tokenizer.decode(prompts[0])
 
 
+def test_server_tools_are_skipped_and_named(station) -> None:
+    _, _, client = station
+    search = {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}
+    raw = client.messages.with_raw_response.create(model=MODEL, max_tokens=4, messages=HELLO, tools=[WEATHER, search],
+                                                   **GREEDY)
+    assert raw.headers["x-jaxstation-skipped-tools"] == "web_search_20250305:web_search"
+    assert raw.parse().usage.output_tokens == 4
+
+
 def _system_text(request: dict) -> str:
     return "\n".join(b["text"] for b in request["system"][1:])
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 
 import anthropic
 import openai
 import pydantic
 import pytest
+from conftest import REFERENCE
 from server_util import ServerThread, wait_for
 
 from jaxstation.app import create_app
@@ -175,6 +177,22 @@ def test_refusals_name_the_field(station, change, field) -> None:
     _, http, _, _ = station
     r = http.post("/v1/responses", json={"model": MODEL, "input": HELLO, **change})
     assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
+def test_tools_the_station_cannot_run_are_skipped_and_named(station) -> None:
+    """The hosted web_search and the namespace of sub-agent tools of Codex's own request (captured) are left out, a
+    function tool kept; a function tool with a bad name is still refused."""
+    _, http, client, _ = station
+    codex = json.loads((REFERENCE / "codex_request.json").read_text(encoding="utf-8"))["request"]
+    hosted = [t for t in codex["tools"] if t["type"] != "function"]
+    assert [t["type"] for t in hosted] == ["namespace", "web_search"]
+    tools = [WEATHER, *hosted]
+    raw = client.responses.with_raw_response.create(model=codex["model"], input=HELLO, tools=tools,
+                                                    max_output_tokens=4, store=False, temperature=0)
+    assert raw.headers["x-jaxstation-skipped-tools"] == "namespace:multi_agent_v1, web_search"
+    assert raw.parse().status == "incomplete"
+    r = http.post("/v1/responses", json={"model": MODEL, "input": HELLO, "tools": [{**WEATHER, "name": "a b"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].name", r.text
 
 
 def test_the_same_request_through_three_apis_gives_the_same_tokens(station) -> None:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag
 
 from jaxstation.openai.protocol import Body, Reply
+from jaxstation.serving.hosted_tools import FUNCTION_TOOL, HOSTED_TOOL, HostedTool, tool_kind
 
 ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
@@ -70,6 +71,11 @@ class ToolDefinition(Ignorable):
     input_schema: dict[str, Any] = Field(description="a JSON schema of the tool's input")
 
 
+# a server tool (web_search_20250305, bash_20250124, ...) is left out of the prompt and named in a header
+Tool = Annotated[Annotated[ToolDefinition, Tag(FUNCTION_TOOL)] | Annotated[HostedTool, Tag(HOSTED_TOOL)],
+                 Discriminator(tool_kind(("custom", None)))]
+
+
 class ToolChoiceAuto(Body):
     type: Literal["auto"]
     disable_parallel_tool_use: bool | None = None
@@ -116,7 +122,8 @@ class MessagesInput(Body):
     model: str = Field(description="any name; the reply names the served model")
     messages: list[InputMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
-    tools: list[ToolDefinition] | None = Field(None, max_length=128)
+    tools: list[Tool] | None = Field(None, max_length=128, description="custom tools; a server tool is left out of "
+                                     "the prompt and named in the X-Jaxstation-Skipped-Tools header")
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None

@@ -26,6 +26,7 @@ from jaxstation.openai.parse import chat_prompt, validate
 from jaxstation.openai.protocol import ChatCompletionRequest
 from jaxstation.openai.routes import SSEResponse, chat_request, run_whole, served_model_name, start_run, wire
 from jaxstation.openai.run import Run
+from jaxstation.serving import hosted_tools
 from jaxstation.serving.errors import anthropic_body
 from jaxstation.serving.http_common import read_json
 from jaxstation.serving.openapi import Endpoint
@@ -126,9 +127,10 @@ class MessagesRoutes:
             return rejected(station, request, e, OPENAI_INVALID)
         request.state.token_counts = lambda: (run.usage().prompt_tokens, run.usage().completion_tokens)
         head = {"id": f"msg_{uuid.uuid4().hex}", "model": served_model_name(station)}
+        extra = hosted_tools.headers(hosted_tools.skipped(req.tools))
         if run.req.stream:
-            return SSEResponse(stream_events(run, head), run.cancel_all)
-        return await run_whole(run, request) or JSONResponse(wire(reply(run, head)))
+            return SSEResponse(stream_events(run, head), run.cancel_all, extra)
+        return await run_whole(run, request) or JSONResponse(wire(reply(run, head)), headers=extra)
 
     async def count_tokens(self, request: Request) -> Response:
         station = self.station

@@ -85,10 +85,10 @@ def chat_body(req: a.MessagesInput) -> dict[str, Any]:
         else:
             messages += _user_turns(m.content) if m.role == "user" else [_assistant_turn(m.content)]
     body: dict[str, Any] = {"model": req.model, "messages": messages, **_tool_choice(req.tool_choice)}
-    if req.tools:
+    if tools := [t for t in req.tools or () if isinstance(t, a.ToolDefinition)]:
         body["tools"] = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
                                                            **({"description": t.description} if t.description else {})}}
-                         for t in req.tools]
+                         for t in tools]
     if req.thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
     if req.output_config is not None and req.output_config.format is not None:

@@ -29,6 +29,7 @@ from jaxstation.openai.protocol import OpenAIErrorResponse
 from jaxstation.openai.responses_input import ResponseStore, chat_body, output_turn, turns
 from jaxstation.openai.routes import SSEResponse, chat_request, run_whole, served_model_name, start_run, wire
 from jaxstation.openai.run import Run
+from jaxstation.serving import hosted_tools
 from jaxstation.serving.errors import OpenAIError
 from jaxstation.serving.http_common import read_json
 from jaxstation.serving.openapi import Endpoint
@@ -186,9 +187,9 @@ class ResponsesRoutes:
         except OUTCOMES as e:
             return rejected(station, request, e, OPENAI_INVALID)
         request.state.token_counts = lambda: (run.usage().prompt_tokens, run.usage().completion_tokens)
-        head = self._head(req)
+        head, extra = self._head(req), hosted_tools.headers(hosted_tools.skipped(req.tools))
         if req.stream:
-            return SSEResponse(self._events(run, head, history, req), run.cancel_all)
+            return SSEResponse(self._events(run, head, history, req), run.cancel_all, extra)
         if (stopped := await run_whole(run, request)) is not None:
             return stopped
         c, out = run.choices[0], Output()
@@ -202,7 +203,7 @@ class ResponsesRoutes:
         out.close(status)
         response = self._response(head, run, out, status)
         self._keep(head, response, history, req)
-        return JSONResponse(wire(response))
+        return JSONResponse(wire(response), headers=extra)
 
     async def _events(self, run: Run, head: dict, history: list[dict], req: r.ResponsesRequest
                       ) -> AsyncIterator[str]:

@@ -70,9 +70,9 @@ def chat_body(req: r.ResponsesRequest, history: list[dict]) -> dict[str, Any]:
     """The chat completions body of a Responses request; `history`: the turns of its previous response."""
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     body: dict[str, Any] = {"model": req.model, "messages": system + history + turns(req.input)}
-    if req.tools:
+    if functions := [t for t in req.tools or () if isinstance(t, r.FunctionTool)]:
         body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                         for t in req.tools]
+                         for t in functions]
     if isinstance(req.tool_choice, r.FunctionChoice):
         body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
     elif req.tool_choice is not None:

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag
 
 from jaxstation.openai.protocol import Body, Reply
+from jaxstation.serving.hosted_tools import FUNCTION_TOOL, HOSTED_TOOL, HostedTool, tool_kind
 
 
 class InputText(Body):
@@ -74,6 +75,10 @@ class FunctionTool(Body):
     strict: bool | None = Field(None, description="accepted; required and named calls always follow the schema")
 
 
+Tool = Annotated[Annotated[FunctionTool, Tag(FUNCTION_TOOL)] | Annotated[HostedTool, Tag(HOSTED_TOOL)],
+                 Discriminator(tool_kind(("function",)))]
+
+
 class FunctionChoice(Body):
     type: Literal["function"]
     name: str
@@ -115,7 +120,9 @@ class ResponsesRequest(Body):
     max_output_tokens: int | None = Field(None, ge=1, description="cut to the context left after the prompt")
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    tools: list[FunctionTool] | None = Field(None, max_length=128)
+    tools: list[Tool] | None = Field(None, max_length=128, description="function tools; a tool of another type "
+                                     "(web_search, namespace, ...) is left out of the prompt and named in the "
+                                     "X-Jaxstation-Skipped-Tools header")
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None

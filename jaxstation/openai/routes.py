@@ -39,9 +39,10 @@ from jaxstation.serving.station import Station
 class SSEResponse(StreamingResponse):
     """A StreamingResponse that runs `on_close` however the stream ends (finished, failed or the client gone)."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -76,9 +76,11 @@ def error_response(path: str, status: int, message: str, field: str | None = Non
 
 
 def field_path(loc: tuple[int | str, ...]) -> str:
-    """('messages', 0, 'role') -> 'messages[0].role'."""
+    """('messages', 0, 'role') -> 'messages[0].role'. A part with a space is a union's tag, not a field: left out."""
     out = ""
     for part in loc:
+        if isinstance(part, str) and " " in part:
+            continue
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
