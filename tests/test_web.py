@@ -180,3 +180,28 @@ def no_active_content(driver: WebDriver, root: str) -> bool:
         return !root.querySelector('script, img, svg, iframe, object, embed')
             && all.every((e) => [...e.attributes].every((a) => !a.name.startsWith('on')))
             && [...root.querySelectorAll('a')].every((a) => /^https?:/.test(a.href));""", root)
+
+
+def test_regenerate_edit_and_import(page: WebDriver, tmp_path) -> None:
+    ask(page, "Say hi.", 8)
+    wait(page, lambda d: "tokens/s" in answer_meta(d), "the answer did not finish")
+    first = page.find_element(By.CSS_SELECTOR, ".msg.assistant").text.split("\n")[0]
+    page.find_element(By.XPATH, "//button[text()='Regenerate']").click()
+    wait(page, lambda d: "tokens/s" in answer_meta(d), "the regenerated answer did not finish")
+    assert page.find_element(By.CSS_SELECTOR, ".msg.assistant").text.split("\n")[0] == first  # greedy: the same
+    page.find_element(By.XPATH, "//button[text()='Edit']").click()
+    area = page.find_element(By.CSS_SELECTOR, ".msg.user textarea")
+    area.clear()
+    area.send_keys("Say bye.")
+    page.find_element(By.XPATH, "//div[contains(@class, 'user')]/button[text()='Send']").click()
+    wait(page, lambda d: "tokens/s" in answer_meta(d), "the answer to the edit did not finish")
+    assert [m.text.split("\n")[0] for m in page.find_elements(By.CSS_SELECTOR, ".msg.user")] == ["Say bye."]
+    assert len(page.find_elements(By.CSS_SELECTOR, ".msg")) == 2
+    exported = [{"title": "imported", "messages": [{"role": "system", "content": "dropped"},
+                                                   {"role": "user", "content": "<img src=x onerror=alert(1)>"}]}]
+    (tmp_path / "chats.json").write_text(json.dumps(exported))
+    page.find_element(By.ID, "import").send_keys(str(tmp_path / "chats.json"))
+    wait(page, lambda d: d.find_element(By.CSS_SELECTOR, "#chats li.current .title").text == "imported", "no import")
+    assert [m.text.split("\n")[0] for m in page.find_elements(By.CSS_SELECTOR, ".msg")] == [
+        "<img src=x onerror=alert(1)>"]
+    assert len(page.find_elements(By.CSS_SELECTOR, "#chats li")) == 2
