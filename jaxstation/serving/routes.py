@@ -41,12 +41,14 @@ from jaxstation.serving.protocol import (
     parse_generate,
 )
 from jaxstation.serving.station import Station
+from jaxstation.web.page import is_web_path, web_routes
 
 OPEN_PATHS = frozenset({"/health", "/ready"})  # never need the API key
 
 
 class ApiKeyMiddleware:
-    """Pure ASGI: with the station's api_key set, every HTTP route but /health and /ready needs the key, sent as
+    """Pure ASGI: with the station's api_key set, every HTTP route but /health, /ready and the chat page's files (the
+    page itself asks for the key and sends it on its API calls) needs the key, sent as
     `Authorization: Bearer <key>` or (Anthropic's clients) `x-api-key: <key>`."""
 
     def __init__(self, app: ASGIApp, station: Station) -> None:
@@ -54,7 +56,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = self.station.config.api_key
-        if scope["type"] != "http" or not key or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or not key or self._open(scope["path"]):
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or ())
         scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
@@ -66,6 +68,9 @@ class ApiKeyMiddleware:
         reply = error_response(path, 401, "a valid API key is required: send 'Authorization: Bearer "
                                "<MOONSHINE_API_KEY>'", field, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         await reply(scope, receive, send)
+
+    def _open(self, path: str) -> bool:
+        return path in OPEN_PATHS or (self.station.config.web and is_web_path(path))
 
 
 def _retrieve(fut: asyncio.Future) -> None:
@@ -170,8 +175,9 @@ async def json_http_error(request: Request, exc: HTTPException) -> Response:
 
 
 def station_app(station: Station, endpoints: Sequence[Endpoint], *, title: str = "jaxstation") -> Starlette:
-    """The Starlette app serving `endpoints` (and `GET /openapi.json` for them) on `station`: access log, API key,
-    JSON 404/405. Its lifespan starts the station and drains it on shutdown."""
+    """The Starlette app serving `endpoints` (and `GET /openapi.json` for them) on `station`, and the chat page unless
+    the config turns it off: access log, API key, JSON 404/405. Its lifespan starts the station and drains it on
+    shutdown."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -181,7 +187,7 @@ def station_app(station: Station, endpoints: Sequence[Endpoint], *, title: str =
 
     doc, document = openapi_endpoint(endpoints, ErrorResponse, title=title, version=__version__,
                                      api_key=bool(station.config.api_key))
-    served: list[Any] = routes([*endpoints, doc])
+    served: list[Any] = routes([*endpoints, doc]) + (web_routes() if station.config.web else [])
     app = Starlette(exception_handlers={HTTPException: json_http_error}, routes=served, lifespan=lifespan,
                     middleware=[Middleware(AccessLogMiddleware), Middleware(ApiKeyMiddleware, station=station)])
     app.state.openapi = document  # what tests check every reply against

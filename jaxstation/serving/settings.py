@@ -163,6 +163,8 @@ SETTINGS: tuple[_Setting, ...] = (
              "API key: with it set, every route except /health and /ready needs 'Authorization: Bearer <key>' "
              "(or 'x-api-key: <key>')",
              commands=_FRONT),
+    _Setting("web", "MOONSHINE_WEB", "--web", parse_bool,
+             "the chat page at / (static files in the package; off: / answers 404)", commands=_FRONT),
     _Setting("chat_template", "MOONSHINE_CHAT_TEMPLATE", "--chat-template", _parse_str,
              "the chat template, in place of the checkpoint's (or for a checkpoint without one): a Jinja file, or the "
              "template itself", commands=_FRONT),
@@ -242,6 +244,7 @@ class StationConfig:
     drain_s: float = 30.0
     max_body_bytes: int = 1 * MiB
     api_key: str | None = dataclasses.field(default=None, repr=False)
+    web: bool = True
     chat_template: str | None = dataclasses.field(default=None, repr=False)  # the template's text, once read
     served_model_name: tuple[str, ...] = ()
     reasoning_parser: str = "auto"

@@ -1,0 +1,1 @@
+"""The chat page served at `/` (page.py) and its static files (static/)."""
