@@ -103,6 +103,13 @@ def test_max_tokens_is_cut_to_the_context_and_reported(station) -> None:
     whole = client.messages.create(model=MODEL, max_tokens=32000, messages=HELLO, **GREEDY)  # as agents ask
     assert whole.content[0].text.startswith(short.content[0].text)
     assert whole.usage.output_tokens + whole.usage.input_tokens + whole.usage.cache_read_input_tokens <= 512
+    # a prompt that leaves a few positions: the reply fills the context, and says so rather than max_tokens
+    for n in range(100, 200):
+        long = [{"role": "user", "content": "Count on: " + " ".join(str(i) for i in range(1, n))}]
+        if (prompt := client.messages.count_tokens(model=MODEL, messages=long).input_tokens) >= 500:
+            break
+    full = client.messages.create(model=MODEL, max_tokens=32000, messages=long, **GREEDY)
+    assert full.stop_reason == "model_context_window_exceeded" and full.usage.output_tokens == 512 - prompt, prompt
 
 
 def test_a_stop_sequence_ends_the_reply_and_is_named(station) -> None:

@@ -161,7 +161,7 @@ class ToolUseOut(Reply):
 
 
 ContentBlock = Annotated[TextOut | ThinkingOut | ToolUseOut, Field(discriminator="type")]
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "model_context_window_exceeded"]
 
 
 class MessagesUsage(Reply):

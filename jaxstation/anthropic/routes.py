@@ -98,7 +98,7 @@ async def stream_events(run: Run, head: dict) -> AsyncIterator[str]:
                 yield piece
         for piece in blocks.close():
             yield piece
-        reason, sequence = stop_reason(run.choices[0])
+        reason, sequence = stop_reason(run, run.choices[0])
         yield _event(a.MessageDelta(type="message_delta", delta=a.MessageDeltaBody(
             stop_reason=reason, stop_sequence=sequence), usage=usage(run)))
         yield _event(a.MessageStop(type="message_stop"))

@@ -110,12 +110,13 @@ def call_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def stop_reason(c: Choice) -> tuple[a.StopReason, str | None]:
-    """The stop_reason and stop_sequence of a finished choice."""
+def stop_reason(run: Run, c: Choice) -> tuple[a.StopReason, str | None]:
+    """The stop_reason and stop_sequence of a finished choice: at the end of the context (its max_tokens cut to what
+    was left), model_context_window_exceeded, so that a client does not retry for more output."""
     if c.finish == "tool_calls":
         return "tool_use", None
     if c.finish == "length":
-        return "max_tokens", None
+        return ("model_context_window_exceeded" if run.req.context_ends[c.prompt] else "max_tokens"), None
     return ("stop_sequence", c.stop) if c.stop is not None else ("end_turn", None)
 
 
@@ -139,6 +140,6 @@ def reply(run: Run, head: dict) -> a.MessageReply:
     for call in c.tool.calls if c.tool is not None else ():
         blocks.append(a.ToolUseOut(type="tool_use", id=call["id"], name=call["function"]["name"],
                                    input=call_input(call["function"]["arguments"])))
-    reason, sequence = stop_reason(c)
+    reason, sequence = stop_reason(run, c)
     return a.MessageReply(**head, type="message", role="assistant", content=blocks, stop_reason=reason,
                           stop_sequence=sequence, usage=usage(run))

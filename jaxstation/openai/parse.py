@@ -80,6 +80,7 @@ class RunRequest:
     speculate: bool = True  # may draft tokens where the station speculates
     reasoning: str | None = None  # the reasoning parser splitting the thinking from the answer (chat only)
     prompt_opens: bool = False  # the rendered prompt ends with the thinking's opening tag
+    context_ends: tuple[bool, ...] = ()  # per prompt, with cap: max_tokens was cut to the context left
 
 
 def check_token_ids(tokens: list[int], vocab: int, param: str) -> list[int]:
@@ -118,7 +119,7 @@ def _common(req: SamplingFields, chat: bool, prompts: list[list[int]], logprobs:
             echo_texts: list[str] | None = None, tools: ToolPlan | None = None, cap: bool = False) -> RunRequest:
     """cap: a max_tokens past the context left is cut to it (as agents' APIs do) rather than refused."""
     prompt_param = "messages" if chat else "prompt"
-    lengths = []
+    lengths, context_ends = [], []
     for i, p in enumerate(prompts):
         if not p:
             raise bad(prompt_param, f"prompt {i} is empty")
@@ -130,6 +131,7 @@ def _common(req: SamplingFields, chat: bool, prompts: list[list[int]], logprobs:
             lengths.append(room if chat else min(16, room))  # OpenAI's defaults: the rest of the context / 16
         elif cap:
             lengths.append(min(max_tokens, room))
+            context_ends.append(max_tokens >= room)
         elif len(p) + max_tokens > max_request_tokens:
             raise bad("max_tokens", f"the prompt ({len(p)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                                     f"station's context of {max_request_tokens} tokens")
@@ -161,7 +163,7 @@ def _common(req: SamplingFields, chat: bool, prompts: list[list[int]], logprobs:
                       include_stop=bool(req.include_stop_str_in_output),
                       skip_special=req.skip_special_tokens is not False,
                       echo_texts=echo_texts, constraint=request_constraint(req, tools, on_device), tools=tools,
-                      speculate=req.speculative is not False)
+                      speculate=req.speculative is not False, context_ends=tuple(context_ends))
 
 
 def parse_completion(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: int, eos_ids: frozenset[int],
