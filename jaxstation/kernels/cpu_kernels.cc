@@ -622,6 +622,338 @@ ffi::Error BlockRows(ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> ids, ffi::Res
   return ffi::Error::Success();
 }
 
+// ---- Integer dot products over GGUF blocks (weights "gguf") ----
+// Each row of x is rounded to 8 bits per block of the weight format's width (32 columns, or 256 for the K-quants, as
+// llama.cpp's Q8_0 and Q8_K), from that row alone: d = amax / 127, q = x * (127 / amax) rounded to nearest even. A
+// weight block is read as unsigned byte codes (signed for Q8_0 without VNNI), w = d_w * s * (code - bias) (+ m for
+// the formats with a minimum), s an integer scale per 32 or 16 columns (the K-quants). The products of codes and q
+// are summed exactly in int32, in 8 lanes per 32 columns (lane j: columns 4j..4j+3), with the bias folded in as
+// -bias * the lane's sum of q and the K-quant scales multiplied in as integers. Then, per output and per weight block
+// in K order, one fixed float epilogue: acc[j] = acc[j] + (d_w * d_x) * float(lane j), and mins = mins + (m * d_x) *
+// float(minimum codes . group sums of q); the output is ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 +
+// acc7)) + mins, as `Lanes8` spells it. No step depends on the rows, the tile, the thread or the instruction set
+// (vpdpbusd and maddubs give the same int32 sums), so a row's bits never depend on the rows beside it, and every
+// build gives the same bits.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+using IVec = __m512i;  // two channels' 8 lanes: lanes 0-7 the first channel's, 8-15 the next one's
+using FVec = __m512;
+constexpr int kPer = 2;
+constexpr bool kVnni = true;
+constexpr const char* kIntIsa = "avx512-vnni";
+inline IVec Codes(const uint8_t* a, const uint8_t* b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+inline IVec Both(const void* p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256(static_cast<const __m256i*>(p))); }
+inline IVec IZero() { return _mm512_setzero_si512(); }
+inline IVec IAdd(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
+inline IVec IMul(IVec a, IVec b) { return _mm512_mullo_epi32(a, b); }
+inline IVec DotU(IVec acc, IVec u, IVec s) { return _mm512_dpbusd_epi32(acc, u, s); }
+inline IVec DotS(IVec acc, IVec, IVec) { return acc; }  // unused: with VNNI, Q8_0's codes are unsigned
+inline FVec FPair(float a, float b) { return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b)); }
+inline FVec FSet1(float a) { return _mm512_set1_ps(a); }
+inline FVec FZero() { return _mm512_setzero_ps(); }
+inline FVec FAdd(FVec a, FVec b) { return _mm512_add_ps(a, b); }
+inline FVec FMul(FVec a, FVec b) { return _mm512_mul_ps(a, b); }
+inline FVec ToFloat(IVec a) { return _mm512_cvtepi32_ps(a); }
+inline void FStore(float* p, FVec a) { _mm512_storeu_ps(p, a); }
+#else
+using IVec = __m256i;  // one channel's 8 lanes
+using FVec = __m256;
+constexpr int kPer = 1;
+inline IVec Codes(const uint8_t* a, const uint8_t*) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)); }
+inline IVec Both(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline IVec IZero() { return _mm256_setzero_si256(); }
+inline IVec IAdd(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
+inline IVec IMul(IVec a, IVec b) { return _mm256_mullo_epi32(a, b); }
+#if defined(__AVXVNNI__)
+constexpr bool kVnni = true;
+constexpr const char* kIntIsa = "avx-vnni";
+inline IVec DotU(IVec acc, IVec u, IVec s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+constexpr bool kVnni = false;
+constexpr const char* kIntIsa = "avx2";
+// pairs of u8 x s8 products in int16 (codes below 64 and |q| <= 127 cannot saturate), then pairs of those in int32
+inline IVec DotU(IVec acc, IVec u, IVec s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
+// Q8_0's signed codes without VNNI: |w| times q with w's sign (|w| <= 128, so no pair saturates)
+inline IVec DotS(IVec acc, IVec w, IVec s) { return DotU(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w)); }
+inline FVec FPair(float a, float) { return _mm256_set1_ps(a); }
+inline FVec FSet1(float a) { return _mm256_set1_ps(a); }
+inline FVec FZero() { return _mm256_setzero_ps(); }
+inline FVec FAdd(FVec a, FVec b) { return _mm256_add_ps(a, b); }
+inline FVec FMul(FVec a, FVec b) { return _mm256_mul_ps(a, b); }
+inline FVec ToFloat(IVec a) { return _mm256_cvtepi32_ps(a); }
+inline void FStore(float* p, FVec a) { _mm256_storeu_ps(p, a); }
+#endif
+constexpr int kIntChannels = 2 * kPer;  // channels a tile
+constexpr int kIntRows = 4;             // rows a tile, at most
+
+// The one sum of an output's 8 lanes.
+inline float Lanes8(const float* l) {
+  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+// The rows of x rounded to 8 bits: q [M, K], d [M, K / block], sums [M, K / 32] (each 32 columns' sum of q) and,
+// for a format with a bias, lanes [M, K / 4] = -bias * each 4 columns' sum of q.
+struct IntActs {
+  int64_t K = 0, block = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> sums, lanes;
+};
+
+void QuantizeRows(const float* x, int64_t M, int64_t K, int64_t block, int bias, IntActs& a) {
+  a.K = K, a.block = block;
+  a.q.resize(M * K), a.d.resize(M * K / block), a.sums.resize(M * K / 32), a.lanes.resize(bias ? M * K / 4 : 0);
+  float rounded[256];
+  for (int64_t b = 0; b < M * K / block; ++b) {
+    const float* xb = x + b * block;
+    Vec amax = Zero();
+    for (int64_t i = 0; i < block; i += kLanes) amax = Max(amax, Max(LoadX(xb + i), Sub(Zero(), LoadX(xb + i))));
+    float lanes[kLanes];
+    Store(lanes, amax);
+    const float m = *std::max_element(lanes, lanes + kLanes);
+    const Vec id = Set1(m > 0 ? 127.0f / m : 0.0f);
+    a.d[b] = m / 127.0f;
+    for (int64_t i = 0; i < block; i += kLanes) Store(rounded + i, Round(Mul(LoadX(xb + i), id)));
+    int8_t* q = a.q.data() + b * block;
+    for (int64_t i = 0; i < block; ++i) q[i] = static_cast<int8_t>(rounded[i]);
+    for (int64_t g = 0; g < block; g += 32) {
+      int32_t s = 0;
+      for (int64_t i = 0; i < 32; ++i) s += q[g + i];
+      a.sums[(b * block + g) / 32] = s;
+    }
+    if (bias)
+      for (int64_t i = 0; i < block; i += 4)
+        a.lanes[(b * block + i) / 4] = -bias * (q[i] + q[i + 1] + q[i + 2] + q[i + 3]);
+  }
+}
+
+// One channel's weights as integer codes: codes [K], d and m [K / block], and for the K-quants scales [K / 32][8]
+// (each lane's integer scale) and mins [K / 32].
+struct IntChannel {
+  std::vector<uint8_t> codes;
+  std::vector<float> d, m;
+  std::vector<int32_t> scales, mins;
+  void Resize(int64_t K, int64_t block) {
+    codes.resize(K), d.resize(K / block), m.resize(K / block), scales.resize(K / 4), mins.resize(K / 32);
+  }
+};
+
+inline __m256i Load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void Store32(uint8_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+inline __m256i Field(__m256i v, int shift, int mask) {  // (byte >> shift) & mask in every byte
+  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(static_cast<char>(mask)));
+}
+// 16 bytes of nibbles as 32 codes: the low nibbles, then the high ones
+inline __m256i Nibbles(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+// 0x10 in byte c where bit c of the little-endian word at p is set
+inline __m256i FifthBits(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  const __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf),
+                                        _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+
+// The 32-column formats: one block a group. kBias: the code's offset; kMin: a float minimum per block.
+template <int kBytesT, int kBiasT, bool kMinT>
+struct IntSmall {
+  static constexpr int64_t kBlock = 32, kBytes = kBytesT;
+  static constexpr int kBias = kBiasT;
+  static constexpr bool kMin = kMinT, kScaled = false, kSigned = false;
+};
+
+struct IntQ4_0 : IntSmall<18, 8, false> {  // d, 16 bytes of nibbles
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    c.d[blk] = HalfToFloat(b);
+    Store32(c.codes.data() + blk * 32, Nibbles(b + 2));
+  }
+};
+struct IntQ4_1 : IntSmall<20, 0, true> {  // d, m, 16 bytes of nibbles
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    c.d[blk] = HalfToFloat(b), c.m[blk] = HalfToFloat(b + 2);
+    Store32(c.codes.data() + blk * 32, Nibbles(b + 4));
+  }
+};
+struct IntQ5_0 : IntSmall<22, 16, false> {  // d, qh[4], 16 bytes of nibbles
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    c.d[blk] = HalfToFloat(b);
+    Store32(c.codes.data() + blk * 32, _mm256_or_si256(Nibbles(b + 6), FifthBits(b + 2)));
+  }
+};
+struct IntQ5_1 : IntSmall<24, 0, true> {  // d, m, qh[4], 16 bytes of nibbles
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    c.d[blk] = HalfToFloat(b), c.m[blk] = HalfToFloat(b + 2);
+    Store32(c.codes.data() + blk * 32, _mm256_or_si256(Nibbles(b + 8), FifthBits(b + 4)));
+  }
+};
+struct IntQ8_0 : IntSmall<34, kVnni ? 128 : 0, false> {  // d, 32 int8: with VNNI as unsigned codes q + 128
+  static constexpr bool kSigned = !kVnni;
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    c.d[blk] = HalfToFloat(b);
+    const __m256i q = Load32(b + 2);
+    Store32(c.codes.data() + blk * 32, kVnni ? _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80))) : q);
+  }
+};
+
+// The K-quants: 256 columns in 8 groups of 32, each with an integer scale (Q6_K: one per 16 columns) in `scales`.
+template <int kBytesT, int kBiasT, bool kMinT>
+struct IntK {
+  static constexpr int64_t kBlock = 256, kBytes = kBytesT;
+  static constexpr int kBias = kBiasT;
+  static constexpr bool kMin = kMinT, kScaled = true, kSigned = false;
+};
+
+inline void GroupScale(IntChannel& c, int64_t group, int low, int high) {  // lanes 0-3, columns 0-15: low
+  for (int j = 0; j < 8; ++j) c.scales[group * 8 + j] = j < 4 ? low : high;
+}
+
+// Q4_K and Q5_K's 6-bit scales and mins of group j (d * sc * q - dmin * mn): the minimum's coefficient is -dmin.
+inline void KScales(const uint8_t* b, int64_t blk, IntChannel& c) {
+  const uint8_t* s = b + 4;
+  c.d[blk] = HalfToFloat(b), c.m[blk] = -HalfToFloat(b + 2);
+  for (int j = 0; j < 8; ++j) {
+    const int sc = j < 4 ? s[j] & 0x3F : (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+    const int mn = j < 4 ? s[j + 4] & 0x3F : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+    GroupScale(c, blk * 8 + j, sc, sc);
+    c.mins[blk * 8 + j] = mn;
+  }
+}
+
+struct IntQ4_K : IntK<144, 0, true> {  // d, dmin, scales[12], qs[128]: group j, nibble j % 2 of bytes 32 * (j / 2) on
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    KScales(b, blk, c);
+    for (int j = 0; j < 8; ++j) Store32(c.codes.data() + blk * 256 + 32 * j, Field(Load32(b + 16 + 32 * (j / 2)), 4 * (j % 2), 0x0F));
+  }
+};
+struct IntQ5_K : IntK<176, 0, true> {  // d, dmin, scales[12], qh[32] (bit j: group j's fifth bit), qs[128]
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    KScales(b, blk, c);
+    const __m256i qh = Load32(b + 16);
+    for (int j = 0; j < 8; ++j) {
+      const __m256i low = Field(Load32(b + 48 + 32 * (j / 2)), 4 * (j % 2), 0x0F);
+      Store32(c.codes.data() + blk * 256 + 32 * j, _mm256_or_si256(low, _mm256_slli_epi16(Field(qh, j, 1), 4)));
+    }
+  }
+};
+struct IntQ6_K : IntK<210, 32, false> {  // ql[128], qh[64], int8 scales[16] (one per 16 columns), d
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    c.d[blk] = HalfToFloat(b + 208);
+    for (int j = 0; j < 8; ++j) {
+      const int64_t half = j / 4, quarter = j % 4;
+      const __m256i low = Field(Load32(b + 64 * half + 32 * (quarter % 2)), static_cast<int>(4 * (quarter / 2)), 0x0F);
+      const __m256i high = Field(Load32(b + 128 + 32 * half), static_cast<int>(2 * quarter), 3);
+      Store32(c.codes.data() + blk * 256 + 32 * j, _mm256_or_si256(low, _mm256_slli_epi16(high, 4)));
+      GroupScale(c, blk * 8 + j, scales[2 * j], scales[2 * j + 1]);
+    }
+  }
+};
+
+// R rows x kIntChannels channels over the whole K: every weight block's integer lanes, then its epilogue, in K order.
+template <typename F, int R>
+void IntTile(const IntActs& a, int64_t m0, const IntChannel* ch, float* y, int64_t N, int64_t n0) {
+  constexpr int V = kIntChannels / kPer, G = F::kBlock / 32;
+  const int64_t K = a.K, nb = K / F::kBlock;
+  FVec acc[R][V];
+  float mins[R][kIntChannels] = {};
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = FZero();
+  for (int64_t b = 0; b < nb; ++b) {
+    FVec dw[V];
+    for (int v = 0; v < V; ++v) dw[v] = FPair(ch[v * kPer].d[b], ch[v * kPer + kPer - 1].d[b]);
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = m0 + r;
+      IVec p[V];
+      for (int v = 0; v < V; ++v) p[v] = IZero();
+      for (int g = 0; g < G; ++g) {
+        const int64_t col = b * F::kBlock + g * 32;
+        const IVec x = Both(a.q.data() + row * K + col);
+        const IVec bias = F::kBias ? Both(a.lanes.data() + (row * K + col) / 4) : IZero();
+        for (int v = 0; v < V; ++v) {
+          const IntChannel& c0 = ch[v * kPer];
+          const IntChannel& c1 = ch[v * kPer + kPer - 1];
+          const IVec w = Codes(c0.codes.data() + col, c1.codes.data() + col);
+          const IVec t = F::kSigned ? DotS(bias, w, x) : DotU(bias, w, x);
+          if constexpr (F::kScaled) {
+            const IVec s = Codes(reinterpret_cast<const uint8_t*>(c0.scales.data() + col / 4),
+                                 reinterpret_cast<const uint8_t*>(c1.scales.data() + col / 4));
+            p[v] = IAdd(p[v], IMul(t, s));
+          } else {
+            p[v] = G == 1 ? t : IAdd(p[v], t);
+          }
+        }
+      }
+      const float dx = a.d[row * nb + b];
+      for (int v = 0; v < V; ++v) acc[r][v] = FAdd(acc[r][v], FMul(FMul(dw[v], FSet1(dx)), ToFloat(p[v])));
+      if constexpr (F::kMin)
+        for (int c = 0; c < kIntChannels; ++c) {
+          int32_t ms = 0;
+          for (int g = 0; g < G; ++g)
+            ms += (F::kScaled ? ch[c].mins[b * G + g] : 1) * a.sums[(row * K + b * F::kBlock) / 32 + g];
+          mins[r][c] = mins[r][c] + (ch[c].m[b] * dx) * static_cast<float>(ms);
+        }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) {
+      float lanes[8 * kPer];
+      FStore(lanes, acc[r][v]);
+      for (int h = 0; h < kPer; ++h) {
+        const int c = v * kPer + h;
+        y[(m0 + r) * N + n0 + c] = Lanes8(lanes + 8 * h) + mins[r][c];
+      }
+    }
+}
+
+// Channels [n_begin, n_end), each group of kIntChannels decoded once into codes, then every row tile over them.
+template <typename F>
+void IntChannels(const IntActs& a, const uint8_t* w, int64_t row_len, float* y, int64_t M, int64_t N,
+                 int64_t n_begin, int64_t n_end) {
+  thread_local std::vector<IntChannel> ch(kIntChannels);
+  for (auto& c : ch) c.Resize(a.K, F::kBlock);
+  for (int64_t n = n_begin; n < n_end; n += kIntChannels) {
+    for (int c = 0; c < kIntChannels; ++c) {
+      const uint8_t* row = w + (n + c) * row_len;
+      for (int64_t b = 0; b < a.K / F::kBlock; ++b) F::Decode(row + b * F::kBytes, b, ch[c]);
+    }
+    int64_t m = 0;
+    for (; m + kIntRows <= M; m += kIntRows) IntTile<F, kIntRows>(a, m, ch.data(), y, N, n);
+    switch (M - m) {
+      case 3: IntTile<F, 3>(a, m, ch.data(), y, N, n); break;
+      case 2: IntTile<F, 2>(a, m, ch.data(), y, N, n); break;
+      case 1: IntTile<F, 1>(a, m, ch.data(), y, N, n); break;
+    }
+  }
+}
+
+// x [M, K] times block weights w [N, K / block * bytes] (uint8) -> y [M, N] by integer dot products.
+template <typename F>
+ffi::Error IntMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] % F::kBlock || wd[1] != xd[1] / F::kBlock * F::kBytes || wd[0] % 4)
+    return ffi::Error::InvalidArgument("int_matmul: x [M, K], w [N, K / block * block bytes], N % 4 == 0");
+  const int64_t M = xd[0], K = xd[1], N = wd[0];
+  IntActs a;
+  QuantizeRows(x.typed_data(), M, K, F::kBlock, F::kBias, a);
+  // channel ranges of a multiple of 4, about 4 per thread, at least 32 channels each
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per = std::max<int64_t>(32, (N / (4 * threads) + 3) / 4 * 4);
+  ParallelFor(pool, (N + per - 1) / per, [&](int64_t i) {
+    IntChannels<F>(a, w.typed_data(), wd[1], y->typed_data(), M, N, i * per, std::min(N, (i + 1) * per));
+  });
+  return ffi::Error::Success();
+}
+
 // A lane's positions lie kv_heads * head_dim floats apart, one head's slice of each a few cache lines: the walks
 // over keys and values ask for the slice kAhead positions on (into L2), so that many lines are in flight at once.
 constexpr int64_t kAhead = 64;
@@ -922,6 +1254,9 @@ ffi::Error TopKImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBu
 // The variant built: 16 float32 lanes per vector with AVX-512, 8 with AVX2.
 extern "C" int jaxstation_vector_lanes() { return static_cast<int>(kLanes); }
 
+// The integer dot products' instruction set: avx512-vnni, avx-vnni or avx2.
+extern "C" const char* jaxstation_int_dot_isa() { return kIntIsa; }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -964,9 +1299,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNorm, RmsNormImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("eps"));
 
-// One matmul and one row lookup per block format: RowwiseMatmulQ4_1, BlockRowsQ4_1, ...
+// Per block format, the float32-exact matmul, the integer one and the row lookup: RowwiseMatmulQ4_1, IntMatmulQ4_1,
+// BlockRowsQ4_1, ...
 #define JAXSTATION_BLOCK_FORMAT(F)                                                                          \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(RowwiseMatmul##F, MatmulBlocks<F>,                                         \
+                                ffi::Ffi::Bind()                                                            \
+                                    .Ctx<ffi::ThreadPool>()                                                 \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                           \
+                                    .Arg<ffi::Buffer<ffi::U8>>()                                            \
+                                    .Ret<ffi::Buffer<ffi::F32>>());                                         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(IntMatmul##F, IntMatmul<Int##F>,                                           \
                                 ffi::Ffi::Bind()                                                            \
                                     .Ctx<ffi::ThreadPool>()                                                 \
                                     .Arg<ffi::Buffer<ffi::F32>>()                                           \
