@@ -640,10 +640,7 @@ using FVec = __m512;
 constexpr int kPer = 2;
 constexpr bool kVnni = true;
 constexpr const char* kIntIsa = "avx512-vnni";
-inline IVec Codes(const uint8_t* a, const uint8_t* b) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
-}
+inline IVec ILoad(const void* p) { return _mm512_loadu_si512(p); }
 inline IVec Both(const void* p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256(static_cast<const __m256i*>(p))); }
 inline IVec IZero() { return _mm512_setzero_si512(); }
 inline IVec IAdd(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
@@ -661,7 +658,7 @@ inline void FStore(float* p, FVec a) { _mm512_storeu_ps(p, a); }
 using IVec = __m256i;  // one channel's 8 lanes
 using FVec = __m256;
 constexpr int kPer = 1;
-inline IVec Codes(const uint8_t* a, const uint8_t*) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)); }
+inline IVec ILoad(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 inline IVec Both(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 inline IVec IZero() { return _mm256_setzero_si256(); }
 inline IVec IAdd(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
@@ -732,15 +729,30 @@ void QuantizeRows(const float* x, int64_t M, int64_t K, int64_t block, int bias,
   }
 }
 
-// One channel's weights as integer codes: codes [K], d and m [K / block], and for the K-quants scales [K / 32][8]
-// (each lane's integer scale) and mins [K / 32].
-struct IntChannel {
+// A vector's kPer channels as integer codes, each 32 columns' codes (and lane scales) of its channels side by side, so
+// one load reads them: codes [K / 32][kPer][32], scales [K / 32][kPer][8] (the K-quants' integer scale of each lane);
+// d, m [kPer][K / block]; mins [kPer][K / 32] (Q4_K and Q5_K's integer minimum of each 32 columns).
+struct IntCodes {
+  int64_t blocks = 0, groups = 0;
   std::vector<uint8_t> codes;
-  std::vector<float> d, m;
   std::vector<int32_t> scales, mins;
+  std::vector<float> d, m;
   void Resize(int64_t K, int64_t block) {
-    codes.resize(K), d.resize(K / block), m.resize(K / block), scales.resize(K / 4), mins.resize(K / 32);
+    blocks = K / block, groups = K / 32;
+    codes.resize(K * kPer), scales.resize(K / 4 * kPer), mins.resize(groups * kPer);
+    d.resize(blocks * kPer), m.resize(blocks * kPer);
   }
+};
+
+// Channel h of an IntCodes, as a block decoder writes it.
+struct IntChannel {
+  IntCodes& s;
+  int h;
+  uint8_t* Codes(int64_t group) { return s.codes.data() + (group * kPer + h) * 32; }
+  int32_t* Scales(int64_t group) { return s.scales.data() + (group * kPer + h) * 8; }
+  int32_t& Min(int64_t group) { return s.mins[h * s.groups + group]; }
+  float& D(int64_t blk) { return s.d[h * s.blocks + blk]; }
+  float& M(int64_t blk) { return s.m[h * s.blocks + blk]; }
 };
 
 inline __m256i Load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -773,34 +785,34 @@ struct IntSmall {
 
 struct IntQ4_0 : IntSmall<18, 8, false> {  // d, 16 bytes of nibbles
   static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
-    c.d[blk] = HalfToFloat(b);
-    Store32(c.codes.data() + blk * 32, Nibbles(b + 2));
+    c.D(blk) = HalfToFloat(b);
+    Store32(c.Codes(blk), Nibbles(b + 2));
   }
 };
 struct IntQ4_1 : IntSmall<20, 0, true> {  // d, m, 16 bytes of nibbles
   static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
-    c.d[blk] = HalfToFloat(b), c.m[blk] = HalfToFloat(b + 2);
-    Store32(c.codes.data() + blk * 32, Nibbles(b + 4));
+    c.D(blk) = HalfToFloat(b), c.M(blk) = HalfToFloat(b + 2);
+    Store32(c.Codes(blk), Nibbles(b + 4));
   }
 };
 struct IntQ5_0 : IntSmall<22, 16, false> {  // d, qh[4], 16 bytes of nibbles
   static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
-    c.d[blk] = HalfToFloat(b);
-    Store32(c.codes.data() + blk * 32, _mm256_or_si256(Nibbles(b + 6), FifthBits(b + 2)));
+    c.D(blk) = HalfToFloat(b);
+    Store32(c.Codes(blk), _mm256_or_si256(Nibbles(b + 6), FifthBits(b + 2)));
   }
 };
 struct IntQ5_1 : IntSmall<24, 0, true> {  // d, m, qh[4], 16 bytes of nibbles
   static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
-    c.d[blk] = HalfToFloat(b), c.m[blk] = HalfToFloat(b + 2);
-    Store32(c.codes.data() + blk * 32, _mm256_or_si256(Nibbles(b + 8), FifthBits(b + 4)));
+    c.D(blk) = HalfToFloat(b), c.M(blk) = HalfToFloat(b + 2);
+    Store32(c.Codes(blk), _mm256_or_si256(Nibbles(b + 8), FifthBits(b + 4)));
   }
 };
 struct IntQ8_0 : IntSmall<34, kVnni ? 128 : 0, false> {  // d, 32 int8: with VNNI as unsigned codes q + 128
   static constexpr bool kSigned = !kVnni;
   static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
-    c.d[blk] = HalfToFloat(b);
+    c.D(blk) = HalfToFloat(b);
     const __m256i q = Load32(b + 2);
-    Store32(c.codes.data() + blk * 32, kVnni ? _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80))) : q);
+    Store32(c.Codes(blk), kVnni ? _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80))) : q);
   }
 };
 
@@ -813,25 +825,26 @@ struct IntK {
 };
 
 inline void GroupScale(IntChannel& c, int64_t group, int low, int high) {  // lanes 0-3, columns 0-15: low
-  for (int j = 0; j < 8; ++j) c.scales[group * 8 + j] = j < 4 ? low : high;
+  for (int j = 0; j < 8; ++j) c.Scales(group)[j] = j < 4 ? low : high;
 }
 
 // Q4_K and Q5_K's 6-bit scales and mins of group j (d * sc * q - dmin * mn): the minimum's coefficient is -dmin.
 inline void KScales(const uint8_t* b, int64_t blk, IntChannel& c) {
   const uint8_t* s = b + 4;
-  c.d[blk] = HalfToFloat(b), c.m[blk] = -HalfToFloat(b + 2);
+  c.D(blk) = HalfToFloat(b), c.M(blk) = -HalfToFloat(b + 2);
   for (int j = 0; j < 8; ++j) {
     const int sc = j < 4 ? s[j] & 0x3F : (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
     const int mn = j < 4 ? s[j + 4] & 0x3F : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
     GroupScale(c, blk * 8 + j, sc, sc);
-    c.mins[blk * 8 + j] = mn;
+    c.Min(blk * 8 + j) = mn;
   }
 }
 
 struct IntQ4_K : IntK<144, 0, true> {  // d, dmin, scales[12], qs[128]: group j, nibble j % 2 of bytes 32 * (j / 2) on
   static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
     KScales(b, blk, c);
-    for (int j = 0; j < 8; ++j) Store32(c.codes.data() + blk * 256 + 32 * j, Field(Load32(b + 16 + 32 * (j / 2)), 4 * (j % 2), 0x0F));
+    for (int j = 0; j < 8; ++j)
+      Store32(c.Codes(blk * 8 + j), Field(Load32(b + 16 + 32 * (j / 2)), 4 * (j % 2), 0x0F));
   }
 };
 struct IntQ5_K : IntK<176, 0, true> {  // d, dmin, scales[12], qh[32] (bit j: group j's fifth bit), qs[128]
@@ -840,77 +853,79 @@ struct IntQ5_K : IntK<176, 0, true> {  // d, dmin, scales[12], qh[32] (bit j: gr
     const __m256i qh = Load32(b + 16);
     for (int j = 0; j < 8; ++j) {
       const __m256i low = Field(Load32(b + 48 + 32 * (j / 2)), 4 * (j % 2), 0x0F);
-      Store32(c.codes.data() + blk * 256 + 32 * j, _mm256_or_si256(low, _mm256_slli_epi16(Field(qh, j, 1), 4)));
+      Store32(c.Codes(blk * 8 + j), _mm256_or_si256(low, _mm256_slli_epi16(Field(qh, j, 1), 4)));
     }
   }
 };
 struct IntQ6_K : IntK<210, 32, false> {  // ql[128], qh[64], int8 scales[16] (one per 16 columns), d
   static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-    c.d[blk] = HalfToFloat(b + 208);
+    c.D(blk) = HalfToFloat(b + 208);
     for (int j = 0; j < 8; ++j) {
       const int64_t half = j / 4, quarter = j % 4;
       const __m256i low = Field(Load32(b + 64 * half + 32 * (quarter % 2)), static_cast<int>(4 * (quarter / 2)), 0x0F);
       const __m256i high = Field(Load32(b + 128 + 32 * half), static_cast<int>(2 * quarter), 3);
-      Store32(c.codes.data() + blk * 256 + 32 * j, _mm256_or_si256(low, _mm256_slli_epi16(high, 4)));
+      Store32(c.Codes(blk * 8 + j), _mm256_or_si256(low, _mm256_slli_epi16(high, 4)));
       GroupScale(c, blk * 8 + j, scales[2 * j], scales[2 * j + 1]);
     }
   }
 };
 
 // R rows x kIntChannels channels over the whole K: every weight block's integer lanes, then its epilogue, in K order.
+// The minimum's term of channel h runs in every lane of its half of a vector (the same operations in each).
 template <typename F, int R>
-void IntTile(const IntActs& a, int64_t m0, const IntChannel* ch, float* y, int64_t N, int64_t n0) {
+void IntTile(const IntActs& a, int64_t m0, const IntCodes* ch, float* y, int64_t N, int64_t n0) {
   constexpr int V = kIntChannels / kPer, G = F::kBlock / 32;
   const int64_t K = a.K, nb = K / F::kBlock;
-  FVec acc[R][V];
-  float mins[R][kIntChannels] = {};
+  FVec acc[R][V], mins[R][V];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = FZero();
+    for (int v = 0; v < V; ++v) acc[r][v] = mins[r][v] = FZero();
   for (int64_t b = 0; b < nb; ++b) {
-    FVec dw[V];
-    for (int v = 0; v < V; ++v) dw[v] = FPair(ch[v * kPer].d[b], ch[v * kPer + kPer - 1].d[b]);
+    FVec dw[V], mw[V];
+    for (int v = 0; v < V; ++v) {
+      dw[v] = FPair(ch[v].d[b], ch[v].d[(kPer - 1) * nb + b]);
+      mw[v] = FPair(ch[v].m[b], ch[v].m[(kPer - 1) * nb + b]);
+    }
     for (int r = 0; r < R; ++r) {
       const int64_t row = m0 + r;
       IVec p[V];
       for (int v = 0; v < V; ++v) p[v] = IZero();
       for (int g = 0; g < G; ++g) {
-        const int64_t col = b * F::kBlock + g * 32;
-        const IVec x = Both(a.q.data() + row * K + col);
-        const IVec bias = F::kBias ? Both(a.lanes.data() + (row * K + col) / 4) : IZero();
+        const int64_t group = b * G + g;
+        const IVec x = Both(a.q.data() + row * K + group * 32);
+        const IVec bias = F::kBias ? Both(a.lanes.data() + (row * K + group * 32) / 4) : IZero();
         for (int v = 0; v < V; ++v) {
-          const IntChannel& c0 = ch[v * kPer];
-          const IntChannel& c1 = ch[v * kPer + kPer - 1];
-          const IVec w = Codes(c0.codes.data() + col, c1.codes.data() + col);
+          const IVec w = ILoad(ch[v].codes.data() + group * kPer * 32);
           const IVec t = F::kSigned ? DotS(bias, w, x) : DotU(bias, w, x);
-          if constexpr (F::kScaled) {
-            const IVec s = Codes(reinterpret_cast<const uint8_t*>(c0.scales.data() + col / 4),
-                                 reinterpret_cast<const uint8_t*>(c1.scales.data() + col / 4));
-            p[v] = IAdd(p[v], IMul(t, s));
-          } else {
+          if constexpr (F::kScaled)
+            p[v] = IAdd(p[v], IMul(t, ILoad(ch[v].scales.data() + group * kPer * 8)));
+          else
             p[v] = G == 1 ? t : IAdd(p[v], t);
-          }
         }
       }
-      const float dx = a.d[row * nb + b];
-      for (int v = 0; v < V; ++v) acc[r][v] = FAdd(acc[r][v], FMul(FMul(dw[v], FSet1(dx)), ToFloat(p[v])));
-      if constexpr (F::kMin)
-        for (int c = 0; c < kIntChannels; ++c) {
-          int32_t ms = 0;
-          for (int g = 0; g < G; ++g)
-            ms += (F::kScaled ? ch[c].mins[b * G + g] : 1) * a.sums[(row * K + b * F::kBlock) / 32 + g];
-          mins[r][c] = mins[r][c] + (ch[c].m[b] * dx) * static_cast<float>(ms);
+      const FVec dx = FSet1(a.d[row * nb + b]);
+      for (int v = 0; v < V; ++v) acc[r][v] = FAdd(acc[r][v], FMul(FMul(dw[v], dx), ToFloat(p[v])));
+      if constexpr (F::kMin) {
+        const int32_t* sums = a.sums.data() + (row * K + b * F::kBlock) / 32;
+        for (int v = 0; v < V; ++v) {
+          int32_t ms[kPer];
+          for (int h = 0; h < kPer; ++h) {
+            ms[h] = F::kScaled ? 0 : sums[0];
+            if constexpr (F::kScaled)
+              for (int g = 0; g < G; ++g) ms[h] += ch[v].mins[h * ch[v].groups + b * G + g] * sums[g];
+          }
+          const FVec msv = FPair(static_cast<float>(ms[0]), static_cast<float>(ms[kPer - 1]));
+          mins[r][v] = FAdd(mins[r][v], FMul(FMul(mw[v], dx), msv));
         }
+      }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) {
-      float lanes[8 * kPer];
+      float lanes[8 * kPer], low[8 * kPer];
       FStore(lanes, acc[r][v]);
-      for (int h = 0; h < kPer; ++h) {
-        const int c = v * kPer + h;
-        y[(m0 + r) * N + n0 + c] = Lanes8(lanes + 8 * h) + mins[r][c];
-      }
+      FStore(low, mins[r][v]);
+      for (int h = 0; h < kPer; ++h) y[(m0 + r) * N + n0 + v * kPer + h] = Lanes8(lanes + 8 * h) + low[8 * h];
     }
 }
 
@@ -918,12 +933,14 @@ void IntTile(const IntActs& a, int64_t m0, const IntChannel* ch, float* y, int64
 template <typename F>
 void IntChannels(const IntActs& a, const uint8_t* w, int64_t row_len, float* y, int64_t M, int64_t N,
                  int64_t n_begin, int64_t n_end) {
-  thread_local std::vector<IntChannel> ch(kIntChannels);
+  constexpr int V = kIntChannels / kPer;
+  thread_local std::vector<IntCodes> ch(V);
   for (auto& c : ch) c.Resize(a.K, F::kBlock);
   for (int64_t n = n_begin; n < n_end; n += kIntChannels) {
     for (int c = 0; c < kIntChannels; ++c) {
       const uint8_t* row = w + (n + c) * row_len;
-      for (int64_t b = 0; b < a.K / F::kBlock; ++b) F::Decode(row + b * F::kBytes, b, ch[c]);
+      IntChannel channel{ch[c / kPer], c % kPer};
+      for (int64_t b = 0; b < a.K / F::kBlock; ++b) F::Decode(row + b * F::kBytes, b, channel);
     }
     int64_t m = 0;
     for (; m + kIntRows <= M; m += kIntRows) IntTile<F, kIntRows>(a, m, ch.data(), y, N, n);
