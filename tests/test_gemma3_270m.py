@@ -23,6 +23,7 @@ from conftest import REFERENCE, run_wave, station_plan
 
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import SamplingParams
+from jaxstation.kernels import cpu_kernel
 from jaxstation.model.gguf_file import GGUFFile
 from jaxstation.model.layers import forward_full
 from jaxstation.model.loader import LoadedModel, load_model
@@ -61,7 +62,7 @@ def exact_engine(exact: LoadedModel, plan: Plan) -> Engine:
 
 
 def test_the_default_multiplies_in_integers(plan: Plan, gemma: LoadedModel) -> None:
-    assert plan.dtype == "gguf" and plan.int_dot in ("avx512-vnni", "avx-vnni", "avx2")
+    assert plan.dtype == "gguf" and plan.int_dot == cpu_kernel.int_dot_isa()
     assert all(w.integer for layer in gemma.params.layers for w in (layer.wo, layer.w_down, layer.w_gate_up))
     assert gemma.params.embed.integer
 

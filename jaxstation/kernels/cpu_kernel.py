@@ -40,9 +40,11 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
 # "avx2" builds the AVX2 variant (integer dot products by maddubs) on a CPU that has AVX-512 and VNNI too, to test or
-# compare it; "avx-vnni" the AVX2 variant with AVX-VNNI's vpdpbusd. Unset, the CPU decides.
+# compare it; "avx-vnni" the AVX2 variant with AVX-VNNI's vpdpbusd; "avx512" the AVX-512 variant without VNNI. Unset,
+# the CPU decides.
 ISA_ENV = "JAXSTATION_KERNEL_ISA"
-ISA_FLAGS = {"": (), "avx2": ("-mno-avx512f", "-mno-avxvnni"), "avx-vnni": ("-mno-avx512f",)}
+ISA_FLAGS = {"": (), "avx2": ("-mno-avx512f", "-mno-avxvnni"), "avx-vnni": ("-mno-avx512f",),
+             "avx512": ("-mno-avx512vnni",)}
 # GGUF block formats the matmul reads as stored: (columns per block, bytes per block)
 BLOCK_FORMATS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
                  "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
@@ -133,7 +135,8 @@ def vector_lanes() -> int:
 
 
 def int_dot_isa() -> str:
-    """The instruction set of the built kernels' integer dot products: avx512-vnni, avx-vnni or avx2 (maddubs)."""
+    """The instruction set of the built kernels' integer dot products: avx512-vnni, avx512 (maddubs), avx-vnni or avx2
+    (maddubs)."""
     require()
     library = _library()
     library.jaxstation_int_dot_isa.restype = ctypes.c_char_p

@@ -634,35 +634,42 @@ ffi::Error BlockRows(ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> ids, ffi::Res
 // acc7)) + mins, as `Lanes8` spells it. No step depends on the rows, the tile, the thread or the instruction set
 // (vpdpbusd and maddubs give the same int32 sums), so a row's bits never depend on the rows beside it, and every
 // build gives the same bits.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__)
 using IVec = __m512i;  // two channels' 8 lanes: lanes 0-7 the first channel's, 8-15 the next one's
-using FVec = __m512;
 constexpr int kPer = 2;
-constexpr bool kVnni = true;
-constexpr const char* kIntIsa = "avx512-vnni";
 inline IVec ILoad(const void* p) { return _mm512_loadu_si512(p); }
 inline IVec Both(const void* p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256(static_cast<const __m256i*>(p))); }
 inline IVec IZero() { return _mm512_setzero_si512(); }
 inline IVec IAdd(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
 inline IVec IMul(IVec a, IVec b) { return _mm512_mullo_epi32(a, b); }
+inline Vec FPair(float a, float b) { return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b)); }
+inline Vec ToFloat(IVec a) { return _mm512_cvtepi32_ps(a); }
+#if defined(__AVX512VNNI__)
+constexpr bool kVnni = true;
+constexpr const char* kIntIsa = "avx512-vnni";
 inline IVec DotU(IVec acc, IVec u, IVec s) { return _mm512_dpbusd_epi32(acc, u, s); }
-inline IVec DotS(IVec acc, IVec, IVec) { return acc; }  // unused: with VNNI, Q8_0's codes are unsigned
-inline FVec FPair(float a, float b) { return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b)); }
-inline FVec FSet1(float a) { return _mm512_set1_ps(a); }
-inline FVec FZero() { return _mm512_setzero_ps(); }
-inline FVec FAdd(FVec a, FVec b) { return _mm512_add_ps(a, b); }
-inline FVec FMul(FVec a, FVec b) { return _mm512_mul_ps(a, b); }
-inline FVec ToFloat(IVec a) { return _mm512_cvtepi32_ps(a); }
-inline void FStore(float* p, FVec a) { _mm512_storeu_ps(p, a); }
+#else
+constexpr bool kVnni = false;
+constexpr const char* kIntIsa = "avx512";
+// pairs of u8 x s8 products in int16 (codes below 64 and |q| <= 127 cannot saturate), then pairs of those in int32
+inline IVec DotU(IVec acc, IVec u, IVec s) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+}
+#endif
+// Q8_0's signed codes without VNNI: |w| times q with w's sign (|w| <= 128, so no pair saturates)
+inline IVec DotS(IVec acc, IVec w, IVec s) {
+  return DotU(acc, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(s, _mm512_movepi8_mask(w), _mm512_setzero_si512(), s));
+}
 #else
 using IVec = __m256i;  // one channel's 8 lanes
-using FVec = __m256;
 constexpr int kPer = 1;
 inline IVec ILoad(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 inline IVec Both(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 inline IVec IZero() { return _mm256_setzero_si256(); }
 inline IVec IAdd(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
 inline IVec IMul(IVec a, IVec b) { return _mm256_mullo_epi32(a, b); }
+inline Vec FPair(float a, float) { return _mm256_set1_ps(a); }
+inline Vec ToFloat(IVec a) { return _mm256_cvtepi32_ps(a); }
 #if defined(__AVXVNNI__)
 constexpr bool kVnni = true;
 constexpr const char* kIntIsa = "avx-vnni";
@@ -670,20 +677,11 @@ inline IVec DotU(IVec acc, IVec u, IVec s) { return _mm256_dpbusd_avx_epi32(acc,
 #else
 constexpr bool kVnni = false;
 constexpr const char* kIntIsa = "avx2";
-// pairs of u8 x s8 products in int16 (codes below 64 and |q| <= 127 cannot saturate), then pairs of those in int32
-inline IVec DotU(IVec acc, IVec u, IVec s) {
+inline IVec DotU(IVec acc, IVec u, IVec s) {  // as the AVX-512 one
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 #endif
-// Q8_0's signed codes without VNNI: |w| times q with w's sign (|w| <= 128, so no pair saturates)
 inline IVec DotS(IVec acc, IVec w, IVec s) { return DotU(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w)); }
-inline FVec FPair(float a, float) { return _mm256_set1_ps(a); }
-inline FVec FSet1(float a) { return _mm256_set1_ps(a); }
-inline FVec FZero() { return _mm256_setzero_ps(); }
-inline FVec FAdd(FVec a, FVec b) { return _mm256_add_ps(a, b); }
-inline FVec FMul(FVec a, FVec b) { return _mm256_mul_ps(a, b); }
-inline FVec ToFloat(IVec a) { return _mm256_cvtepi32_ps(a); }
-inline void FStore(float* p, FVec a) { _mm256_storeu_ps(p, a); }
 #endif
 constexpr int kIntChannels = 2 * kPer;  // channels a tile
 constexpr int kIntRows = 4;             // rows a tile, at most
@@ -877,11 +875,11 @@ template <typename F, int R>
 void IntTile(const IntActs& a, int64_t m0, const IntCodes* ch, float* y, int64_t N, int64_t n0) {
   constexpr int V = kIntChannels / kPer, G = F::kBlock / 32;
   const int64_t K = a.K, nb = K / F::kBlock;
-  FVec acc[R][V], mins[R][V];
+  Vec acc[R][V], mins[R][V];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = mins[r][v] = FZero();
+    for (int v = 0; v < V; ++v) acc[r][v] = mins[r][v] = Zero();
   for (int64_t b = 0; b < nb; ++b) {
-    FVec dw[V], mw[V];
+    Vec dw[V], mw[V];
     for (int v = 0; v < V; ++v) {
       dw[v] = FPair(ch[v].d[b], ch[v].d[(kPer - 1) * nb + b]);
       mw[v] = FPair(ch[v].m[b], ch[v].m[(kPer - 1) * nb + b]);
@@ -903,8 +901,8 @@ void IntTile(const IntActs& a, int64_t m0, const IntCodes* ch, float* y, int64_t
             p[v] = G == 1 ? t : IAdd(p[v], t);
         }
       }
-      const FVec dx = FSet1(a.d[row * nb + b]);
-      for (int v = 0; v < V; ++v) acc[r][v] = FAdd(acc[r][v], FMul(FMul(dw[v], dx), ToFloat(p[v])));
+      const Vec dx = Set1(a.d[row * nb + b]);
+      for (int v = 0; v < V; ++v) acc[r][v] = Add(acc[r][v], Mul(Mul(dw[v], dx), ToFloat(p[v])));
       if constexpr (F::kMin) {
         const int32_t* sums = a.sums.data() + (row * K + b * F::kBlock) / 32;
         for (int v = 0; v < V; ++v) {
@@ -914,8 +912,8 @@ void IntTile(const IntActs& a, int64_t m0, const IntCodes* ch, float* y, int64_t
             if constexpr (F::kScaled)
               for (int g = 0; g < G; ++g) ms[h] += ch[v].mins[h * ch[v].groups + b * G + g] * sums[g];
           }
-          const FVec msv = FPair(static_cast<float>(ms[0]), static_cast<float>(ms[kPer - 1]));
-          mins[r][v] = FAdd(mins[r][v], FMul(FMul(mw[v], dx), msv));
+          const Vec msv = FPair(static_cast<float>(ms[0]), static_cast<float>(ms[kPer - 1]));
+          mins[r][v] = Add(mins[r][v], Mul(Mul(mw[v], dx), msv));
         }
       }
     }
@@ -923,8 +921,8 @@ void IntTile(const IntActs& a, int64_t m0, const IntCodes* ch, float* y, int64_t
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) {
       float lanes[8 * kPer], low[8 * kPer];
-      FStore(lanes, acc[r][v]);
-      FStore(low, mins[r][v]);
+      Store(lanes, acc[r][v]);
+      Store(low, mins[r][v]);
       for (int h = 0; h < kPer; ++h) y[(m0 + r) * N + n0 + v * kPer + h] = Lanes8(lanes + 8 * h) + low[8 * h];
     }
 }

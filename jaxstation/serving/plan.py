@@ -46,7 +46,7 @@ class Plan:
     prefill_budget: int  # rows per packed admission step; 0: one prefill chunk per turn (--prefill-budget)
     speculative: str = "off"  # off, ngram or draft: drafts verified in one step (--speculative)
     tensor_parallel: int = 1  # the devices the model is split over (--tensor-parallel)
-    int_dot: str | None = None  # dtype gguf: the kernel's integer dot products, avx512-vnni, avx-vnni or avx2
+    int_dot: str | None = None  # dtype gguf: the integer dot's instruction set (avx512-vnni, avx512, avx-vnni, avx2)
 
     def __str__(self) -> str:
         widths = ",".join(map(str, self.wave_widths))
