@@ -150,10 +150,11 @@ def _full_logits(model: LoadedModel, prompt: list[int]) -> np.ndarray:
 PROMPT = list(range(100, 148))
 
 
-def test_default_model_on_the_kernel_matches_xla(default_model: LoadedModel, xla_model: LoadedModel) -> None:
+def test_the_default_models_exact_blocks_on_the_kernel_match_xla(exact_model: LoadedModel,
+                                                                 xla_model: LoadedModel) -> None:
     xla = xla_model
-    assert default_model.params.row_invariant and not xla.params.row_invariant
-    got, ref = _full_logits(default_model, PROMPT), _full_logits(xla, PROMPT)
+    assert exact_model.params.row_invariant and not xla.params.row_invariant
+    got, ref = _full_logits(exact_model, PROMPT), _full_logits(xla, PROMPT)
     assert np.array_equal(got.argmax(-1), ref.argmax(-1))
     assert np.abs(got - ref).max() < 2e-3  # float32, two summation orders
 
