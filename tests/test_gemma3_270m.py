@@ -82,8 +82,8 @@ def test_the_file_is_a_q4_k_m_mix(gemma3_270m: Path, gemma: LoadedModel) -> None
 
 
 # greedy tokens the integer path shares with transformers' from the start, per prompt (measured; where they part,
-# the paths' top tokens are near ties that 8-bit activations move: "." or " and", "\n" or " 衣装", " farmer" or " hard")
-INTEGER_AGREES = (15, 16, 4, 8)
+# the paths' top tokens are near ties that 8-bit activations move: " mendatang" or " 衣装", " farmer" or " hard")
+INTEGER_AGREES = (16, 16, 4, 8)
 
 
 @pytest.mark.parametrize("case", range(len(GREEDY)))
@@ -118,11 +118,11 @@ def test_alone_and_beside_others_give_the_same_tokens_and_logits(gemma_engine: E
 def test_the_logits_against_the_dequantized_models(gemma3_270m: Path, gemma: LoadedModel, exact: LoadedModel,
                                                    plan: Plan) -> None:
     """float32-exact: bit for bit. Integer: the same top token at all 13 prompt positions, the largest difference
-    measured 1.53 where the logits' standard deviation is 5.3."""
+    measured 1.24 where the logits' standard deviation is 5.3."""
     dense = load_model(gemma3_270m, "float32", plan.layer_loop, plan.matmul)
     tokens = jnp.asarray(GREEDY[3]["prompt_ids"], jnp.int32)
     want = np.asarray(forward_full(dense.cfg, dense.params, tokens))
     got = np.asarray(forward_full(exact.cfg, exact.params, tokens))
     assert np.array_equal(got, want), np.abs(got - want).max()
     got = np.asarray(forward_full(gemma.cfg, gemma.params, tokens))
-    assert np.array_equal(got.argmax(-1), want.argmax(-1)) and 0.1 < np.abs(got - want).max() < 2.5
+    assert np.array_equal(got.argmax(-1), want.argmax(-1)) and 0.1 < np.abs(got - want).max() < 2

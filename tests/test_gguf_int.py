@@ -1,7 +1,7 @@
 """GGUF blocks multiplied in integers on the CPU kernel (weights "gguf").
 
-The kernel rounds each activation row to 8 bits per block from that row alone and sums code products in int32, then
-runs one fixed float epilogue per output. A numpy reference of the same arithmetic (its own block decoders, checked
+The kernel rounds each activation row to 8 bits per 32 columns from that row alone and sums code products in int32,
+then runs one fixed float epilogue per output. A numpy reference of the same arithmetic (its own block decoders, checked
 against the gguf package's dequantization) gives the kernel's bits for every format, so a row's bits are the same
 alone and among others at any row count; the AVX2, AVX-VNNI and AVX-512 (maddubs) builds give those bits too.
 Against the float32 product over the dequantized weights the error is that of 8-bit activations.
@@ -95,9 +95,9 @@ def dequantized(w: GGUFBlocks) -> np.ndarray:
     return d * np.repeat(c["scale"], 4, axis=1) * c["q"] + m * np.repeat(c["mins"], 32, axis=1).reshape(n, -1)
 
 
-def quantize_rows(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each row per block of `block` columns: (q int [M, K], d float32 [M, K / block])."""
-    xb = x.reshape(x.shape[0], -1, block)
+def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row per 32 columns: (q int [M, K], d float32 [M, K / 32])."""
+    xb = x.reshape(x.shape[0], -1, 32)
     amax = np.abs(xb).max(-1)
     inv = np.float32(127) / np.where(amax > 0, amax, np.float32(1))
     inv = np.where(amax > 0, inv, np.float32(0)).astype(np.float32)
@@ -106,22 +106,21 @@ def quantize_rows(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def reference(x: np.ndarray, w: GGUFBlocks) -> np.ndarray:
-    """The kernel's arithmetic in numpy: int lanes per block, then the float epilogue in block order."""
+    """The kernel's arithmetic in numpy: int lanes per 32 columns, then the float epilogue in column order."""
     per = cpu_kernel.BLOCK_FORMATS[w.fmt][0]
     c = decode(w)
-    qx, dx = quantize_rows(x, per)
+    qx, dx = quantize_rows(x)
     rows, k = x.shape
-    n, nb = w.shape[0], k // per
-    products = (qx[:, None, :] * c["q"][None]).reshape(rows, n, k // 4, 4).sum(-1) * c["scale"][None]
-    lanes = products.reshape(rows, n, nb, per // 32, 8).sum(3)
-    group_sums = qx.reshape(rows, k // 32, 32).sum(-1)
-    min_dots = (group_sums[:, None, :] * c["mins"][None]).reshape(rows, n, nb, per // 32).sum(-1)
+    n = w.shape[0]
+    lanes = ((qx[:, None, :] * c["q"][None]).reshape(rows, n, k // 4, 4).sum(-1) * c["scale"][None])
+    lanes = lanes.reshape(rows, n, k // 32, 8)
+    min_terms = qx.reshape(rows, 1, k // 32, 32).sum(-1) * c["mins"][None]
     acc = np.zeros((rows, n, 8), np.float32)
     mins = np.zeros((rows, n), np.float32)
-    for b in range(nb):
-        s = c["d"][None, :, b] * dx[:, None, b]
-        acc = acc + s[..., None] * lanes[:, :, b].astype(np.float32)
-        mins = mins + (c["m"][None, :, b] * dx[:, None, b]) * min_dots[:, :, b].astype(np.float32)
+    for g in range(k // 32):
+        b = g * 32 // per
+        acc = acc + (c["d"][None, :, b] * dx[:, None, g])[..., None] * lanes[:, :, g].astype(np.float32)
+        mins = mins + (c["m"][None, :, b] * dx[:, None, g]) * min_terms[:, :, g].astype(np.float32)
     a = [acc[..., j] for j in range(8)]
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])) + mins
 
@@ -167,15 +166,15 @@ def test_every_format_gives_the_references_bits_at_every_row_count() -> None:
 
 def test_the_integer_product_is_close_to_float32s() -> None:
     """Normal activations against the float64 product over the dequantized weights, relative to its root mean
-    square over 37 rows x 40 outputs: the error's root mean square measured 0.51-0.53% for the 32-column formats and
-    0.65-0.68% for the K-quants (256-column activation blocks), its largest 1.8-4.2%."""
+    square over 37 rows x 40 outputs: the error's root mean square measured 0.48-0.53% across the formats, its largest
+    1.8-2.7%."""
     x = np.random.default_rng(9).standard_normal((37, 512)).astype(np.float32)
     for i, fmt in enumerate(cpu_kernel.BLOCK_FORMATS):
         blocks = random_blocks(fmt, 40, 512, seed=i)
         exact = x.astype(np.float64) @ blocks.dequantize().astype(np.float64).T
         err = np.abs(int_matmul(x, blocks) - exact) / np.sqrt(np.mean(exact ** 2))
         rms = np.sqrt(np.mean(err ** 2))
-        assert 0.004 < rms < (0.0075 if fmt.endswith("_K") else 0.006) and err.max() < 0.05, (fmt, rms, err.max())
+        assert 0.004 < rms < 0.006 and err.max() < 0.035, (fmt, rms, err.max())
 
 
 # each build, and the CPU flags it needs

@@ -623,14 +623,15 @@ ffi::Error BlockRows(ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> ids, ffi::Res
 }
 
 // ---- Integer dot products over GGUF blocks (weights "gguf") ----
-// Each row of x is rounded to 8 bits per block of the weight format's width (32 columns, or 256 for the K-quants, as
-// llama.cpp's Q8_0 and Q8_K), from that row alone: d = amax / 127, q = x * (127 / amax) rounded to nearest even. A
-// weight block is read as unsigned byte codes (signed for Q8_0 without VNNI), w = d_w * s * (code - bias) (+ m for
-// the formats with a minimum), s an integer scale per 32 or 16 columns (the K-quants). The products of codes and q
-// are summed exactly in int32, in 8 lanes per 32 columns (lane j: columns 4j..4j+3), with the bias folded in as
-// -bias * the lane's sum of q and the K-quant scales multiplied in as integers. Then, per output and per weight block
-// in K order, one fixed float epilogue: acc[j] = acc[j] + (d_w * d_x) * float(lane j), and mins = mins + (m * d_x) *
-// float(minimum codes . group sums of q); the output is ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 +
+// Each row of x is rounded to 8 bits per 32 columns (as llama.cpp's Q8_0), from that row alone: d = amax / 127, q =
+// x * (127 / amax) rounded to nearest even. (llama.cpp rounds to 256-column Q8_K blocks for the K-quants; on Gemma 3
+// 270M's Q4_K and Q6_K matrices that alone cost more perplexity than the 1% the integer path may lose.) A weight block
+// is read as unsigned byte codes (signed for Q8_0 without VNNI), w = d_w * s * (code - bias) (+ m for the formats with
+// a minimum), s an integer scale per 32 or 16 columns (the K-quants). The products of codes and q are summed exactly
+// in int32, in 8 lanes per 32 columns (lane j: columns 4j..4j+3), with the bias folded in as -bias * the lane's sum
+// of q and the K-quant scales multiplied in as integers. Then, per output and per 32 columns in K order, one fixed
+// float epilogue: acc[j] = acc[j] + (d_w * d_x) * float(lane j), and mins = mins + (m * d_x) * float(minimum code *
+// sum of q); the output is ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 +
 // acc7)) + mins, as `Lanes8` spells it. No step depends on the rows, the tile, the thread or the instruction set
 // (vpdpbusd and maddubs give the same int32 sums), so a row's bits never depend on the rows beside it, and every
 // build gives the same bits.
@@ -691,39 +692,35 @@ inline float Lanes8(const float* l) {
   return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 
-// The rows of x rounded to 8 bits: q [M, K], d [M, K / block], sums [M, K / 32] (each 32 columns' sum of q) and,
-// for a format with a bias, lanes [M, K / 4] = -bias * each 4 columns' sum of q.
+// The rows of x rounded to 8 bits per 32 columns: q [M, K], d and sums [M, K / 32] (each 32 columns' scale and sum
+// of q) and, for a format with a bias, lanes [M, K / 4] = -bias * each 4 columns' sum of q.
 struct IntActs {
-  int64_t K = 0, block = 0;
+  int64_t K = 0;
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int32_t> sums, lanes;
 };
 
-void QuantizeRows(const float* x, int64_t M, int64_t K, int64_t block, int bias, IntActs& a) {
-  a.K = K, a.block = block;
-  a.q.resize(M * K), a.d.resize(M * K / block), a.sums.resize(M * K / 32), a.lanes.resize(bias ? M * K / 4 : 0);
-  float rounded[256];
-  for (int64_t b = 0; b < M * K / block; ++b) {
-    const float* xb = x + b * block;
+void QuantizeRows(const float* x, int64_t M, int64_t K, int bias, IntActs& a) {
+  a.K = K;
+  a.q.resize(M * K), a.d.resize(M * K / 32), a.sums.resize(M * K / 32), a.lanes.resize(bias ? M * K / 4 : 0);
+  float rounded[32];
+  for (int64_t b = 0; b < M * K / 32; ++b) {
+    const float* xb = x + b * 32;
     Vec amax = Zero();
-    for (int64_t i = 0; i < block; i += kLanes) amax = Max(amax, Max(LoadX(xb + i), Sub(Zero(), LoadX(xb + i))));
+    for (int64_t i = 0; i < 32; i += kLanes) amax = Max(amax, Max(LoadX(xb + i), Sub(Zero(), LoadX(xb + i))));
     float lanes[kLanes];
     Store(lanes, amax);
     const float m = *std::max_element(lanes, lanes + kLanes);
     const Vec id = Set1(m > 0 ? 127.0f / m : 0.0f);
     a.d[b] = m / 127.0f;
-    for (int64_t i = 0; i < block; i += kLanes) Store(rounded + i, Round(Mul(LoadX(xb + i), id)));
-    int8_t* q = a.q.data() + b * block;
-    for (int64_t i = 0; i < block; ++i) q[i] = static_cast<int8_t>(rounded[i]);
-    for (int64_t g = 0; g < block; g += 32) {
-      int32_t s = 0;
-      for (int64_t i = 0; i < 32; ++i) s += q[g + i];
-      a.sums[(b * block + g) / 32] = s;
-    }
+    for (int64_t i = 0; i < 32; i += kLanes) Store(rounded + i, Round(Mul(LoadX(xb + i), id)));
+    int8_t* q = a.q.data() + b * 32;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < 32; ++i) sum += q[i] = static_cast<int8_t>(rounded[i]);
+    a.sums[b] = sum;
     if (bias)
-      for (int64_t i = 0; i < block; i += 4)
-        a.lanes[(b * block + i) / 4] = -bias * (q[i] + q[i + 1] + q[i + 2] + q[i + 3]);
+      for (int64_t i = 0; i < 32; i += 4) a.lanes[b * 8 + i / 4] = -bias * (q[i] + q[i + 1] + q[i + 2] + q[i + 3]);
   }
 }
 
@@ -869,7 +866,7 @@ struct IntQ6_K : IntK<210, 32, false> {  // ql[128], qh[64], int8 scales[16] (on
   }
 };
 
-// R rows x kIntChannels channels over the whole K: every weight block's integer lanes, then its epilogue, in K order.
+// R rows x kIntChannels channels over the whole K: each 32 columns' integer lanes, then their epilogue, in K order.
 // The minimum's term of channel h runs in every lane of its half of a vector (the same operations in each).
 template <typename F, int R>
 void IntTile(const IntActs& a, int64_t m0, const IntCodes* ch, float* y, int64_t N, int64_t n0) {
@@ -884,36 +881,25 @@ void IntTile(const IntActs& a, int64_t m0, const IntCodes* ch, float* y, int64_t
       dw[v] = FPair(ch[v].d[b], ch[v].d[(kPer - 1) * nb + b]);
       mw[v] = FPair(ch[v].m[b], ch[v].m[(kPer - 1) * nb + b]);
     }
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = m0 + r;
-      IVec p[V];
-      for (int v = 0; v < V; ++v) p[v] = IZero();
-      for (int g = 0; g < G; ++g) {
-        const int64_t group = b * G + g;
-        const IVec x = Both(a.q.data() + row * K + group * 32);
-        const IVec bias = F::kBias ? Both(a.lanes.data() + (row * K + group * 32) / 4) : IZero();
+    for (int g = 0; g < G; ++g) {
+      const int64_t group = b * G + g;
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (m0 + r) * K / 32 + group;  // the row's 32 columns
+        const IVec x = Both(a.q.data() + at * 32);
+        const IVec bias = F::kBias ? Both(a.lanes.data() + at * 8) : IZero();
+        const Vec dx = Set1(a.d[at]);
         for (int v = 0; v < V; ++v) {
           const IVec w = ILoad(ch[v].codes.data() + group * kPer * 32);
-          const IVec t = F::kSigned ? DotS(bias, w, x) : DotU(bias, w, x);
-          if constexpr (F::kScaled)
-            p[v] = IAdd(p[v], IMul(t, ILoad(ch[v].scales.data() + group * kPer * 8)));
-          else
-            p[v] = G == 1 ? t : IAdd(p[v], t);
-        }
-      }
-      const Vec dx = Set1(a.d[row * nb + b]);
-      for (int v = 0; v < V; ++v) acc[r][v] = Add(acc[r][v], Mul(Mul(dw[v], dx), ToFloat(p[v])));
-      if constexpr (F::kMin) {
-        const int32_t* sums = a.sums.data() + (row * K + b * F::kBlock) / 32;
-        for (int v = 0; v < V; ++v) {
-          int32_t ms[kPer];
-          for (int h = 0; h < kPer; ++h) {
-            ms[h] = F::kScaled ? 0 : sums[0];
-            if constexpr (F::kScaled)
-              for (int g = 0; g < G; ++g) ms[h] += ch[v].mins[h * ch[v].groups + b * G + g] * sums[g];
+          IVec p = F::kSigned ? DotS(bias, w, x) : DotU(bias, w, x);
+          if constexpr (F::kScaled) p = IMul(p, ILoad(ch[v].scales.data() + group * kPer * 8));
+          acc[r][v] = Add(acc[r][v], Mul(Mul(dw[v], dx), ToFloat(p)));
+          if constexpr (F::kMin) {
+            const int32_t sum = a.sums[at];
+            const int32_t low = F::kScaled ? ch[v].mins[group] * sum : sum;
+            const int32_t high = F::kScaled ? ch[v].mins[(kPer - 1) * ch[v].groups + group] * sum : sum;
+            const Vec ms = FPair(static_cast<float>(low), static_cast<float>(high));
+            mins[r][v] = Add(mins[r][v], Mul(Mul(mw[v], dx), ms));
           }
-          const Vec msv = FPair(static_cast<float>(ms[0]), static_cast<float>(ms[kPer - 1]));
-          mins[r][v] = Add(mins[r][v], Mul(Mul(mw[v], dx), msv));
         }
       }
     }
@@ -959,7 +945,7 @@ ffi::Error IntMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
     return ffi::Error::InvalidArgument("int_matmul: x [M, K], w [N, K / block * block bytes], N % 4 == 0");
   const int64_t M = xd[0], K = xd[1], N = wd[0];
   IntActs a;
-  QuantizeRows(x.typed_data(), M, K, F::kBlock, F::kBias, a);
+  QuantizeRows(x.typed_data(), M, K, F::kBias, a);
   // channel ranges of a multiple of 4, about 4 per thread, at least 32 channels each
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t per = std::max<int64_t>(32, (N / (4 * threads) + 3) / 4 * 4);
