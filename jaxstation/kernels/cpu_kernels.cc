@@ -893,11 +893,11 @@ void IntTile(const IntActs& a, int64_t m0, const IntCodes* ch, float* y, int64_t
           IVec p = F::kSigned ? DotS(bias, w, x) : DotU(bias, w, x);
           if constexpr (F::kScaled) p = IMul(p, ILoad(ch[v].scales.data() + group * kPer * 8));
           acc[r][v] = Add(acc[r][v], Mul(Mul(dw[v], dx), ToFloat(p)));
-          if constexpr (F::kMin) {
+          if constexpr (F::kMin) {  // the minimum codes (Q4_1, Q5_1: 1) times the row's sum of q
             const int32_t sum = a.sums[at];
-            const int32_t low = F::kScaled ? ch[v].mins[group] * sum : sum;
-            const int32_t high = F::kScaled ? ch[v].mins[(kPer - 1) * ch[v].groups + group] * sum : sum;
-            const Vec ms = FPair(static_cast<float>(low), static_cast<float>(high));
+            const Vec ms = F::kScaled ? FPair(static_cast<float>(ch[v].mins[group] * sum),
+                                              static_cast<float>(ch[v].mins[(kPer - 1) * ch[v].groups + group] * sum))
+                                      : Set1(static_cast<float>(sum));
             mins[r][v] = Add(mins[r][v], Mul(Mul(mw[v], dx), ms));
           }
         }
