@@ -5,7 +5,9 @@ dot, so a step moves more bytes than with float32 weights (and it has no GGUF bl
 different algorithm for one row than for several, so a row's bits depend on how many rows share the call. The matmul
 kernel reads int8 (or float32) weights straight from their buffers, and computes each output with one fixed sequence
 of operations whatever the number of rows; GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) are read as
-stored and rebuilt in registers into exactly the float32 weights the gguf package's dequantization gives. The decode
+stored, and either multiplied in integers with each activation row rounded to 8 bits per 32 columns from that row
+alone (as llama.cpp does, in one fixed order per output, so the rows beside a row still change nothing), or rebuilt in
+registers into exactly the float32 weights the gguf package's dequantization gives. The decode
 attention kernel reads each row's own lane of the KV arena in place, only the positions the row attends to, with no
 per-block loop; a row's result again depends on nothing else. The RMSNorm kernel normalises each row in one call where
 XLA needs a handful of fusions for a row-invariant sum: an unrolled 30-layer step then has about half the fusions, and
