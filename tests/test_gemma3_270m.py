@@ -2,7 +2,8 @@
 
 It loads as a Q4_K_M mix (Q5_0, Q8_0, Q4_K and Q6_K matrices), the way a CPU station serves it. Multiplied in
 integers (weights "gguf", the default), a request gives the same tokens and logits alone and beside 1, 3 and 7 others
-(decode waves 1, 2, 4 and 8 rows wide), and its greedy tokens start as transformers' do from the same file
+(decode waves 1, 2, 4 and 8 rows wide), the same tokens and logprobs with its prompt in packed steps beside others
+and with n-gram drafts verified in one step, and its greedy tokens start as transformers' do from the same file
 (`tests/reference/gemma3_270m_reference.json`) and then may part, as 8-bit activations move near-tied logits.
 float32-exact (weights "gguf-exact"), greedy tokens on four prompts equal transformers', and the logits are those of
 the same model dequantized to float32, bit for bit.
@@ -20,9 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import REFERENCE, run_wave, station_plan
+from test_speculative_engine import TEXT, accepted, jobs_for, run
 
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import SamplingParams
+from jaxstation.engine.speculative import Speculation
 from jaxstation.kernels import cpu_kernel
 from jaxstation.model.gguf_file import GGUFFile
 from jaxstation.model.layers import forward_full
@@ -126,3 +129,20 @@ def test_the_logits_against_the_dequantized_models(gemma3_270m: Path, gemma: Loa
     assert np.array_equal(got, want), np.abs(got - want).max()
     got = np.asarray(forward_full(gemma.cfg, gemma.params, tokens))
     assert np.array_equal(got.argmax(-1), want.argmax(-1)) and 0.1 < np.abs(got - want).max() < 2
+
+
+@pytest.fixture(scope="module")
+def packed_engine(gemma: LoadedModel, plan: Plan) -> Engine:
+    """Prompts in packed steps and drafts verified in one step, as a station runs them."""
+    return Engine(gemma, lanes=4, max_seq=128, chunk=32, block=128, attention=plan.attention, prefill_budget=None,
+                  speculative=True)
+
+
+def test_packed_prompts_and_speculation_change_no_bit(gemma: LoadedModel, packed_engine: Engine) -> None:
+    prompt = gemma.tokenizer.encode(TEXT)
+    prompts = [prompt, prompt[5:], prompt[9:]]
+    alone = [run(packed_engine, jobs_for([p], SamplingParams()), None)[0][0] for p in prompts]
+    together, _ = run(packed_engine, jobs_for(prompts, SamplingParams()), None)
+    spec, sched = run(packed_engine, jobs_for(prompts, SamplingParams()), Speculation(k=3))
+    assert together == alone and spec == alone
+    assert accepted(sched) > 0  # the verify steps ran and accepted drafts
