@@ -631,17 +631,15 @@ ffi::Error BlockRows(ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> ids, ffi::Res
 // in int32, in 8 lanes per 32 columns (lane j: columns 4j..4j+3), with the bias folded in as -bias * the lane's sum
 // of q and the K-quant scales multiplied in as integers. Then, per output and per 32 columns in K order, one fixed
 // float epilogue: acc[j] = acc[j] + (d_w * d_x) * float(lane j), and mins = mins + (m * d_x) * float(minimum code *
-// sum of q); the output is ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 +
-// acc7)) + mins, as `Lanes8` spells it. No step depends on the rows, the tile, the thread or the instruction set
-// (vpdpbusd and maddubs give the same int32 sums), so a row's bits never depend on the rows beside it, and every
-// build gives the same bits.
+// sum of q); the output is ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)) + mins, as `Lanes8`
+// spells it. No step depends on the rows, the tile, the thread or the instruction set (vpdpbusd and maddubs give the
+// same int32 sums), so a row's bits never depend on the rows beside it, and every build gives the same bits.
 #if defined(__AVX512F__)
 using IVec = __m512i;  // two channels' 8 lanes: lanes 0-7 the first channel's, 8-15 the next one's
 constexpr int kPer = 2;
 inline IVec ILoad(const void* p) { return _mm512_loadu_si512(p); }
 inline IVec Both(const void* p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256(static_cast<const __m256i*>(p))); }
 inline IVec IZero() { return _mm512_setzero_si512(); }
-inline IVec IAdd(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
 inline IVec IMul(IVec a, IVec b) { return _mm512_mullo_epi32(a, b); }
 inline Vec FPair(float a, float b) { return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b)); }
 inline Vec ToFloat(IVec a) { return _mm512_cvtepi32_ps(a); }
@@ -667,7 +665,6 @@ constexpr int kPer = 1;
 inline IVec ILoad(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 inline IVec Both(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 inline IVec IZero() { return _mm256_setzero_si256(); }
-inline IVec IAdd(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
 inline IVec IMul(IVec a, IVec b) { return _mm256_mullo_epi32(a, b); }
 inline Vec FPair(float a, float) { return _mm256_set1_ps(a); }
 inline Vec ToFloat(IVec a) { return _mm256_cvtepi32_ps(a); }
