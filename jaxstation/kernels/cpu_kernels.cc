@@ -640,6 +640,7 @@ constexpr int kPer = 2;
 inline IVec ILoad(const void* p) { return _mm512_loadu_si512(p); }
 inline IVec Both(const void* p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256(static_cast<const __m256i*>(p))); }
 inline IVec IZero() { return _mm512_setzero_si512(); }
+inline IVec ISet1(int32_t a) { return _mm512_set1_epi32(a); }
 inline IVec IMul(IVec a, IVec b) { return _mm512_mullo_epi32(a, b); }
 inline Vec FPair(float a, float b) { return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b)); }
 inline Vec ToFloat(IVec a) { return _mm512_cvtepi32_ps(a); }
@@ -665,6 +666,7 @@ constexpr int kPer = 1;
 inline IVec ILoad(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 inline IVec Both(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 inline IVec IZero() { return _mm256_setzero_si256(); }
+inline IVec ISet1(int32_t a) { return _mm256_set1_epi32(a); }
 inline IVec IMul(IVec a, IVec b) { return _mm256_mullo_epi32(a, b); }
 inline Vec FPair(float a, float) { return _mm256_set1_ps(a); }
 inline Vec ToFloat(IVec a) { return _mm256_cvtepi32_ps(a); }
@@ -722,16 +724,16 @@ void QuantizeRows(const float* x, int64_t M, int64_t K, int bias, IntActs& a) {
 }
 
 // A vector's kPer channels as integer codes, each 32 columns' codes (and lane scales) of its channels side by side, so
-// one load reads them: codes [K / 32][kPer][32], scales [K / 32][kPer][8] (the K-quants' integer scale of each lane);
-// d, m [kPer][K / block]; mins [kPer][K / 32] (Q4_K and Q5_K's integer minimum of each 32 columns).
+// one load reads them: codes [K / 32][kPer][32], scales and mins [K / 32][kPer][8] (the K-quants' integer scale of
+// each lane, and Q4_K and Q5_K's integer minimum of each 32 columns in all 8 lanes); d, m [kPer][K / block].
 struct IntCodes {
-  int64_t blocks = 0, groups = 0;
+  int64_t blocks = 0;
   std::vector<uint8_t> codes;
   std::vector<int32_t> scales, mins;
   std::vector<float> d, m;
   void Resize(int64_t K, int64_t block) {
-    blocks = K / block, groups = K / 32;
-    codes.resize(K * kPer), scales.resize(K / 4 * kPer), mins.resize(groups * kPer);
+    blocks = K / block;
+    codes.resize(K * kPer), scales.resize(K / 4 * kPer), mins.resize(K / 4 * kPer);
     d.resize(blocks * kPer), m.resize(blocks * kPer);
   }
 };
@@ -742,7 +744,7 @@ struct IntChannel {
   int h;
   uint8_t* Codes(int64_t group) { return s.codes.data() + (group * kPer + h) * 32; }
   int32_t* Scales(int64_t group) { return s.scales.data() + (group * kPer + h) * 8; }
-  int32_t& Min(int64_t group) { return s.mins[h * s.groups + group]; }
+  int32_t* Mins(int64_t group) { return s.mins.data() + (group * kPer + h) * 8; }
   float& D(int64_t blk) { return s.d[h * s.blocks + blk]; }
   float& M(int64_t blk) { return s.m[h * s.blocks + blk]; }
 };
@@ -828,7 +830,7 @@ inline void KScales(const uint8_t* b, int64_t blk, IntChannel& c) {
     const int sc = j < 4 ? s[j] & 0x3F : (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
     const int mn = j < 4 ? s[j + 4] & 0x3F : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
     GroupScale(c, blk * 8 + j, sc, sc);
-    c.Min(blk * 8 + j) = mn;
+    std::fill_n(c.Mins(blk * 8 + j), 8, mn);
   }
 }
 
@@ -892,8 +894,7 @@ void IntTile(const IntActs& a, int64_t m0, const IntCodes* ch, float* y, int64_t
           acc[r][v] = Add(acc[r][v], Mul(Mul(dw[v], dx), ToFloat(p)));
           if constexpr (F::kMin) {  // the minimum codes (Q4_1, Q5_1: 1) times the row's sum of q
             const int32_t sum = a.sums[at];
-            const Vec ms = F::kScaled ? FPair(static_cast<float>(ch[v].mins[group] * sum),
-                                              static_cast<float>(ch[v].mins[(kPer - 1) * ch[v].groups + group] * sum))
+            const Vec ms = F::kScaled ? ToFloat(IMul(ILoad(ch[v].mins.data() + group * kPer * 8), ISet1(sum)))
                                       : Set1(static_cast<float>(sum));
             mins[r][v] = Add(mins[r][v], Mul(Mul(mw[v], dx), ms));
           }
