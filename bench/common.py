@@ -87,7 +87,8 @@ def add_model_args(ap) -> None:
     ap.add_argument("--shape", default=None,
                     help=f"a named architecture with random weights ({', '.join(ARCHITECTURES)}) instead of the "
                          "default model; needs no checkpoint")
-    ap.add_argument("--dtype", default=None, help="gguf, float32, bfloat16 or int8 (default: the backend's)")
+    ap.add_argument("--dtype", default=None,
+                    help="gguf, gguf-exact, float32, bfloat16 or int8 (default: the backend's)")
     ap.add_argument("--layer-loop", default="auto", help="scan, unroll or auto (the backend's)")
     ap.add_argument("--matmul", default="auto", help="kernel, xla or auto (the backend's)")
     ap.add_argument("--attention", default="auto", help="blocked, xla, cudnn or auto (the backend's)")
