@@ -4,7 +4,7 @@ the station's /metrics before and after: the prompt tokens it prefilled (not reu
 first token, and the wall time; the agent's exit code and last line. Writes JSON.
 
 Usage (a station on 127.0.0.1:8012 first, e.g. `jaxstation serve --model gemma-3-270m-q4_k_m.gguf --max-seq 32768
---lanes 1 --chat-template docs/chat-templates/gemma3.jinja --continuous-batch --port 8012`):
+--lanes 2 --chat-template docs/chat-templates/gemma3.jinja --continuous-batch --port 8012`):
   python -m bench.agent_session --agent claude --bin node_modules/.bin/claude --url http://127.0.0.1:8012
   python -m bench.agent_session --agent codex --bin node_modules/.bin/codex --url http://127.0.0.1:8012
 """
@@ -37,7 +37,7 @@ def commands(agent: str, binary: str, url: str, home: Path) -> list[tuple[list[s
     """(argv, environment) of session 1, its second turn and session 2."""
     if agent == "claude":
         env = {"HOME": str(home), "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "unused",
-               "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256"}
+               "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256", "API_TIMEOUT_MS": "1800000"}  # a CPU's first prefill is long
         return [([binary, "-p", PROMPTS[0]], env), ([binary, "-p", "--continue", PROMPTS[1]], env),
                 ([binary, "-p", PROMPTS[2]], env)]
     (home / "config.toml").write_text(f'model = "m"\nmodel_provider = "station"\n\n[model_providers.station]\n'
