@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import subprocess
 import tempfile
 import time
@@ -33,18 +34,19 @@ def metrics(url: str) -> dict[str, float]:
     return {k: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1)) for k, name in METRICS.items()}
 
 
-def commands(agent: str, binary: str, url: str, home: Path) -> list[tuple[list[str], dict[str, str]]]:
-    """(argv, environment) of session 1, its second turn and session 2."""
+def commands(agent: str, binary: str, url: str, home: Path, extra: list[str]) -> list[tuple[list[str], dict[str, str]]]:
+    """(argv, environment) of session 1, its second turn and session 2, each with `extra` arguments."""
     if agent == "claude":
         env = {"HOME": str(home), "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "unused",
                "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256", "API_TIMEOUT_MS": "1800000"}  # a CPU's first prefill is long
-        return [([binary, "-p", PROMPTS[0]], env), ([binary, "-p", "--continue", PROMPTS[1]], env),
-                ([binary, "-p", PROMPTS[2]], env)]
+        return [([binary, "-p", PROMPTS[0], *extra], env), ([binary, "-p", "--continue", PROMPTS[1], *extra], env),
+                ([binary, "-p", PROMPTS[2], *extra], env)]
     (home / "config.toml").write_text(f'model = "m"\nmodel_provider = "station"\n\n[model_providers.station]\n'
                                       f'name = "station"\nbase_url = "{url}/v1"\nwire_api = "responses"\n')
     env = {"CODEX_HOME": str(home), "OPENAI_API_KEY": "unused"}
     exec_ = [binary, "exec", "--skip-git-repo-check"]
-    return [([*exec_, PROMPTS[0]], env), ([*exec_, "resume", "--last", PROMPTS[1]], env), ([*exec_, PROMPTS[2]], env)]
+    return [([*exec_, *extra, PROMPTS[0]], env), ([*exec_, "resume", "--last", *extra, PROMPTS[1]], env),
+            ([*exec_, *extra, PROMPTS[2]], env)]
 
 
 def run(argv: list[str], env: dict[str, str], url: str, timeout: float) -> dict:
@@ -66,13 +68,15 @@ def main() -> None:
     ap.add_argument("--bin", required=True, help="the agent's executable")
     ap.add_argument("--url", default="http://127.0.0.1:8012")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--extra", default="", help="more arguments for every run, e.g. --extra=\"--tools ''\"")
     args = ap.parse_args()
     info = httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]
     with tempfile.TemporaryDirectory() as home:
+        extra = shlex.split(args.extra)
         runs = [run(argv, env, args.url, args.timeout) for argv, env in commands(args.agent, args.bin, args.url,
-                                                                                   Path(home))]
+                                                                                   Path(home), extra)]
     version = subprocess.run([args.bin, "--version"], capture_output=True, text=True).stdout.strip()
-    path = write_result(f"agent_session-{args.agent}", {"agent": version, "model": info["id"],
+    path = write_result(f"agent_session-{args.agent}", {"agent": version, "model": info["id"], "extra": args.extra,
                                                          "max_model_len": info.get("max_model_len"), "runs": runs})
     print(path)
     for name, r in zip(("session 1", "its second turn", "session 2"), runs, strict=True):
