@@ -58,6 +58,10 @@ def plan(gemma3_270m: Path) -> Plan:
     return station_plan(StationConfig(model=str(gemma3_270m), lanes=8, max_seq=128))
 
 
+def station_engine(model: LoadedModel, plan: Plan) -> Engine:
+    return Engine(model, lanes=8, max_seq=128, chunk=32, block=128, attention=plan.attention)
+
+
 @pytest.fixture(scope="module")
 def gemma(gemma3_270m: Path, plan: Plan) -> LoadedModel:
     """Multiplied in integers (weights "gguf")."""
@@ -65,18 +69,19 @@ def gemma(gemma3_270m: Path, plan: Plan) -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def gemma_engine(gemma: LoadedModel, plan: Plan) -> Engine:
-    return Engine(gemma, lanes=8, max_seq=128, chunk=32, block=128, attention=plan.attention)
+def exact(gemma3_270m: Path, plan: Plan) -> LoadedModel:
+    """float32-exact (weights "gguf-exact", the default)."""
+    return load_model(gemma3_270m, plan.dtype, plan.layer_loop, plan.matmul)
 
 
 @pytest.fixture(scope="module")
-def exact(gemma3_270m: Path, plan: Plan) -> LoadedModel:
-    return load_model(gemma3_270m, "gguf-exact", plan.layer_loop, plan.matmul)
+def gemma_engine(gemma: LoadedModel, plan: Plan) -> Engine:
+    return station_engine(gemma, plan)
 
 
 @pytest.fixture(scope="module")
 def exact_engine(exact: LoadedModel, plan: Plan) -> Engine:
-    return Engine(exact, lanes=8, max_seq=128, chunk=32, block=128, attention=plan.attention)
+    return station_engine(exact, plan)
 
 
 def test_gguf_multiplies_in_integers(gemma3_270m: Path, plan: Plan, gemma: LoadedModel) -> None:
