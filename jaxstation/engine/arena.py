@@ -1,5 +1,15 @@
 """The KV arena: k and v for every layer, lane and position, allocated once and donated through every step, and the
-per-lane token state that penalties, logit biases and min_tokens read (engine/penalties.py)."""
+per-lane token state that penalties, logit biases and min_tokens read (engine/penalties.py).
+
+One preallocated buffer per layer kind. Global layers keep every position of a lane (`k`, `v`). Where the model has
+a sliding window shorter than the context, its windowed layers keep a ring (`ring_k`, `ring_v`): `ring` slots per
+lane, position p at slot p mod ring, plus one scratch slot (slot `ring`) for the idle rows that the full buffer's
+last position serves. A step writes at most `span` positions of a lane before any of them attends (a prefill chunk,
+a packed piece, a verify step's drafts), so a ring of at least window + span - 1 slots still holds every position a
+row reads, and rounded up to the KV block a logical block is a contiguous run of slots: each attention reads a
+ring's blocks in the order and shapes it reads the full buffer's, so a row's bits are the same either way
+(engine/attention.py). The decode thread owns the arena (docs/design.md).
+"""
 
 from __future__ import annotations
 
@@ -8,19 +18,26 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxstation.engine.penalties import TokenState, allocate_token_state
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.sharding import arena_sharding, replicated
 
+KV_WINDOWS = ("ring", "full")  # windowed layers keep a ring of their window, or every position (llama.cpp's swa-full)
 
-@partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "tokens"], meta_fields=[])
+
+@partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "tokens", "ring_k", "ring_v"],
+         meta_fields=["windowed"])
 @dataclasses.dataclass(frozen=True)
 class KVArena:
-    k: jax.Array  # [layers, lanes, max_seq, kv_heads, head_dim]
-    v: jax.Array  # [layers, lanes, max_seq, kv_heads, head_dim]
+    k: jax.Array  # [global layers, lanes, max_seq, kv_heads, head_dim]
+    v: jax.Array  # [global layers, lanes, max_seq, kv_heads, head_dim]
     tokens: TokenState | None = None  # [lanes, vocab] rows per lane; None where no step samples (a mesh stage)
+    ring_k: jax.Array | None = None  # [windowed layers, lanes, ring + 1, kv_heads, head_dim]; None: no ring
+    ring_v: jax.Array | None = None  # [windowed layers, lanes, ring + 1, kv_heads, head_dim]
+    windowed: tuple[bool, ...] = ()  # per layer: whether it keeps a ring; (): none does
 
     @property
     def lanes(self) -> int:
@@ -30,28 +47,121 @@ class KVArena:
     def max_seq(self) -> int:
         return self.k.shape[2]
 
+    @property
+    def ring(self) -> int:
+        """Slots per lane of the windowed layers' ring (without its scratch slot); 0 without a ring."""
+        return 0 if self.ring_k is None else self.ring_k.shape[2] - 1
 
-def arena_shape(cfg: ModelConfig, lanes: int, max_seq: int) -> tuple[int, ...]:
-    return (cfg.num_layers, lanes, max_seq, cfg.num_kv_heads, cfg.head_dim)
+    def layer(self, i: jax.Array | int) -> LayerKV:
+        """Layer i's view: a Python index, or a traced one where every layer is of one kind."""
+        if not self.windowed:
+            return LayerKV(self.k, self.v, i, 0, self.max_seq - 1)
+        if not isinstance(i, int):
+            if not all(self.windowed):
+                raise ValueError("a traced layer index needs every layer of one kind (the unrolled walk)")
+            return LayerKV(self.ring_k, self.ring_v, i, self.ring, self.max_seq - 1)
+        if self.windowed[i]:
+            return LayerKV(self.ring_k, self.ring_v, sum(self.windowed[:i]), self.ring, self.max_seq - 1)
+        return LayerKV(self.k, self.v, i - sum(self.windowed[:i]), 0, self.max_seq - 1)
+
+    def with_layer(self, i: jax.Array | int, kv: LayerKV) -> KVArena:
+        """The arena with layer i's buffers replaced by `kv`'s (after a write)."""
+        if self.windowed and (not isinstance(i, int) or self.windowed[i]):
+            return dataclasses.replace(self, ring_k=kv.k, ring_v=kv.v)
+        return dataclasses.replace(self, k=kv.k, v=kv.v)
 
 
-def arena_bytes(cfg: ModelConfig, lanes: int, max_seq: int, dtype: jnp.dtype) -> int:
-    """Bytes the arena (k and v) takes."""
-    n = 1
-    for s in arena_shape(cfg, lanes, max_seq):
-        n *= s
-    return 2 * n * jnp.dtype(dtype).itemsize
+@dataclasses.dataclass(frozen=True)
+class LayerKV:
+    """One layer's slab of the arena: its kind's buffers and its index there. ring 0: slot = position; else slot =
+    position mod ring, and the scratch position at slot `ring`."""
+
+    k: jax.Array  # [layers of this kind, lanes, slots, kv_heads, head_dim]
+    v: jax.Array  # [layers of this kind, lanes, slots, kv_heads, head_dim]
+    index: jax.Array | int
+    ring: int
+    scratch_pos: int
+
+    def slots(self, positions: jax.Array) -> jax.Array:
+        """The slots of `positions` (any shape, int32)."""
+        if not self.ring:
+            return positions
+        return jnp.where(positions == self.scratch_pos, self.ring, positions % self.ring)
+
+    def block_slots(self, b: jax.Array, block: int) -> jax.Array:
+        """The slots [block] of logical KV block b: contiguous, since the ring is a whole number of blocks."""
+        start = b * block if not self.ring else (b * block) % self.ring
+        return start + jnp.arange(block, dtype=jnp.int32)
+
+    def write(self, lanes: jax.Array, positions: jax.Array, k: jax.Array, v: jax.Array) -> LayerKV:
+        """Write k, v [rows, Q, kv_heads, hd] of rows at lanes [rows], positions [rows, Q]."""
+        rows, nq = positions.shape
+        if nq == 1 or self.ring:  # one position per row, or a chunk that may wrap around the ring: scattered
+            at = (self.index, jnp.broadcast_to(lanes[:, None], (rows, nq)), self.slots(positions))
+            return dataclasses.replace(self, k=self.k.at[at].set(k.astype(self.k.dtype)),
+                                       v=self.v.at[at].set(v.astype(self.v.dtype)))
+        start = (self.index, lanes[0], positions[0, 0], 0, 0)  # a prefill chunk: one lane, a contiguous run
+        return dataclasses.replace(self, k=jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), start),
+                                   v=jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), start))
+
+
+def ring_size(cfg: ModelConfig, max_seq: int, block: int, span: int) -> int:
+    """Slots per lane of a windowed layer's ring: window + span - 1 rounded up to the block, where a step writes at
+    most `span` positions of one lane; 0 (no ring) without a window, or where the ring would not be shorter than
+    max_seq."""
+    if cfg.sliding_window is None:
+        return 0
+    ring = -(-(cfg.sliding_window + span - 1) // block) * block
+    return ring if ring < max_seq else 0
+
+
+def windowed_layers(cfg: ModelConfig, ring: int, layer_loop: str) -> tuple[bool, ...]:
+    """Which layers keep a ring of `ring` slots: the windowed ones, where there is a ring and the layer walk indexes
+    layers by Python ints (unrolled), or every layer is windowed; () otherwise."""
+    if not ring:
+        return ()
+    windowed = tuple(cfg.is_local(i) for i in range(cfg.num_layers))
+    return windowed if layer_loop == "unroll" or all(windowed) else ()
+
+
+def arena_layout(cfg: ModelConfig, max_seq: int, block: int, kv_windows: str, layer_loop: str, *, chunk: int,
+                 budget: int, verify_rows: int) -> tuple[int, tuple[bool, ...]]:
+    """(ring, windowed) of an engine of these settings: "full" or nothing to gain keeps every position (0, ()). A
+    step writes at most max(chunk, budget, verify_rows) positions of one lane."""
+    if kv_windows not in KV_WINDOWS:
+        raise ValueError(f"kv_windows must be one of {KV_WINDOWS}, got {kv_windows!r}")
+    ring = ring_size(cfg, max_seq, block, max(chunk, budget, verify_rows)) if kv_windows == "ring" else 0
+    windowed = windowed_layers(cfg, ring, layer_loop)
+    return (ring if windowed else 0), windowed
+
+
+def buffer_shapes(cfg: ModelConfig, lanes: int, max_seq: int, ring: int, windowed: tuple[bool, ...]
+                  ) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """The shapes of the global buffer and of the ring (None without one)."""
+    n_ring = sum(windowed)
+    heads = (cfg.num_kv_heads, cfg.head_dim)
+    full = (cfg.num_layers - n_ring, lanes, max_seq, *heads)
+    return full, ((n_ring, lanes, ring + 1, *heads) if windowed else None)
+
+
+def arena_bytes(cfg: ModelConfig, lanes: int, max_seq: int, dtype: jnp.dtype, ring: int = 0,
+                windowed: tuple[bool, ...] = ()) -> int:
+    """Bytes the arena (k and v, both kinds) takes."""
+    shapes = [s for s in buffer_shapes(cfg, lanes, max_seq, ring, windowed) if s is not None]
+    return 2 * sum(int(np.prod(s)) for s in shapes) * jnp.dtype(dtype).itemsize
 
 
 def allocate_arena(cfg: ModelConfig, lanes: int, max_seq: int, dtype: jnp.dtype, token_state: bool = False,
-                   mesh: Mesh | None = None) -> KVArena:
-    """Zeros; with `token_state`, also the lanes' TokenState (9 bytes per lane and vocabulary entry). On a `mesh`, k and
-    v are split by KV heads and the token state is replicated (model/sharding.py)."""
-    shape = arena_shape(cfg, lanes, max_seq)
+                   mesh: Mesh | None = None, ring: int = 0, windowed: tuple[bool, ...] = ()) -> KVArena:
+    """Zeros; with `token_state`, also the lanes' TokenState (9 bytes per lane and vocabulary entry); with `windowed`
+    layers, their ring of `ring` slots. On a `mesh`, k and v are split by KV heads and the token state is replicated
+    (model/sharding.py)."""
+    full, ring_shape = buffer_shapes(cfg, lanes, max_seq, ring, windowed)
     tokens = allocate_token_state(lanes, cfg.vocab_size) if token_state else None
-    arena = KVArena(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), tokens=tokens)
+    rings = {} if ring_shape is None else {"ring_k": jnp.zeros(ring_shape, dtype),
+                                           "ring_v": jnp.zeros(ring_shape, dtype)}
+    arena = KVArena(k=jnp.zeros(full, dtype), v=jnp.zeros(full, dtype), tokens=tokens, windowed=windowed, **rings)
     if mesh is None:
         return arena
     kv = arena_sharding(mesh)
-    return KVArena(k=jax.device_put(arena.k, kv), v=jax.device_put(arena.v, kv),
-                   tokens=jax.device_put(tokens, replicated(mesh)))
+    return jax.tree_util.tree_map(lambda a: jax.device_put(a, kv if a.ndim == 5 else replicated(mesh)), arena)
