@@ -209,3 +209,34 @@ def test_max_seq_defaults_to_the_models_context_as_far_as_memory_allows(caplog) 
     assert arena_bytes(GEMMA3_270M, 8, tight.max_seq + 128, jnp.float32, *layout) > room
     assert f"max_seq {tight.max_seq}: the longest whose arena fits 1/2 of the free memory" in caplog.text
     check_memory(GEMMA3_270M, tight, "gguf", available=2 * GiB, layout=layout)
+
+
+def _small_engine(name: str, kv_dtype: str) -> Engine:
+    model = load_model(str(FIXTURES / name), "float32", "unroll", "kernel")
+    return Engine(model, lanes=4, max_seq=64, chunk=8, block=16, attention="blocked", prefill_budget=16,
+                  kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16"])
+def test_a_smaller_arena_keeps_batch_invariance_and_exact_prefix_reuse(kv_dtype: str) -> None:
+    """A bfloat16 arena (on a ring) holds half the bytes; a seeded request's tokens and logits alone equal them beside
+    three others, and a prefix reused from another request's lane gives a fresh run's bits. The values differ from the
+    float32 arena's (k and v are rounded)."""
+    engine = _small_engine("tiny-gemma3", kv_dtype)
+    assert engine.arena.ring_k.dtype == jnp.dtype(kv_dtype) and engine.ring == 32
+    vocab = engine.cfg.vocab_size
+    target = {2: (_prompt(1, 40, vocab), SEEDED)}
+    others = {lane: (_prompt(lane + 5, n, vocab), SamplingParams()) for lane, n in ((0, 35), (1, 9), (3, 23))}
+    alone = run_wave(engine, target, steps=12)
+    _same(alone, {2: run_wave(engine, {**target, **others}, steps=12)[2]})
+    prompt = target[2][0]
+    run_wave(engine, {1: (prompt[:24], SEEDED)}, steps=2)  # lane 1 caches the first 24 tokens
+    assert engine.reuse_floor(1) == 0
+    engine.begin(1, prompt, SEEDED, frozenset())
+    reused = [engine.prefill(1, prompt, start, SEEDED, return_logits=True) for start in (24, 32)][-1]
+    assert reused[0].token == alone[2][0][0]
+    np.testing.assert_array_equal(np.asarray(reused[1])[0], alone[2][1][0])
+    float32 = run_wave(_small_engine("tiny-gemma3", "auto"), target, steps=12)
+    assert not np.array_equal(float32[2][1][0], alone[2][1][0])
+    with pytest.raises(ValueError, match="reads a float32 arena"):
+        Engine(engine.model, lanes=4, max_seq=64, chunk=8, block=16, attention="kernel", kv_dtype=kv_dtype)

@@ -26,6 +26,15 @@ from jaxstation.model.config import ModelConfig
 from jaxstation.model.sharding import arena_sharding, replicated
 
 KV_WINDOWS = ("ring", "full")  # windowed layers keep a ring of their window, or every position (llama.cpp's swa-full)
+KV_DTYPES = ("auto", "float32", "bfloat16")  # auto: the activations' dtype
+
+
+def kv_dtype_of(kv_dtype: str, activations: jnp.dtype) -> jnp.dtype:
+    """The arena's dtype: `kv_dtype`, or the activations' for "auto". k and v are cast to it when written, and read
+    back in the activations' dtype."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    return jnp.dtype(activations if kv_dtype == "auto" else kv_dtype)
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "tokens", "ring_k", "ring_v"],

@@ -42,8 +42,8 @@ def blocked_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, kv: Laye
         m, denom, acc = carry  # [rows, Q, kvh, group], same, [rows, Q, kvh, group, hd]
         k_pos = b * block + jnp.arange(block, dtype=jnp.int32)
         slots = kv.block_slots(b, block)[None, :]  # [1, block]
-        kb = kv.k[kv.index, lanes[:, None], slots]  # [rows, block, kvh, hd]
-        vb = kv.v[kv.index, lanes[:, None], slots]
+        kb = kv.k[kv.index, lanes[:, None], slots].astype(q.dtype)  # [rows, block, kvh, hd], read as q's dtype
+        vb = kv.v[kv.index, lanes[:, None], slots].astype(q.dtype)
         s = jnp.einsum("rqkgd,rbkd->rqkgb", q, kb, preferred_element_type=jnp.float32, precision=precision) * scale
         s = softcap(s, cfg.attn_softcap)
         mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [rows, Q, block]
@@ -111,7 +111,7 @@ def attend(cfg: ModelConfig, attention: str, q: jax.Array, positions: jax.Array,
     if nq == 1 and attention == "kernel":
         return kernel_decode_attention(cfg, q[:, 0], positions[:, 0], kv, layer, lanes)[:, None]
     if nq == 1 and attention != "blocked":
-        return dense_decode_attention(cfg, q[:, 0], positions[:, 0], kv.k[kv.index], kv.v[kv.index],
-                                      attention)[:, None]
+        return dense_decode_attention(cfg, q[:, 0], positions[:, 0], kv.k[kv.index].astype(q.dtype),
+                                      kv.v[kv.index].astype(q.dtype), attention)[:, None]
     q = q.reshape(rows, nq, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
     return blocked_attention(cfg, q, positions, kv, layer, lanes, n_blocks, block)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from jaxstation.engine.arena import allocate_arena, arena_layout
+from jaxstation.engine.arena import allocate_arena, arena_layout, kv_dtype_of
 from jaxstation.engine.layout import (
     ATTENTIONS,
     attention_refusal,
@@ -80,18 +80,21 @@ class Engine:
 
     def __init__(self, model: LoadedModel, lanes: int, max_seq: int, chunk: int, block: int,
                  attention: str = "blocked", wave_widths: Sequence[int] | None = None,
-                 prefill_budget: int | None = 0, speculative: bool = False, kv_windows: str = "ring") -> None:
+                 prefill_budget: int | None = 0, speculative: bool = False, kv_windows: str = "ring",
+                 kv_dtype: str = "auto") -> None:
         """wave_widths: the decode wave widths (default: `layout.default_wave_widths`). prefill_budget: rows per
         packed admission step (`pack`; 0: prompts enter one `prefill` chunk at a time; None:
         `layout.default_prefill_budget`). speculative: verify drafted tokens (`verify`; where waves may run narrow).
         kv_windows: "ring" keeps only a windowed layer's window (engine/arena.py), "full" every position.
+        kv_dtype: the arena's dtype (`arena.KV_DTYPES`; the decode attention kernel reads float32 only).
         A station passes its plan's (serving/plan.py), resolved by the same rules."""
         if max_seq % chunk or max_seq % block:
             raise ValueError(f"max_seq ({max_seq}) must be a multiple of the prefill chunk ({chunk}) "
                              f"and of the KV block ({block})")
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
-        if refusal := attention_refusal(model.cfg, attention, model.params.dtype, max_seq):
+        self.kv_dtype = kv_dtype_of(kv_dtype, model.params.dtype)
+        if refusal := attention_refusal(model.cfg, attention, model.params.dtype, max_seq, self.kv_dtype):
             raise ValueError(f"attention={attention!r} {refusal}")
         row_invariant = model.params.row_invariant
         narrow = narrow_waves(row_invariant, attention)
@@ -129,7 +132,7 @@ class Engine:
         self.lane_versions.touch(range(self.lanes))
         self.ring_hold.clear()
         self.arena = None
-        self.arena = allocate_arena(self.cfg, self.lanes, self.max_seq, self.params.dtype, token_state=True,
+        self.arena = allocate_arena(self.cfg, self.lanes, self.max_seq, self.kv_dtype, token_state=True,
                                     mesh=mesh_of(self.params), ring=self.ring, windowed=self.windowed)
 
     def reuse_floor(self, lane: int) -> int:

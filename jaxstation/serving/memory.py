@@ -9,7 +9,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jaxstation.engine.arena import KVArena, arena_bytes
+from jaxstation.engine.arena import KVArena, arena_bytes, kv_dtype_of
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.layers import compute_dtype, projection_shapes
 from jaxstation.serving.settings import ConfigError, GiB, StationConfig
@@ -102,7 +102,7 @@ def check_memory(cfg: ModelConfig, station: StationConfig, dtype: str, *, weight
     if available is None:
         log.warning("cannot measure free memory on %s; skipping the arena memory check", where)
         return
-    arena_dtype = compute_dtype(dtype)
+    arena_dtype = kv_dtype_of(station.kv_dtype, compute_dtype(dtype))
     arena = arena_bytes(cfg, station.lanes, station.max_seq, arena_dtype, *layout) // shards
     weights = 0 if weights_resident else weight_bytes(cfg, dtype, shards)
     if arena + weights <= available:

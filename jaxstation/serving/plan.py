@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxstation.engine import layout
-from jaxstation.engine.arena import arena_bytes, arena_layout
+from jaxstation.engine.arena import arena_bytes, arena_layout, kv_dtype_of
 from jaxstation.engine.engine import Engine
 from jaxstation.kernels import cpu_kernel
 from jaxstation.model import sharding
@@ -155,10 +155,11 @@ def _attention(config: StationConfig, cfg: ModelConfig, backend: str, dtype: str
     sliding window would be cut; on CPU the decode attention kernel for float32 activations when it builds and fits
     the heads. Scores with a soft cap (Gemma 2) take the blocked walk: neither the kernel nor cuDNN caps them."""
     activations = compute_dtype(dtype)
+    kv = kv_dtype_of(config.kv_dtype, activations)
     if config.attention == "kernel" and kernel_error is not None:
         raise ConfigError(f"{config.named('attention')}=kernel: {kernel_error}")
     if config.attention != "auto":
-        if refusal := layout.attention_refusal(cfg, config.attention, activations, config.max_seq):
+        if refusal := layout.attention_refusal(cfg, config.attention, activations, config.max_seq, kv):
             raise ConfigError(f"{config.named('attention')}={config.attention!r} {refusal}")
         return config.attention
     if cfg.attn_softcap is not None:
@@ -166,7 +167,8 @@ def _attention(config: StationConfig, cfg: ModelConfig, backend: str, dtype: str
     if backend == "gpu":
         windowed = cfg.sliding_window is not None and config.max_seq > cfg.sliding_window
         return "cudnn" if activations == jnp.bfloat16 and not windowed else "blocked"
-    serves = kernel_error is None and cpu_kernel.attention_serves(cfg.head_dim, cfg.group_size, activations)
+    serves = (kernel_error is None and kv == jnp.float32
+              and cpu_kernel.attention_serves(cfg.head_dim, cfg.group_size, activations))
     return "kernel" if serves else "blocked"
 
 
@@ -231,7 +233,8 @@ def auto_max_seq(config: StationConfig, cfg: ModelConfig, available: int | None 
 
     def arena(n: int) -> int:
         layout = planned_arena(cfg, dataclasses.replace(config, max_seq=n), plan)
-        return arena_bytes(cfg, config.lanes, n, compute_dtype(plan.dtype), *layout) // plan.tensor_parallel
+        kv = kv_dtype_of(config.kv_dtype, compute_dtype(plan.dtype))
+        return arena_bytes(cfg, config.lanes, n, kv, *layout) // plan.tensor_parallel
 
     n = want.max_seq
     while n > step and arena(n) > room:
@@ -248,4 +251,4 @@ def planned_engine(model: LoadedModel, config: StationConfig, plan: Plan) -> Eng
     """The local engine of a station of `config` on `model`, as `plan` says."""
     return Engine(model, lanes=config.lanes, max_seq=config.max_seq, chunk=config.prefill_chunk, block=config.kv_block,
                   attention=plan.attention, wave_widths=plan.wave_widths, prefill_budget=plan.prefill_budget,
-                  speculative=plan.speculative != "off", kv_windows=config.kv_windows)
+                  speculative=plan.speculative != "off", kv_windows=config.kv_windows, kv_dtype=config.kv_dtype)

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jaxstation.engine.arena import KV_WINDOWS
+from jaxstation.engine.arena import KV_DTYPES, KV_WINDOWS
 from jaxstation.engine.layout import ATTENTIONS, PACK_BUDGET_AUTO
 from jaxstation.model.chat_template import read_template
 from jaxstation.model.config import LayerRange
@@ -143,7 +143,11 @@ SETTINGS: tuple[_Setting, ...] = (
     _Setting("kv_block", "MOONSHINE_KV_BLOCK", "--kv-block", _parse_int, "positions per attention KV block"),
     _Setting("kv_windows", "MOONSHINE_KV_WINDOWS", "--kv-windows", _parse_str,
              "sliding-window layers: ring (keep only their window, rounded up to the KV block; the tokens are the "
-             "same) or full (every position, as global layers; llama.cpp's --swa-full)"),
+             "same) or full (every position, as global layers; llama.cpp's --swa-full)", commands=frozenset({"serve"})),
+    _Setting("kv_dtype", "MOONSHINE_KV_DTYPE", "--kv-dtype", _parse_str,
+             "the KV arena's dtype: auto (the activations': float32 on CPU), float32 or bfloat16 (half the bytes; "
+             "k and v rounded when written, read as float32; on CPU the decode attention then takes the blocked "
+             "walk)", commands=frozenset({"serve"})),
     _Setting("continuous", "MOONSHINE_CONTINUOUS_BATCH", "--continuous-batch", parse_bool,
              "continuous batching: on batches concurrent requests into each decode wave; off serves one request at a "
              "time", commands=_FRONT),
@@ -241,6 +245,7 @@ class StationConfig:
     prefill_chunk: int = 32
     kv_block: int = 128
     kv_windows: str = "ring"
+    kv_dtype: str = "auto"
     continuous: bool = False
     prefix_reuse: str = "auto"
     speculative: str = "off"
@@ -275,7 +280,8 @@ class StationConfig:
     def __post_init__(self) -> None:
         for field, choices in (("dtype", DTYPES), ("attention", ATTENTION_CHOICES),
                                ("layer_loop", LAYER_LOOP_CHOICES), ("matmul", MATMUL_CHOICES),
-                               ("reasoning_parser", REASONING_PARSERS), ("kv_windows", KV_WINDOWS)):
+                               ("reasoning_parser", REASONING_PARSERS), ("kv_windows", KV_WINDOWS),
+                               ("kv_dtype", KV_DTYPES)):
             value = getattr(self, field)
             if value is not None and value not in choices:
                 raise ConfigError(f"{self.named(field)}={value!r} must be one of {', '.join(choices)}")
