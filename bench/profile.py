@@ -65,7 +65,7 @@ def parts(engine: Engine, live: int, reps: int) -> dict:
                 return kernel_decode_attention(cfg, q.reshape(lanes, cfg.num_heads, -1), positions[:, 0], kv, i,
                                                jnp.arange(lanes))
             return dense_decode_attention(cfg, q.reshape(lanes, cfg.num_heads, -1), positions[:, 0],
-                                          kv.k[kv.index], kv.v[kv.index], engine.attention)
+                                          *kv.read(slice(None), slice(None), q.dtype), engine.attention)
         return sum(one(i) for i in range(cfg.num_layers))
 
     logits_in = jnp.ones((lanes, cfg.hidden_size), params.dtype)

@@ -58,12 +58,11 @@ def _same(a: dict[int, tuple[list[int], list[np.ndarray]]], b: dict[int, tuple[l
 def test_the_ring_is_smaller_and_windowed_layers_keep_it(engines: tuple[Engine, Engine]) -> None:
     ring, full = engines
     assert (ring.ring, full.ring) == (32, 0)
-    assert ring.arena.ring_k.shape == (sum(ring.windowed), 4, 33, ring.cfg.num_kv_heads, ring.cfg.head_dim)
+    assert ring.arena.rings.k.shape == (sum(ring.windowed), 4, 33, ring.cfg.num_kv_heads, ring.cfg.head_dim)
     assert ring.arena.k.shape[0] == ring.cfg.num_layers - sum(ring.windowed) > 0
-    assert full.arena.ring_k is None and full.arena.k.shape[0] == full.cfg.num_layers
-    got = sum(x.nbytes for x in (ring.arena.k, ring.arena.v, ring.arena.ring_k, ring.arena.ring_v))
-    assert got == arena_bytes(ring.cfg, 4, 64, ring.arena.k.dtype, ring.ring, ring.windowed) < arena_bytes(
-        full.cfg, 4, 64, full.arena.k.dtype)
+    assert full.arena.rings is None and full.arena.k.shape[0] == full.cfg.num_layers
+    ringed = arena_bytes(ring.cfg, 4, 64, ring.arena.k.dtype, ring.ring, ring.windowed)
+    assert ring.arena.nbytes == ringed < arena_bytes(full.cfg, 4, 64, full.arena.k.dtype) == full.arena.nbytes
 
 
 def test_waves_alone_and_beside_others_match_the_full_arena(engines: tuple[Engine, Engine]) -> None:
@@ -217,13 +216,15 @@ def _small_engine(name: str, kv_dtype: str) -> Engine:
                   kv_dtype=kv_dtype)
 
 
-@pytest.mark.parametrize("kv_dtype", ["bfloat16"])
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
 def test_a_smaller_arena_keeps_batch_invariance_and_exact_prefix_reuse(kv_dtype: str) -> None:
-    """A bfloat16 arena (on a ring) holds half the bytes; a seeded request's tokens and logits alone equal them beside
-    three others, and a prefix reused from another request's lane gives a fresh run's bits. The values differ from the
-    float32 arena's (k and v are rounded)."""
+    """A bfloat16 arena (on a ring) holds half the bytes, an int8 one about a quarter (a float32 scale per position
+    and head); a seeded request's tokens and logits alone equal them beside three others, and a prefix reused from
+    another request's lane gives a fresh run's bits. The values differ from the float32 arena's (k and v are
+    rounded)."""
     engine = _small_engine("tiny-gemma3", kv_dtype)
-    assert engine.arena.ring_k.dtype == jnp.dtype(kv_dtype) and engine.ring == 32
+    assert engine.arena.rings.k.dtype == jnp.dtype(kv_dtype) and engine.ring == 32
+    assert engine.arena.nbytes == arena_bytes(engine.cfg, 4, 64, jnp.dtype(kv_dtype), 32, engine.windowed)
     vocab = engine.cfg.vocab_size
     target = {2: (_prompt(1, 40, vocab), SEEDED)}
     others = {lane: (_prompt(lane + 5, n, vocab), SamplingParams()) for lane, n in ((0, 35), (1, 9), (3, 23))}

@@ -1,8 +1,9 @@
 """The KV arena: k and v for every layer, lane and position, allocated once and donated through every step, and the
 per-lane token state that penalties, logit biases and min_tokens read (engine/penalties.py).
 
-One preallocated buffer per layer kind. Global layers keep every position of a lane (`k`, `v`). Where the model has
-a sliding window shorter than the context, its windowed layers keep a ring (`ring_k`, `ring_v`): `ring` slots per
+One preallocated set of buffers per layer kind (`KVBuffers`: k and v, and in int8 a float32 scale per position and
+head). Global layers keep every position of a lane (`full`). Where the model has a sliding window shorter than the
+context, its windowed layers keep a ring (`rings`): `ring` slots per
 lane, position p at slot p mod ring, plus one scratch slot (slot `ring`) for the idle rows that the full buffer's
 last position serves. A step writes at most `span` positions of a lane before any of them attends (a prefill chunk,
 a packed piece, a verify step's drafts), so a ring of at least window + span - 1 slots still holds every position a
@@ -26,58 +27,88 @@ from jaxstation.model.config import ModelConfig
 from jaxstation.model.sharding import arena_sharding, replicated
 
 KV_WINDOWS = ("ring", "full")  # windowed layers keep a ring of their window, or every position (llama.cpp's swa-full)
-KV_DTYPES = ("auto", "float32", "bfloat16")  # auto: the activations' dtype
+KV_DTYPES = ("auto", "float32", "bfloat16", "int8")  # auto: the activations' dtype
 
 
 def kv_dtype_of(kv_dtype: str, activations: jnp.dtype) -> jnp.dtype:
-    """The arena's dtype: `kv_dtype`, or the activations' for "auto". k and v are cast to it when written, and read
-    back in the activations' dtype."""
+    """The arena's dtype: `kv_dtype`, or the activations' for "auto". k and v are cast to it when written (int8:
+    quantized with a float32 scale per position and head), and read back in the activations' dtype."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
     return jnp.dtype(activations if kv_dtype == "auto" else kv_dtype)
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "tokens", "ring_k", "ring_v"],
-         meta_fields=["windowed"])
+@partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "k_scale", "v_scale"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class KVBuffers:
+    """One layer kind's k and v, and in int8 their scales: a value is k * k_scale[..., None]."""
+
+    k: jax.Array  # [layers of this kind, lanes, slots, kv_heads, head_dim]
+    v: jax.Array  # [layers of this kind, lanes, slots, kv_heads, head_dim]
+    k_scale: jax.Array | None = None  # [layers of this kind, lanes, slots, kv_heads] float32; None unless int8
+    v_scale: jax.Array | None = None  # [layers of this kind, lanes, slots, kv_heads] float32
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["full", "tokens", "rings"], meta_fields=["windowed"])
 @dataclasses.dataclass(frozen=True)
 class KVArena:
-    k: jax.Array  # [global layers, lanes, max_seq, kv_heads, head_dim]
-    v: jax.Array  # [global layers, lanes, max_seq, kv_heads, head_dim]
+    full: KVBuffers  # the global layers': [global layers, lanes, max_seq, kv_heads, head_dim]
     tokens: TokenState | None = None  # [lanes, vocab] rows per lane; None where no step samples (a mesh stage)
-    ring_k: jax.Array | None = None  # [windowed layers, lanes, ring + 1, kv_heads, head_dim]; None: no ring
-    ring_v: jax.Array | None = None  # [windowed layers, lanes, ring + 1, kv_heads, head_dim]
+    rings: KVBuffers | None = None  # the windowed layers': [windowed layers, lanes, ring + 1, ...]; None: no ring
     windowed: tuple[bool, ...] = ()  # per layer: whether it keeps a ring; (): none does
 
     @property
+    def k(self) -> jax.Array:
+        return self.full.k
+
+    @property
+    def v(self) -> jax.Array:
+        return self.full.v
+
+    @property
     def lanes(self) -> int:
-        return self.k.shape[1]
+        return self.full.k.shape[1]
 
     @property
     def max_seq(self) -> int:
-        return self.k.shape[2]
+        return self.full.k.shape[2]
 
     @property
     def ring(self) -> int:
         """Slots per lane of the windowed layers' ring (without its scratch slot); 0 without a ring."""
-        return 0 if self.ring_k is None else self.ring_k.shape[2] - 1
+        return 0 if self.rings is None else self.rings.k.shape[2] - 1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of k, v and their scales, both kinds."""
+        return sum(a.nbytes for a in jax.tree_util.tree_leaves((self.full, self.rings)))
 
     def layer(self, i: jax.Array | int) -> LayerKV:
         """Layer i's view: a Python index, or a traced one where every layer is of one kind."""
         if not self.windowed:
-            return LayerKV(self.k, self.v, i, 0, self.max_seq - 1)
+            return LayerKV(self.full, i, 0, self.max_seq - 1)
         if not isinstance(i, int):
             if not all(self.windowed):
                 raise ValueError("a traced layer index needs every layer of one kind (the unrolled walk)")
-            return LayerKV(self.ring_k, self.ring_v, i, self.ring, self.max_seq - 1)
+            return LayerKV(self.rings, i, self.ring, self.max_seq - 1)
         if self.windowed[i]:
-            return LayerKV(self.ring_k, self.ring_v, sum(self.windowed[:i]), self.ring, self.max_seq - 1)
-        return LayerKV(self.k, self.v, i - sum(self.windowed[:i]), 0, self.max_seq - 1)
+            return LayerKV(self.rings, sum(self.windowed[:i]), self.ring, self.max_seq - 1)
+        return LayerKV(self.full, i - sum(self.windowed[:i]), 0, self.max_seq - 1)
 
     def with_layer(self, i: jax.Array | int, kv: LayerKV) -> KVArena:
         """The arena with layer i's buffers replaced by `kv`'s (after a write)."""
         if self.windowed and (not isinstance(i, int) or self.windowed[i]):
-            return dataclasses.replace(self, ring_k=kv.k, ring_v=kv.v)
-        return dataclasses.replace(self, k=kv.k, v=kv.v)
+            return dataclasses.replace(self, rings=kv.buffers)
+        return dataclasses.replace(self, full=kv.buffers)
+
+
+def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., head_dim] -> (int8 [..., head_dim], float32 scale [...]): each head's largest magnitude maps to 127.
+    Elementwise but for the max over one head, which is exact in any order: a row's bits depend on nothing else."""
+    xf = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(xf), axis=-1) / 127.0
+    q = jnp.round(xf / jnp.where(scale > 0, scale, 1.0)[..., None])
+    return jnp.clip(q, -127, 127).astype(jnp.int8), scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +116,7 @@ class LayerKV:
     """One layer's slab of the arena: its kind's buffers and its index there. ring 0: slot = position; else slot =
     position mod ring, and the scratch position at slot `ring`."""
 
-    k: jax.Array  # [layers of this kind, lanes, slots, kv_heads, head_dim]
-    v: jax.Array  # [layers of this kind, lanes, slots, kv_heads, head_dim]
+    buffers: KVBuffers
     index: jax.Array | int
     ring: int
     scratch_pos: int
@@ -102,16 +132,31 @@ class LayerKV:
         start = b * block if not self.ring else (b * block) % self.ring
         return start + jnp.arange(block, dtype=jnp.int32)
 
+    def read(self, lanes: jax.Array | slice, slots: jax.Array | slice, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+        """k and v at [lanes, slots] (indices that broadcast, or slices) of this layer, as `dtype`."""
+        b, at = self.buffers, (self.index, lanes, slots)
+        k, v = b.k[at].astype(dtype), b.v[at].astype(dtype)
+        if b.k_scale is None:
+            return k, v
+        return k * b.k_scale[at][..., None].astype(dtype), v * b.v_scale[at][..., None].astype(dtype)
+
     def write(self, lanes: jax.Array, positions: jax.Array, k: jax.Array, v: jax.Array) -> LayerKV:
         """Write k, v [rows, Q, kv_heads, hd] of rows at lanes [rows], positions [rows, Q]."""
-        rows, nq = positions.shape
-        if nq == 1 or self.ring:  # one position per row, or a chunk that may wrap around the ring: scattered
-            at = (self.index, jnp.broadcast_to(lanes[:, None], (rows, nq)), self.slots(positions))
-            return dataclasses.replace(self, k=self.k.at[at].set(k.astype(self.k.dtype)),
-                                       v=self.v.at[at].set(v.astype(self.v.dtype)))
-        start = (self.index, lanes[0], positions[0, 0], 0, 0)  # a prefill chunk: one lane, a contiguous run
-        return dataclasses.replace(self, k=jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), start),
-                                   v=jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), start))
+        b = self.buffers
+        (k, ks), (v, vs) = (quantize(k), quantize(v)) if b.k_scale is not None else ((k, None), (v, None))
+        if positions.shape[1] == 1 or self.ring:  # one position per row, or a chunk that may wrap around the ring
+            one = positions.shape[1] == 1  # else a prefill chunk: one lane's run of positions, scattered to slots
+            at = (self.index, lanes, self.slots(positions[:, 0])) if one else (self.index, lanes[0],
+                                                                                self.slots(positions[0]))
+
+            def put(buf: jax.Array | None, x: jax.Array | None) -> jax.Array | None:
+                return None if buf is None else buf.at[at].set((x[:, 0] if one else x[0]).astype(buf.dtype))
+        else:  # a prefill chunk: one lane, a contiguous run of positions
+            def put(buf: jax.Array | None, x: jax.Array | None) -> jax.Array | None:
+                start = (self.index, lanes[0], positions[0, 0]) + (0,) * (buf.ndim - 3) if buf is not None else ()
+                return None if buf is None else jax.lax.dynamic_update_slice(buf, x[None].astype(buf.dtype), start)
+        new = KVBuffers(put(b.k, k), put(b.v, v), put(b.k_scale, ks), put(b.v_scale, vs))
+        return dataclasses.replace(self, buffers=new)
 
 
 def ring_size(cfg: ModelConfig, max_seq: int, block: int, span: int) -> int:
@@ -155,22 +200,30 @@ def buffer_shapes(cfg: ModelConfig, lanes: int, max_seq: int, ring: int, windowe
 
 def arena_bytes(cfg: ModelConfig, lanes: int, max_seq: int, dtype: jnp.dtype, ring: int = 0,
                 windowed: tuple[bool, ...] = ()) -> int:
-    """Bytes the arena (k and v, both kinds) takes."""
+    """Bytes the arena (k and v, both kinds, and in int8 a float32 scale per position and head) takes."""
     shapes = [s for s in buffer_shapes(cfg, lanes, max_seq, ring, windowed) if s is not None]
-    return 2 * sum(int(np.prod(s)) for s in shapes) * jnp.dtype(dtype).itemsize
+    per_head = cfg.head_dim * jnp.dtype(dtype).itemsize + (4 if jnp.dtype(dtype) == jnp.int8 else 0)
+    return 2 * sum(int(np.prod(s[:-1])) for s in shapes) * per_head
+
+
+def _zeros(shape: tuple[int, ...], dtype: jnp.dtype) -> KVBuffers:
+    scales = (jnp.zeros(shape[:-1], jnp.float32), jnp.zeros(shape[:-1], jnp.float32)) if dtype == jnp.int8 else ()
+    return KVBuffers(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), *scales)
 
 
 def allocate_arena(cfg: ModelConfig, lanes: int, max_seq: int, dtype: jnp.dtype, token_state: bool = False,
                    mesh: Mesh | None = None, ring: int = 0, windowed: tuple[bool, ...] = ()) -> KVArena:
     """Zeros; with `token_state`, also the lanes' TokenState (9 bytes per lane and vocabulary entry); with `windowed`
-    layers, their ring of `ring` slots. On a `mesh`, k and v are split by KV heads and the token state is replicated
-    (model/sharding.py)."""
+    layers, their ring of `ring` slots. On a `mesh`, k, v and their scales are split by KV heads and the token state
+    is replicated (model/sharding.py)."""
     full, ring_shape = buffer_shapes(cfg, lanes, max_seq, ring, windowed)
     tokens = allocate_token_state(lanes, cfg.vocab_size) if token_state else None
-    rings = {} if ring_shape is None else {"ring_k": jnp.zeros(ring_shape, dtype),
-                                           "ring_v": jnp.zeros(ring_shape, dtype)}
-    arena = KVArena(k=jnp.zeros(full, dtype), v=jnp.zeros(full, dtype), tokens=tokens, windowed=windowed, **rings)
+    arena = KVArena(_zeros(full, dtype), tokens, None if ring_shape is None else _zeros(ring_shape, dtype), windowed)
     if mesh is None:
         return arena
-    kv = arena_sharding(mesh)
-    return jax.tree_util.tree_map(lambda a: jax.device_put(a, kv if a.ndim == 5 else replicated(mesh)), arena)
+    return dataclasses.replace(arena, full=_placed(arena.full, mesh), rings=_placed(arena.rings, mesh),
+                               tokens=jax.device_put(tokens, replicated(mesh)))
+
+
+def _placed(buffers: KVBuffers | None, mesh: Mesh) -> KVBuffers | None:
+    return jax.tree_util.tree_map(lambda a: jax.device_put(a, arena_sharding(mesh, a.ndim)), buffers)

@@ -41,9 +41,7 @@ def blocked_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, kv: Laye
     def body(b, carry):
         m, denom, acc = carry  # [rows, Q, kvh, group], same, [rows, Q, kvh, group, hd]
         k_pos = b * block + jnp.arange(block, dtype=jnp.int32)
-        slots = kv.block_slots(b, block)[None, :]  # [1, block]
-        kb = kv.k[kv.index, lanes[:, None], slots].astype(q.dtype)  # [rows, block, kvh, hd], read as q's dtype
-        vb = kv.v[kv.index, lanes[:, None], slots].astype(q.dtype)
+        kb, vb = kv.read(lanes[:, None], kv.block_slots(b, block)[None, :], q.dtype)  # [rows, block, kvh, hd]
         s = jnp.einsum("rqkgd,rbkd->rqkgb", q, kb, preferred_element_type=jnp.float32, precision=precision) * scale
         s = softcap(s, cfg.attn_softcap)
         mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [rows, Q, block]
@@ -92,8 +90,8 @@ def kernel_decode_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, kv
     window is an attribute of the kernel's call: in a stacked walk a layer's comes from a choice of two calls."""
 
     def call(window: int | None) -> jax.Array:
-        return cpu_kernel.decode_attention(q, kv.k, kv.v, kv.index, lanes, q_pos, window, cfg.query_scale, kv.ring,
-                                           kv.scratch_pos)
+        return cpu_kernel.decode_attention(q, kv.buffers.k, kv.buffers.v, kv.index, lanes, q_pos, window,
+                                           cfg.query_scale, kv.ring, kv.scratch_pos)
 
     window = window_at(cfg, layer)
     if window is None or isinstance(window, int):
@@ -111,7 +109,7 @@ def attend(cfg: ModelConfig, attention: str, q: jax.Array, positions: jax.Array,
     if nq == 1 and attention == "kernel":
         return kernel_decode_attention(cfg, q[:, 0], positions[:, 0], kv, layer, lanes)[:, None]
     if nq == 1 and attention != "blocked":
-        return dense_decode_attention(cfg, q[:, 0], positions[:, 0], kv.k[kv.index].astype(q.dtype),
-                                      kv.v[kv.index].astype(q.dtype), attention)[:, None]
+        k, v = kv.read(slice(None), slice(None), q.dtype)  # [lanes, max_seq, kvh, hd]
+        return dense_decode_attention(cfg, q[:, 0], positions[:, 0], k, v, attention)[:, None]
     q = q.reshape(rows, nq, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
     return blocked_attention(cfg, q, positions, kv, layer, lanes, n_blocks, block)

@@ -72,8 +72,8 @@ def _gib(n: int) -> str:
 
 def arena_summary(arena: KVArena, windowed: tuple[bool, ...]) -> str:
     """The start-up log's account of an allocated arena: its bytes, and each layer kind's share."""
-    full = arena.k.nbytes + arena.v.nbytes
-    rings = 0 if arena.ring_k is None else arena.ring_k.nbytes + arena.ring_v.nbytes
+    full = sum(a.nbytes for a in jax.tree_util.tree_leaves(arena.full))
+    rings = arena.nbytes - full
     kinds = f"{arena.k.shape[0]} global layers x {arena.max_seq} positions: {_gib(full)}"
     if rings:
         kinds += f"; {sum(windowed)} windowed layers x a ring of {arena.ring} positions: {_gib(rings)}"

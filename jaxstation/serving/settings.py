@@ -145,9 +145,10 @@ SETTINGS: tuple[_Setting, ...] = (
              "sliding-window layers: ring (keep only their window, rounded up to the KV block; the tokens are the "
              "same) or full (every position, as global layers; llama.cpp's --swa-full)", commands=frozenset({"serve"})),
     _Setting("kv_dtype", "MOONSHINE_KV_DTYPE", "--kv-dtype", _parse_str,
-             "the KV arena's dtype: auto (the activations': float32 on CPU), float32 or bfloat16 (half the bytes; "
-             "k and v rounded when written, read as float32; on CPU the decode attention then takes the blocked "
-             "walk)", commands=frozenset({"serve"})),
+             "the KV arena's dtype: auto (the activations': float32 on CPU), float32, bfloat16 (half the bytes) or "
+             "int8 (with a float32 scale per position and head: about a quarter); k and v are rounded when written "
+             "and read as the activations' dtype; on CPU the decode attention then takes the blocked walk",
+             commands=frozenset({"serve"})),
     _Setting("continuous", "MOONSHINE_CONTINUOUS_BATCH", "--continuous-batch", parse_bool,
              "continuous batching: on batches concurrent requests into each decode wave; off serves one request at a "
              "time", commands=_FRONT),
