@@ -1,17 +1,24 @@
-"""int8 (or bfloat16) weights against float32 on the default model: logits, top-1, greedy continuations, perplexity.
+"""A weight format against the float32-dequantized model: logits, top-1, greedy continuations, perplexity.
 
-- On every stored position of the three public reference prompts (tests/reference/smollm2_hf_reference.npz): the
-  largest absolute logit difference to float32 and the top-1 agreement.
+The GGUF integer path (gguf: activations rounded to 8 bits per block), int8 or bfloat16 weights change the numbers;
+this says by how much, on the default model or any GGUF file (`--model`):
+
+- On every position of the prompts: the largest absolute logit difference to float32 and the top-1 agreement. The
+  default model's prompts are the three public reference prompts (tests/reference/smollm2_hf_reference.npz); another
+  model's are the four texts of tests/reference/gemma3_270m_reference.json.
 - Greedy continuations (48 tokens through the real engine, no stop: an EOS is just a token) of both: equal or not,
   and where they first diverge.
-- Perplexity of the repository's LICENSE text (Apache-2.0, about 2,300 tokens) in 1024-token windows.
+- Over the repository's LICENSE text (Apache-2.0, about 2,300 tokens) in 1024-token windows: the perplexity of
+  both, and the top-1 agreement under teacher forcing (both read the text; at how many positions do they predict the
+  same next token).
 
-Usage: python -m bench.accuracy [--dtype int8]
+Usage: python -m bench.accuracy [--dtype gguf] [--model FILE.gguf]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import jax
@@ -27,25 +34,42 @@ from jaxstation.serving.settings import StationConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "tests" / "reference" / "smollm2_hf_reference.npz"
+TEXT_PROMPTS = ROOT / "tests" / "reference" / "gemma3_270m_reference.json"
 TEXT = ROOT / "LICENSE"
 WINDOW = 1024
 NEW = 48
 
 
-def perplexity(model, ids: list[int]) -> float:
-    """exp(mean next-token NLL) over non-overlapping windows of WINDOW tokens."""
-    nll, n = 0.0, 0
+def read_text(base, quant, ids: list[int]) -> dict[str, float]:
+    """Both models over `ids` in non-overlapping windows of WINDOW tokens: each one's perplexity (exp of the mean
+    next-token NLL) and the share of positions where their top-1 predictions agree."""
+    nll, agree, n = np.zeros(2), 0, 0
     for start in range(0, len(ids) - 1, WINDOW):
         window = jnp.asarray(ids[start:start + WINDOW + 1])
-        logp = jax.nn.log_softmax(forward_full(model.cfg, model.params, window[:-1]), axis=-1)
-        nll -= float(jnp.take_along_axis(logp, window[1:, None], axis=-1).sum())
+        tops = []
+        for i, model in enumerate((base, quant)):
+            logits = forward_full(model.cfg, model.params, window[:-1])
+            logp = jax.nn.log_softmax(logits, axis=-1)
+            nll[i] -= float(jnp.take_along_axis(logp, window[1:, None], axis=-1).sum())
+            tops.append(np.asarray(jnp.argmax(logits, axis=-1)))
+        agree += int(np.sum(tops[0] == tops[1]))
         n += len(window) - 1
-    return float(np.exp(nll / n))
+    ppl = np.exp(nll / n)
+    return {"float32": float(ppl[0]), "other": float(ppl[1]), "top1_agreement": agree / n}
 
 
-def station_model(dtype: str):
+def station_model(dtype: str, model: str | None):
     """The model as a station on this machine loads it (weights, layer walk, matmul)."""
-    return planned_model(dtype=dtype)[0]
+    return planned_model(dtype=dtype, model=model)[0]
+
+
+def prompts(model: str | None, tokenizer) -> dict[str, list[int]]:
+    """The prompts compared position by position and continued greedily (see the module's docstring)."""
+    if model is None:
+        ref = np.load(REFERENCE)
+        return {p: ref[f"{p}_prompt_ids"].tolist() for p in ("p0", "p1", "p2")}
+    cases = json.loads(TEXT_PROMPTS.read_text(encoding="utf-8"))["greedy"]
+    return {f"t{i}": tokenizer.encode(case["prompt"]) for i, case in enumerate(cases)}
 
 
 def greedy_noeos(model, prompt: list[int]) -> list[int]:
@@ -55,35 +79,41 @@ def greedy_noeos(model, prompt: list[int]) -> list[int]:
     return generate(engine, prompt, NEW, SamplingParams())
 
 
+def compare_prompt(base, quant, prompt: list[int], dtype: str) -> dict:
+    """Logits at every position of `prompt` and 48 greedy tokens after it, of both models."""
+    a = np.asarray(forward_full(base.cfg, base.params, jnp.asarray(prompt)))
+    b = np.asarray(forward_full(quant.cfg, quant.params, jnp.asarray(prompt)), np.float32)
+    ga, gb = greedy_noeos(base, prompt), greedy_noeos(quant, prompt)
+    diverge = next((i for i, (x, y) in enumerate(zip(ga, gb, strict=True)) if x != y), None)
+    row = {"positions": len(prompt), "max_abs_logit_diff": float(np.abs(a - b).max()),
+           "top1_agreement": float(np.mean(a.argmax(-1) == b.argmax(-1))), "greedy_equal": ga == gb,
+           "first_divergence": diverge}
+    if diverge is not None:
+        row["float32_text_after"] = base.tokenizer.decode(ga[diverge:diverge + 12])
+        row[f"{dtype}_text_after"] = base.tokenizer.decode(gb[diverge:diverge + 12])
+        row["shared_text"] = base.tokenizer.decode(ga[:diverge])
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtype", default="int8")
+    ap.add_argument("--dtype", default="gguf")
+    ap.add_argument("--model", default=None, help="a .gguf file (default: the embedded SmolLM2 Q4_1)")
+    ap.add_argument("--name", default=None, help="result file name (default: accuracy_<dtype>)")
     args = ap.parse_args()
-    ref = np.load(REFERENCE)
-    base, quant = station_model("float32"), station_model(args.dtype)
-    text_ids = base.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+    base, quant = station_model("float32", args.model), station_model(args.dtype, args.model)
     rows = []
-    for p in ("p0", "p1", "p2"):
-        prompt = ref[f"{p}_prompt_ids"].tolist()
-        a = np.asarray(forward_full(base.cfg, base.params, jnp.asarray(prompt)))
-        b = np.asarray(forward_full(quant.cfg, quant.params, jnp.asarray(prompt)), np.float32)
-        ga, gb = greedy_noeos(base, prompt), greedy_noeos(quant, prompt)
-        diverge = next((i for i, (x, y) in enumerate(zip(ga, gb, strict=True)) if x != y), None)
-        row = {"prompt": p, "positions": len(prompt), "max_abs_logit_diff": float(np.abs(a - b).max()),
-               "top1_agreement": float(np.mean(a.argmax(-1) == b.argmax(-1))),
-               "float32_vs_hf_top1": float(np.mean(a.argmax(-1) == ref[f"{p}_top64_ids"][:, 0])),
-               "greedy_equal": ga == gb, "first_divergence": diverge}
-        if diverge is not None:
-            row["float32_text_after"] = base.tokenizer.decode(ga[diverge:diverge + 12])
-            row[f"{args.dtype}_text_after"] = base.tokenizer.decode(gb[diverge:diverge + 12])
-            row["shared_text"] = base.tokenizer.decode(ga[:diverge])
-        rows.append(row)
-        print(row, flush=True)
-    ppl = {"text": TEXT.name, "tokens": len(text_ids), "float32": perplexity(base, text_ids),
-           args.dtype: perplexity(quant, text_ids)}
+    for name, prompt in prompts(args.model, base.tokenizer).items():
+        rows.append({"prompt": name, **compare_prompt(base, quant, prompt, args.dtype)})
+        print(rows[-1], flush=True)
+    text_ids = base.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+    text = read_text(base, quant, text_ids)
+    ppl = {"text": TEXT.name, "tokens": len(text_ids), "float32": text["float32"], args.dtype: text["other"],
+           "top1_agreement": text["top1_agreement"]}
     print(ppl)
-    path = write_result(f"accuracy_{args.dtype}", {"dtype": args.dtype, "weight_bytes": {
-        "float32": base.params.nbytes, args.dtype: quant.params.nbytes}, "prompts": rows, "perplexity": ppl})
+    path = write_result(args.name or f"accuracy_{args.dtype}", {
+        "dtype": args.dtype, "model": str(base.source), "weight_bytes": {
+            "float32": base.params.nbytes, args.dtype: quant.params.nbytes}, "prompts": rows, "perplexity": ppl})
     print(f"wrote {path}")
 
 

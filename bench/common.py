@@ -87,7 +87,8 @@ def add_model_args(ap) -> None:
     ap.add_argument("--shape", default=None,
                     help=f"a named architecture with random weights ({', '.join(ARCHITECTURES)}) instead of the "
                          "default model; needs no checkpoint")
-    ap.add_argument("--dtype", default=None, help="gguf, float32, bfloat16 or int8 (default: the backend's)")
+    ap.add_argument("--dtype", default=None,
+                    help="gguf, gguf-exact, float32, bfloat16 or int8 (default: the backend's)")
     ap.add_argument("--layer-loop", default="auto", help="scan, unroll or auto (the backend's)")
     ap.add_argument("--matmul", default="auto", help="kernel, xla or auto (the backend's)")
     ap.add_argument("--attention", default="auto", help="blocked, xla, cudnn or auto (the backend's)")
@@ -131,3 +132,21 @@ def planned_model(**settings):
     station = StationConfig(**settings)
     plan = resolve_plan(station, checkpoint_config(station.model))
     return load_planned(station, plan), plan
+
+
+def wait_ready(proc, base: str, timeout: float) -> None:
+    """Wait until the station process `proc` at `base` answers /ready with 200; RuntimeError if it exits first or
+    takes longer than `timeout` seconds."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the station exited {proc.returncode} before it was ready")
+        try:
+            if httpx.get(base + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the station was not ready within {timeout} s")

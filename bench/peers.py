@@ -210,8 +210,9 @@ def main() -> None:
     ap.add_argument("--no-latency", action="store_true")
     ap.add_argument("--model", help="a GGUF file both systems serve (default: the default model)")
     ap.add_argument("--slots", type=int, default=8, help="llama-server -np and jaxstation --lanes")
-    ap.add_argument("--dtype", default=None, help="jaxstation's weights: gguf, float32 or int8 (default: the "
-                                                  "station's, gguf on CPU; llama.cpp reads the GGUF's Q4_1 as it is)")
+    ap.add_argument("--dtype", default=None, help="jaxstation's weights: gguf, gguf-exact, float32 or int8 (default: "
+                                                  "the station's, gguf on CPU; llama.cpp reads the GGUF's blocks as "
+                                                  "they are)")
     ap.add_argument("--llama-server", help="path of the llama-server binary (default: the build cache, then PATH)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--seed", type=int, default=0)

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.common import write_result
+from bench.common import wait_ready, write_result
 
 TARGETS = [{"prompt": "The capital of France is", "temperature": 0.0},
            {"prompt": "def fibonacci(n):", "temperature": 0.8, "seed": 7}]
@@ -141,20 +141,6 @@ def serve(model: Path, args, port: int) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the station exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"the station was not ready after {timeout:.0f} s")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, help="a checkpoint to serve")
@@ -172,7 +158,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{args.port}"
     proc = serve(model, args, args.port)
     try:
-        wait_ready(url, proc)
+        wait_ready(proc, url, 900)
         rows = probe(url, args.new_tokens)
     finally:
         proc.terminate()

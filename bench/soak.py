@@ -30,7 +30,7 @@ import anthropic
 import httpx
 import openai
 
-from bench.common import write_result
+from bench.common import wait_ready, write_result
 from bench.workload import REPO, free_port
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -166,20 +166,6 @@ def start_station(port: int, log: Path) -> subprocess.Popen:
     env = {**os.environ, "MOONSHINE_CONTINUOUS_BATCH": "1", "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     cmd = [sys.executable, "-m", "jaxstation", "serve", "--host", "127.0.0.1", "--port", str(port)]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-
-def wait_ready(proc: subprocess.Popen, base: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the station exited {proc.returncode} before it was ready")
-        try:
-            if httpx.get(base + "/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the station was not ready within {timeout} s")
 
 
 def main() -> None:

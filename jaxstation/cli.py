@@ -181,8 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="1 is off")
     gen.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)")
     gen.add_argument("--dtype", default=None, choices=DTYPES,
-                     help="weight dtype; gguf keeps a GGUF model's blocks as stored (float32's exact bits), int8 is "
-                     "weight-only (default: gguf on CPU for a GGUF model, else float32; bfloat16 on a GPU)")
+                     help="weight dtype; gguf keeps a GGUF model's blocks as stored and multiplies integers, "
+                     "gguf-exact keeps them with float32's exact bits, int8 is weight-only (default: gguf on CPU for a "
+                     "GGUF model, else float32; bfloat16 on a GPU)")
     gen.set_defaults(func=cmd_generate, command_parser=gen)
 
     exp = sub.add_parser("export-tokenizer", help="write the model's tokenizer as a Hugging Face tokenizer directory",

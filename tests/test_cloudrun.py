@@ -338,8 +338,10 @@ def test_deploy_script_refuses_bad_input(args: list[str], message: str, tmp_path
 
 # ---- burst, for real, against a station on this machine -----------------------------------------------------------
 @pytest.fixture(scope="module")
-def local_station(default_model: LoadedModel):
-    station = Station(StationConfig(lanes=4, max_seq=512, continuous=True, max_queue=8), model=default_model)
+def local_station(float32_model: LoadedModel):
+    """In the parity reference's dtype (float32), as the deploy script runs the default model."""
+    station = Station(StationConfig(lanes=4, max_seq=512, continuous=True, max_queue=8, dtype="float32"),
+                      model=float32_model)
     with ServerThread(create_app(station)) as server:
         wait_for(lambda: station.ready.is_set(), 120, "the station did not turn ready")
         yield server

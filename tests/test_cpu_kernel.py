@@ -26,13 +26,18 @@ def test_the_kernel_builds_and_is_the_cpu_default() -> None:
     # CI's machine is x86-64 with AVX2 and a compiler: a kernel that silently failed to build would fail here
     assert platform.machine() == "x86_64" and {"avx2", "fma", "f16c"} <= cpu_kernel._cpu()[1]
     assert cpu_kernel.available()
-    assert cpu_kernel.vector_lanes() == (16 if "avx512f" in cpu_kernel._cpu()[1] else 8)
+    flags = cpu_kernel._cpu()[1]
+    assert cpu_kernel.vector_lanes() == (16 if "avx512f" in flags else 8)
+    assert cpu_kernel.int_dot_isa() == ("avx512-vnni" if "avx512_vnni" in flags else "avx512" if "avx512f" in flags
+                                        else "avx-vnni" if "avx_vnni" in flags else "avx2")
     cfg = checkpoint_config(None)  # the default model's; the weight format depends on the model's path alone
 
     def plan(**settings) -> Plan:
         return resolve_plan(StationConfig(**settings), cfg)
 
-    assert plan().matmul == "kernel" and plan().dtype == "gguf"  # the default model's blocks
+    assert plan().matmul == "kernel" and plan().dtype == "gguf"  # the default model's blocks, integer products
+    assert plan().int_dot == cpu_kernel.int_dot_isa() and f"dtype gguf (integer dot {plan().int_dot})" in str(plan())
+    assert plan(dtype="gguf-exact").int_dot is None and "dtype gguf-exact," in str(plan(dtype="gguf-exact"))
     assert plan(model="tests/fixtures/tiny-llama3").dtype == "float32"
     assert plan(matmul="xla").dtype == "float32"
     assert plan(dtype="int8").matmul == "kernel"
@@ -40,12 +45,15 @@ def test_the_kernel_builds_and_is_the_cpu_default() -> None:
     assert plan(dtype="bfloat16").matmul == "xla"
     assert plan(matmul="xla").matmul == "xla"
     assert plan(dtype="int8", matmul="xla").layer_loop == "scan"
-    with pytest.raises(ConfigError, match="MOONSHINE_MATMUL=kernel takes float32, int8 or gguf weights, not bfloat16"):
+    with pytest.raises(ConfigError,
+                       match="MOONSHINE_MATMUL=kernel takes float32, int8, gguf, gguf-exact weights, not bfloat16"):
         plan(dtype="bfloat16", matmul="kernel")
     with pytest.raises(ConfigError, match="--dtype=gguf needs the CPU kernel"):
         plan(dtype="gguf", matmul="xla", sources={"dtype": "--dtype"})
     with pytest.raises(ConfigError, match="MOONSHINE_DTYPE=gguf needs a .gguf model, not tests/fixtures/tiny-llama3"):
         plan(dtype="gguf", model="tests/fixtures/tiny-llama3")
+    with pytest.raises(ConfigError, match="--dtype=gguf-exact needs the CPU kernel"):
+        plan(dtype="gguf-exact", matmul="xla", sources={"dtype": "--dtype"})
     with pytest.raises(ConfigError, match="MOONSHINE_MATMUL='fast' must be one of auto, xla, kernel"):
         StationConfig(matmul="fast")
 
@@ -130,7 +138,8 @@ def test_shapes_the_kernel_cannot_take_stay_on_xla() -> None:
     w = np.ones((48, 64), np.float32)
     assert isinstance(prepare(w, "int8", "kernel"), QuantWeight)
     assert isinstance(prepare(w, "float32", "kernel"), jax.Array)
-    with pytest.raises(ValueError, match="the CPU kernel takes float32, int8 or gguf weights, not bfloat16"):
+    with pytest.raises(ValueError,
+                       match="the CPU kernel takes float32, int8, gguf or gguf-exact weights, not bfloat16"):
         kernel_weight(np.ones((64, 64), np.float32), "bfloat16")
 
 
@@ -141,10 +150,11 @@ def _full_logits(model: LoadedModel, prompt: list[int]) -> np.ndarray:
 PROMPT = list(range(100, 148))
 
 
-def test_default_model_on_the_kernel_matches_xla(default_model: LoadedModel, xla_model: LoadedModel) -> None:
+def test_the_default_models_exact_blocks_on_the_kernel_match_xla(exact_model: LoadedModel,
+                                                                 xla_model: LoadedModel) -> None:
     xla = xla_model
-    assert default_model.params.row_invariant and not xla.params.row_invariant
-    got, ref = _full_logits(default_model, PROMPT), _full_logits(xla, PROMPT)
+    assert exact_model.params.row_invariant and not xla.params.row_invariant
+    got, ref = _full_logits(exact_model, PROMPT), _full_logits(xla, PROMPT)
     assert np.array_equal(got.argmax(-1), ref.argmax(-1))
     assert np.abs(got - ref).max() < 2e-3  # float32, two summation orders
 

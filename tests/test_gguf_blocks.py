@@ -1,9 +1,10 @@
-"""GGUF weights as stored, on the CPU kernel (weights "gguf").
+"""GGUF weights as stored, on the CPU kernel, float32-exact (weights "gguf-exact").
 
 For every block format the kernel reads, a matmul over the blocks is bit for bit the float32 kernel's over the gguf
 package's dequantization of the same blocks, at every row count, and rows looked up from the blocks are those
 weights. The AVX2 variant (built on demand in a subprocess where the CPU has AVX-512) keeps that promise too. The
 default model served in its stored Q4_1 and Q8_0 gives the float32 model's logits bit for bit, at 1, 8 and 32 rows.
+The integer products of weights "gguf" are tested in test_gguf_int.py.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def check_formats_bitwise(n_in: int = 512, n_out: int = 40) -> None:
     f = jax.jit(matmul)
     for i, fmt in enumerate(cpu_kernel.BLOCK_FORMATS):
         blocks = random_blocks(fmt, n_out, n_in, seed=i)
-        stored, dense = prepare(blocks, "gguf", "kernel"), blocks.dequantize()
+        stored, dense = prepare(blocks, "gguf-exact", "kernel"), blocks.dequantize()
         assert isinstance(stored, KernelWeight) and stored.blocks == fmt and stored.w.dtype == jnp.uint8
         assert np.isfinite(dense).all() and len(np.unique(dense)) > n_in  # many distinct weights
         as_float32 = kernel_weight(dense, "float32")
@@ -102,7 +103,7 @@ def test_a_projection_stored_in_several_formats_joins_its_parts() -> None:
              random_blocks("Q8_0", 16, 256, seed=3)]
     joined = projection(parts)
     assert [p.fmt for p in joined] == ["Q5_0", "Q8_0"] and joined[0].shape == (80, 256)
-    w = prepare(joined, "gguf", "kernel")
+    w = prepare(joined, "gguf-exact", "kernel")
     assert isinstance(w, JoinedWeight) and [p.blocks for p in w.parts] == ["Q5_0", "Q8_0"]
     dense = np.concatenate([p.dequantize() for p in parts])  # [96, 256]
     x = jnp.asarray(np.random.default_rng(4).standard_normal((8, 256)), jnp.float32)
@@ -124,22 +125,23 @@ def test_shapes_and_formats_the_kernel_cannot_take() -> None:
     assert isinstance(dense, KernelWeight) and dense.blocks is None and dense.w.dtype == jnp.float32
 
 
-def test_the_default_model_in_its_stored_blocks_gives_float32s_logits(default_model: LoadedModel,
-                                                                       float32_model: LoadedModel) -> None:
-    """The station's default on CPU: Q4_1 projections and the Q8_0 tied embedding as stored, at about a sixth of the
-    float32 bytes; logits bit-equal to the float32 kernel's at 1, 8 and 32 rows (prompt lengths)."""
-    p = default_model.params
-    assert p.embed.blocks == "Q8_0" and p.lm_head is None
-    assert {w.blocks for layer in p.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)} == {"Q4_1"}
+def test_the_default_model_in_its_stored_blocks_gives_float32s_logits(float32_model: LoadedModel) -> None:
+    """Q4_1 projections and the Q8_0 tied embedding as stored, float32-exact, at about a sixth of the float32 bytes;
+    logits bit-equal to the float32 kernel's at 1, 8 and 32 rows (prompt lengths)."""
+    exact = load_model(dtype="gguf-exact", layer_loop="unroll", matmul="kernel")
+    p = exact.params
+    assert p.embed.blocks == "Q8_0" and not p.embed.integer and p.lm_head is None
+    assert {(w.blocks, w.integer) for layer in p.layers
+            for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)} == {("Q4_1", False)}
     assert p.nbytes < float32_model.params.nbytes / 5
-    prompt = default_model.tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome. " * 3)
+    prompt = exact.tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome. " * 3)
     for rows in (1, 8, 32):
         tokens = jnp.asarray(prompt[:rows], jnp.int32)
-        got = np.asarray(forward_full(default_model.cfg, p, tokens))
+        got = np.asarray(forward_full(exact.cfg, p, tokens))
         ref = np.asarray(forward_full(float32_model.cfg, float32_model.params, tokens))
         assert np.array_equal(got, ref), (rows, np.abs(got - ref).max())
-    stacked = load_model(dtype="gguf", layer_loop="scan", matmul="kernel")  # one loop over stacked blocks
+    stacked = load_model(dtype="gguf-exact", layer_loop="scan", matmul="kernel")  # one loop over stacked blocks
     assert stacked.params.layers.wqkv.blocks == "Q4_1" and stacked.params.layers.wqkv.w.shape[0] == 30
     tokens = jnp.asarray(prompt[:8], jnp.int32)
     assert np.array_equal(np.asarray(forward_full(stacked.cfg, stacked.params, tokens)),
-                          np.asarray(forward_full(default_model.cfg, p, tokens)))
+                          np.asarray(forward_full(exact.cfg, p, tokens)))

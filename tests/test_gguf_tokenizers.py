@@ -44,7 +44,9 @@ def test_tiny_vocabularies_give_transformers_ids(style: str) -> None:
 
 
 def test_gemma3_gives_transformers_ids(gemma_tokenizer: Tokenizer) -> None:
-    assert gemma_tokenizer.vocab_size == 262144 and (gemma_tokenizer.bos_id, gemma_tokenizer.eos_ids) == (2, (1,))
+    # <eos> (the file's eos_token_id), then <end_of_turn>, a control token that ends a turn (as llama.cpp finds it)
+    assert gemma_tokenizer.vocab_size == 262144 and (gemma_tokenizer.bos_id, gemma_tokenizer.eos_ids) == (2, (1, 106))
+    assert gemma_tokenizer.decode([106]) == "<end_of_turn>"
     assert_reference_ids(gemma_tokenizer, GEMMA_REFERENCE["tokenizer_cases"])
 
 

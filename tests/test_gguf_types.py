@@ -2,8 +2,9 @@
 
 Loaded as float32, each tensor holds exactly the values the gguf package's reference dequantizer gives for the bytes
 its own reader finds in the file (q/k rows back in HF's order); as bfloat16, those values rounded. Served as stored on
-the CPU kernel (weights "gguf"), each model's logits are bit for bit those of the same model dequantized to float32. A
-type outside the list is refused at load, naming the file, the tensor, its type and the types that are served.
+the CPU kernel, float32-exact (weights "gguf-exact"), each model's logits are bit for bit those of the same model
+dequantized to float32. A type outside the list is refused at load, naming the file, the tensor, its type and the
+types that are served.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def test_each_type_loads_to_the_reference_dequantization(name: str) -> None:
 @pytest.mark.parametrize("name", GGUF_TYPES)
 def test_each_type_as_stored_gives_the_dequantized_logits(name: str) -> None:
     path = fixture(name)
-    stored_cfg, stored = load_gguf(path, "gguf", layer_loop="unroll", matmul="kernel")
+    stored_cfg, stored = load_gguf(path, "gguf-exact", layer_loop="unroll", matmul="kernel")
     dense_cfg, dense = load_gguf(path, "float32", layer_loop="unroll", matmul="kernel")
     embed_blocks = getattr(stored.embed, "blocks", None)
     assert embed_blocks == (name if name in BLOCK_FORMATS else None)  # kept in its blocks where the kernel reads them

@@ -67,7 +67,9 @@ def stations():
 
 @pytest.fixture(scope="module")
 def local(default_model):
-    return Engine(default_model, **ENGINE_SHAPE)
+    """One station's engine with the mesh's programs: full waves, one prefill chunk a turn, the plan's attention."""
+    plan = resolve_plan(StationConfig(**SHAPE, layers="0:30"), default_model.cfg)
+    return Engine(default_model, **ENGINE_SHAPE, attention=plan.attention, wave_widths=plan.wave_widths)
 
 
 @pytest.fixture(scope="module")

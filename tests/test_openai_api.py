@@ -1,7 +1,8 @@
 """The OpenAI-compatible routes, driven by the official `openai` client against a real uvicorn on loopback.
 
-One continuous-batching station on the default model (4 lanes, 512 positions) serves the module; the auth test starts
-a second station with an API key on the same loaded model. Token counts stay small to keep the module fast.
+One continuous-batching station on the default model, float32-exact (4 lanes, 512 positions), serves the module; the
+auth test starts a second station with an API key on the default model. Token counts stay small to keep the module
+fast.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def openai_client(server: ServerThread, api_key: str = "unused") -> openai.OpenA
 
 
 @pytest.fixture(scope="module")
-def station(default_model: LoadedModel):
-    st = make_station(default_model, speculative="ngram")  # every test here runs with speculation on
+def station(exact_model: LoadedModel):
+    """The default model's blocks float32-exact: the replies asserted word for word below are the dequantized
+    model's (integer products, the default, answer some of these prompts differently)."""
+    st = make_station(exact_model, dtype="gguf-exact", speculative="ngram")  # every test here runs with speculation on
     with ServerThread(create_app(st)) as server, server.client() as http:
         wait_ready(http)
         yield st, server, http, openai_client(server)

@@ -41,7 +41,12 @@ def test_prefill_written_kv_of_a_prefix_equals_a_longer_prompts(engine, n):
         assert np.array_equal(a, b)
 
 
-def test_decode_written_kv_is_not_what_prefill_writes(engine):
+# how near decode-written KV is to prefill-written: float32-exact, measured within 1e-5; with integer products, where
+# the two paths' last-bit differences can move an activation across an 8-bit rounding step, measured 0.22 for k and
+# 0.19 for v, whose values reach 16.5 and 10.2
+@pytest.mark.parametrize(("fixture", "atol"), [("engine", 0.3), ("exact_engine", 1e-3)])
+def test_decode_written_kv_is_not_what_prefill_writes(request, fixture, atol):
+    engine = request.getfixturevalue(fixture)
     prompt = ids(2, 70)
     prefill_all(engine, 0, prompt, SamplingParams())
     prefill_all(engine, 1, prompt[:60], SamplingParams())
@@ -50,7 +55,7 @@ def test_decode_written_kv_is_not_what_prefill_writes(engine):
         rows[1] = DecodeRow(prompt[pos], pos, SamplingParams(), j + 1)
         engine.decode(rows)
     (k0, v0), (k1, v1) = lane_kv(engine, 0, 60, 70), lane_kv(engine, 1, 60, 70)
-    assert np.allclose(k0, k1, atol=1e-3) and np.allclose(v0, v1, atol=1e-3)  # the same values, near enough...
+    assert np.allclose(k0, k1, atol=atol) and np.allclose(v0, v1, atol=atol)  # the same values, near enough...
     assert not np.array_equal(k0, k1) and not np.array_equal(v0, v1)  # ...but not the same bits
 
 

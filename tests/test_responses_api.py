@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import json
+import threading
 
 import anthropic
 import openai
@@ -20,6 +22,7 @@ from server_util import ServerThread, wait_for
 
 from jaxstation.app import create_app
 from jaxstation.model.loader import LoadedModel
+from jaxstation.openai import routes as openai_routes
 from jaxstation.serving.settings import StationConfig
 from jaxstation.serving.station import Station
 
@@ -311,3 +314,35 @@ def test_a_step_failing_mid_stream_ends_each_api_stream_with_its_failure_event(s
     assert "".join(text) and "injected decode failure" in message, (text, message)
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": HELLO, "max_tokens": 2})
     assert r.status_code == 200  # the station keeps serving
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+def test_a_stream_opens_before_the_prompt_is_prefilled(station, monkeypatch, api) -> None:
+    """The opening events (Messages' message_start and ping, Responses' created and in_progress) reach the client
+    while the prompt's first step is still held, and beats (Messages' ping, else an SSE comment) follow through the
+    silence, so a long prefill never leaves a client or proxy without bytes."""
+    server, http, _, st = station
+    monkeypatch.setattr(openai_routes, "KEEPALIVE_S", 0.2)
+    held, entered = threading.Event(), threading.Event()
+    for name in ("pack", "prefill"):
+        real = getattr(st.engine, name)
+
+        def waiting(*args, _real=real, **kwargs):
+            entered.set()
+            assert held.wait(30), "the test did not release the step"
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(st.engine, name, waiting)
+    path, body = (("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": HELLO}]})
+                  if api == "messages" else ("/v1/responses", {"max_output_tokens": 4, "input": HELLO}))
+    opening = ["message_start", "ping"] if api == "messages" else ["response.created", "response.in_progress"]
+    with http.stream("POST", path, json={"model": MODEL, "stream": True, "temperature": 0, **body}) as r:
+        lines = r.iter_lines()
+        names = [line[7:] for line in itertools.islice(lines, 6) if line.startswith("event: ")]
+        assert names == opening and entered.wait(30) and not held.is_set()
+        beats = [line for line in itertools.islice(lines, 6) if line]
+        assert beats == (["event: ping", 'data: {"type":"ping"}'] * 2 if api == "messages" else
+                         [": keep-alive"] * 3), beats
+        held.set()
+        rest = [line[7:] for line in lines if line.startswith("event: ")]
+    assert rest[-1] in ("message_stop", "response.incomplete", "response.completed"), rest

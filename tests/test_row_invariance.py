@@ -19,6 +19,7 @@ from conftest import tiny_model
 
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.layers import LayerParams, Params, attn_out, lm_logits, mlp_block, qkv_proj, rotary, rotary_at
+from jaxstation.model.loader import LoadedModel
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # the decode waves' and the packed steps' widths below FULL
 FULL = 128
@@ -97,4 +98,13 @@ def test_a_row_invariant_step_leaves_xla_no_float_reduction(family: tuple[ModelC
 def test_every_layer_and_the_head_are_bit_equal_at_every_width(family: tuple[ModelConfig, Params]) -> None:
     cfg, params = family
     for name, (fn, args) in row_invariant_parts(cfg, params).items():
+        assert_rows_equal_at_every_width(fn, *args, what=name)
+
+
+def test_the_default_models_q4_1_layer_and_head_are_bit_equal_at_every_width(default_model: LoadedModel) -> None:
+    """The default GGUF's blocks as stored (Q4_1 projections, the tied Q8_0 head) at its real shapes."""
+    cfg, params = default_model.cfg, default_model.params
+    assert params.row_invariant and params.layers[0].wqkv.blocks == "Q4_1"
+    for name, (fn, args) in row_invariant_parts(cfg, params, layers=[0]).items():
+        assert not (found := primitives(fn, *args) & XLA_REDUCTIONS), f"{name}: {found}"
         assert_rows_equal_at_every_width(fn, *args, what=name)

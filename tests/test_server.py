@@ -19,13 +19,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import COMPILE_CACHE_ENV, SERVE_SHAPE_FLAGS
+from conftest import COMPILE_CACHE_ENV, SERVE_SHAPE_FLAGS, station_plan
 from server_util import ServerThread, free_port, metric, queue_held_full, raw_post, station_process, wait_for
 
 from jaxstation.app import create_app
-from jaxstation.engine.engine import Engine, generate
+from jaxstation.engine.engine import generate
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.model.loader import LoadedModel
+from jaxstation.serving.plan import planned_engine
 from jaxstation.serving.settings import StationConfig
 from jaxstation.serving.station import Station
 
@@ -68,8 +69,9 @@ def any_station(request: pytest.FixtureRequest):
 
 @pytest.fixture(scope="module")
 def reference(default_model: LoadedModel):
-    """Serial runs on a separate engine of the same shape, memoized: the parity reference."""
-    engine = Engine(default_model, lanes=4, max_seq=512, chunk=32, block=128)
+    """Serial runs on a separate engine of the stations' shape and plan (the same programs: packed prompts, narrow
+    waves, the decode attention kernel), memoized: the parity reference."""
+    engine = planned_engine(default_model, StationConfig(**SHAPE), station_plan(StationConfig(**SHAPE)))
     eos = frozenset(default_model.tokenizer.eos_ids)
     cache: dict[str, list[int]] = {}
 

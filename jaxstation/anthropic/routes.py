@@ -129,7 +129,7 @@ class MessagesRoutes:
         head = {"id": f"msg_{uuid.uuid4().hex}", "model": served_model_name(station)}
         extra = hosted_tools.headers(hosted_tools.skipped(req.tools))
         if run.req.stream:
-            return SSEResponse(stream_events(run, head), run.cancel_all, extra)
+            return SSEResponse(stream_events(run, head), run.cancel_all, extra, beat=_event(a.Ping(type="ping")))
         return await run_whole(run, request) or JSONResponse(wire(reply(run, head)), headers=extra)
 
     async def count_tokens(self, request: Request) -> Response:

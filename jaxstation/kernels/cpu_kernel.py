@@ -5,7 +5,9 @@ dot, so a step moves more bytes than with float32 weights (and it has no GGUF bl
 different algorithm for one row than for several, so a row's bits depend on how many rows share the call. The matmul
 kernel reads int8 (or float32) weights straight from their buffers, and computes each output with one fixed sequence
 of operations whatever the number of rows; GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) are read as
-stored and rebuilt in registers into exactly the float32 weights the gguf package's dequantization gives. The decode
+stored, and either multiplied in integers with each activation row rounded to 8 bits per 32 columns from that row
+alone (as llama.cpp does, in one fixed order per output, so the rows beside a row still change nothing), or rebuilt in
+registers into exactly the float32 weights the gguf package's dequantization gives. The decode
 attention kernel reads each row's own lane of the KV arena in place, only the positions the row attends to, with no
 per-block loop; a row's result again depends on nothing else. The RMSNorm kernel normalises each row in one call where
 XLA needs a handful of fusions for a row-invariant sum: an unrolled 30-layer step then has about half the fusions, and
@@ -39,8 +41,12 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
-# "avx2" builds the AVX2 variant on a CPU that has AVX-512 too (to test or compare it); unset, the CPU decides.
+# "avx2" builds the AVX2 variant (integer dot products by maddubs) on a CPU that has AVX-512 and VNNI too, to test or
+# compare it; "avx-vnni" the AVX2 variant with AVX-VNNI's vpdpbusd; "avx512" the AVX-512 variant without VNNI. Unset,
+# the CPU decides.
 ISA_ENV = "JAXSTATION_KERNEL_ISA"
+ISA_FLAGS = {"": (), "avx2": ("-mno-avx512f", "-mno-avxvnni"), "avx-vnni": ("-mno-avx512f",),
+             "avx512": ("-mno-avx512vnni",)}
 # GGUF block formats the matmul reads as stored: (columns per block, bytes per block)
 BLOCK_FORMATS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
                  "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
@@ -50,6 +56,7 @@ TARGETS = {"int8": ("jaxstation_rowwise_matmul_s8", "RowwiseMatmulS8"),
            "rms_norm": ("jaxstation_rms_norm", "RmsNorm"),
            "top_k": ("jaxstation_top_k", "TopK"),
            **{f"matmul_{f}": (f"jaxstation_rowwise_matmul_{f.lower()}", f"RowwiseMatmul{f}") for f in BLOCK_FORMATS},
+           **{f"int_{f}": (f"jaxstation_int_matmul_{f.lower()}", f"IntMatmul{f}") for f in BLOCK_FORMATS},
            **{f"rows_{f}": (f"jaxstation_block_rows_{f.lower()}", f"BlockRows{f}") for f in BLOCK_FORMATS}}
 K_MULTIPLE, N_MULTIPLE = 32, 4  # the kernel's shape contract
 
@@ -92,9 +99,9 @@ def _build() -> Path:
         raise KernelUnavailable("no C++ compiler found (set CXX, or install g++)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     isa = os.environ.get(ISA_ENV, "")
-    if isa not in ("", "avx2"):
-        raise KernelUnavailable(f"{ISA_ENV}={isa!r} must be avx2 or unset")
-    build_flags = (*FLAGS, "-mno-avx512f") if isa else FLAGS
+    if isa not in ISA_FLAGS:
+        raise KernelUnavailable(f"{ISA_ENV}={isa!r} must be one of {', '.join(filter(None, ISA_FLAGS))} or unset")
+    build_flags = (*FLAGS, *ISA_FLAGS[isa])
     key = hashlib.sha256("\0".join([SOURCE.read_text(), *build_flags, version, jaxlib.__version__, model,
                                     " ".join(sorted(flags))]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
@@ -127,6 +134,15 @@ def vector_lanes() -> int:
     """float32 lanes per vector in the built kernels: 16 for the AVX-512 variant, 8 for AVX2."""
     require()
     return int(_library().jaxstation_vector_lanes())
+
+
+def int_dot_isa() -> str:
+    """The instruction set of the built kernels' integer dot products: avx512-vnni, avx512 (maddubs), avx-vnni or avx2
+    (maddubs)."""
+    require()
+    library = _library()
+    library.jaxstation_int_dot_isa.restype = ctypes.c_char_p
+    return library.jaxstation_int_dot_isa().decode()
 
 
 def available() -> bool:
@@ -199,16 +215,18 @@ def fits_blocks(fmt: str, in_features: int, out_features: int) -> bool:
     return fmt in BLOCK_FORMATS and in_features % BLOCK_FORMATS[fmt][0] == 0 and out_features % N_MULTIPLE == 0
 
 
-def rowwise_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None, blocks: str | None = None) -> jax.Array:
+def rowwise_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None, blocks: str | None = None,
+                   integer: bool = False) -> jax.Array:
     """x [..., K] float32 times w [N, K] (int8 with scale [N], or float32 without), or w uint8 [N, K / block * block
-    bytes] in the GGUF block format `blocks` -> [..., N] float32."""
+    bytes] in the GGUF block format `blocks` -> [..., N] float32: with `integer`, each row rounded to 8 bits per block
+    and multiplied in integers; else exactly over the dequantized weights."""
     require()
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.shape[0]
     rows = x.reshape(-1, k).astype(jnp.float32)
     out = jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32)
     if blocks is not None:
-        y = jax.ffi.ffi_call(TARGETS[f"matmul_{blocks}"][0], out)(rows, w)
+        y = jax.ffi.ffi_call(TARGETS[f"{'int' if integer else 'matmul'}_{blocks}"][0], out)(rows, w)
     elif scale is None:
         y = jax.ffi.ffi_call(TARGETS["float32"][0], out)(rows, w)
     else:

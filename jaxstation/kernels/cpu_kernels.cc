@@ -622,6 +622,337 @@ ffi::Error BlockRows(ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> ids, ffi::Res
   return ffi::Error::Success();
 }
 
+// ---- Integer dot products over GGUF blocks (weights "gguf") ----
+// Each row of x is rounded to 8 bits per 32 columns (as llama.cpp's Q8_0), from that row alone: d = amax / 127, q =
+// x * (127 / amax) rounded to nearest even. (llama.cpp rounds to 256-column Q8_K blocks for the K-quants; on Gemma 3
+// 270M's Q4_K and Q6_K matrices that alone cost more perplexity than the 1% the integer path may lose.) A weight block
+// is read as unsigned byte codes (signed for Q8_0 without VNNI), w = d_w * s * (code - bias) (+ m for the formats with
+// a minimum), s an integer scale per 32 or 16 columns (the K-quants). The products of codes and q are summed exactly
+// in int32, in 8 lanes per 32 columns (lane j: columns 4j..4j+3), with the bias folded in as -bias * the lane's sum
+// of q and the K-quant scales multiplied in as integers. Then, per output and per 32 columns in K order, one fixed
+// float epilogue: acc[j] = acc[j] + (d_w * d_x) * float(lane j), and mins = mins + (m * d_x) * float(minimum code *
+// sum of q); the output is ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)) + mins, as `Lanes8`
+// spells it. No step depends on the rows, the tile, the thread or the instruction set (vpdpbusd and maddubs give the
+// same int32 sums), so a row's bits never depend on the rows beside it, and every build gives the same bits.
+#if defined(__AVX512F__)
+using IVec = __m512i;  // two channels' 8 lanes: lanes 0-7 the first channel's, 8-15 the next one's
+constexpr int kPer = 2;
+inline IVec ILoad(const void* p) { return _mm512_loadu_si512(p); }
+inline IVec Both(const void* p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256(static_cast<const __m256i*>(p))); }
+inline IVec IZero() { return _mm512_setzero_si512(); }
+inline IVec ISet1(int32_t a) { return _mm512_set1_epi32(a); }
+inline IVec IMul(IVec a, IVec b) { return _mm512_mullo_epi32(a, b); }
+inline Vec FPair(float a, float b) { return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b)); }
+inline Vec ToFloat(IVec a) { return _mm512_cvtepi32_ps(a); }
+#if defined(__AVX512VNNI__)
+constexpr bool kVnni = true;
+constexpr const char* kIntIsa = "avx512-vnni";
+inline IVec DotU(IVec acc, IVec u, IVec s) { return _mm512_dpbusd_epi32(acc, u, s); }
+#else
+constexpr bool kVnni = false;
+constexpr const char* kIntIsa = "avx512";
+// pairs of u8 x s8 products in int16 (codes below 64 and |q| <= 127 cannot saturate), then pairs of those in int32
+inline IVec DotU(IVec acc, IVec u, IVec s) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+}
+#endif
+// Q8_0's signed codes without VNNI: |w| times q with w's sign (|w| <= 128, so no pair saturates)
+inline IVec DotS(IVec acc, IVec w, IVec s) {
+  return DotU(acc, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(s, _mm512_movepi8_mask(w), _mm512_setzero_si512(), s));
+}
+#else
+using IVec = __m256i;  // one channel's 8 lanes
+constexpr int kPer = 1;
+inline IVec ILoad(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline IVec Both(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline IVec IZero() { return _mm256_setzero_si256(); }
+inline IVec ISet1(int32_t a) { return _mm256_set1_epi32(a); }
+inline IVec IMul(IVec a, IVec b) { return _mm256_mullo_epi32(a, b); }
+inline Vec FPair(float a, float) { return _mm256_set1_ps(a); }
+inline Vec ToFloat(IVec a) { return _mm256_cvtepi32_ps(a); }
+#if defined(__AVXVNNI__)
+constexpr bool kVnni = true;
+constexpr const char* kIntIsa = "avx-vnni";
+inline IVec DotU(IVec acc, IVec u, IVec s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+constexpr bool kVnni = false;
+constexpr const char* kIntIsa = "avx2";
+inline IVec DotU(IVec acc, IVec u, IVec s) {  // as the AVX-512 one
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
+inline IVec DotS(IVec acc, IVec w, IVec s) { return DotU(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w)); }
+#endif
+constexpr int kIntChannels = 2 * kPer;  // channels a tile
+constexpr int kIntRows = 4;             // rows a tile, at most
+
+// The one sum of an output's 8 lanes.
+inline float Lanes8(const float* l) {
+  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+// The rows of x rounded to 8 bits per 32 columns: q [M, K], d and sums [M, K / 32] (each 32 columns' scale and sum
+// of q) and, for a format with a bias, lanes [M, K / 4] = -bias * each 4 columns' sum of q.
+struct IntActs {
+  int64_t K = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> sums, lanes;
+};
+
+void QuantizeRows(const float* x, int64_t M, int64_t K, int bias, IntActs& a) {
+  a.K = K;
+  a.q.resize(M * K), a.d.resize(M * K / 32), a.sums.resize(M * K / 32), a.lanes.resize(bias ? M * K / 4 : 0);
+  float rounded[32];
+  for (int64_t b = 0; b < M * K / 32; ++b) {
+    const float* xb = x + b * 32;
+    Vec amax = Zero();
+    for (int64_t i = 0; i < 32; i += kLanes) amax = Max(amax, Max(LoadX(xb + i), Sub(Zero(), LoadX(xb + i))));
+    float lanes[kLanes];
+    Store(lanes, amax);
+    const float m = *std::max_element(lanes, lanes + kLanes);
+    const Vec id = Set1(m > 0 ? 127.0f / m : 0.0f);
+    a.d[b] = m / 127.0f;
+    for (int64_t i = 0; i < 32; i += kLanes) Store(rounded + i, Round(Mul(LoadX(xb + i), id)));
+    int8_t* q = a.q.data() + b * 32;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < 32; ++i) sum += q[i] = static_cast<int8_t>(rounded[i]);
+    a.sums[b] = sum;
+    if (bias)
+      for (int64_t i = 0; i < 32; i += 4) a.lanes[b * 8 + i / 4] = -bias * (q[i] + q[i + 1] + q[i + 2] + q[i + 3]);
+  }
+}
+
+// A vector's kPer channels as integer codes, each 32 columns' codes (and lane scales) of its channels side by side, so
+// one load reads them: codes [K / 32][kPer][32], scales and mins [K / 32][kPer][8] (the K-quants' integer scale of
+// each lane, and Q4_K and Q5_K's integer minimum of each 32 columns in all 8 lanes); d, m [kPer][K / block].
+struct IntCodes {
+  int64_t blocks = 0;
+  std::vector<uint8_t> codes;
+  std::vector<int32_t> scales, mins;
+  std::vector<float> d, m;
+  void Resize(int64_t K, int64_t block) {
+    blocks = K / block;
+    codes.resize(K * kPer), scales.resize(K / 4 * kPer), mins.resize(K / 4 * kPer);
+    d.resize(blocks * kPer), m.resize(blocks * kPer);
+  }
+};
+
+// Channel h of an IntCodes, as a block decoder writes it.
+struct IntChannel {
+  IntCodes& s;
+  int h;
+  uint8_t* Codes(int64_t group) { return s.codes.data() + (group * kPer + h) * 32; }
+  int32_t* Scales(int64_t group) { return s.scales.data() + (group * kPer + h) * 8; }
+  int32_t* Mins(int64_t group) { return s.mins.data() + (group * kPer + h) * 8; }
+  float& D(int64_t blk) { return s.d[h * s.blocks + blk]; }
+  float& M(int64_t blk) { return s.m[h * s.blocks + blk]; }
+};
+
+inline __m256i Load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void Store32(uint8_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+inline __m256i Field(__m256i v, int shift, int mask) {  // (byte >> shift) & mask in every byte
+  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(static_cast<char>(mask)));
+}
+// 16 bytes of nibbles as 32 codes: the low nibbles, then the high ones
+inline __m256i Nibbles(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+// 0x10 in byte c where bit c of the little-endian word at p is set
+inline __m256i FifthBits(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  const __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf),
+                                        _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+
+// The 32-column formats: one block a group. kBias: the code's offset; kMin: a float minimum per block.
+template <int kBytesT, int kBiasT, bool kMinT>
+struct IntSmall {
+  static constexpr int64_t kBlock = 32, kBytes = kBytesT;
+  static constexpr int kBias = kBiasT;
+  static constexpr bool kMin = kMinT, kScaled = false, kSigned = false;
+};
+
+struct IntQ4_0 : IntSmall<18, 8, false> {  // d, 16 bytes of nibbles
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    c.D(blk) = HalfToFloat(b);
+    Store32(c.Codes(blk), Nibbles(b + 2));
+  }
+};
+struct IntQ4_1 : IntSmall<20, 0, true> {  // d, m, 16 bytes of nibbles
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    c.D(blk) = HalfToFloat(b), c.M(blk) = HalfToFloat(b + 2);
+    Store32(c.Codes(blk), Nibbles(b + 4));
+  }
+};
+struct IntQ5_0 : IntSmall<22, 16, false> {  // d, qh[4], 16 bytes of nibbles
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    c.D(blk) = HalfToFloat(b);
+    Store32(c.Codes(blk), _mm256_or_si256(Nibbles(b + 6), FifthBits(b + 2)));
+  }
+};
+struct IntQ5_1 : IntSmall<24, 0, true> {  // d, m, qh[4], 16 bytes of nibbles
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    c.D(blk) = HalfToFloat(b), c.M(blk) = HalfToFloat(b + 2);
+    Store32(c.Codes(blk), _mm256_or_si256(Nibbles(b + 8), FifthBits(b + 4)));
+  }
+};
+struct IntQ8_0 : IntSmall<34, kVnni ? 128 : 0, false> {  // d, 32 int8: with VNNI as unsigned codes q + 128
+  static constexpr bool kSigned = !kVnni;
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    c.D(blk) = HalfToFloat(b);
+    const __m256i q = Load32(b + 2);
+    Store32(c.Codes(blk), kVnni ? _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80))) : q);
+  }
+};
+
+// The K-quants: 256 columns in 8 groups of 32, each with an integer scale (Q6_K: one per 16 columns) in `scales`.
+template <int kBytesT, int kBiasT, bool kMinT>
+struct IntK {
+  static constexpr int64_t kBlock = 256, kBytes = kBytesT;
+  static constexpr int kBias = kBiasT;
+  static constexpr bool kMin = kMinT, kScaled = true, kSigned = false;
+};
+
+inline void GroupScale(IntChannel& c, int64_t group, int low, int high) {  // lanes 0-3, columns 0-15: low
+  for (int j = 0; j < 8; ++j) c.Scales(group)[j] = j < 4 ? low : high;
+}
+
+// Q4_K and Q5_K's 6-bit scales and mins of group j (d * sc * q - dmin * mn): the minimum's coefficient is -dmin.
+inline void KScales(const uint8_t* b, int64_t blk, IntChannel& c) {
+  const uint8_t* s = b + 4;
+  c.D(blk) = HalfToFloat(b), c.M(blk) = -HalfToFloat(b + 2);
+  for (int j = 0; j < 8; ++j) {
+    const int sc = j < 4 ? s[j] & 0x3F : (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+    const int mn = j < 4 ? s[j + 4] & 0x3F : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+    GroupScale(c, blk * 8 + j, sc, sc);
+    std::fill_n(c.Mins(blk * 8 + j), 8, mn);
+  }
+}
+
+struct IntQ4_K : IntK<144, 0, true> {  // d, dmin, scales[12], qs[128]: group j, nibble j % 2 of bytes 32 * (j / 2) on
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    KScales(b, blk, c);
+    for (int j = 0; j < 8; ++j)
+      Store32(c.Codes(blk * 8 + j), Field(Load32(b + 16 + 32 * (j / 2)), 4 * (j % 2), 0x0F));
+  }
+};
+struct IntQ5_K : IntK<176, 0, true> {  // d, dmin, scales[12], qh[32] (bit j: group j's fifth bit), qs[128]
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    KScales(b, blk, c);
+    const __m256i qh = Load32(b + 16);
+    for (int j = 0; j < 8; ++j) {
+      const __m256i low = Field(Load32(b + 48 + 32 * (j / 2)), 4 * (j % 2), 0x0F);
+      Store32(c.Codes(blk * 8 + j), _mm256_or_si256(low, _mm256_slli_epi16(Field(qh, j, 1), 4)));
+    }
+  }
+};
+struct IntQ6_K : IntK<210, 32, false> {  // ql[128], qh[64], int8 scales[16] (one per 16 columns), d
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    c.D(blk) = HalfToFloat(b + 208);
+    for (int j = 0; j < 8; ++j) {
+      const int64_t half = j / 4, quarter = j % 4;
+      const __m256i low = Field(Load32(b + 64 * half + 32 * (quarter % 2)), static_cast<int>(4 * (quarter / 2)), 0x0F);
+      const __m256i high = Field(Load32(b + 128 + 32 * half), static_cast<int>(2 * quarter), 3);
+      Store32(c.Codes(blk * 8 + j), _mm256_or_si256(low, _mm256_slli_epi16(high, 4)));
+      GroupScale(c, blk * 8 + j, scales[2 * j], scales[2 * j + 1]);
+    }
+  }
+};
+
+// R rows x kIntChannels channels over the whole K: each 32 columns' integer lanes, then their epilogue, in K order.
+// The minimum's term of channel h runs in every lane of its half of a vector (the same operations in each).
+template <typename F, int R>
+void IntTile(const IntActs& a, int64_t m0, const IntCodes* ch, float* y, int64_t N, int64_t n0) {
+  constexpr int V = kIntChannels / kPer, G = F::kBlock / 32;
+  const int64_t K = a.K, nb = K / F::kBlock;
+  Vec acc[R][V], mins[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = mins[r][v] = Zero();
+  for (int64_t b = 0; b < nb; ++b) {
+    Vec dw[V], mw[V];
+    for (int v = 0; v < V; ++v) {
+      dw[v] = FPair(ch[v].d[b], ch[v].d[(kPer - 1) * nb + b]);
+      mw[v] = FPair(ch[v].m[b], ch[v].m[(kPer - 1) * nb + b]);
+    }
+    for (int g = 0; g < G; ++g) {
+      const int64_t group = b * G + g;
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (m0 + r) * K / 32 + group;  // the row's 32 columns
+        const IVec x = Both(a.q.data() + at * 32);
+        const IVec bias = F::kBias ? Both(a.lanes.data() + at * 8) : IZero();
+        const Vec dx = Set1(a.d[at]);
+        for (int v = 0; v < V; ++v) {
+          const IVec w = ILoad(ch[v].codes.data() + group * kPer * 32);
+          IVec p = F::kSigned ? DotS(bias, w, x) : DotU(bias, w, x);
+          if constexpr (F::kScaled) p = IMul(p, ILoad(ch[v].scales.data() + group * kPer * 8));
+          acc[r][v] = Add(acc[r][v], Mul(Mul(dw[v], dx), ToFloat(p)));
+          if constexpr (F::kMin) {  // the minimum codes (Q4_1, Q5_1: 1) times the row's sum of q
+            const int32_t sum = a.sums[at];
+            const Vec ms = F::kScaled ? ToFloat(IMul(ILoad(ch[v].mins.data() + group * kPer * 8), ISet1(sum)))
+                                      : Set1(static_cast<float>(sum));
+            mins[r][v] = Add(mins[r][v], Mul(Mul(mw[v], dx), ms));
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) {
+      float lanes[8 * kPer], low[8 * kPer];
+      Store(lanes, acc[r][v]);
+      Store(low, mins[r][v]);
+      for (int h = 0; h < kPer; ++h) y[(m0 + r) * N + n0 + v * kPer + h] = Lanes8(lanes + 8 * h) + low[8 * h];
+    }
+}
+
+// Channels [n_begin, n_end), each group of kIntChannels decoded once into codes, then every row tile over them.
+template <typename F>
+void IntChannels(const IntActs& a, const uint8_t* w, int64_t row_len, float* y, int64_t M, int64_t N,
+                 int64_t n_begin, int64_t n_end) {
+  constexpr int V = kIntChannels / kPer;
+  thread_local std::vector<IntCodes> ch(V);
+  for (auto& c : ch) c.Resize(a.K, F::kBlock);
+  for (int64_t n = n_begin; n < n_end; n += kIntChannels) {
+    for (int c = 0; c < kIntChannels; ++c) {
+      const uint8_t* row = w + (n + c) * row_len;
+      IntChannel channel{ch[c / kPer], c % kPer};
+      for (int64_t b = 0; b < a.K / F::kBlock; ++b) F::Decode(row + b * F::kBytes, b, channel);
+    }
+    int64_t m = 0;
+    for (; m + kIntRows <= M; m += kIntRows) IntTile<F, kIntRows>(a, m, ch.data(), y, N, n);
+    switch (M - m) {
+      case 3: IntTile<F, 3>(a, m, ch.data(), y, N, n); break;
+      case 2: IntTile<F, 2>(a, m, ch.data(), y, N, n); break;
+      case 1: IntTile<F, 1>(a, m, ch.data(), y, N, n); break;
+    }
+  }
+}
+
+// x [M, K] times block weights w [N, K / block * bytes] (uint8) -> y [M, N] by integer dot products.
+template <typename F>
+ffi::Error IntMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] % F::kBlock || wd[1] != xd[1] / F::kBlock * F::kBytes || wd[0] % 4)
+    return ffi::Error::InvalidArgument("int_matmul: x [M, K], w [N, K / block * block bytes], N % 4 == 0");
+  const int64_t M = xd[0], K = xd[1], N = wd[0];
+  IntActs a;
+  QuantizeRows(x.typed_data(), M, K, F::kBias, a);
+  // channel ranges of a multiple of 4, about 4 per thread, at least 32 channels each
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per = std::max<int64_t>(32, (N / (4 * threads) + 3) / 4 * 4);
+  ParallelFor(pool, (N + per - 1) / per, [&](int64_t i) {
+    IntChannels<F>(a, w.typed_data(), wd[1], y->typed_data(), M, N, i * per, std::min(N, (i + 1) * per));
+  });
+  return ffi::Error::Success();
+}
+
 // A lane's positions lie kv_heads * head_dim floats apart, one head's slice of each a few cache lines: the walks
 // over keys and values ask for the slice kAhead positions on (into L2), so that many lines are in flight at once.
 constexpr int64_t kAhead = 64;
@@ -940,6 +1271,9 @@ ffi::Error TopKImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBu
 // The variant built: 16 float32 lanes per vector with AVX-512, 8 with AVX2.
 extern "C" int jaxstation_vector_lanes() { return static_cast<int>(kLanes); }
 
+// The integer dot products' instruction set: avx512-vnni, avx-vnni or avx2.
+extern "C" const char* jaxstation_int_dot_isa() { return kIntIsa; }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -984,9 +1318,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNorm, RmsNormImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("eps"));
 
-// One matmul and one row lookup per block format: RowwiseMatmulQ4_1, BlockRowsQ4_1, ...
+// Per block format, the float32-exact matmul, the integer one and the row lookup: RowwiseMatmulQ4_1, IntMatmulQ4_1,
+// BlockRowsQ4_1, ...
 #define JAXSTATION_BLOCK_FORMAT(F)                                                                          \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(RowwiseMatmul##F, MatmulBlocks<F>,                                         \
+                                ffi::Ffi::Bind()                                                            \
+                                    .Ctx<ffi::ThreadPool>()                                                 \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                           \
+                                    .Arg<ffi::Buffer<ffi::U8>>()                                            \
+                                    .Ret<ffi::Buffer<ffi::F32>>());                                         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(IntMatmul##F, IntMatmul<Int##F>,                                           \
                                 ffi::Ffi::Bind()                                                            \
                                     .Ctx<ffi::ThreadPool>()                                                 \
                                     .Arg<ffi::Buffer<ffi::F32>>()                                           \

@@ -30,6 +30,7 @@ from jaxstation.kernels import cpu_kernel
 from jaxstation.kernels.rowwise import row_sum
 from jaxstation.model.config import NO_WINDOW, ModelConfig
 from jaxstation.model.quant import (
+    GGUF_WEIGHTS,
     MATMULS,
     Tensor,
     Weight,
@@ -119,7 +120,8 @@ def kernel_takes_every_matmul(cfg: ModelConfig) -> bool:
     return all(cpu_kernel.fits(i, o) for i, o in [*projection_shapes(cfg), (cfg.hidden_size, cfg.vocab_size)])
 
 
-WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "gguf")  # gguf: a GGUF file's blocks as stored, on the CPU kernel
+# gguf, gguf-exact: a GGUF file's blocks as stored, on the CPU kernel, multiplied in integers or float32-exact
+WEIGHT_DTYPES = ("float32", "bfloat16", "int8", *GGUF_WEIGHTS)
 
 
 def build_params(cfg: ModelConfig, tensor: Callable[[int | None, str], Tensor], weights: str = "float32",
@@ -127,15 +129,15 @@ def build_params(cfg: ModelConfig, tensor: Callable[[int | None, str], Tensor], 
     """Build Params from checkpoint-oriented tensors ([out, in], HF slot names via `tensor(layer, slot)`): fuse q/k/v
     and gate/up, transpose to [in, out], cast or quantize, and lay the layers out for `layer_loop`.
     matmul "kernel" lays float32 and int8 projections out for the CPU kernel (`quant.KernelWeight`); weights "gguf"
-    keeps GGUF blocks (`quant.GGUFBlocks`) as stored there, and reads any other tensor as float32. shards > 1 lays the
-    fused projections out for that many devices (`sharding.shard_major`), for XLA's dot only, and puts each matrix
-    from host memory straight onto its shards of a mesh of that many devices (`sharding.on_shards`), so no device
-    holds more than its share and the one matrix being cast or quantized (`sharding.shard_params` then places
-    the rest)."""
+    and "gguf-exact" keep GGUF blocks (`quant.GGUFBlocks`) as stored there, and read any other tensor as float32.
+    shards > 1 lays the fused projections out for that many devices (`sharding.shard_major`), for XLA's dot only, and
+    puts each matrix from host memory straight onto its shards of a mesh of that many devices (`sharding.on_shards`),
+    so no device holds more than its share and the one matrix being cast or quantized (`sharding.shard_params` then
+    places the rest)."""
     if weights not in WEIGHT_DTYPES:
         raise ValueError(f"weights must be one of {WEIGHT_DTYPES}, got {weights!r}")
-    if weights == "gguf" and matmul != "kernel":
-        raise ValueError("weights 'gguf' need matmul 'kernel': only the CPU kernel reads GGUF blocks")
+    if weights in GGUF_WEIGHTS and matmul != "kernel":
+        raise ValueError(f"weights {weights!r} need matmul 'kernel': only the CPU kernel reads GGUF blocks")
     if layer_loop not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
     if matmul not in MATMULS:

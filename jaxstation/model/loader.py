@@ -21,7 +21,7 @@ from jaxstation.model.default_model import default_model_path
 from jaxstation.model.gguf_file import GGUFFile, GGUFTensor
 from jaxstation.model.gguf_tokenizer import check_gguf_tokenizer
 from jaxstation.model.layers import WEIGHT_DTYPES, Params, build_params
-from jaxstation.model.quant import GGUFBlocks, Tensor
+from jaxstation.model.quant import GGUF_WEIGHTS, GGUFBlocks, Tensor
 from jaxstation.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -249,8 +249,8 @@ def open_gguf(path: Path) -> GGUFFile:
 
 def load_gguf(path: Path, dtype: str = "float32", reader: GGUFFile | None = None, layer_loop: str = "scan",
               matmul: str = "xla", shards: int = 1) -> tuple[ModelConfig, Params]:
-    """A GGUF file: config from metadata, tensors dequantized with the gguf package; with dtype "gguf", matrices in a
-    block format the CPU kernel reads stay in their blocks (`quant.GGUFBlocks`)."""
+    """A GGUF file: config from metadata, tensors dequantized with the gguf package; with dtype "gguf" or
+    "gguf-exact", matrices in a block format the CPU kernel reads stay in their blocks (`quant.GGUFBlocks`)."""
     from gguf import dequantize
 
     reader = reader or open_gguf(path)
@@ -262,7 +262,7 @@ def load_gguf(path: Path, dtype: str = "float32", reader: GGUFFile | None = None
         key = _map_name(t.name, _GGUF_GLOBAL, _GGUF_LAYER, _GGUF_LAYER_NAMES, cfg.num_layers)
         qtype = served_type(t, path)
         shape = tuple(int(n) for n in reversed(t.shape))  # ggml dims are [in, out]
-        if dtype == "gguf" and qtype.name in BLOCK_FORMATS and key[1] in _MATRICES and len(shape) == 2:
+        if dtype in GGUF_WEIGHTS and qtype.name in BLOCK_FORMATS and key[1] in _MATRICES and len(shape) == 2:
             arr: Tensor = GGUFBlocks(np.asarray(t.data).reshape(shape[0], -1), qtype.name, shape)
         else:
             try:

@@ -6,9 +6,11 @@ activation dtype inside the compiled step and applies the scales to the product,
 
 A `KernelWeight` is a float32 or int8 weight laid out out-major for the CPU kernel (kernels/cpu_kernel.py), which
 reads int8 without converting it in memory and gives each row the same bits whatever the other rows are; or a GGUF
-matrix in its stored block format (weights "gguf": Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), which the kernel
-rebuilds in registers into exactly the float32 weights the gguf package's dequantization gives, so the bits are
-float32's. A `JoinedWeight` is one projection whose parts a file stores in different block formats.
+matrix in its stored block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). With weights "gguf" the kernel
+rounds each activation row to 8 bits per block and multiplies integers, as llama.cpp does, in one fixed order per
+output, so a row's bits still depend on nothing beside it; with "gguf-exact" it rebuilds in registers exactly the
+float32 weights the gguf package's dequantization gives, so the bits are float32's. A `JoinedWeight` is one
+projection whose parts a file stores in different block formats.
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ class QuantWeight:
         return self.q.nbytes + self.scale.nbytes
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["w", "scale"], meta_fields=["blocks"])
+@partial(jax.tree_util.register_dataclass, data_fields=["w", "scale"], meta_fields=["blocks", "integer"])
 @dataclasses.dataclass(frozen=True)
 class KernelWeight:
     w: jax.Array  # [..., out, in]: int8, or float32; uint8 [..., out, in / block * block bytes] for GGUF blocks
     scale: jax.Array | None  # float32 [..., out] for int8; None otherwise
     blocks: str | None = None  # the GGUF block format of w ("Q4_1", ...); None for int8 and float32
+    integer: bool = False  # blocks multiplied in integers over 8-bit activations (weights "gguf")
 
     @property
     def nbytes(self) -> int:
@@ -80,6 +83,7 @@ class GGUFBlocks:
         return np.asarray(dequantize(self.data, GGMLQuantizationType[self.fmt]), np.float32).reshape(self.shape)
 
 
+GGUF_WEIGHTS = ("gguf", "gguf-exact")  # a GGUF file's blocks as stored: integer products, or float32's exact bits
 Weight = jax.Array | QuantWeight | KernelWeight | JoinedWeight
 Tensor = np.ndarray | jax.Array | GGUFBlocks | tuple[GGUFBlocks, ...]  # a tuple: one projection in several formats
 MATMULS = ("xla", "kernel")  # how projections multiply: XLA's dot, or the CPU kernel over KernelWeights
@@ -99,10 +103,10 @@ def on_kernel(w: Weight) -> bool:
 
 
 def stored(w: GGUFBlocks, weights: str, matmul: str) -> KernelWeight | None:
-    """GGUF blocks as stored, for the kernel: where weights "gguf" ask for them and the kernel reads that format at
-    that shape; else None."""
-    if weights == "gguf" and matmul == "kernel" and cpu_kernel.fits_blocks(w.fmt, w.shape[-1], w.shape[-2]):
-        return KernelWeight(jnp.asarray(w.data), None, w.fmt)
+    """GGUF blocks as stored, for the kernel: where weights "gguf" or "gguf-exact" ask for them and the kernel reads
+    that format at that shape; else None."""
+    if weights in GGUF_WEIGHTS and matmul == "kernel" and cpu_kernel.fits_blocks(w.fmt, w.shape[-1], w.shape[-2]):
+        return KernelWeight(jnp.asarray(w.data), None, w.fmt, weights == "gguf")
     return None
 
 
@@ -135,7 +139,7 @@ def _in_out(w: Tensor) -> np.ndarray:
 def prepare(w: Tensor, weights: str, matmul: str) -> Weight:
     """A projection as the step will read it: cast, quantized, or out-major for the kernel (when its shape fits the
     kernel; otherwise XLA's dot serves that weight). `w` is [..., in, out], or GGUF blocks [..., out, in], which
-    weights "gguf" keeps as stored for the kernel."""
+    weights "gguf" and "gguf-exact" keep as stored for the kernel."""
     if isinstance(w, tuple) and all(parts := [stored(p, weights, matmul) for p in w]):
         return JoinedWeight(tuple(parts))
     if isinstance(w, GGUFBlocks) and (kw := stored(w, weights, matmul)):
@@ -151,8 +155,8 @@ def prepare(w: Tensor, weights: str, matmul: str) -> Weight:
 
 def prepare_embedding(embed: Tensor, weights: str, matmul: str, tied: bool) -> Weight:
     """The embedding table [vocab, d]. Tied, its rows are the lm_head's output channels: quantized per row for int8,
-    out-major for the kernel as it stands, or (weights "gguf") in its GGUF blocks. Untied, it is only looked up, so it
-    stays in the compute dtype."""
+    out-major for the kernel as it stands, or (weights "gguf", "gguf-exact") in its GGUF blocks. Untied, it is only
+    looked up, so it stays in the compute dtype."""
     if isinstance(embed, GGUFBlocks):
         if tied and (kw := stored(embed, weights, matmul)):
             return kw
@@ -166,12 +170,12 @@ def prepare_embedding(embed: Tensor, weights: str, matmul: str, tied: bool) -> W
 
 def kernel_weight(w_out_in, weights: str) -> KernelWeight:
     """A dense weight already out-major ([..., out, in], e.g. a tied embedding) for the kernel: int8, or float32 (for
-    weights "gguf" too: a tensor the file stores unquantized, or in a format the kernel does not read)."""
+    GGUF weights too: a tensor the file stores unquantized, or in a format the kernel does not read)."""
     if weights == "int8":
         q = quantize(w_out_in, reduce_axis=-1)
         return KernelWeight(q.q, q.scale)
-    if weights not in ("float32", "gguf"):
-        raise ValueError(f"the CPU kernel takes float32, int8 or gguf weights, not {weights}")
+    if weights not in ("float32", *GGUF_WEIGHTS):
+        raise ValueError(f"the CPU kernel takes float32, int8, gguf or gguf-exact weights, not {weights}")
     return KernelWeight(jnp.asarray(w_out_in, jnp.float32), None)
 
 
@@ -188,7 +192,7 @@ def quantize(w: jax.Array | np.ndarray, reduce_axis: int) -> QuantWeight:
 def compute_dtype(weights: str) -> jnp.dtype:
     """Activations, norms and the arena: the weights' float dtype; float32 for GGUF blocks (the CPU kernel's); for
     int8, bfloat16 on a GPU and float32 on CPU."""
-    if weights == "gguf":
+    if weights in GGUF_WEIGHTS:
         return jnp.dtype(jnp.float32)
     if weights == "int8":
         return jnp.dtype(jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
@@ -205,7 +209,7 @@ def matmul(x: jax.Array, w: Weight) -> jax.Array:
     if isinstance(w, JoinedWeight):
         return jnp.concatenate([matmul(x, p) for p in w.parts], axis=-1)
     if isinstance(w, KernelWeight):
-        return cpu_kernel.rowwise_matmul(x, w.w, w.scale, w.blocks)
+        return cpu_kernel.rowwise_matmul(x, w.w, w.scale, w.blocks, w.integer)
     precision = precision_for(x.dtype)
     if isinstance(w, QuantWeight):
         return jnp.matmul(x, w.q.astype(x.dtype), precision=precision) * w.scale.astype(x.dtype)
@@ -215,7 +219,7 @@ def matmul(x: jax.Array, w: Weight) -> jax.Array:
 def matmul_transposed(x: jax.Array, w: Weight) -> jax.Array:
     """x [..., d] @ w.T for w [out, d] (the tied lm_head over the embedding table) in x's dtype."""
     if isinstance(w, KernelWeight):
-        return cpu_kernel.rowwise_matmul(x, w.w, w.scale, w.blocks)
+        return cpu_kernel.rowwise_matmul(x, w.w, w.scale, w.blocks, w.integer)
     dims = (((x.ndim - 1,), (1,)), ((), ()))
     precision = precision_for(x.dtype)
     if isinstance(w, QuantWeight):

@@ -35,13 +35,38 @@ from jaxstation.serving.outcomes import OPENAI_INVALID, OUTCOMES, Disconnected, 
 from jaxstation.serving.routes import rejected
 from jaxstation.serving.station import Station
 
+KEEPALIVE_S = 5.0  # the longest a stream stays silent: a long prompt's prefill must not look like a dead peer
+COMMENT = ": keep-alive\n\n"  # an SSE comment, which clients skip
+
+
+async def keepalive(events: AsyncIterator[str], beat: str) -> AsyncIterator[str]:
+    """`events`, with `beat` sent whenever they have been silent for KEEPALIVE_S seconds."""
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            pending = pending or asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE_S)
+            if not done:
+                yield beat
+                continue
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield event
+    finally:
+        if pending is not None:
+            pending.cancel()
+
 
 class SSEResponse(StreamingResponse):
-    """A StreamingResponse that runs `on_close` however the stream ends (finished, failed or the client gone)."""
+    """A StreamingResponse that runs `on_close` however the stream ends (finished, failed or the client gone), and
+    sends `beat` (an SSE comment, or the API's own ping) through silences such as a long prompt's prefill."""
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(content, media_type="text/event-stream",
+                 headers: dict[str, str] | None = None, beat: str = COMMENT) -> None:
+        super().__init__(keepalive(content, beat), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self.on_close = on_close
 

@@ -27,14 +27,15 @@ def use_gpu_memory_fraction() -> None:
 
 def weight_bytes(cfg: ModelConfig, dtype: str, shards: int = 1) -> int:
     """Bytes the model's weights take on one device once loaded as `dtype` and split over `shards` devices (int8: one
-    byte per projection weight plus a float32 scale per output channel; gguf: at most Q8_0's 34 bytes per 32 weights,
-    the largest block format the kernel reads; norms and an untied embedding in the compute dtype). Split, each device
+    byte per projection weight plus a float32 scale per output channel; gguf, gguf-exact: at most Q8_0's 34 bytes
+    per 32 weights, the largest block format the kernel reads; norms and an untied embedding in the compute dtype).
+    Split, each device
     holds 1/shards of every projection, of the embedding and of the head (where the vocabulary divides), the whole of
     the norms and (at most) of the int8 scales (model/sharding.py)."""
     d, v = cfg.hidden_size, cfg.vocab_size
     proj_in_out = projection_shapes(cfg)
     float_size = jnp.dtype(compute_dtype(dtype)).itemsize
-    weight_size = {"int8": 1, "gguf": 34 / 32}.get(dtype, float_size)
+    weight_size = {"int8": 1, "gguf": 34 / 32, "gguf-exact": 34 / 32}.get(dtype, float_size)
     proj = cfg.num_layers * sum(i * o for i, o in proj_in_out) * weight_size
     head = 0 if cfg.tie_word_embeddings else d * v * weight_size
     scales = 4 * (cfg.num_layers * sum(o for _, o in proj_in_out) + v) if dtype == "int8" else 0

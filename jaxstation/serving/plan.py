@@ -27,12 +27,13 @@ from jaxstation.model import sharding
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.layers import compute_dtype, kernel_takes_every_matmul
 from jaxstation.model.loader import LoadedModel, checkpoint_config, load_model
+from jaxstation.model.quant import GGUF_WEIGHTS
 from jaxstation.serving.memory import available_memory, weight_bytes
 from jaxstation.serving.settings import ConfigError, StationConfig
 
 log = logging.getLogger(__name__)
 
-KERNEL_DTYPES = ("float32", "int8", "gguf")  # the weight formats the CPU kernel multiplies
+KERNEL_DTYPES = ("float32", "int8", *GGUF_WEIGHTS)  # the weight formats the CPU kernel multiplies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Plan:
     """What a station runs with, every `auto` decided (`resolve_plan`); each field is named as its flag."""
 
     backend: str  # jax.default_backend(): cpu, gpu or tpu
-    dtype: str  # the weight format: gguf, float32, bfloat16 or int8 (--dtype)
+    dtype: str  # the weight format: gguf, gguf-exact, float32, bfloat16 or int8 (--dtype)
     matmul: str  # how projections multiply: kernel (the CPU kernel) or xla (--matmul)
     layer_loop: str  # the layer walk: scan or unroll (--layer-loop)
     attention: str  # the decode attention: blocked, kernel, xla or cudnn (--attention)
@@ -48,10 +49,12 @@ class Plan:
     prefill_budget: int  # rows per packed admission step; 0: one prefill chunk per turn (--prefill-budget)
     speculative: str = "off"  # off, ngram or draft: drafts verified in one step (--speculative)
     tensor_parallel: int = 1  # the devices the model is split over (--tensor-parallel)
+    int_dot: str | None = None  # dtype gguf: the integer dot's instruction set (avx512-vnni, avx512, avx-vnni, avx2)
 
     def __str__(self) -> str:
         widths = ",".join(map(str, self.wave_widths))
-        return (f"backend {self.backend}, dtype {self.dtype}, matmul {self.matmul}, layer_loop {self.layer_loop}, "
+        dtype = f"{self.dtype} (integer dot {self.int_dot})" if self.int_dot else self.dtype
+        return (f"backend {self.backend}, dtype {dtype}, matmul {self.matmul}, layer_loop {self.layer_loop}, "
                 f"attention {self.attention}, wave_widths {widths}, prefill_budget {self.prefill_budget or 'off'}, "
                 f"speculative {self.speculative}"
                 + (f", tensor_parallel {self.tensor_parallel}" if self.tensor_parallel > 1 else ""))
@@ -68,8 +71,10 @@ def resolve_plan(config: StationConfig, cfg: ModelConfig) -> Plan:
     matmul = _matmul(config, dtype, kernel_error)
     layer_loop = _layer_loop(config, backend, dtype, matmul)
     attention = _attention(config, cfg, backend, dtype, kernel_error)
+    int_dot = cpu_kernel.int_dot_isa() if dtype == "gguf" else None
     if config.layers is not None or config.station_urls:
-        return Plan(backend, dtype, matmul, layer_loop, attention, (config.lanes,), 0, tensor_parallel=shards)
+        return Plan(backend, dtype, matmul, layer_loop, attention, (config.lanes,), 0, tensor_parallel=shards,
+                    int_dot=int_dot)
     row_invariant = matmul == "kernel" and kernel_takes_every_matmul(cfg)
     widths, budget = _waves(config, row_invariant, attention)
     if config.speculative != "off" and len(widths) < 2:
@@ -77,7 +82,7 @@ def resolve_plan(config: StationConfig, cfg: ModelConfig) -> Plan:
                           f"need every matmul on the CPU kernel and its attention (here: matmul {matmul}, attention "
                           f"{attention}, backend {backend}); a verify row's independence of its place in the step is "
                           "checked on the CPU kernels only")
-    return Plan(backend, dtype, matmul, layer_loop, attention, widths, budget, config.speculative, shards)
+    return Plan(backend, dtype, matmul, layer_loop, attention, widths, budget, config.speculative, shards, int_dot)
 
 
 def _tensor_parallel(config: StationConfig, cfg: ModelConfig) -> int:
@@ -114,15 +119,16 @@ def _kernel_error() -> str | None:
 
 def _dtype(config: StationConfig, backend: str, kernel_error: str | None) -> str:
     """The weight format: the setting, or the backend's default: on CPU a GGUF model's blocks as stored where the
-    kernel runs (float32's exact bits at the file's bytes), else float32; bfloat16 on a GPU."""
-    if config.dtype == "gguf":
+    kernel runs, multiplied in integers over 8-bit activations (gguf; gguf-exact keeps float32's exact bits), else
+    float32; bfloat16 on a GPU."""
+    if config.dtype in GGUF_WEIGHTS:
+        asked = f"{config.named('dtype')}={config.dtype}"
         if not config.model_is_gguf:
-            raise ConfigError(f"{config.named('dtype')}=gguf needs a .gguf model, not {config.model}")
+            raise ConfigError(f"{asked} needs a .gguf model, not {config.model}")
         if backend == "gpu" or config.matmul == "xla":
-            raise ConfigError(f"{config.named('dtype')}=gguf needs the CPU kernel ({config.named('matmul')}=kernel or "
-                              "auto, on CPU)")
+            raise ConfigError(f"{asked} needs the CPU kernel ({config.named('matmul')}=kernel or auto, on CPU)")
         if kernel_error is not None:
-            raise ConfigError(f"{config.named('dtype')}=gguf needs the CPU kernel: {kernel_error}")
+            raise ConfigError(f"{asked} needs the CPU kernel: {kernel_error}")
     if config.dtype:
         return config.dtype
     if backend == "gpu":
@@ -131,10 +137,10 @@ def _dtype(config: StationConfig, backend: str, kernel_error: str | None) -> str
 
 
 def _matmul(config: StationConfig, dtype: str, kernel_error: str | None) -> str:
-    """How projections multiply: the setting, or the CPU kernel for float32, int8 and gguf weights where it runs."""
+    """How projections multiply: the setting, or the CPU kernel for float32, int8 and GGUF weights where it runs."""
     if config.matmul == "kernel":
         if dtype not in KERNEL_DTYPES:
-            raise ConfigError(f"{config.named('matmul')}=kernel takes float32, int8 or gguf weights, not {dtype}")
+            raise ConfigError(f"{config.named('matmul')}=kernel takes {', '.join(KERNEL_DTYPES)} weights, not {dtype}")
         if kernel_error is not None:
             raise ConfigError(f"{config.named('matmul')}=kernel: {kernel_error}")
         return "kernel"

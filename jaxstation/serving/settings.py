@@ -95,8 +95,10 @@ SETTINGS: tuple[_Setting, ...] = (
     _Setting("model", "MOONSHINE_MODEL", "--model", _parse_str,
              "HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)"),
     _Setting("dtype", "MOONSHINE_DTYPE", "--dtype", _parse_str,
-             "weight dtype: gguf (a GGUF model's matrices in their stored blocks, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or "
-             "Q6_K, on the CPU kernel: float32's exact bits at the file's bytes), float32, bfloat16 or int8 "
+             "weight dtype: gguf (a GGUF model's matrices in their stored blocks, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, "
+             "Q5_K or Q6_K, on the CPU kernel, multiplied in integers over activations rounded to 8 bits per block, "
+             "as llama.cpp does), gguf-exact (the same blocks, float32's exact bits over the dequantized weights), "
+             "float32, bfloat16 or int8 "
              "(weight-only, per output channel; activations and the KV arena stay float32 on CPU, bfloat16 on a GPU) "
              "(default: gguf on CPU for a GGUF model where the CPU kernel builds, else float32; bfloat16 on a GPU)"),
     _Setting("attention", "MOONSHINE_ATTENTION", "--attention", _parse_str,
