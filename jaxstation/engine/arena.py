@@ -153,8 +153,10 @@ class LayerKV:
                 return None if buf is None else buf.at[at].set((x[:, 0] if one else x[0]).astype(buf.dtype))
         else:  # a prefill chunk: one lane, a contiguous run of positions
             def put(buf: jax.Array | None, x: jax.Array | None) -> jax.Array | None:
-                start = (self.index, lanes[0], positions[0, 0]) + (0,) * (buf.ndim - 3) if buf is not None else ()
-                return None if buf is None else jax.lax.dynamic_update_slice(buf, x[None].astype(buf.dtype), start)
+                if buf is None:
+                    return None
+                start = (self.index, lanes[0], positions[0, 0]) + (0,) * (buf.ndim - 3)
+                return jax.lax.dynamic_update_slice(buf, x[None].astype(buf.dtype), start)
         new = KVBuffers(put(b.k, k), put(b.v, v), put(b.k_scale, ks), put(b.v_scale, vs))
         return dataclasses.replace(self, buffers=new)
 

@@ -61,7 +61,8 @@ class LaneVersions:
 
 
 class RingHold:
-    """Which positions each lane's rings still hold, kept by the `Engine` beside its lane stamps.
+    """Which positions each lane's rings still hold, kept by the `Engine` beside its lane stamps (so owned by the
+    thread that calls the engine: the decode thread).
 
     A windowed layer's ring keeps `ring` positions per lane (engine/arena.py). Per lane: `high`, the last position
     written, and `low`, the first from which every position up to `high` is still in the ring. A prefill restarting
