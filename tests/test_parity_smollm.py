@@ -37,8 +37,8 @@ def full_logits(exact_model, smollm_reference):
 
 
 @pytest.fixture(scope="module")
-def integer_logits(default_model, smollm_reference):
-    return prompt_logits(default_model, smollm_reference)
+def integer_logits(integer_model, smollm_reference):
+    return prompt_logits(integer_model, smollm_reference)
 
 
 # the integer path against HF, measured: prompt positions whose top token differs, and greedy tokens shared from the
@@ -47,15 +47,15 @@ INTEGER_PARITY = {"p0": (0, 5), "p1": (1, 7), "p2": (0, 12)}
 
 
 @pytest.mark.parametrize("p", PROMPTS)
-def test_the_integer_path_keeps_hfs_top_tokens_and_greedy_start(p, integer_logits, default_model, engine,
+def test_the_integer_path_keeps_hfs_top_tokens_and_greedy_start(p, integer_logits, integer_model, integer_engine,
                                                                 smollm_reference):
     differ, agree = INTEGER_PARITY[p]
     logits = integer_logits[p]
     ids, ref = smollm_reference[f"{p}_top64_ids"], smollm_reference[f"{p}_top64_logits"]
     assert np.sum(logits.argmax(-1) != ids[np.arange(len(ids)), ref.argmax(-1)]) <= differ
     expected = smollm_reference[f"{p}_greedy_ids"].tolist()
-    out = generate(engine, smollm_reference[f"{p}_prompt_ids"].tolist(), 48, SamplingParams(),
-                   frozenset(default_model.tokenizer.eos_ids))
+    out = generate(integer_engine, smollm_reference[f"{p}_prompt_ids"].tolist(), 48, SamplingParams(),
+                   frozenset(integer_model.tokenizer.eos_ids))
     assert out[:agree] == expected[:agree]
 
 

@@ -44,7 +44,7 @@ def test_prefill_written_kv_of_a_prefix_equals_a_longer_prompts(engine, n):
 # how near decode-written KV is to prefill-written: float32-exact, measured within 1e-5; with integer products, where
 # the two paths' last-bit differences can move an activation across an 8-bit rounding step, measured 0.22 for k and
 # 0.19 for v, whose values reach 16.5 and 10.2
-@pytest.mark.parametrize(("fixture", "atol"), [("engine", 0.3), ("exact_engine", 1e-3)])
+@pytest.mark.parametrize(("fixture", "atol"), [("integer_engine", 0.3), ("exact_engine", 1e-3)])
 def test_decode_written_kv_is_not_what_prefill_writes(request, fixture, atol):
     engine = request.getfixturevalue(fixture)
     prompt = ids(2, 70)
