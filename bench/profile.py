@@ -58,13 +58,14 @@ def parts(engine: Engine, live: int, reps: int) -> dict:
     @jax.jit
     def attention(arena):
         def one(i):
+            kv = arena.layer(i)
             if engine.attention == "blocked":
-                return blocked_attention(cfg, q, positions, arena, i, jnp.arange(lanes), n_blocks, engine.block)
+                return blocked_attention(cfg, q, positions, kv, i, jnp.arange(lanes), n_blocks, engine.block)
             if engine.attention == "kernel":
-                return kernel_decode_attention(cfg, q.reshape(lanes, cfg.num_heads, -1), positions[:, 0], arena, i,
+                return kernel_decode_attention(cfg, q.reshape(lanes, cfg.num_heads, -1), positions[:, 0], kv, i,
                                                jnp.arange(lanes))
-            return dense_decode_attention(cfg, q.reshape(lanes, cfg.num_heads, -1), positions[:, 0], arena.k[i],
-                                           arena.v[i], engine.attention)
+            return dense_decode_attention(cfg, q.reshape(lanes, cfg.num_heads, -1), positions[:, 0],
+                                          *kv.read(slice(None), slice(None), q.dtype), engine.attention)
         return sum(one(i) for i in range(cfg.num_layers))
 
     logits_in = jnp.ones((lanes, cfg.hidden_size), params.dtype)

@@ -8,6 +8,7 @@ speed-up.
 Usage:
   python -m bench.step [--reps 10] [--dtype float32]
   python -m bench.step --shape mistral-7b --lanes 1 8 32 64 --live 512 2048 --max-seq 4096   # random weights
+  python -m bench.step --model gemma-3-270m.gguf --lanes 1 8 --live 4095 --max-seq 4096 --kv-windows full
   JAX_NUM_CPU_DEVICES=4 python -m bench.step --shape qwen3-0.6b --dtype float32 --tensor-parallel 1 2 4 --lanes 1 8
 """
 
@@ -33,6 +34,8 @@ def main() -> None:
     ap.add_argument("--live", type=int, nargs="+", default=[128, 1024])
     ap.add_argument("--max-seq", type=int, default=2048)
     ap.add_argument("--tensor-parallel", type=int, nargs="+", default=[1], help="devices to split the model over")
+    ap.add_argument("--kv-windows", default="ring", help="windowed layers' KV: ring or full")
+    ap.add_argument("--kv-dtype", default="auto", help="the arena's dtype: auto, float32, bfloat16 or int8")
     ap.add_argument("--vocab-replicated", action="store_true",
                     help="keep the embedding and the head whole on every device (default: split by vocabulary rows)")
     ap.add_argument("--name", default="step", help="result file name")
@@ -73,17 +76,18 @@ def sweep(args, model, engine_kw: dict, n: int, bandwidth: float) -> list[dict]:
     floor_ms = 1e3 * weights / bandwidth
     rows = []
     for lanes in args.lanes:
-        engine = Engine(model, lanes=lanes, max_seq=args.max_seq, chunk=32, block=128, **engine_kw)
+        engine = Engine(model, lanes=lanes, max_seq=args.max_seq, chunk=32, block=128, kv_windows=args.kv_windows,
+                        kv_dtype=args.kv_dtype, **engine_kw)
         engine.warmup()
         for live in args.live:
             wave = [DecodeRow(1, live - 1, SamplingParams(), 0)] * lanes
             engine.decode(wave)
             s = summary([timed(lambda e=engine, w=wave: e.decode(w)) for _ in range(args.reps)])
             ms = 1e3 * s["median"]
-            kv = arena_bytes(model.cfg, lanes, live, model.params.dtype) // n  # the live positions' k and v
+            kv = arena_bytes(model.cfg, lanes, live, engine.kv_dtype, engine.ring, engine.windowed) // n  # live k, v
             row = {"tensor_parallel": n, "lanes": lanes, "live": live, "ms_per_step": ms,
                    "spread_ms": [1e3 * s["min"], 1e3 * s["max"]], "tokens_per_s": lanes / s["median"],
-                   "weight_bytes_per_device": weights, "kv_bytes_per_device": kv,
+                   "weight_bytes_per_device": weights, "kv_bytes_per_device": kv, "arena_bytes": engine.arena.nbytes,
                    "weight_gb_per_s": weights / s["median"] / 1e9, "floor_ms": floor_ms,
                    "fraction_of_roofline": floor_ms / ms}
             rows.append(row)

@@ -98,12 +98,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from jaxstation.model.loader import checkpoint_config
     from jaxstation.serving.draft import check_draft
     from jaxstation.serving.group import initialize, process_group, serve_follower
+    from jaxstation.serving.plan import auto_max_seq
     from jaxstation.serving.server import serve, warmup_only
 
     config = resolve(args, command="serve")
-    checkpoint_config(config.model)  # a bad checkpoint is refused here, before the server announces that it listens
+    cfg = checkpoint_config(config.model)  # a bad checkpoint is refused here, before the server announces it listens
     check_draft(config)  # as a draft model whose vocabulary differs
     group = process_group(config)
+    if group is None and "max_seq" not in config.sources:  # a group's processes keep the fixed default, alike
+        config = auto_max_seq(config, cfg)
     if group is None:
         return warmup_only(config) if args.warmup_only else serve(config, station_and_app)
     if args.warmup_only:

@@ -159,6 +159,9 @@ class FakeEngine:
     def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int]) -> None:
         self._begun[lane] = tuple(prompt)
 
+    def reuse_floor(self, lane: int) -> int:
+        return 0
+
     def reset(self) -> None:
         self.resets += 1
         self.lane_versions.touch(range(self.lanes))

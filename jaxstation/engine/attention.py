@@ -1,12 +1,15 @@
-"""The attentions a step can run, each one function over the KV arena, and `attend`, which picks one.
+"""The attentions a step can run, each one function over a layer's slab of the KV arena (`LayerKV`: its full buffer
+or its ring, engine/arena.py), and `attend`, which picks one.
 
 - `blocked_attention`: online softmax over fixed-size KV blocks; any number of query rows (prefill chunks and decode
   waves), any wave width. A block fully masked for a row leaves that row's running state untouched (`where`, not
-  arithmetic), so how many blocks a wave runs never changes a row's bits.
+  arithmetic), so how many blocks a wave runs never changes a row's bits: a windowed layer starts at the first
+  block any row's window reaches. A ring's logical block is a contiguous run of its slots, read in the same order and
+  shape as the full buffer's, so both give a row the same bits.
 - `kernel_decode_attention`: the CPU decode attention kernel (kernels/cpu_kernel.py), each row reading its own lane's
-  positions in place; any wave width.
+  positions in place (around a ring, in position order); any wave width.
 - `dense_decode_attention`: `jax.nn.dot_product_attention` ("xla" or "cudnn") over each lane's whole slab, masked to
-  its length; full-width decode waves only (row r is lane r).
+  its length; full-width decode waves only (row r is lane r), never over a ring (layout.attention_refusal).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxstation.engine.arena import KVArena
+from jaxstation.engine.arena import LayerKV
 from jaxstation.kernels import cpu_kernel
 from jaxstation.kernels.rowwise import row_sum
 from jaxstation.model.config import NO_WINDOW, ModelConfig
@@ -22,9 +25,9 @@ from jaxstation.model.layers import softcap, window_at
 from jaxstation.model.quant import precision_for
 
 
-def blocked_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, arena: KVArena, layer: jax.Array,
-                       lanes: jax.Array, n_blocks: jax.Array, block: int) -> jax.Array:
-    """Online-softmax attention of q over each row's arena lane, block by block.
+def blocked_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, kv: LayerKV, layer: jax.Array | int,
+                      lanes: jax.Array, n_blocks: jax.Array, block: int) -> jax.Array:
+    """Online-softmax attention of q over each row's arena lane, block by block (layer `layer`, its slab `kv`).
 
     q: [rows, Q, kv_heads, group, head_dim]; q_pos: [rows, Q]; lanes: [rows] -> [rows, Q, heads * head_dim].
     """
@@ -38,8 +41,7 @@ def blocked_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, arena: K
     def body(b, carry):
         m, denom, acc = carry  # [rows, Q, kvh, group], same, [rows, Q, kvh, group, hd]
         k_pos = b * block + jnp.arange(block, dtype=jnp.int32)
-        kb = arena.k[layer, lanes[:, None], k_pos[None, :]]  # [rows, block, kvh, hd]
-        vb = arena.v[layer, lanes[:, None], k_pos[None, :]]
+        kb, vb = kv.read(lanes[:, None], kv.block_slots(b, block)[None, :], q.dtype)  # [rows, block, kvh, hd]
         s = jnp.einsum("rqkgd,rbkd->rqkgb", q, kb, preferred_element_type=jnp.float32, precision=precision) * scale
         s = softcap(s, cfg.attn_softcap)
         mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [rows, Q, block]
@@ -57,7 +59,7 @@ def blocked_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, arena: K
 
     init = (jnp.full(stat_shape, -jnp.inf, jnp.float32), jnp.zeros(stat_shape, jnp.float32),
             jnp.zeros((*stat_shape, hd), jnp.float32))
-    _, denom, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    _, denom, acc = jax.lax.fori_loop(first_block(q_pos, window, block), n_blocks, body, init)
     out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
     return out.astype(q.dtype).reshape(rows, nq, cfg.num_heads * hd)
 
@@ -74,13 +76,22 @@ def dense_decode_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, k: 
     return out.reshape(q.shape[0], cfg.num_heads * cfg.head_dim)
 
 
-def kernel_decode_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, arena: KVArena, layer: jax.Array,
+def first_block(q_pos: jax.Array, window: jax.Array | int | None, block: int) -> jax.Array | int:
+    """The first KV block any row's window reaches (0 without a window): the blocks before it are masked for every
+    row. q_pos: [rows, Q]."""
+    if window is None:
+        return 0
+    return jnp.maximum(jnp.min(q_pos) - window + 1, 0) // block
+
+
+def kernel_decode_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, kv: LayerKV, layer: jax.Array | int,
                             lanes: jax.Array) -> jax.Array:
     """q: [rows, heads, hd]; q_pos, lanes: [rows] -> [rows, heads * hd], each row over its own lane in place. The
     window is an attribute of the kernel's call: in a stacked walk a layer's comes from a choice of two calls."""
 
     def call(window: int | None) -> jax.Array:
-        return cpu_kernel.decode_attention(q, arena.k, arena.v, layer, lanes, q_pos, window, cfg.query_scale)
+        return cpu_kernel.decode_attention(q, kv.buffers.k, kv.buffers.v, kv.index, lanes, q_pos, window,
+                                           cfg.query_scale, kv.ring, kv.scratch_pos)
 
     window = window_at(cfg, layer)
     if window is None or isinstance(window, int):
@@ -90,14 +101,15 @@ def kernel_decode_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, ar
     return o.reshape(q.shape[0], cfg.num_heads * cfg.head_dim)
 
 
-def attend(cfg: ModelConfig, attention: str, q: jax.Array, positions: jax.Array, arena: KVArena, layer: jax.Array,
-           lanes: jax.Array, n_blocks: jax.Array, block: int) -> jax.Array:
+def attend(cfg: ModelConfig, attention: str, q: jax.Array, positions: jax.Array, kv: LayerKV,
+           layer: jax.Array | int, lanes: jax.Array, n_blocks: jax.Array, block: int) -> jax.Array:
     """q: [rows, Q, heads, hd]; positions: [rows, Q] -> [rows, Q, heads * hd]. A prefill chunk (Q > 1) always walks
     KV blocks; a decode wave runs `attention` ("blocked", "kernel", or a dense implementation, "xla" or "cudnn")."""
     rows, nq = q.shape[:2]
     if nq == 1 and attention == "kernel":
-        return kernel_decode_attention(cfg, q[:, 0], positions[:, 0], arena, layer, lanes)[:, None]
+        return kernel_decode_attention(cfg, q[:, 0], positions[:, 0], kv, layer, lanes)[:, None]
     if nq == 1 and attention != "blocked":
-        return dense_decode_attention(cfg, q[:, 0], positions[:, 0], arena.k[layer], arena.v[layer], attention)[:, None]
+        k, v = kv.read(slice(None), slice(None), q.dtype)  # [lanes, max_seq, kvh, hd]
+        return dense_decode_attention(cfg, q[:, 0], positions[:, 0], k, v, attention)[:, None]
     q = q.reshape(rows, nq, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
-    return blocked_attention(cfg, q, positions, arena, layer, lanes, n_blocks, block)
+    return blocked_attention(cfg, q, positions, kv, layer, lanes, n_blocks, block)

@@ -109,4 +109,5 @@ class DraftModel:
         """How many of `tokens` the lane's arena holds (at most all but the last, which the catch-up feeds)."""
         n = min(len(self.written[lane]), len(tokens) - 1)
         differ = np.flatnonzero(np.asarray(self.written[lane][:n]) != np.asarray(tokens[:n]))
-        return int(differ[0]) if differ.size else n
+        n = int(differ[0]) if differ.size else n
+        return n if n >= self.engine.reuse_floor(lane) else 0

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from jaxstation.engine.arena import allocate_arena
+from jaxstation.engine.arena import allocate_arena, arena_layout, kv_dtype_of
 from jaxstation.engine.layout import (
     ATTENTIONS,
     attention_refusal,
@@ -32,7 +32,7 @@ from jaxstation.engine.layout import (
     widths_refusal,
 )
 from jaxstation.engine.penalties import lane_rows, start_lane
-from jaxstation.engine.prefix_cache import LaneVersions
+from jaxstation.engine.prefix_cache import LaneVersions, RingHold
 from jaxstation.engine.rows import (
     DecodeRow,
     PackedRows,
@@ -80,17 +80,21 @@ class Engine:
 
     def __init__(self, model: LoadedModel, lanes: int, max_seq: int, chunk: int, block: int,
                  attention: str = "blocked", wave_widths: Sequence[int] | None = None,
-                 prefill_budget: int | None = 0, speculative: bool = False) -> None:
+                 prefill_budget: int | None = 0, speculative: bool = False, kv_windows: str = "ring",
+                 kv_dtype: str = "auto") -> None:
         """wave_widths: the decode wave widths (default: `layout.default_wave_widths`). prefill_budget: rows per
         packed admission step (`pack`; 0: prompts enter one `prefill` chunk at a time; None:
         `layout.default_prefill_budget`). speculative: verify drafted tokens (`verify`; where waves may run narrow).
+        kv_windows: "ring" keeps only a windowed layer's window (engine/arena.py), "full" every position.
+        kv_dtype: the arena's dtype (`arena.KV_DTYPES`; the decode attention kernel reads float32 only).
         A station passes its plan's (serving/plan.py), resolved by the same rules."""
         if max_seq % chunk or max_seq % block:
             raise ValueError(f"max_seq ({max_seq}) must be a multiple of the prefill chunk ({chunk}) "
                              f"and of the KV block ({block})")
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
-        if refusal := attention_refusal(model.cfg, attention, model.params.dtype, max_seq):
+        self.kv_dtype = kv_dtype_of(kv_dtype, model.params.dtype)
+        if refusal := attention_refusal(model.cfg, attention, model.params.dtype, max_seq, self.kv_dtype):
             raise ValueError(f"attention={attention!r} {refusal}")
         row_invariant = model.params.row_invariant
         narrow = narrow_waves(row_invariant, attention)
@@ -110,8 +114,11 @@ class Engine:
         self.lanes, self.max_seq, self.chunk, self.block = lanes, max_seq, chunk, block
         self.attention = attention
         self.scratch_pos = max_seq - 1  # never holds a request's k/v: prompt + new tokens <= max_seq - 1 fed
+        self.ring, self.windowed = arena_layout(self.cfg, max_seq, block, kv_windows, model.params.layer_loop,
+                                                chunk=chunk, budget=budget, verify_rows=self.verify_rows)
         self.arena = None
         self.lane_versions = LaneVersions(lanes)
+        self.ring_hold = RingHold(lanes, self.ring, self.cfg.sliding_window or 0)
         # one greedy run at warm-up: ("decode", width) and ("pack", width, sampled rows) -> seconds
         self.step_s: dict[tuple[str, int] | tuple[str, int, int], float] = {}
         self.reset()
@@ -123,9 +130,21 @@ class Engine:
     def reset(self) -> None:
         """(Re)allocate the arena, e.g. after a failed step left donated buffers unusable."""
         self.lane_versions.touch(range(self.lanes))
+        self.ring_hold.clear()
         self.arena = None
-        self.arena = allocate_arena(self.cfg, self.lanes, self.max_seq, self.params.dtype, token_state=True,
-                                    mesh=mesh_of(self.params))
+        self.arena = allocate_arena(self.cfg, self.lanes, self.max_seq, self.kv_dtype, token_state=True,
+                                    mesh=mesh_of(self.params), ring=self.ring, windowed=self.windowed)
+
+    def reuse_floor(self, lane: int) -> int:
+        """The lowest position above 0 a prefill may restart `lane` at: its rings still hold the window before it."""
+        return self.ring_hold.floor(lane)
+
+    def _wrote(self, lanes: Sequence[int], positions: Sequence[int]) -> None:
+        """Rows at `positions` of `lanes` (one pair per row; idle rows left out) are about to write their k/v."""
+        self.lane_versions.touch(sorted(set(lanes)))
+        for lane in set(lanes):
+            at = [p for q, p in zip(lanes, positions, strict=True) if q == lane]
+            self.ring_hold.wrote(lane, min(at), max(at))
 
     def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int]) -> None:
         """A request takes `lane`: before its first prefill chunk (at 0 or on a reused prefix), write the lane's token
@@ -172,7 +191,7 @@ class Engine:
             following = list(prompt[start + 1:start + 1 + self.chunk])  # row r's next prompt token
             targets = np.zeros(self.chunk, np.int32)
             targets[:len(following)] = following
-        self.lane_versions.touch([lane])
+        self._wrote([lane] * self.chunk, range(start, start + self.chunk))
         self.arena, out, logits, rows = prefill_chunk(
             self.cfg, self.params, self.arena, np.int32(lane), np.int32(start), tokens, np.int32(len(piece)),
             sampling_arrays([(sampling, 0)]), targets, penalty_arrays([(sampling, 0)], self.cfg.vocab_size, [mask]),
@@ -206,7 +225,7 @@ class Engine:
         tokens = np.array([r.token if r else 0 for r in wave], np.int32)
         n_blocks = np.int32(max(rows[i].position for i in live) // self.block + 1)
         per_row = [(r.sampling, r.counter) if r else None for r in wave]
-        self.lane_versions.touch(live)  # idle rows write only the scratch slot
+        self._wrote(live, [rows[i].position for i in live])  # idle rows write only the scratch slot
         self.arena, out, logits = step_rows(
             self.cfg, self.params, self.arena, positions, tokens, n_blocks, sampling_arrays(per_row),
             None if full else np.array(order, np.int32),
@@ -236,7 +255,7 @@ class Engine:
         width = next(w for w in self.wave_widths if w >= len(steps))
         pad = width - len(steps)
         per_row = [(r.sampling, r.counter) for _, r in steps] + [None] * pad
-        self.lane_versions.touch(sorted({lane for lane, _ in steps}))
+        self._wrote([lane for lane, _ in steps], [r.position for _, r in steps])
         self.arena, out, _ = step_rows(
             self.cfg, self.params, self.arena, np.array([r.position for _, r in steps] + [self.scratch_pos] * pad,
                                                         np.int32),
@@ -284,7 +303,7 @@ class Engine:
         slot, idle slots sample row 0 greedily. Returns the samples by lane."""
         pad, idle = width - len(packed.tokens), [None] * (slots - len(packed.sampled))
         per_slot = [(s.sampling, s.counter) for s in packed.sampled] + idle
-        self.lane_versions.touch(sorted(set(packed.lanes)))  # padding rows write only lane 0's scratch slot
+        self._wrote(packed.lanes, packed.positions)  # padding rows write only lane 0's scratch slot
         self.arena, out, _ = step_rows(
             self.cfg, self.params, self.arena, np.array(packed.positions + [self.scratch_pos] * pad, np.int32),
             np.array(packed.tokens + [0] * pad, np.int32), np.int32(max(packed.positions) // self.block + 1),

@@ -21,11 +21,15 @@ ROW_ATTENTIONS = ("blocked", "kernel")  # those that take any subset of lanes, s
 PACK_BUDGET_AUTO = 128  # rows per packed admission step where packing is on by default (bench/admission.py)
 
 
-def attention_refusal(cfg: ModelConfig, attention: str, dtype: jnp.dtype, max_seq: int) -> str | None:
-    """Why `attention` cannot serve `cfg`'s model with `dtype` activations over `max_seq` positions, or None."""
+def attention_refusal(cfg: ModelConfig, attention: str, dtype: jnp.dtype, max_seq: int,
+                      kv_dtype: jnp.dtype | None = None) -> str | None:
+    """Why `attention` cannot serve `cfg`'s model with `dtype` activations over `max_seq` positions of a `kv_dtype`
+    arena (default: the activations' dtype), or None."""
     if attention == "kernel" and not cpu_kernel.attention_serves(cfg.head_dim, cfg.group_size, dtype):
         return ("needs float32 activations, head_dim a multiple of 16 (up to 256), at most 8 query heads per kv head, "
                 "and the CPU kernel built here")
+    if attention == "kernel" and kv_dtype is not None and kv_dtype != jnp.float32:
+        return f"reads a float32 arena, not {jnp.dtype(kv_dtype).name}: a smaller arena needs attention='blocked'"
     if attention != "blocked" and cfg.attn_softcap is not None:
         return f"does not soft-cap scores; this model caps them at {cfg.attn_softcap}: it needs attention='blocked'"
     window = cfg.sliding_window

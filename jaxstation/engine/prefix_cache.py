@@ -37,6 +37,7 @@ class _Entry:
     tokens: tuple[int, ...]  # the ids prefill wrote at positions [0, len(tokens))
     version: int  # the lane's Engine.lane_versions stamp when it was freed
     last_used: int  # a logical clock: larger is more recent
+    floor: int = 0  # the lowest restart above 0 whose window the lane's rings hold (`RingHold.floor`)
 
 
 class LaneVersions:
@@ -57,6 +58,39 @@ class LaneVersions:
 
     def __getitem__(self, lane: int) -> int:
         return self._stamps[lane]
+
+
+class RingHold:
+    """Which positions each lane's rings still hold, kept by the `Engine` beside its lane stamps (so owned by the
+    thread that calls the engine: the decode thread).
+
+    A windowed layer's ring keeps `ring` positions per lane (engine/arena.py). Per lane: `high`, the last position
+    written, and `low`, the first from which every position up to `high` is still in the ring. A prefill restarting
+    at s reads the window before s, positions (s - window, s), so it may restart there only if those are held:
+    s >= low + window - 1 (`floor`), or low is 0. Without a ring every position is held.
+    """
+
+    def __init__(self, lanes: int, ring: int, window: int) -> None:
+        self.ring, self.window = ring, window
+        self._low, self._high = [0] * lanes, [-1] * lanes
+
+    def clear(self) -> None:
+        """The arena was rebuilt: every lane is empty."""
+        self._low, self._high = [0] * len(self._low), [-1] * len(self._high)
+
+    def wrote(self, lane: int, first: int, last: int) -> None:
+        """A step writes positions [first, last] of `lane`; what lay past them is no longer the lane's content."""
+        if not self.ring:
+            return
+        low = self._low[lane]
+        if not low <= first <= self._high[lane] + 1:
+            low = first  # what lay before `first` is not known to continue into the new positions
+        self._low[lane], self._high[lane] = max(low, last - self.ring + 1), last
+
+    def floor(self, lane: int) -> int:
+        """The lowest position above 0 a prefill may restart `lane` at (0: any)."""
+        low = self._low[lane]
+        return 0 if low == 0 else low + self.window - 1
 
 
 def common_prefix(a: tuple[int, ...], b: tuple[int, ...], step: int = 64) -> int:
@@ -95,6 +129,7 @@ class PrefixCache:
                 entry = self._entries[lane] = None  # the lane's KV changed under us
             matched = min(common_prefix(entry.tokens, prompt), len(prompt) - 1) if reuse and entry else 0
             reused = matched // self.chunk * self.chunk
+            reused = reused if entry is None or reused >= entry.floor else 0  # the rings lost the window before it
             key = (-reused, entry.last_used if entry else -1, lane)
             if best is None or key < best[0]:
                 best = (key, Pick(lane, matched if reused else 0, reused))
@@ -104,10 +139,11 @@ class PrefixCache:
         """The lane now runs a request: its cached entry no longer describes it."""
         self._entries[lane] = None
 
-    def store(self, lane: int, tokens: Sequence[int], version: int) -> None:
-        """The lane was freed holding prefill-written KV for `tokens` (positions [0, len(tokens)))."""
+    def store(self, lane: int, tokens: Sequence[int], version: int, floor: int = 0) -> None:
+        """The lane was freed holding prefill-written KV for `tokens` (positions [0, len(tokens))), reusable from a
+        restart at `floor` or above (`RingHold.floor`)."""
         self._clock += 1
-        self._entries[lane] = _Entry(tuple(tokens), version, self._clock) if tokens else None
+        self._entries[lane] = _Entry(tuple(tokens), version, self._clock, floor) if tokens else None
 
     def clear(self) -> int:
         """Drop every entry (the arena was rebuilt, or a client asked); returns how many there were."""

@@ -56,6 +56,9 @@ class Runner(Protocol):
         positions of its lane, every row sampled with the request's key at its position. Per lane, the samples of
         its rows in order (None for an idle lane)."""
 
+    def reuse_floor(self, lane: int) -> int:
+        """The lowest position above 0 a prefill may restart `lane` at, reading the KV it holds (0: any)."""
+
     def reset(self) -> None:
         """Forget every lane's state after a failed step."""
 

@@ -417,7 +417,7 @@ class Scheduler:
         if i in self.prefill_order:
             self.prefill_order.remove(i)
         kept = [] if lane.job.prompt_logprobs else lane.job.tokens[:lane.fed]
-        self.prefix_cache.store(i, kept, self.engine.lane_versions[i])
+        self.prefix_cache.store(i, kept, self.engine.lane_versions[i], self.engine.reuse_floor(i))
         return lane
 
     def _fail_job(self, job: Job, error: Exception, outcome: str = "error") -> None:

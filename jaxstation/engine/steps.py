@@ -48,29 +48,22 @@ def run_layers(cfg: ModelConfig, params: Params, arena: KVArena, x: jax.Array, p
     """Run every layer over rows of arena `lanes`: write their k/v at `positions`, attend, MLP.
 
     x: [rows, Q, d]; positions: [rows, Q] int32 (consecutive within a row); lanes: [rows] int32 (one lane for a
-    prefill chunk). attention: the decode waves' attention (`attention.attend`).
+    prefill chunk). attention: the decode waves' attention (`attention.attend`). Each layer writes to and reads
+    from its kind's buffer (`KVArena.layer`: the full one, or a windowed layer's ring).
     """
-    nq = x.shape[1]
     rots = rotary(cfg, positions)
 
     def body(i, layer, carry):
-        x, k_all, v_all = carry
+        x, arena = carry
         q, k, v = qkv_proj(cfg, layer, x, rotary_at(cfg, rots, i))  # [rows, Q, heads|kvh, hd]
         # k and v are computed whole before they are written: fused into the arena's scatter, XLA 0.11+ on CPU
         # computes them differently at different wave widths (a row's bits changed between 1 and 4 rows)
         k, v = jax.lax.optimization_barrier((k, v))
-        if nq == 1:  # decode: one position per lane, scattered
-            k_all = k_all.at[i, lanes, positions[:, 0]].set(k[:, 0].astype(k_all.dtype))
-            v_all = v_all.at[i, lanes, positions[:, 0]].set(v[:, 0].astype(v_all.dtype))
-        else:  # prefill: one lane, a contiguous run of positions
-            start = (i, lanes[0], positions[0, 0], 0, 0)
-            k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
-            v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
-        o = attend(cfg, attention, q, positions, KVArena(k_all, v_all), i, lanes, n_blocks, block)
-        return mlp_block(cfg, layer, attn_out(cfg, layer, x, o)), k_all, v_all
+        kv = arena.layer(i).write(lanes, positions, k, v)
+        o = attend(cfg, attention, q, positions, kv, i, lanes, n_blocks, block)
+        return mlp_block(cfg, layer, attn_out(cfg, layer, x, o)), arena.with_layer(i, kv)
 
-    x, k_all, v_all = over_layers(params, body, (x, arena.k, arena.v))
-    return x, dataclasses.replace(arena, k=k_all, v=v_all)
+    return over_layers(params, body, (x, arena))
 
 
 def choose(logits: jax.Array, sampling: SamplingArrays, arena: KVArena, lanes: jax.Array,

@@ -960,11 +960,23 @@ inline void Prefetch(const float* p, int64_t floats) {
   for (int64_t f = 0; f < floats; f += 16) _mm_prefetch(reinterpret_cast<const char*>(p + f), _MM_HINT_T1);
 }
 
+// A lane's keys or values for one head, walked from a row's first position: position i of the walk lies at slot
+// first + i, taken modulo `wrap` slots (a windowed layer's ring; a full buffer never wraps), slots `stride` floats
+// apart from `base` (slot 0). Where a slot lies never changes the operations on it.
+struct Slots {
+  const float* base;
+  int64_t stride, first, wrap;
+  const float* operator[](int64_t i) const {
+    const int64_t slot = first + i;
+    return base + (slot < wrap ? slot : slot - wrap) * stride;
+  }
+};
+
 // The attention's scores for a group of query heads: scores[g][i] = scale * q_g . k_i over n positions, each dot in
 // the matmul kernel's order (two accumulators over alternate vectors, then Finish's sum): kLanes positions at a time,
 // their horizontal sums folded together (FoldLanes: Finish's bits). NV vectors a head; the heads go side by side with
 // their queries in registers, so each key vector is read once for all of them. q: [group, NV * kLanes]; k: position
-// 0's key, positions `stride` floats apart; scores: [group, n].
+// the walk's keys (Slots); scores: [group, n].
 template <int NV>
 inline void Dot(const Vec* q, const float* k, Vec& even, Vec& odd) {
   even = Zero(), odd = Zero();
@@ -975,7 +987,7 @@ inline void Dot(const Vec* q, const float* k, Vec& even, Vec& odd) {
 }
 
 template <int NV>
-void Scores(const float* q, int64_t group, const float* k, int64_t stride, int64_t n, float scale, float* scores) {
+void Scores(const float* q, int64_t group, const Slots& k, int64_t n, float scale, float* scores) {
   constexpr int64_t kHeads = std::max(1, 16 / NV);
   for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
     const int64_t heads = std::min(kHeads, group - g0);
@@ -985,12 +997,12 @@ void Scores(const float* q, int64_t group, const float* k, int64_t stride, int64
     int64_t i = 0;
     for (; i + kLanes <= n; i += kLanes) {
       if (g0 == 0)
-        for (int64_t p = 0; p < kLanes && i + kAhead + p < n; ++p) Prefetch(k + (i + kAhead + p) * stride, NV * kLanes);
+        for (int64_t p = 0; p < kLanes && i + kAhead + p < n; ++p) Prefetch(k[i + kAhead + p], NV * kLanes);
       Vec s[kHeads][kLanes];
       for (int64_t p = 0; p < kLanes; ++p)  // position i + p into the input that lands in lane p
         for (int64_t g = 0; g < heads; ++g) {
           Vec even, odd;
-          Dot<NV>(qv[g], k + (i + p) * stride, even, odd);
+          Dot<NV>(qv[g], k[i + p], even, odd);
           s[g][kSlot.slot[p]] = Add(even, odd);
         }
       for (int64_t g = 0; g < heads; ++g) Store(scores + (g0 + g) * n + i, Mul(FoldLanes(s[g]), Set1(scale)));
@@ -998,14 +1010,14 @@ void Scores(const float* q, int64_t group, const float* k, int64_t stride, int64
     for (; i < n; ++i)
       for (int64_t g = 0; g < heads; ++g) {
         Vec even, odd;
-        Dot<NV>(qv[g], k + i * stride, even, odd);
+        Dot<NV>(qv[g], k[i], even, odd);
         scores[(g0 + g) * n + i] = Finish(even, odd) * scale;
       }
   }
 }
 
 // Scores for any number of vectors a head (up to 32), one head at a time.
-inline void ScoresAny(const float* q, int64_t group, int64_t nv, const float* k, int64_t stride, int64_t n, float scale,
+inline void ScoresAny(const float* q, int64_t group, int64_t nv, const Slots& k, int64_t n, float scale,
                       float* scores) {
   const auto dot = [&](const float* qr, const float* kr) {
     Vec even = Zero(), odd = Zero();
@@ -1021,13 +1033,13 @@ inline void ScoresAny(const float* q, int64_t group, int64_t nv, const float* k,
     for (; i + kLanes <= n; i += kLanes) {
       Vec s[kLanes];
       for (int64_t p = 0; p < kLanes; ++p) {
-        const auto [even, odd] = dot(qg, k + (i + p) * stride);
+        const auto [even, odd] = dot(qg, k[i + p]);
         s[kSlot.slot[p]] = Add(even, odd);
       }
       Store(scores + g * n + i, Mul(FoldLanes(s), Set1(scale)));
     }
     for (; i < n; ++i) {
-      const auto [even, odd] = dot(qg, k + i * stride);
+      const auto [even, odd] = dot(qg, k[i]);
       scores[g * n + i] = Finish(even, odd) * scale;
     }
   }
@@ -1036,9 +1048,9 @@ inline void ScoresAny(const float* q, int64_t group, int64_t nv, const float* k,
 // The attention's output for a group of query heads: out_g = sum_i p_gi v_i / denom_g over n positions, each head's
 // sum in position order. NV vectors a head; the heads go side by side, as many at a time as keep their accumulators in
 // registers, so each value vector is read once for all of them and their chains of multiply-adds overlap. p: [group,
-// n] weights; v: position 0's vector, positions `stride` floats apart; out: [group, NV * kLanes].
+// n] weights; v: the walk's values (Slots); out: [group, NV * kLanes].
 template <int NV>
-void WeightedSum(const float* p, int64_t n, int64_t group, const float* v, int64_t stride, const float* denom,
+void WeightedSum(const float* p, int64_t n, int64_t group, const Slots& v, const float* denom,
                  float* out) {
   constexpr int64_t kHeads = std::max(1, 24 / NV);
   for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
@@ -1048,8 +1060,8 @@ void WeightedSum(const float* p, int64_t n, int64_t group, const float* v, int64
       for (int c = 0; c < NV; ++c) acc[g][c] = Zero();
     for (int64_t i = 0; i < n; ++i) {
       if (g0 == 0 && i % kLanes == 0)
-        for (int64_t a = i + kAhead; a < std::min(n, i + kAhead + kLanes); ++a) Prefetch(v + a * stride, NV * kLanes);
-      const float* vi = v + i * stride;
+        for (int64_t a = i + kAhead; a < std::min(n, i + kAhead + kLanes); ++a) Prefetch(v[a], NV * kLanes);
+      const float* vi = v[i];
       Vec x[NV];
       for (int c = 0; c < NV; ++c) x[c] = LoadX(vi + c * kLanes);
       for (int64_t g = 0; g < kHeads; ++g) {
@@ -1066,14 +1078,14 @@ void WeightedSum(const float* p, int64_t n, int64_t group, const float* v, int64
 }
 
 // WeightedSum for any number of vectors a head (up to 32), one head at a time.
-inline void WeightedSumAny(const float* p, int64_t n, int64_t group, int64_t nv, const float* v, int64_t stride,
+inline void WeightedSumAny(const float* p, int64_t n, int64_t group, int64_t nv, const Slots& v,
                            const float* denom, float* out) {
   for (int64_t g = 0; g < group; ++g) {
     Vec acc[32];
     for (int64_t c = 0; c < nv; ++c) acc[c] = Zero();
     for (int64_t i = 0; i < n; ++i) {
       const Vec w = Set1(p[g * n + i]);
-      for (int64_t c = 0; c < nv; ++c) acc[c] = Fma(w, LoadX(v + i * stride + c * kLanes), acc[c]);
+      for (int64_t c = 0; c < nv; ++c) acc[c] = Fma(w, LoadX(v[i] + c * kLanes), acc[c]);
     }
     const Vec inv = Set1(1.0f / denom[g]);
     for (int64_t c = 0; c < nv; ++c) Store(out + g * nv * kLanes + c * kLanes, Mul(acc[c], inv));
@@ -1087,10 +1099,12 @@ inline void WeightedSumAny(const float* p, int64_t n, int64_t group, int64_t nv,
 // operations, so a row's result depends on nothing but its own lane. The key walk (Scores) takes kLanes positions at a
 // time, their horizontal sums folded together, and both it and the value walk (WeightedSum) take the group's heads
 // side by side; none of that changes any operation's order. q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd].
+// With ring > 0 the layer keeps a ring: position p at slot p mod ring, and the scratch position (idle rows') at slot
+// seq - 1 = ring; a row's positions then wrap around the ring at most once, walked in position order all the same.
 ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                                ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lanes,
                                ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out, int64_t window,
-                               float scale) {
+                               float scale, int64_t ring, int64_t scratch_pos) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || v.element_count() != k.element_count() || qd[2] != kd[4] ||
       qd[1] % kd[3])
@@ -1099,12 +1113,15 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   const int64_t kvh = kd[3], group = heads / kvh, nv = hd / kLanes;  // nv: vectors per head
   if (hd % kLanes || hd > 256 || group > 8)
     return ffi::Error::InvalidArgument("decode_attention: head_dim a multiple of 16 up to 256, group <= 8");
+  if (ring ? seq != ring + 1 || window > ring : scratch_pos != seq - 1)
+    return ffi::Error::InvalidArgument("decode_attention: a ring of seq - 1 slots holds the window; else scratch_pos "
+                                       "is seq - 1");
   const int64_t l = layer.typed_data()[0];
   const int32_t* lane = lanes.typed_data();
   const int32_t* pos = positions.typed_data();
   if (l < 0 || l >= n_layers) return ffi::Error::InvalidArgument("decode_attention: layer out of range");
   for (int64_t r = 0; r < rows; ++r)
-    if (lane[r] < 0 || lane[r] >= n_lanes || pos[r] < 0 || pos[r] >= seq)
+    if (lane[r] < 0 || lane[r] >= n_lanes || pos[r] < 0 || pos[r] > scratch_pos)
       return ffi::Error::InvalidArgument("decode_attention: lane or position out of range");
   const float* qp = q.typed_data();
   const float* kp = k.typed_data();
@@ -1113,22 +1130,23 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   ParallelFor(pool, rows * kvh, [&](int64_t item) {
     const int64_t r = item / kvh, h = item % kvh;
     // a row at the lane's last position (the scratch slot idle rows write, which no request uses) reads only itself
-    const int64_t hi = pos[r], scratch = hi == seq - 1;
+    const int64_t hi = pos[r], scratch = hi == scratch_pos;
     const int64_t lo = scratch ? hi : window > 0 ? std::max<int64_t>(0, hi - window + 1) : 0, n = hi - lo + 1;
-    const int64_t stride = kvh * hd;  // floats between consecutive positions
-    const int64_t base = ((l * n_lanes + lane[r]) * seq + lo) * stride + h * hd;
+    const int64_t stride = kvh * hd;  // floats between consecutive slots
+    const int64_t base = (l * n_lanes + lane[r]) * seq * stride + h * hd;  // the lane's slot 0, head h
+    const int64_t first = scratch ? seq - 1 : ring ? lo % ring : lo, wrap = ring && !scratch ? ring : seq;
     const float* qh = qp + (r * heads + h * group) * hd;  // the group's query heads
     std::vector<float> scores(group * n);
-    const float* kr = kp + base;
+    const Slots kr{kp + base, stride, first, wrap};
     float* sc = scores.data();
     switch (nv) {
-      case 1: Scores<1>(qh, group, kr, stride, n, scale, sc); break;
-      case 2: Scores<2>(qh, group, kr, stride, n, scale, sc); break;
-      case 3: Scores<3>(qh, group, kr, stride, n, scale, sc); break;
-      case 4: Scores<4>(qh, group, kr, stride, n, scale, sc); break;
-      case 8: Scores<8>(qh, group, kr, stride, n, scale, sc); break;
-      case 16: Scores<16>(qh, group, kr, stride, n, scale, sc); break;
-      default: ScoresAny(qh, group, nv, kr, stride, n, scale, sc);
+      case 1: Scores<1>(qh, group, kr, n, scale, sc); break;
+      case 2: Scores<2>(qh, group, kr, n, scale, sc); break;
+      case 3: Scores<3>(qh, group, kr, n, scale, sc); break;
+      case 4: Scores<4>(qh, group, kr, n, scale, sc); break;
+      case 8: Scores<8>(qh, group, kr, n, scale, sc); break;
+      case 16: Scores<16>(qh, group, kr, n, scale, sc); break;
+      default: ScoresAny(qh, group, nv, kr, n, scale, sc);
     }
     float denom[8] = {};
     for (int64_t g = 0; g < group; ++g) {
@@ -1151,16 +1169,16 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     }
     for (int64_t j = 0; j < n; ++j)  // each sum in position order, the group's chains side by side
       for (int64_t g = 0; g < group; ++g) denom[g] += scores[g * n + j];
-    const float* vr = vp + base;
+    const Slots vr{vp + base, stride, first, wrap};
     float* o = op + (r * heads + h * group) * hd;
     switch (nv) {
-      case 1: WeightedSum<1>(scores.data(), n, group, vr, stride, denom, o); break;
-      case 2: WeightedSum<2>(scores.data(), n, group, vr, stride, denom, o); break;
-      case 3: WeightedSum<3>(scores.data(), n, group, vr, stride, denom, o); break;
-      case 4: WeightedSum<4>(scores.data(), n, group, vr, stride, denom, o); break;
-      case 8: WeightedSum<8>(scores.data(), n, group, vr, stride, denom, o); break;
-      case 16: WeightedSum<16>(scores.data(), n, group, vr, stride, denom, o); break;
-      default: WeightedSumAny(scores.data(), n, group, nv, vr, stride, denom, o);
+      case 1: WeightedSum<1>(scores.data(), n, group, vr, denom, o); break;
+      case 2: WeightedSum<2>(scores.data(), n, group, vr, denom, o); break;
+      case 3: WeightedSum<3>(scores.data(), n, group, vr, denom, o); break;
+      case 4: WeightedSum<4>(scores.data(), n, group, vr, denom, o); break;
+      case 8: WeightedSum<8>(scores.data(), n, group, vr, denom, o); break;
+      case 16: WeightedSum<16>(scores.data(), n, group, vr, denom, o); break;
+      default: WeightedSumAny(scores.data(), n, group, nv, vr, denom, o);
     }
   });
   return ffi::Error::Success();
@@ -1267,7 +1285,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, DecodeAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("window")
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("ring")
+                                  .Attr<int64_t>("scratch_pos"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RowwiseMatmulS8, MatmulS8,
                               ffi::Ffi::Bind()

@@ -165,6 +165,10 @@ class MeshEngine:
                 self._record(i, _Entry(r.position, "decode", (r.token,)))
         return [s if r is not None else None for s, r in zip(samples, rows, strict=True)], logits
 
+    def reuse_floor(self, lane: int) -> int:
+        """Any: a station's arena keeps every position of every layer."""
+        return 0
+
     def reset(self) -> None:
         """The lanes' requests were failed: forget their histories (a station's KV is overwritten before use)."""
         self.history = [[] for _ in range(self.lanes)]

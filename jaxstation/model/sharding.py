@@ -128,9 +128,10 @@ def shard_params(params, mesh: Mesh, vocab: bool = VOCAB_SHARDED):
         lambda path, leaf: jax.device_put(leaf, NamedSharding(mesh, _spec(path, leaf, vocab, mesh.size))), params)
 
 
-def arena_sharding(mesh: Mesh) -> NamedSharding:
-    """The KV arena's k and v [layers, lanes, max_seq, kv_heads, head_dim]: split by KV heads."""
-    return NamedSharding(mesh, PartitionSpec(None, None, None, AXIS, None))
+def arena_sharding(mesh: Mesh, ndim: int = 5) -> NamedSharding:
+    """The KV arena's k and v [layers, lanes, max_seq, kv_heads, head_dim], or their int8 scales (ndim 4, without
+    head_dim): split by KV heads."""
+    return NamedSharding(mesh, PartitionSpec(None, None, None, AXIS, *(None,) * (ndim - 4)))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

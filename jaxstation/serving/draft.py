@@ -17,7 +17,7 @@ from jaxstation.engine.draft import DraftModel
 from jaxstation.engine.speculative import NgramProposer, Speculation
 from jaxstation.model.loader import CheckpointError, checkpoint_config, load_tokenizer, model_source
 from jaxstation.serving.memory import check_memory
-from jaxstation.serving.plan import Plan, load_planned, planned_engine, resolve_plan
+from jaxstation.serving.plan import Plan, load_planned, planned_arena, planned_engine, resolve_plan
 from jaxstation.serving.settings import ConfigError, StationConfig
 
 
@@ -61,7 +61,7 @@ def load_draft(config: StationConfig, observe: Callable[[float], None] | None = 
     if len(plan.wave_widths) < 2 or not plan.prefill_budget:
         raise ConfigError(f"{config.named('draft_model')}: the draft model {config.draft_model} drafts in narrow "
                           f"waves and packed steps, which its plan here cannot run ({plan})")
-    check_memory(cfg, draft_config, plan.dtype)
+    check_memory(cfg, draft_config, plan.dtype, layout=planned_arena(cfg, draft_config, plan))
     return DraftModel(planned_engine(load_planned(draft_config, plan), draft_config, plan), observe)
 
 

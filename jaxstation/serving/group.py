@@ -52,7 +52,7 @@ HEARTBEAT_S = 1.0  # each end says it is alive this often
 LOST_S = 10.0  # a peer silent this long is lost
 CONNECT_S = 300.0  # how long the leader waits for every follower to connect (they load and compile first)
 CALLS = ("begin", "prefill", "prefill_scored", "decode", "verify", "pack", "reset")  # what runs a step
-LOCAL = ("turn_rows", "warmup_steps", "warmup")  # engine methods that run nothing for a request (each warms up alone)
+LOCAL = ("turn_rows", "reuse_floor", "warmup_steps", "warmup")  # run no step for a request (each warms up alone)
 _ROWS = {t.__name__: t for t in (DecodeRow, SamplingParams, PromptPiece)}  # what a step call may build
 
 

@@ -9,7 +9,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jaxstation.engine.arena import arena_bytes
+from jaxstation.engine.arena import KVArena, arena_bytes, kv_dtype_of
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.layers import compute_dtype, projection_shapes
 from jaxstation.serving.settings import ConfigError, GiB, StationConfig
@@ -71,14 +71,25 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
+def arena_summary(arena: KVArena, windowed: tuple[bool, ...]) -> str:
+    """The start-up log's account of an allocated arena: its bytes, and each layer kind's share."""
+    full = sum(a.nbytes for a in jax.tree_util.tree_leaves(arena.full))
+    rings = arena.nbytes - full
+    kinds = f"{arena.k.shape[0]} global layers x {arena.max_seq} positions: {_gib(full)}"
+    if rings:
+        kinds += f"; {sum(windowed)} windowed layers x a ring of {arena.ring} positions: {_gib(rings)}"
+    return f"{full + rings} bytes ({_gib(full + rings)}; {arena.lanes} lanes; {kinds}) in {arena.k.dtype}"
+
+
 def check_memory(cfg: ModelConfig, station: StationConfig, dtype: str, *, weights_resident: bool = False,
-                 available: int | None = None) -> None:
+                 available: int | None = None, layout: tuple[int, tuple[bool, ...]] = (0, ())) -> None:
     """Fail at start-up, with the setting to lower, if max_seq exceeds the model or the arena cannot fit.
 
     dtype: the weight format the plan chose (serving/plan.py).
 
     weights_resident: the weights are already loaded, so the free figure has them taken off already.
     available: bytes free on each device (default: measured by `available_memory`).
+    layout: (ring, windowed) of the arena (serving/plan.py's `planned_arena`); default every position of every layer.
     Split over `station.tensor_parallel` devices, each holds 1/N of the arena and its share of the weights: the check
     is per device.
     """
@@ -92,15 +103,16 @@ def check_memory(cfg: ModelConfig, station: StationConfig, dtype: str, *, weight
     if available is None:
         log.warning("cannot measure free memory on %s; skipping the arena memory check", where)
         return
-    arena_dtype = compute_dtype(dtype)
-    arena = arena_bytes(cfg, station.lanes, station.max_seq, arena_dtype) // shards
+    arena_dtype = kv_dtype_of(station.kv_dtype, compute_dtype(dtype))
+    arena = arena_bytes(cfg, station.lanes, station.max_seq, arena_dtype, *layout) // shards
     weights = 0 if weights_resident else weight_bytes(cfg, dtype, shards)
     if arena + weights <= available:
         return
     per_lane = arena // station.lanes
     fit_lanes = max(0, (available - weights) // per_lane)
-    per_block = arena_bytes(cfg, station.lanes, station.kv_block, arena_dtype) // shards
-    fit_seq = max(0, (available - weights) // per_block) * station.kv_block
+    rings = arena_bytes(cfg, station.lanes, 0, arena_dtype, *layout) // shards  # the windowed layers' rings
+    per_block = arena_bytes(cfg, station.lanes, station.kv_block, arena_dtype, *layout) // shards - rings
+    fit_seq = max(0, (available - weights - rings) // max(per_block, 1)) * station.kv_block
     lanes, max_seq = station.named("lanes"), station.named("max_seq")
     split = "" if shards == 1 else f" on each device ({station.named('tensor_parallel')}={shards})"
     raise ConfigError(

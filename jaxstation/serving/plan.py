@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
 
 from jaxstation.engine import layout
+from jaxstation.engine.arena import arena_bytes, arena_layout, kv_dtype_of
 from jaxstation.engine.engine import Engine
 from jaxstation.kernels import cpu_kernel
 from jaxstation.model import sharding
@@ -26,6 +28,7 @@ from jaxstation.model.config import ModelConfig
 from jaxstation.model.layers import compute_dtype, kernel_takes_every_matmul
 from jaxstation.model.loader import LoadedModel, checkpoint_config, load_model
 from jaxstation.model.quant import GGUF_WEIGHTS
+from jaxstation.serving.memory import available_memory, weight_bytes
 from jaxstation.serving.settings import ConfigError, StationConfig
 
 log = logging.getLogger(__name__)
@@ -158,10 +161,11 @@ def _attention(config: StationConfig, cfg: ModelConfig, backend: str, dtype: str
     sliding window would be cut; on CPU the decode attention kernel for float32 activations when it builds and fits
     the heads. Scores with a soft cap (Gemma 2) take the blocked walk: neither the kernel nor cuDNN caps them."""
     activations = compute_dtype(dtype)
+    kv = kv_dtype_of(config.kv_dtype, activations)
     if config.attention == "kernel" and kernel_error is not None:
         raise ConfigError(f"{config.named('attention')}=kernel: {kernel_error}")
     if config.attention != "auto":
-        if refusal := layout.attention_refusal(cfg, config.attention, activations, config.max_seq):
+        if refusal := layout.attention_refusal(cfg, config.attention, activations, config.max_seq, kv):
             raise ConfigError(f"{config.named('attention')}={config.attention!r} {refusal}")
         return config.attention
     if cfg.attn_softcap is not None:
@@ -169,7 +173,8 @@ def _attention(config: StationConfig, cfg: ModelConfig, backend: str, dtype: str
     if backend == "gpu":
         windowed = cfg.sliding_window is not None and config.max_seq > cfg.sliding_window
         return "cudnn" if activations == jnp.bfloat16 and not windowed else "blocked"
-    serves = kernel_error is None and cpu_kernel.attention_serves(cfg.head_dim, cfg.group_size, activations)
+    serves = (kernel_error is None and kv == jnp.float32
+              and cpu_kernel.attention_serves(cfg.head_dim, cfg.group_size, activations))
     return "kernel" if serves else "blocked"
 
 
@@ -205,8 +210,51 @@ def load_planned(config: StationConfig, plan: Plan) -> LoadedModel:
     return dataclasses.replace(model, params=sharding.shard_params(model.params, mesh))
 
 
+def planned_arena(cfg: ModelConfig, config: StationConfig, plan: Plan) -> tuple[int, tuple[bool, ...]]:
+    """(ring, windowed) of the arena the planned engine allocates (engine/arena.py), known before it loads: what the
+    memory check counts. A step of the plan writes at most max(chunk, budget, verify rows) positions of a lane."""
+    verify_rows = config.lanes if plan.speculative != "off" and len(plan.wave_widths) > 1 else 0
+    return arena_layout(cfg, config.max_seq, config.kv_block, config.kv_windows, plan.layer_loop,
+                        chunk=config.prefill_chunk, budget=plan.prefill_budget, verify_rows=verify_rows)
+
+
+AUTO_MEMORY_SHARE = 2  # max_seq "auto" gives the weights and the arena at most 1/2 of the free memory
+
+
+def auto_max_seq(config: StationConfig, cfg: ModelConfig, available: int | None = None) -> StationConfig:
+    """`config` with max_seq chosen for `cfg` (the `serve` default, where no flag or variable sets it): the model's
+    own context length, rounded down to the chunk and the block, or the longest whose arena (its rings counted) and
+    weights take at most 1/AUTO_MEMORY_SHARE of the free memory (`available`, default measured), leaving the rest to
+    the steps' temporaries. Logs what it chose and why."""
+    step = math.lcm(config.prefill_chunk, config.kv_block)
+    want = dataclasses.replace(config, max_seq=max(step, cfg.max_position // step * step))
+    plan = resolve_plan(want, cfg)
+    if available is None:
+        available, where = available_memory(plan.tensor_parallel)
+        if available is None:
+            log.info("max_seq %d: cannot measure free memory on %s, so the station's fixed default", config.max_seq,
+                     where)
+            return config
+    room = available // AUTO_MEMORY_SHARE - weight_bytes(cfg, plan.dtype, plan.tensor_parallel)
+
+    def arena(n: int) -> int:
+        layout = planned_arena(cfg, dataclasses.replace(config, max_seq=n), plan)
+        kv = kv_dtype_of(config.kv_dtype, compute_dtype(plan.dtype))
+        return arena_bytes(cfg, config.lanes, n, kv, *layout) // plan.tensor_parallel
+
+    n = want.max_seq
+    while n > step and arena(n) > room:
+        n -= step
+    why = ("the model's context length" if n == want.max_seq else
+           f"the longest whose arena fits 1/{AUTO_MEMORY_SHARE} of the free memory beside the weights (the model's "
+           f"context is {cfg.max_position})")
+    log.info("max_seq %d: %s; its arena at %d lanes takes %d bytes (set %s to choose)", n, why, config.lanes,
+             arena(n), config.named("max_seq"))
+    return dataclasses.replace(config, max_seq=n)
+
+
 def planned_engine(model: LoadedModel, config: StationConfig, plan: Plan) -> Engine:
     """The local engine of a station of `config` on `model`, as `plan` says."""
     return Engine(model, lanes=config.lanes, max_seq=config.max_seq, chunk=config.prefill_chunk, block=config.kv_block,
                   attention=plan.attention, wave_widths=plan.wave_widths, prefill_budget=plan.prefill_budget,
-                  speculative=plan.speculative != "off")
+                  speculative=plan.speculative != "off", kv_windows=config.kv_windows, kv_dtype=config.kv_dtype)

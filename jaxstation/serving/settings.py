@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from jaxstation.engine.arena import KV_DTYPES, KV_WINDOWS
 from jaxstation.engine.layout import ATTENTIONS, PACK_BUDGET_AUTO
 from jaxstation.model.chat_template import read_template
 from jaxstation.model.config import LayerRange
@@ -138,10 +139,19 @@ SETTINGS: tuple[_Setting, ...] = (
              "kernel, else off), off (one prefill chunk per turn, decode in its own wave) or a number of rows, at "
              "least the lanes", commands=frozenset({"serve"})),
     _Setting("max_seq", "MOONSHINE_MAX_SEQ", "--max-seq", _parse_int,
-             "positions per lane: prompt + max_new_tokens <= max_seq"),
+             "positions per lane: prompt + max_new_tokens <= max_seq (serve, one process: by default the model's "
+             "context length, or the longest whose arena and weights take half the free memory; else 2048)"),
     _Setting("prefill_chunk", "MOONSHINE_PREFILL_CHUNK", "--prefill-chunk", _parse_int,
              "prompt tokens per prefill step"),
     _Setting("kv_block", "MOONSHINE_KV_BLOCK", "--kv-block", _parse_int, "positions per attention KV block"),
+    _Setting("kv_windows", "MOONSHINE_KV_WINDOWS", "--kv-windows", _parse_str,
+             "sliding-window layers: ring (keep only their window, rounded up to the KV block; the tokens are the "
+             "same) or full (every position, as global layers; llama.cpp's --swa-full)", commands=frozenset({"serve"})),
+    _Setting("kv_dtype", "MOONSHINE_KV_DTYPE", "--kv-dtype", _parse_str,
+             "the KV arena's dtype: auto (the activations': float32 on CPU), float32, bfloat16 (half the bytes) or "
+             "int8 (with a float32 scale per position and head: about a quarter); k and v are rounded when written "
+             "and read as the activations' dtype; on CPU the decode attention then takes the blocked walk",
+             commands=frozenset({"serve"})),
     _Setting("continuous", "MOONSHINE_CONTINUOUS_BATCH", "--continuous-batch", parse_bool,
              "continuous batching: on batches concurrent requests into each decode wave; off serves one request at a "
              "time", commands=_FRONT),
@@ -238,6 +248,8 @@ class StationConfig:
     max_seq: int = 2048
     prefill_chunk: int = 32
     kv_block: int = 128
+    kv_windows: str = "ring"
+    kv_dtype: str = "auto"
     continuous: bool = False
     prefix_reuse: str = "auto"
     speculative: str = "off"
@@ -272,7 +284,8 @@ class StationConfig:
     def __post_init__(self) -> None:
         for field, choices in (("dtype", DTYPES), ("attention", ATTENTION_CHOICES),
                                ("layer_loop", LAYER_LOOP_CHOICES), ("matmul", MATMUL_CHOICES),
-                               ("reasoning_parser", REASONING_PARSERS)):
+                               ("reasoning_parser", REASONING_PARSERS), ("kv_windows", KV_WINDOWS),
+                               ("kv_dtype", KV_DTYPES)):
             value = getattr(self, field)
             if value is not None and value not in choices:
                 raise ConfigError(f"{self.named(field)}={value!r} must be one of {', '.join(choices)}")

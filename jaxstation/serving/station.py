@@ -24,8 +24,8 @@ from jaxstation.engine.scheduler import Scheduler
 from jaxstation.model.loader import CheckpointError, LoadedModel
 from jaxstation.serving.coldstart import CompileCount, StartupClock, enable_compile_cache
 from jaxstation.serving.draft import load_draft, speculation
-from jaxstation.serving.memory import check_memory
-from jaxstation.serving.plan import Plan, load_planned, planned_engine, startup_plan
+from jaxstation.serving.memory import arena_summary, check_memory
+from jaxstation.serving.plan import Plan, load_planned, planned_arena, planned_engine, startup_plan
 from jaxstation.serving.settings import StationConfig
 
 log = logging.getLogger(__name__)
@@ -158,9 +158,10 @@ class Station:
 
 def local_engine(model: LoadedModel, c: StationConfig, plan: Plan) -> Runner:
     """The station's own engine, once its arena is known to fit, with the arena allocated."""
-    check_memory(model.cfg, c, plan.dtype, weights_resident=True)
+    check_memory(model.cfg, c, plan.dtype, weights_resident=True, layout=planned_arena(model.cfg, c, plan))
     engine = planned_engine(model, c, plan)
     jax.block_until_ready(engine.arena)
+    log.info("KV arena: %s", arena_summary(engine.arena, engine.windowed))
     return engine
 
 
