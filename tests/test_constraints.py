@@ -157,7 +157,8 @@ def test_a_compile_past_the_limit_is_refused(default_model):
 
 
 def slow_schema(salt: int, n: int = 8000) -> dict:
-    """n string fields, each with its own pattern: seconds to compile (about 4 s at 8000 on a 2-core CPU)."""
+    """n string fields, each with its own pattern: seconds to compile (8000 took 0.8 s on a quiet 2-core Intel Xeon,
+    4 s on a busy one)."""
     fields = {f"f{salt}_{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1},{i % 7 + 9}}}[0-9]+y{salt}x{i}$"}
               for i in range(n)}
     return {"type": "object", "properties": fields, "required": list(fields)}
@@ -167,10 +168,10 @@ def test_compiles_past_the_limit_do_not_hold_up_the_next_request(default_model):
     """Two schemas that outlive the limit are refused, and their compiles, still running, take no worker from the
     simple schema that follows: it answers."""
     tok = default_model.tokenizer
-    grammars = Grammars(tok, default_model.cfg.vocab_size, tok.eos_ids, timeout_s=1.0)
+    grammars = Grammars(tok, default_model.cfg.vocab_size, tok.eos_ids, timeout_s=0.25)
     grammars.tokenizer()
     for salt in (1, 2):
-        with pytest.raises(ConstraintError, match="took longer than 1 s"):
+        with pytest.raises(ConstraintError, match="took longer than 0.25 s"):
             grammars.compile(ConstraintSpec("json", slow_schema(salt), "response_format"))
     simple = grammars.compile(ConstraintSpec("json", {"type": "object", "properties": {"a": {"type": "integer"}}},
                                              "response_format"))
