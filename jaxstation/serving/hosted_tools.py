@@ -1,8 +1,8 @@
 """Tools a client sends that the station cannot run: a hosted tool (OpenAI's `web_search`, Anthropic's server tools
 such as `web_search_20250305`) or a group of tools under a `namespace` (Codex's sub-agent tools). They are left out of
 the prompt rather than refused, as llama.cpp does, so that an agent works with only its provider settings; the reply
-names them in the `X-Jaxstation-Skipped-Tools` header and the log names each once. A function tool is validated as
-before. Pydantic models and helpers shared by the Responses and Messages faces.
+names them in the `X-Jaxstation-Skipped-Tools` header and the log names each once (up to 256 names). A function
+tool is validated as before. Pydantic models and helpers shared by the Responses and Messages faces.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 HEADER = "X-Jaxstation-Skipped-Tools"
 # the union's tags; a space marks them as no field's name, so that an error names `tools[0].name` (errors.field_path)
 FUNCTION_TOOL, HOSTED_TOOL = "function tool", "hosted tool"
-_logged: set[str] = set()  # the server's event loop's alone
+_logged: set[str] = set()  # the server's event loop's alone; bounded, since clients choose the names
+_LOGGED_MAX = 256
 
 
 class HostedTool(BaseModel):
@@ -44,7 +45,7 @@ def skipped(tools: Sequence[BaseModel] | None) -> list[str]:
     """The names of the hosted tools among `tools` (type:name, or the type), each logged the first time it is seen."""
     names = [f"{t.type}:{t.name}" if t.name else t.type for t in tools or () if isinstance(t, HostedTool)]
     for name in names:
-        if name not in _logged:
+        if name not in _logged and len(_logged) < _LOGGED_MAX:
             _logged.add(name)
             log.info("skipping tool %s: the station runs only function tools", name)
     return names
