@@ -1,7 +1,7 @@
 """GGUF blocks multiplied in integers on the CPU kernel (weights "gguf").
 
-The kernel rounds each activation row to 8 bits per 32 columns from that row alone and sums code products in int32,
-then runs one fixed float epilogue per output. A numpy reference of the same arithmetic (its own block decoders, checked
+The kernel rounds each activation row to 8 bits per 32 columns from that row alone, sums each 32 columns' code
+products exactly in int32, then runs one fixed float epilogue per output. A numpy reference of the same arithmetic (its own block decoders, checked
 against the gguf package's dequantization) gives the kernel's bits for every format, so a row's bits are the same
 alone and among others at any row count; the AVX2, AVX-VNNI and AVX-512 (maddubs) builds give those bits too.
 Against the float32 product over the dequantized weights the error is that of 8-bit activations.
@@ -26,6 +26,7 @@ from jaxstation.model.quant import GGUFBlocks
 
 ROOT = Path(__file__).resolve().parent.parent
 ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 37)
+MINIMUM_FORMATS = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
 
 
 def _half(b: np.ndarray, at: int) -> np.ndarray:
@@ -106,23 +107,23 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def reference(x: np.ndarray, w: GGUFBlocks) -> np.ndarray:
-    """The kernel's arithmetic in numpy: int lanes per 32 columns, then the float epilogue in column order."""
+    """The kernel's arithmetic in numpy: an exact integer sum per 32 columns, then the float epilogue in column
+    order."""
     per = cpu_kernel.BLOCK_FORMATS[w.fmt][0]
     c = decode(w)
     qx, dx = quantize_rows(x)
     rows, k = x.shape
     n = w.shape[0]
-    lanes = ((qx[:, None, :] * c["q"][None]).reshape(rows, n, k // 4, 4).sum(-1) * c["scale"][None])
-    lanes = lanes.reshape(rows, n, k // 32, 8)
+    lanes = (qx[:, None, :] * c["q"][None]).reshape(rows, n, k // 4, 4).sum(-1) * c["scale"][None]
+    sums = lanes.reshape(rows, n, k // 32, 8).sum(-1)
     min_terms = qx.reshape(rows, 1, k // 32, 32).sum(-1) * c["mins"][None]
-    acc = np.zeros((rows, n, 8), np.float32)
-    mins = np.zeros((rows, n), np.float32)
+    acc = np.zeros((rows, n), np.float32)
     for g in range(k // 32):
         b = g * 32 // per
-        acc = acc + (c["d"][None, :, b] * dx[:, None, g])[..., None] * lanes[:, :, g].astype(np.float32)
-        mins = mins + (c["m"][None, :, b] * dx[:, None, g]) * min_terms[:, :, g].astype(np.float32)
-    a = [acc[..., j] for j in range(8)]
-    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])) + mins
+        acc = acc + (c["d"][None, :, b] * dx[:, None, g]) * sums[:, :, g].astype(np.float32)
+        if w.fmt in MINIMUM_FORMATS:
+            acc = acc + (c["m"][None, :, b] * dx[:, None, g]) * min_terms[:, :, g].astype(np.float32)
+    return acc
 
 
 def int_matmul(x: np.ndarray, w: GGUFBlocks) -> np.ndarray:
