@@ -10,7 +10,9 @@ Systems (each skipped with a note when it is not available):
   transformers       HF `generate` in-process, float32, greedy: one stream (K=1) and a static batch (K=8)
 Workload: throughput at K concurrent requests (default K = 1 and 8; 128 new tokens, greedy, no early stop, the
 fixed prompt set of bench.throughput) and an open-loop Poisson latency run (the mixed prompt lengths of
-bench.latency; end-to-end latency, server-side TTFT where the reply says it). Repetitions are interleaved across the
+bench.latency; end-to-end latency, server-side TTFT where the reply says it), and the prefill of a --prefill-len
+prompt (default 512) with one new token, alone, in prompt tokens per second of server-side TTFT (a new prompt each
+repetition, so no prefix cache helps). Repetitions are interleaved across the
 systems (rep 1: every system, rep 2: every system, ...), so the ratios hold on a noisy machine. One side-by-side
 table is printed and written as JSON. Peers are the optional `peers` extra: pip install -e '.[peers]'.
 
@@ -197,12 +199,24 @@ def latency_run(system: System, prompts, arrivals, new: int) -> dict:
             "server_ttft_s": percentiles([r["server_ttft_s"] for r in results if r.get("server_ttft_s") is not None])}
 
 
+def prefill_run(system: System, prompts: list[list[int]]) -> dict:
+    """A prompt's prefill alone, in prompt tokens per second of server-side TTFT (of the client's wall time where
+    the reply has none): the first prompt warms up, each other one is new."""
+    rates = []
+    for i, prompt in enumerate(prompts):
+        wall, replies = concurrent_run(system.call, [prompt], 1)
+        if i:
+            rates.append(len(prompt) / (replies[0].get("server_ttft_s") or wall))
+    return med_spread(rates)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--prefill-len", type=int, default=512, help="the prefill run's prompt length (0: no prefill run)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rate", type=float, default=2.0, help="latency run: Poisson arrivals, requests/s")
     ap.add_argument("--latency-requests", type=int, default=24)
@@ -236,7 +250,9 @@ def main() -> None:
     lengths = mixed_lengths(args.latency_requests, args.seed)  # == bench.latency's mix
     lat_prompts = make_prompts(tok, args.latency_requests, lengths, seed=args.seed)
     arrivals = poisson_arrivals(args.rate, args.latency_requests, args.seed)
-    ctx = 1024 * -(-(max(lengths + [args.prompt_len]) + max(args.new_tokens, args.latency_new_tokens) + 1) // 1024)
+    long_prompts = make_prompts(tok, args.reps + 1, args.prefill_len, seed=args.seed + 1) if args.prefill_len else []
+    longest = max(lengths + [args.prompt_len, args.prefill_len])
+    ctx = 1024 * -(-(longest + max(args.new_tokens, args.latency_new_tokens) + 1) // 1024)
     tmp = Path(tempfile.gettempdir())
     notes: dict[str, str] = {}
     systems: list[System] = []
@@ -303,6 +319,7 @@ def main() -> None:
                     wall, generated = s.run(prompts[:k], args.new_tokens)
                     tput[s.name][k].append(generated / wall)
                     print(f"rep {rep} {s.name:17s} K={k}: {generated / wall:7.1f} tok/s ({generated} tokens)")
+        prefill = {s.name: prefill_run(s, long_prompts) for s in systems if long_prompts}
         latency = {}
         if not args.no_latency:
             for s in systems:
@@ -323,6 +340,8 @@ def main() -> None:
         if name in tput:
             row["tokens_per_s"] = {str(k): med_spread(v) for k, v in tput[name].items()}
             row["best_tokens_per_s"] = max(med_spread(v)["median"] for v in tput[name].values())
+        if name in prefill:
+            row["prefill_tokens_per_s"] = prefill[name]
         if name in latency:
             row["latency"] = latency[name]
         rows.append(row)
@@ -336,6 +355,9 @@ def main() -> None:
                 k1 = [r["tokens_per_s"].get("1", {}).get("median") for r in (by["jaxstation"], by[name])]
                 if all(k1):
                     ratios[f"jaxstation_k1_over_{name}_k1"] = k1[0] / k1[1]
+            if name in prefill and "jaxstation" in prefill:
+                ratios[f"jaxstation_prefill_over_{name}_prefill"] = (prefill["jaxstation"]["median"] /
+                                                                     prefill[name]["median"])
 
     ks = args.ks
     print("\n| system | " + " | ".join(f"K={k} tok/s" for k in ks) + " | best | latency e2e p50 / p99 s | "
@@ -348,6 +370,9 @@ def main() -> None:
         e2e = f"{lat['e2e_s']['p50']:.2f} / {lat['e2e_s']['p99']:.2f}" if lat.get("e2e_s", {}).get("p50") else "-"
         ltps = f"{lat['achieved_tokens_per_s']:.1f}" if "achieved_tokens_per_s" in lat else "-"
         print(f"| {r['system']} | " + " | ".join(cells) + f" | {best} | {e2e} | {ltps} | {r['note'] or ''} |")
+    for name, rate in prefill.items():
+        print(f"prefill {name:17s}: {args.prefill_len}-token prompt, {rate['median']:.1f} tok/s "
+              f"(median of {rate['n']})")
     print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
     path = write_result(args.name, {"config": dict(vars(args)), "model": str(gguf), "bandwidth": bandwidth,
                                   "rows": rows, "ratios": ratios})
