@@ -119,8 +119,8 @@ def _kernel_error() -> str | None:
 
 def _dtype(config: StationConfig, backend: str, kernel_error: str | None) -> str:
     """The weight format: the setting, or the backend's default: on CPU a GGUF model's blocks as stored where the
-    kernel runs, float32-exact (gguf-exact; gguf multiplies them in integers over 8-bit activations, on request until
-    it measures faster), else float32; bfloat16 on a GPU."""
+    kernel runs, multiplied in integers over 8-bit activations (gguf; gguf-exact keeps float32's exact bits), else
+    float32; bfloat16 on a GPU."""
     if config.dtype in GGUF_WEIGHTS:
         asked = f"{config.named('dtype')}={config.dtype}"
         if not config.model_is_gguf:
@@ -133,7 +133,7 @@ def _dtype(config: StationConfig, backend: str, kernel_error: str | None) -> str
         return config.dtype
     if backend == "gpu":
         return "bfloat16"
-    return "gguf-exact" if config.model_is_gguf and config.matmul != "xla" and kernel_error is None else "float32"
+    return "gguf" if config.model_is_gguf and config.matmul != "xla" and kernel_error is None else "float32"
 
 
 def _matmul(config: StationConfig, dtype: str, kernel_error: str | None) -> str:

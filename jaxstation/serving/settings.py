@@ -100,7 +100,7 @@ SETTINGS: tuple[_Setting, ...] = (
              "as llama.cpp does), gguf-exact (the same blocks, float32's exact bits over the dequantized weights), "
              "float32, bfloat16 or int8 "
              "(weight-only, per output channel; activations and the KV arena stay float32 on CPU, bfloat16 on a GPU) "
-             "(default: gguf-exact on CPU for a GGUF model where the CPU kernel builds, else float32; bfloat16 on a "
+             "(default: gguf on CPU for a GGUF model where the CPU kernel builds, else float32; bfloat16 on a "
              "GPU)"),
     _Setting("attention", "MOONSHINE_ATTENTION", "--attention", _parse_str,
              "decode attention: blocked (online softmax over KV blocks), kernel (the CPU decode attention kernel), xla "
