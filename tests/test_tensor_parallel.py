@@ -34,7 +34,7 @@ from jaxstation.engine.rows import DecodeRow, PromptPiece, SamplingParams
 from jaxstation.model.layers import projection_shapes
 from jaxstation.model.loader import checkpoint_config, hf_config
 from jaxstation.model.shapes import ARCHITECTURES
-from jaxstation.model.sharding import natural_order, shard_major, split_fused
+from jaxstation.model.sharding import indivisible, kv_replicas, natural_order, replicated_kv, shard_major, split_fused
 from jaxstation.serving.group import CALLS, LOCAL, Group, LeaderEngine, process_group, receive, send
 from jaxstation.serving.memory import check_memory, weight_bytes
 from jaxstation.serving.plan import resolve_plan
@@ -42,9 +42,10 @@ from jaxstation.serving.settings import ConfigError, GiB, StationConfig, resolve
 from jaxstation.serving.wire import WireError, encode
 
 # every family once, float32 and int8: over 2 devices (the fixtures' 2 KV heads), as a station plans and loads them;
-# over 4, a fixture's family with 8 heads and 4 KV heads and seeded random weights
+# over 4, a fixture's family with 8 heads and 4 KV heads and seeded random weights, and Gemma 3's 2 KV heads each
+# kept twice (fewer KV heads than devices)
 CASES = ("tiny-qwen2:int8:2", "tiny-qwen3:float32:2", "tiny-gemma2:int8:2", "tiny-gemma3:float32:2",
-         "wide-tiny-llama3:float32:4", "wide-tiny-mistral:int8:4")
+         "wide-tiny-llama3:float32:4", "wide-tiny-mistral:int8:4", "tiny-gemma3:float32:4")
 STAGE = "stage:tiny-qwen2:int8:2"  # a mesh station split over 2 devices
 LOAD = "load:tiny-qwen2:float32:2"  # device 0's bytes while a station loads a model split over 2 devices
 TOLERANCE = 1e-4
@@ -126,10 +127,19 @@ def test_fused_columns_laid_out_shard_major_read_back_in_order() -> None:
 
 
 def test_the_plan_refuses_heads_that_do_not_divide_naming_both_numbers() -> None:
-    config = resolve(None, {"MOONSHINE_TENSOR_PARALLEL": "4", "MOONSHINE_MODEL": str(FIXTURES / "tiny-qwen2")})
+    config = resolve(None, {"MOONSHINE_TENSOR_PARALLEL": "3", "MOONSHINE_MODEL": str(FIXTURES / "tiny-qwen2")})
     with pytest.raises(ConfigError) as e:
         resolve_plan(config, checkpoint_config(config.model))
-    assert str(e.value) == "MOONSHINE_TENSOR_PARALLEL=4: the model's KV heads (2) do not divide by 4 devices"
+    assert str(e.value) == "MOONSHINE_TENSOR_PARALLEL=3: the model's attention heads (4) do not divide by 3 devices"
+
+
+def test_fewer_kv_heads_than_devices_are_kept_once_a_device() -> None:
+    cfg = checkpoint_config(FIXTURES / "tiny-qwen2")  # 4 heads, 2 KV heads
+    assert [kv_replicas(cfg, n) for n in (1, 2, 4)] == [1, 1, 2]
+    assert replicated_kv(cfg, 4).num_kv_heads == 4 and replicated_kv(cfg, 2) == cfg
+    assert indivisible(cfg, 4) is None
+    assert indivisible(dataclasses.replace(cfg, num_heads=12, num_kv_heads=3), 4) == (
+        "the model's KV heads (3) do not divide by 4 devices")
 
 
 def test_the_plan_refuses_more_devices_than_it_sees() -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxstation.kernels.cpu_kernel import BLOCK_FORMATS
+from jaxstation.model import sharding
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.default_model import default_model_path
 from jaxstation.model.gguf_file import GGUFFile, GGUFTensor
@@ -104,8 +105,9 @@ def _map_name(name: str, globals_: Mapping[str, str], layer_re: re.Pattern, laye
 
 
 def _assemble(cfg: ModelConfig, tensors: Mapping[tuple[int | None, str], Tensor], names: Mapping, weights: str,
-              layer_loop: str, source: str, matmul: str, shards: int = 1) -> Params:
-    """Check every tensor's presence and shape, then build the Params (`model.build_params`)."""
+              layer_loop: str, source: str, matmul: str, shards: int = 1) -> tuple[ModelConfig, Params]:
+    """Check every tensor's presence and shape, then build the Params (`model.build_params`) for `shards` devices:
+    the config they are built for (its KV heads replicated where a split needs it), and the Params."""
     shapes = _expected_shapes(cfg)
     required = [(None, "embed"), (None, "final_norm")] + [
         (i, s) for i in range(cfg.num_layers) for s in _layer_slots(cfg)]
@@ -122,7 +124,25 @@ def _assemble(cfg: ModelConfig, tensors: Mapping[tuple[int | None, str], Tensor]
                 f"tensor {names[key]!r} in {source} has shape {tuple(arr.shape)}, expected {shapes[key[1]]}"
             )
 
-    return build_params(cfg, lambda layer, slot: tensors[layer, slot], weights, layer_loop, matmul, shards)
+    cfg, tensors = _replicate_kv(cfg, tensors, shards)
+    return cfg, build_params(cfg, lambda layer, slot: tensors[layer, slot], weights, layer_loop, matmul, shards)
+
+
+def _replicate_kv(cfg: ModelConfig, tensors: Mapping[tuple[int | None, str], Tensor], shards: int
+                  ) -> tuple[ModelConfig, Mapping[tuple[int | None, str], Tensor]]:
+    """With fewer KV heads than `shards` devices: each KV head's k and v rows (and biases) repeated
+    `sharding.kv_replicas` times, and the config's KV heads with them (`sharding.replicated_kv`)."""
+    copies = sharding.kv_replicas(cfg, shards)
+    if copies == 1:
+        return cfg, tensors
+
+    def repeat(arr: Tensor) -> np.ndarray:  # [kv * head_dim, ...] -> [kv * copies * head_dim, ...]
+        w = arr.dequantize() if isinstance(arr, GGUFBlocks) else np.asarray(arr)
+        heads = w.reshape(cfg.num_kv_heads, cfg.head_dim, *w.shape[1:])
+        return np.repeat(heads, copies, axis=0).reshape(-1, *w.shape[1:])
+
+    out = {key: repeat(arr) if key[1] in ("k", "v", "bk", "bv") else arr for key, arr in tensors.items()}
+    return sharding.replicated_kv(cfg, shards), out
 
 
 def load_hf_dir(path: Path, dtype: str = "float32", layer_loop: str = "scan", matmul: str = "xla", shards: int = 1
@@ -164,7 +184,7 @@ def load_hf_dir(path: Path, dtype: str = "float32", layer_loop: str = "scan", ma
             raise CheckpointError(f"cannot read safetensors file {fpath}: {e}") from e
     if cfg.tie_word_embeddings:
         tensors.pop((None, "lm_head"), None)
-    return cfg, _assemble(cfg, tensors, names, dtype, layer_loop, str(path), matmul, shards)
+    return _assemble(cfg, tensors, names, dtype, layer_loop, str(path), matmul, shards)
 
 
 def _all_keys(cfg: ModelConfig) -> list[tuple[int | None, str]]:
@@ -272,7 +292,7 @@ def load_gguf(path: Path, dtype: str = "float32", reader: GGUFFile | None = None
         if interleaved and key[1] in ("q", "k") and arr.shape == _expected_shapes(cfg)[key[1]]:
             arr = _unpermute_rope(arr, cfg.num_heads if key[1] == "q" else cfg.num_kv_heads)
         tensors[key] = arr
-    return cfg, _assemble(cfg, tensors, names, dtype, layer_loop, str(path), matmul, shards)
+    return _assemble(cfg, tensors, names, dtype, layer_loop, str(path), matmul, shards)
 
 
 def load_model(path: str | Path | None = None, dtype: str = "float32", layer_loop: str = "scan",

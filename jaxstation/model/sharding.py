@@ -13,10 +13,16 @@ The fused projections hold several matrices side by side (wqkv: q | k | v; w_gat
 contiguous pieces, the first device would hold q's first columns and none of k. So at N > 1 the loader lays fused
 columns out shard-major (`shard_major`): [q_0 k_0 v_0 | q_1 k_1 v_1 | ...], piece i holding device i's heads, and a
 step reads the pieces back with `split_fused`; at N = 1 both are the plain layout and the plain slices.
+
+A model with fewer KV heads than devices (Gemma 3 270M: 1 KV head) keeps `kv_replicas` copies of each, as vLLM does:
+the loader repeats each KV head's k and v columns, so the model it builds has N KV heads, device i holding a copy of
+the one its query heads read (`replicated_kv`). Query head j still reads a copy of its own KV head, so the attention
+is the same; the arena holds the copies.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -81,10 +87,22 @@ def split_fused(y: jax.Array, sizes: Sequence[int], shards: int) -> list[jax.Arr
     return out
 
 
+def kv_replicas(cfg: ModelConfig, shards: int) -> int:
+    """Copies of each KV head a split over `shards` devices keeps: shards / KV heads where there are fewer KV heads
+    than devices and they divide the devices, else 1."""
+    kv = cfg.num_kv_heads
+    return shards // kv if kv < shards and shards % kv == 0 else 1
+
+
+def replicated_kv(cfg: ModelConfig, shards: int) -> ModelConfig:
+    """`cfg` as the loader builds it for `shards` devices: `kv_replicas` copies of each KV head."""
+    return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * kv_replicas(cfg, shards))
+
+
 def indivisible(cfg: ModelConfig, shards: int) -> str | None:
-    """Why a model of `cfg` cannot split over `shards` devices (a head count or the MLP width does not divide), or
-    None."""
-    for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
+    """Why a model of `cfg` cannot split over `shards` devices (a head count or the MLP width does not divide, its
+    KV heads counted with their copies), or None."""
+    for what, n in (("attention heads", cfg.num_heads), ("KV heads", replicated_kv(cfg, shards).num_kv_heads),
                     ("MLP hidden size", cfg.intermediate_size)):
         if n % shards:
             return f"the model's {what} ({n}) do not divide by {shards} devices"

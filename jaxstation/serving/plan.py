@@ -235,12 +235,13 @@ def auto_max_seq(config: StationConfig, cfg: ModelConfig, available: int | None 
             log.info("max_seq %d: cannot measure free memory on %s, so the station's fixed default", config.max_seq,
                      where)
             return config
-    room = available // AUTO_MEMORY_SHARE - weight_bytes(cfg, plan.dtype, plan.tensor_parallel)
+    loaded = sharding.replicated_kv(cfg, plan.tensor_parallel)  # as the loader builds it
+    room = available // AUTO_MEMORY_SHARE - weight_bytes(loaded, plan.dtype, plan.tensor_parallel)
 
     def arena(n: int) -> int:
         layout = planned_arena(cfg, dataclasses.replace(config, max_seq=n), plan)
         kv = kv_dtype_of(config.kv_dtype, compute_dtype(plan.dtype))
-        return arena_bytes(cfg, config.lanes, n, kv, *layout) // plan.tensor_parallel
+        return arena_bytes(loaded, config.lanes, n, kv, *layout) // plan.tensor_parallel
 
     n = want.max_seq
     while n > step and arena(n) > room:
