@@ -11,14 +11,21 @@ this says by how much, on the default model or any GGUF file (`--model`):
 - Over the repository's LICENSE text (Apache-2.0, about 2,300 tokens) in 1024-token windows: the perplexity of
   both, and the top-1 agreement under teacher forcing (both read the text; at how many positions do they predict the
   same next token).
+- Over the same text as llama.cpp's `llama-perplexity -c 512` reads it (tokenized with the model's specials, cut
+  into 512-token chunks that each open with the BOS where the model adds one, the second half of each chunk scored):
+  the perplexity of both, and `llama-perplexity`'s own on the same file where it is built
+  (scripts/build_llama_server.sh; or --llama-perplexity PATH).
 
-Usage: python -m bench.accuracy [--dtype gguf] [--model FILE.gguf]
+Usage: python -m bench.accuracy [--dtype gguf] [--model FILE.gguf] [--llama-perplexity PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import subprocess
 from pathlib import Path
 
 import jax
@@ -26,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import planned_model, write_result
+from bench.peers import CACHE
+from bench.workload import first_executable, repacking_crashes
 from jaxstation.engine.engine import Engine, generate
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.model.layers import forward_full
@@ -38,6 +47,7 @@ TEXT_PROMPTS = ROOT / "tests" / "reference" / "gemma3_270m_reference.json"
 TEXT = ROOT / "LICENSE"
 WINDOW = 1024
 NEW = 48
+LLAMA_CTX = 512  # llama-perplexity -c
 
 
 def read_text(base, quant, ids: list[int]) -> dict[str, float]:
@@ -56,6 +66,39 @@ def read_text(base, quant, ids: list[int]) -> dict[str, float]:
         n += len(window) - 1
     ppl = np.exp(nll / n)
     return {"float32": float(ppl[0]), "other": float(ppl[1]), "top1_agreement": agree / n}
+
+
+def llama_chunks(tokenizer, text: str) -> list[list[int]]:
+    """The text as llama-perplexity reads it: tokenized with the model's specials, cut into LLAMA_CTX-token chunks,
+    each opening with the BOS where the model adds one."""
+    ids = tokenizer.encode(text)
+    bos = ids[0] if len(ids) == len(tokenizer.encode(text, add_special_tokens=False)) + 1 else None
+    chunks = [ids[i:i + LLAMA_CTX] for i in range(0, len(ids) - LLAMA_CTX + 1, LLAMA_CTX)]
+    return [[bos, *c[1:]] if bos is not None else c for c in chunks]
+
+
+def chunk_perplexity(model, chunks: list[list[int]]) -> float:
+    """llama-perplexity's score: each chunk's second half, every position predicting the next token."""
+    first, nll = LLAMA_CTX // 2, 0.0
+    for chunk in chunks:
+        logits = forward_full(model.cfg, model.params, jnp.asarray(chunk))[first:-1]
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        nll -= float(jnp.take_along_axis(logp, jnp.asarray(chunk[first + 1:])[:, None], axis=-1).sum())
+    return float(np.exp(nll / (len(chunks) * (LLAMA_CTX - first - 1))))
+
+
+def llama_perplexity(binary: str, gguf: str) -> dict:
+    """llama.cpp's own perplexity of the file over TEXT (its integer arithmetic), from `llama-perplexity`."""
+    server = Path(binary).with_name("llama-server")  # built beside it: the probe of its weight repacking
+    no_repack = server.is_file() and repacking_crashes(str(server))
+    cmd = [binary, "-m", gguf, "-f", str(TEXT), "-c", str(LLAMA_CTX), "-t", str(os.cpu_count() or 1),
+           *(["--no-repack"] if no_repack else [])]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    ppl = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
+    chunks = re.search(r"perplexity over (\d+) chunks", out.stdout + out.stderr)
+    if ppl is None or chunks is None:
+        return {"error": (out.stdout + out.stderr)[-500:]}
+    return {"perplexity": float(ppl.group(1)), "chunks": int(chunks.group(1)), "command": " ".join(cmd)}
 
 
 def station_model(dtype: str, model: str | None):
@@ -100,6 +143,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="gguf")
     ap.add_argument("--model", default=None, help="a .gguf file (default: the embedded SmolLM2 Q4_1)")
     ap.add_argument("--name", default=None, help="result file name (default: accuracy_<dtype>)")
+    ap.add_argument("--llama-perplexity", default=None,
+                    help="path of llama.cpp's llama-perplexity (default: the build cache, then PATH)")
     args = ap.parse_args()
     base, quant = station_model("float32", args.model), station_model(args.dtype, args.model)
     rows = []
@@ -111,9 +156,16 @@ def main() -> None:
     ppl = {"text": TEXT.name, "tokens": len(text_ids), "float32": text["float32"], args.dtype: text["other"],
            "top1_agreement": text["top1_agreement"]}
     print(ppl)
+    chunks = llama_chunks(base.tokenizer, TEXT.read_text())
+    llama = {"text": TEXT.name, "ctx": LLAMA_CTX, "chunks": len(chunks), "float32": chunk_perplexity(base, chunks),
+             args.dtype: chunk_perplexity(quant, chunks)}
+    binary = first_executable(args.llama_perplexity, str(CACHE / "llama-perplexity"))
+    llama["llama.cpp"] = llama_perplexity(binary, str(base.source)) if binary else {"error": "not built"}
+    print(llama)
     path = write_result(args.name or f"accuracy_{args.dtype}", {
         "dtype": args.dtype, "model": str(base.source), "weight_bytes": {
-            "float32": base.params.nbytes, args.dtype: quant.params.nbytes}, "prompts": rows, "perplexity": ppl})
+            "float32": base.params.nbytes, args.dtype: quant.params.nbytes}, "prompts": rows, "perplexity": ppl,
+        "llama_perplexity_protocol": llama})
     print(f"wrote {path}")
 
 

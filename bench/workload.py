@@ -222,7 +222,7 @@ def station_generate(client, base: str, tokens: list[int], max_new: int) -> dict
 
 
 @functools.cache
-def _repacking_crashes(binary: str) -> bool:
+def repacking_crashes(binary: str) -> bool:
     """Whether this llama-server dies at start with its CPU weight repacking on: on a CPU that advertises AMX, the
     AMX buffers crash the process in some virtual machines (a SIGSEGV in the warm-up run). Probed once per binary."""
     from jaxstation.model.default_model import default_model_path
@@ -243,9 +243,9 @@ def _repacking_crashes(binary: str) -> bool:
 def llama_server_cmd(binary: str, gguf: str, port: int, slots: int, context: int, threads: int | None = None
                      ) -> list[str]:
     """llama-server on `gguf` with `slots` parallel slots sharing `context` positions; `--no-repack` where its
-    repacked weights crash here (`_repacking_crashes`: the benches' notes say so)."""
+    repacked weights crash here (`repacking_crashes`: the benches' notes say so)."""
     return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots), "-c", str(context),
-            *(["-t", str(threads)] if threads else []), *(["--no-repack"] if _repacking_crashes(binary) else [])]
+            *(["-t", str(threads)] if threads else []), *(["--no-repack"] if repacking_crashes(binary) else [])]
 
 
 def llama_server_completion(client, base: str, tokens: list[int], max_new: int) -> dict:
