@@ -16,11 +16,10 @@ from conftest import REFERENCE
 from server_util import ServerThread, wait_for
 
 from jaxstation.anthropic.protocol import MessagesRequest
-from jaxstation.anthropic.translate import BILLING_HEADER, chat_body
+from jaxstation.anthropic.translate import BILLING_HEADER, chat_request
 from jaxstation.app import create_app
+from jaxstation.chat.request import chat_prompt
 from jaxstation.model.loader import LoadedModel
-from jaxstation.openai.parse import chat_prompt
-from jaxstation.openai.protocol import ChatCompletionRequest
 from jaxstation.serving.settings import StationConfig
 from jaxstation.serving.station import Station
 
@@ -176,8 +175,8 @@ def test_claude_codes_billing_block_is_not_prompt(default_model: LoadedModel) ->
     assert [r["system"][0]["text"][:27] for r in sessions] == [BILLING_HEADER] * 2
     first, second = (r["system"] for r in sessions)
     assert first[0] != second[0] and first[1:] == second[1:]
-    prompts = [chat_prompt(ChatCompletionRequest.model_validate(chat_body(MessagesRequest.model_validate(r))),
-                           default_model.tokenizer)[1] for r in sessions]
+    prompts = [chat_prompt(chat_request(MessagesRequest.model_validate(r)), default_model.tokenizer)[1]
+               for r in sessions]
     shared = next(i for i, (x, y) in enumerate(zip(*prompts, strict=False)) if x != y)
     system = default_model.tokenizer.encode(_system_text(sessions[0]))
     assert shared > len(system) > 1000, (shared, len(system), [len(p) for p in prompts])

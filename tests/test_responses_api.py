@@ -21,8 +21,8 @@ from conftest import REFERENCE
 from server_util import ServerThread, wait_for
 
 from jaxstation.app import create_app
+from jaxstation.chat import stream as chat_stream
 from jaxstation.model.loader import LoadedModel
-from jaxstation.openai import routes as openai_routes
 from jaxstation.serving.settings import StationConfig
 from jaxstation.serving.station import Station
 
@@ -322,7 +322,7 @@ def test_a_stream_opens_before_the_prompt_is_prefilled(station, monkeypatch, api
     while the prompt's first step is still held, and beats (Messages' ping, else an SSE comment) follow through the
     silence, so a long prefill never leaves a client or proxy without bytes."""
     server, http, _, st = station
-    monkeypatch.setattr(openai_routes, "KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(chat_stream, "KEEPALIVE_S", 0.2)
     held, entered = threading.Event(), threading.Event()
     for name in ("pack", "prefill"):
         real = getattr(st.engine, name)
