@@ -211,6 +211,34 @@ def test_refusals_name_the_field_in_anthropics_shape(station, change, field) -> 
     assert field in body["error"]["message"]
 
 
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "strnig"}}}
+
+
+@pytest.mark.parametrize("change, field, words", [
+    ({"output_config": {"format": {"type": "json_schema", "schema": BAD_SCHEMA}}}, "output_config.format", "strnig"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}, "tools": [WEATHER],
+      "tool_choice": {"type": "any"}}, "output_config.format and tool_choice", "send one"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice", "needs tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice", "not among"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages", "no message"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                {"type": "text", "text": "x", "source": {}}]}]},
+     "messages[0].content[1].source", "unsupported"),
+    ({"system": 5}, "system", "no accepted form"),
+], ids=["bad schema", "two constraints", "choice without tools", "unknown tool", "no turn", "field in a block",
+        "system"])
+def test_refusals_name_the_messages_field_the_client_sent(station, change, field, words) -> None:
+    """The request is checked as Messages, not as a chat completion: the error names the Messages field, never a
+    chat completions one (response_format, stop) that the client did not send."""
+    _, _, client = station
+    body = {"max_tokens": 8, "messages": HELLO, **change}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=MODEL, **body)
+    error = e.value.body["error"]
+    assert error["type"] == "invalid_request_error" and field in error["message"] and words in error["message"], error
+    assert not {"response_format", "stop", "max_completion_tokens"} & set(error["message"].replace(":", " ").split())
+
+
 def test_errors_and_the_key(station) -> None:
     st, http, client = station
     r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 8, "messages": HELLO},

@@ -44,7 +44,7 @@ def validate(model: type[M], body: Any, refused: Mapping[str, str] | None = None
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        field, message, kind = describe(e)
+        field, message, kind = describe(e, body)
         if kind == "unknown" and field in (refused or {}):
             message = f"{message}: {refused[field]}"
         raise (unsupported(field, message) if kind == "unknown" else bad(field, message)) from None
