@@ -16,11 +16,10 @@ from conftest import REFERENCE
 from server_util import ServerThread, wait_for
 
 from jaxstation.anthropic.protocol import MessagesRequest
-from jaxstation.anthropic.translate import BILLING_HEADER, chat_body
+from jaxstation.anthropic.translate import BILLING_HEADER, chat_request
 from jaxstation.app import create_app
+from jaxstation.chat.request import chat_prompt
 from jaxstation.model.loader import LoadedModel
-from jaxstation.openai.parse import chat_prompt
-from jaxstation.openai.protocol import ChatCompletionRequest
 from jaxstation.serving.settings import StationConfig
 from jaxstation.serving.station import Station
 
@@ -176,8 +175,8 @@ def test_claude_codes_billing_block_is_not_prompt(default_model: LoadedModel) ->
     assert [r["system"][0]["text"][:27] for r in sessions] == [BILLING_HEADER] * 2
     first, second = (r["system"] for r in sessions)
     assert first[0] != second[0] and first[1:] == second[1:]
-    prompts = [chat_prompt(ChatCompletionRequest.model_validate(chat_body(MessagesRequest.model_validate(r))),
-                           default_model.tokenizer)[1] for r in sessions]
+    prompts = [chat_prompt(chat_request(MessagesRequest.model_validate(r)), default_model.tokenizer)[1]
+               for r in sessions]
     shared = next(i for i, (x, y) in enumerate(zip(*prompts, strict=False)) if x != y)
     system = default_model.tokenizer.encode(_system_text(sessions[0]))
     assert shared > len(system) > 1000, (shared, len(system), [len(p) for p in prompts])
@@ -210,6 +209,34 @@ def test_refusals_name_the_field_in_anthropics_shape(station, change, field) -> 
     body = r.json()
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert field in body["error"]["message"]
+
+
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "strnig"}}}
+
+
+@pytest.mark.parametrize("change, field, words", [
+    ({"output_config": {"format": {"type": "json_schema", "schema": BAD_SCHEMA}}}, "output_config.format", "strnig"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}, "tools": [WEATHER],
+      "tool_choice": {"type": "any"}}, "output_config.format and tool_choice", "send one"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice", "needs tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice", "not among"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages", "no message"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                {"type": "text", "text": "x", "source": {}}]}]},
+     "messages[0].content[1].source", "unsupported"),
+    ({"system": 5}, "system", "no accepted form"),
+], ids=["bad schema", "two constraints", "choice without tools", "unknown tool", "no turn", "field in a block",
+        "system"])
+def test_refusals_name_the_messages_field_the_client_sent(station, change, field, words) -> None:
+    """The request is checked as Messages, not as a chat completion: the error names the Messages field, never a
+    chat completions one (response_format, stop) that the client did not send."""
+    _, _, client = station
+    body = {"max_tokens": 8, "messages": HELLO, **change}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=MODEL, **body)
+    error = e.value.body["error"]
+    assert error["type"] == "invalid_request_error" and field in error["message"] and words in error["message"], error
+    assert not {"response_format", "stop", "max_completion_tokens"} & set(error["message"].replace(":", " ").split())
 
 
 def test_errors_and_the_key(station) -> None:

@@ -477,6 +477,9 @@ def test_auth_on(default_model: LoadedModel) -> None:
     ("/v1/completions", {"prompt": "x", "include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
     ("/v1/chat/completions", {"messages": CAPITAL, "chat_template_kwargs": [1]}, "chat_template_kwargs"),
     ("/v1/chat/completions", {"messages": CAPITAL, "chat_template_kwargs": {"messages": []}}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0].type"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "stop": ["a", 1]}, "stop[1]"),
 ])
 def test_unsupported_or_invalid_field_is_400(station, route: str, body: dict, param: str) -> None:
     _, _, http, _ = station

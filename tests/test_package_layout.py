@@ -13,7 +13,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jaxstation"
 # bottom to top: a module may import only from its own layer and those before it
-LAYERS = ("kernels", "web", "model", "engine", "serving", "openai", "anthropic", "app", "mesh", "cli")
+LAYERS = ("kernels", "web", "model", "engine", "serving", "chat", "openai", "anthropic", "app", "mesh", "cli")
 MAX_LINES = 450
 
 
@@ -35,10 +35,46 @@ def test_imports_run_down_the_stack(path: Path) -> None:
             assert LAYERS.index(there) <= LAYERS.index(here), f"{path.name} ({here}) imports {node.module} ({there})"
 
 
-@pytest.mark.parametrize("package", ["kernels", "web", "model", "engine", "serving", "openai", "anthropic", "mesh",
-                                     "app", "cli"])
+@pytest.mark.parametrize("package", ["kernels", "web", "model", "engine", "serving", "chat", "openai", "anthropic",
+                                     "mesh", "app", "cli"])
 def test_each_package_imports_alone(package: str) -> None:
     assert importlib.import_module(f"jaxstation.{package}")
+
+
+def _resolve(path: Path, node: ast.AST) -> list[str]:
+    """The absolute names an import statement in `path` imports (a module, or a module and each name from it),
+    relative imports resolved as Python does; [] for any other statement."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    package = list(path.relative_to(PACKAGE.parent).parent.parts)
+    module = ".".join((package[:len(package) - node.level + 1] if node.level else []) + [node.module or ""])
+    module = module.rstrip(".")
+    return [module] + [f"{module}.{a.name}" for a in node.names]
+
+
+def _imported(path: Path) -> list[str]:
+    return [name for node in ast.walk(ast.parse(path.read_text())) for name in _resolve(path, node)]
+
+
+@pytest.mark.parametrize("face, other", [("anthropic", "openai"), ("openai", "anthropic")])
+def test_one_api_face_never_imports_another(face: str, other: str) -> None:
+    """Each face translates onto the chat layer below it: neither imports the other, in any form of import."""
+    found = [f"{path.name}: {name}" for path in sorted((PACKAGE / face).rglob("*.py")) for name in _imported(path)
+             if name == f"jaxstation.{other}" or name.startswith(f"jaxstation.{other}.")]
+    assert not found, found
+
+
+def test_imports_are_resolved_as_python_does() -> None:
+    """The check above sees relative imports and `from jaxstation import openai` too."""
+    probe = PACKAGE / "anthropic" / "probe.py"
+    tree = "from ..openai import routes\nfrom . import protocol\nfrom jaxstation import openai\nimport jaxstation.x\n"
+    names = set()
+    for node in ast.parse(tree).body:
+        names.update(_resolve(probe, node))
+    assert names >= {"jaxstation.openai", "jaxstation.openai.routes", "jaxstation.anthropic.protocol",
+                     "jaxstation.x"}
 
 
 def test_no_module_over_the_limit() -> None:

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxstation.chat.reasoning import ReasoningStream, after_thinking, pick_parser
 from jaxstation.engine.constraints import ConstraintSpec, mask_words
 from jaxstation.model.tokenizer import Tokenizer
 from jaxstation.openai.parse import parse_chat
-from jaxstation.openai.reasoning import ReasoningStream, after_thinking, pick_parser
 from jaxstation.serving.settings import ConfigError, StationConfig
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tiny-qwen3"

@@ -21,8 +21,8 @@ from conftest import REFERENCE
 from server_util import ServerThread, wait_for
 
 from jaxstation.app import create_app
+from jaxstation.chat import stream as chat_stream
 from jaxstation.model.loader import LoadedModel
-from jaxstation.openai import routes as openai_routes
 from jaxstation.serving.settings import StationConfig
 from jaxstation.serving.station import Station
 
@@ -182,6 +182,27 @@ def test_refusals_name_the_field(station, change, field) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == field
 
 
+@pytest.mark.parametrize("change, param, words", [
+    ({"input": []}, "input", "no message"),
+    ({"input": "hi " * 600}, "input", "leaves no room"),
+    ({"input": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                {"role": "user", "content": 5}]}, "input[2].content", "no accepted form"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "strnig"}}}}}}, "text.format", "strnig"),
+    ({"text": {"format": {"type": "json_object"}}, "tools": [WEATHER], "tool_choice": "required"}, "tool_choice",
+     "text.format and tool_choice each constrain"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "not among"),
+], ids=["no input", "too long", "deep in an item", "bad schema", "two constraints", "unknown tool"])
+def test_refusals_name_the_responses_field_the_client_sent(station, change, param, words) -> None:
+    """The request is checked as Responses, not as a chat completion: the error names the Responses field, never a
+    chat completions one (messages, max_tokens, response_format) that the client did not send."""
+    _, _, client, _ = station
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**{"model": MODEL, "input": HELLO, "max_output_tokens": 4, **change})
+    assert e.value.param == param and words in e.value.message, e.value.body
+    assert not {"messages", "max_tokens", "response_format"} & set(e.value.message.replace(":", " ").split())
+
+
 def test_tools_the_station_cannot_run_are_skipped_and_named(station) -> None:
     """The hosted web_search and the namespace of sub-agent tools of Codex's own request (captured) are left out, a
     function tool kept; a function tool with a bad name is still refused."""
@@ -322,7 +343,7 @@ def test_a_stream_opens_before_the_prompt_is_prefilled(station, monkeypatch, api
     while the prompt's first step is still held, and beats (Messages' ping, else an SSE comment) follow through the
     silence, so a long prefill never leaves a client or proxy without bytes."""
     server, http, _, st = station
-    monkeypatch.setattr(openai_routes, "KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(chat_stream, "KEEPALIVE_S", 0.2)
     held, entered = threading.Event(), threading.Event()
     for name in ("pack", "prefill"):
         real = getattr(st.engine, name)

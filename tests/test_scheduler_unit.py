@@ -369,7 +369,7 @@ def test_a_reset_whose_caller_went_away_leaves_the_decode_thread_serving(station
 
 
 def test_cancelled_queued_jobs_leave_the_queue_at_once(stations):
-    """After a partial QueueFull a request cancels the jobs it queued (openai.run): they free their slots at once,
+    """After a partial QueueFull a request cancels the jobs it queued (chat.run): they free their slots at once,
     not when the decode thread reaches them."""
     fake, sched = stations(lanes=1, max_queue=3)
     fake.hold()

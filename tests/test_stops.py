@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxstation.openai.stops import scan_stops
+from jaxstation.chat.stops import scan_stops
 
 
 def stream(pieces: list[str], stops: tuple[str, ...], include_stop: bool = False) -> tuple[list[str], str | None]:

@@ -18,9 +18,9 @@ import pytest
 from server_util import ServerThread, wait_for
 
 from jaxstation.app import create_app
+from jaxstation.chat.tools import HERMES_PROMPT, ToolPlan, ToolStream, parse_calls
 from jaxstation.model.loader import LoadedModel
 from jaxstation.openai.parse import parse_chat
-from jaxstation.openai.tools import HERMES_PROMPT, ToolPlan, ToolStream, parse_calls
 from jaxstation.serving.errors import OpenAIError
 from jaxstation.serving.settings import StationConfig
 from jaxstation.serving.station import Station

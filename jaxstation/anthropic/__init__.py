@@ -1,1 +1,2 @@
-"""Anthropic's Messages API on a station, above the OpenAI face whose runs it shares."""
+"""Anthropic's Messages API on a station: its protocol, and its translation onto the chat layer (`jaxstation.chat`)
+that the OpenAI faces share."""

@@ -1,43 +1,40 @@
 """`POST /v1/messages` and `POST /v1/messages/count_tokens`: Anthropic's Messages API, for Claude Code and the
 Anthropic SDKs.
 
-A request is translated to chat completions (`anthropic.translate`) and runs as one `Run` on the station's
-scheduler, so it shares the template, the prefix cache, constraints, tool parsing and stop strings with the OpenAI
-routes. A `max_tokens` past the context left is cut to it (the stop reason then says `max_tokens`); a prompt that
-alone fills the context is a 400. Errors take Anthropic's shape (`serving.errors`). The stream is Anthropic's named
-events: `message_start`, `ping`, then per content block `content_block_start`, `content_block_delta`s
-(`thinking_delta`, `text_delta`, `input_json_delta`) and `content_block_stop`, then `message_delta` (the stop reason
-and the usage) and `message_stop`; a failure ends it with an `error` event.
+A request is translated into the station's chat request (`anthropic.translate`) and runs as one `Run` on the
+station's scheduler, so it shares the template, the prefix cache, constraints, tool parsing, stop strings and the
+streaming loop with the OpenAI routes. A `max_tokens` past the context left is cut to it (the stop reason then says
+`max_tokens`); a prompt that alone fills the context is a 400. Errors take Anthropic's shape (`serving.errors`). The
+stream is Anthropic's named events: `message_start`, `ping`, then per content block `content_block_start`,
+`content_block_delta`s (`thinking_delta`, `text_delta`, `input_json_delta`) and `content_block_stop`, then
+`message_delta` (the stop reason and the usage) and `message_stop`; a failure ends it with an `error` event.
 """
 
 from __future__ import annotations
 
-import json
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxstation.anthropic import protocol as a
-from jaxstation.anthropic.translate import chat_body, reply, stop_reason, usage
-from jaxstation.openai.parse import chat_prompt, validate
-from jaxstation.openai.protocol import ChatCompletionRequest
-from jaxstation.openai.routes import SSEResponse, chat_request, run_whole, served_model_name, start_run, wire
-from jaxstation.openai.run import Run
+from jaxstation.anthropic.translate import chat_request, reply, stop_reason, usage
+from jaxstation.chat.request import chat_prompt, validate
+from jaxstation.chat.run import Run, Update
+from jaxstation.chat.stream import Events, prepare, run_whole, served_model_name, sse, start_run, stream_response, wire
 from jaxstation.serving import hosted_tools
 from jaxstation.serving.errors import anthropic_body
 from jaxstation.serving.http_common import read_json
 from jaxstation.serving.openapi import Endpoint
-from jaxstation.serving.outcomes import OPENAI_INVALID, OUTCOMES, check_ready, failure
+from jaxstation.serving.outcomes import OPENAI_INVALID, OUTCOMES, Failure, check_ready
 from jaxstation.serving.routes import rejected
 from jaxstation.serving.station import Station
 
 
 def _event(event: a.Reply | dict) -> str:
     data = event if isinstance(event, dict) else wire(event)
-    return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return sse(data, data["type"])
 
 
 class _Blocks:
@@ -80,32 +77,32 @@ class _Blocks:
         return out
 
 
-async def stream_events(run: Run, head: dict) -> AsyncIterator[str]:
-    """A streamed run's events, in Anthropic's order."""
-    start = a.MessageReply(**head, type="message", role="assistant", content=[], stop_reason=None,
-                           stop_sequence=None, usage=usage(run))
-    yield _event(a.MessageStart(type="message_start", message=start))
-    yield _event(a.Ping(type="ping"))
-    blocks = _Blocks()
-    try:
-        while not run.done:
-            update = await run.next()
-            if update is None:
-                continue
-            for piece in (blocks.thinking(update.thinking) if update.thinking else []) + (
-                    blocks.text(update.text) if update.text else []) + [
-                    e for d in update.tool_deltas for e in blocks.call(d)]:
-                yield piece
-        for piece in blocks.close():
-            yield piece
-        reason, sequence = stop_reason(run, run.choices[0])
-        yield _event(a.MessageDelta(type="message_delta", delta=a.MessageDeltaBody(
-            stop_reason=reason, stop_sequence=sequence), usage=usage(run)))
-        yield _event(a.MessageStop(type="message_stop"))
-    except OUTCOMES as e:
-        run.cancel_all()
-        f = failure(e, OPENAI_INVALID)
-        yield _event(anthropic_body(f.status, f.message, f.field))
+class MessageEvents(Events):
+    """A streamed run's events, in Anthropic's order; a failure ends them with an `error` event."""
+
+    def __init__(self, run: Run, head: dict) -> None:
+        self.run, self.head, self.blocks = run, head, _Blocks()
+
+    def opening(self) -> list[str]:
+        start = a.MessageReply(**self.head, type="message", role="assistant", content=[], stop_reason=None,
+                               stop_sequence=None, usage=usage(self.run))
+        return [_event(a.MessageStart(type="message_start", message=start)), _event(a.Ping(type="ping"))]
+
+    def update(self, update: Update) -> list[str]:
+        blocks = self.blocks
+        return ((blocks.thinking(update.thinking) if update.thinking else [])
+                + (blocks.text(update.text) if update.text else [])
+                + [e for d in update.tool_deltas for e in blocks.call(d)])
+
+    def closing(self) -> list[str]:
+        reason, sequence = stop_reason(self.run, self.run.choices[0])
+        return self.blocks.close() + [
+            _event(a.MessageDelta(type="message_delta", delta=a.MessageDeltaBody(
+                stop_reason=reason, stop_sequence=sequence), usage=usage(self.run))),
+            _event(a.MessageStop(type="message_stop"))]
+
+    def failed(self, failed: Failure) -> list[str]:
+        return [_event(anthropic_body(failed.status, failed.message, failed.field))]
 
 
 class MessagesRoutes:
@@ -122,22 +119,21 @@ class MessagesRoutes:
         station = self.station
         try:
             req = validate(a.MessagesRequest, await self._body(request))
-            run = await start_run(station, chat_request(station, chat_body(req), cap=True))
+            run = await start_run(station, prepare(station, chat_request(req)))
         except OUTCOMES as e:
             return rejected(station, request, e, OPENAI_INVALID)
-        request.state.token_counts = lambda: (run.usage().prompt_tokens, run.usage().completion_tokens)
+        request.state.token_counts = lambda: (run.counts().prompt, run.counts().generated)
         head = {"id": f"msg_{uuid.uuid4().hex}", "model": served_model_name(station)}
         extra = hosted_tools.headers(hosted_tools.skipped(req.tools))
         if run.req.stream:
-            return SSEResponse(stream_events(run, head), run.cancel_all, extra, beat=_event(a.Ping(type="ping")))
+            return stream_response(run, MessageEvents(run, head), extra, beat=_event(a.Ping(type="ping")))
         return await run_whole(run, request) or JSONResponse(wire(reply(run, head)), headers=extra)
 
     async def count_tokens(self, request: Request) -> Response:
         station = self.station
         try:
             req = validate(a.MessagesInput, await self._body(request))
-            chat = validate(ChatCompletionRequest, chat_body(req))
-            _, prompt = chat_prompt(chat, station.model.tokenizer)
+            _, prompt = chat_prompt(chat_request(req), station.model.tokenizer)
         except OUTCOMES as e:
             return rejected(station, request, e, OPENAI_INVALID)
         return JSONResponse(wire(a.CountTokensReply(input_tokens=len(prompt))))

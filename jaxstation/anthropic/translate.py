@@ -1,11 +1,12 @@
-"""A Messages request as the chat completions request the station runs, and a finished run as a Messages reply.
+"""A Messages request as the station's chat request, and a finished run as a Messages reply.
 
 The prompt is the chat template's, exactly as for chat completions: `system` is the system turn (and so is a
 message with role `system`, which Claude Code sends mid-conversation), `tool_use` blocks
 are the assistant's tool calls, each `tool_result` a tool turn, and earlier thinking is dropped (templates drop it
-too). tool_choice `auto`, `any`, `tool` and `none` are chat's `auto`, `required`, a named function and `none`;
-`disable_parallel_tool_use` is `parallel_tool_calls: false`; `thinking` sets the template's `enable_thinking`;
-`output_config.format` is a JSON-schema `response_format`. Both APIs then share one run of the engine.
+too). tool_choice `auto`, `any`, `tool` and `none` are the tool plan's `auto`, `required`, a named function and
+`none`; `disable_parallel_tool_use` allows one call; `thinking` sets the template's `enable_thinking`;
+`output_config.format` is the JSON schema the output follows. Every API then shares one run of the engine; errors
+name the Messages fields (`max_tokens`, `stop_sequences`, `output_config.format`).
 
 A system text block that starts with `x-anthropic-billing-header:` is not prompt: Claude Code opens its system prompt
 with one whose hash changes every session, and kept, it would end every session's cached prefix at its first line.
@@ -13,13 +14,17 @@ with one whose hash changes every session, and kept, it would end every session'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 from jaxstation.anthropic import protocol as a
-from jaxstation.openai.run import Choice, Run
+from jaxstation.chat.request import ChatRequest, Sampling, function_tool, turn
+from jaxstation.chat.run import Choice, Run
+from jaxstation.engine.constraints import ConstraintSpec
 
 BILLING_HEADER = "x-anthropic-billing-header:"
+NAMES = {"stop": "stop_sequences"}  # how Messages spells chat's fields
 
 
 def _text(content: str | list | None) -> str:
@@ -37,68 +42,51 @@ def _system(content: str | list) -> str:
 
 def _user_turns(content: str | list) -> list[dict]:
     if isinstance(content, str):
-        return [{"role": "user", "content": content}]
-    out = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)}
-           for b in content if isinstance(b, a.ToolResultBlock)]
+        return [turn("user", content)]
+    out = [turn("tool", _text(b.content), call_id=b.tool_use_id) for b in content if isinstance(b, a.ToolResultBlock)]
     texts = [b.text for b in content if isinstance(b, a.TextBlock)]
-    return out + ([{"role": "user", "content": "\n".join(texts)}] if texts else [])
+    return out + ([turn("user", "\n".join(texts))] if texts else [])
 
 
 def _assistant_turn(content: str | list) -> dict:
     if isinstance(content, str):
-        return {"role": "assistant", "content": content}
-    turn: dict[str, Any] = {"role": "assistant",
-                            "content": "\n".join(b.text for b in content if isinstance(b, a.TextBlock))}
-    calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
-             for b in content if isinstance(b, a.ToolUseBlock)]
-    if calls:
-        turn["tool_calls"] = calls
-    return turn
+        return turn("assistant", content)
+    return turn("assistant", "\n".join(b.text for b in content if isinstance(b, a.TextBlock)),
+                calls=[(b.id, b.name, b.input) for b in content if isinstance(b, a.ToolUseBlock)])
 
 
-def _tool_choice(choice: a.ToolChoice | None) -> dict[str, Any]:
-    if choice is None:
-        return {}
-    out: dict[str, Any] = {}
-    if not isinstance(choice, a.ToolChoiceNone) and choice.disable_parallel_tool_use:
-        out["parallel_tool_calls"] = False
-    match choice:
-        case a.ToolChoiceAuto():
-            out["tool_choice"] = "auto"
-        case a.ToolChoiceAny():
-            out["tool_choice"] = "required"
-        case a.ToolChoiceTool():
-            out["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
-        case a.ToolChoiceNone():
-            out["tool_choice"] = "none"
+def messages(req: a.MessagesInput) -> list[dict]:
+    """The request's system prompt and messages as the chat template's messages."""
+    out: list[dict] = []
+    if req.system and (system := _system(req.system)):
+        out.append(turn("system", system))
+    for m in req.messages:
+        if m.role == "system":
+            out.append(turn("system", _system(m.content)))
+        else:
+            out += _user_turns(m.content) if m.role == "user" else [_assistant_turn(m.content)]
     return out
 
 
-def chat_body(req: a.MessagesInput) -> dict[str, Any]:
-    """The chat completions body of a Messages request (or of a count_tokens one, without sampling)."""
-    messages: list[dict] = []
-    if req.system and (system := _system(req.system)):
-        messages.append({"role": "system", "content": system})
-    for m in req.messages:
-        if m.role == "system":
-            messages.append({"role": "system", "content": _system(m.content)})
-        else:
-            messages += _user_turns(m.content) if m.role == "user" else [_assistant_turn(m.content)]
-    body: dict[str, Any] = {"model": req.model, "messages": messages, **_tool_choice(req.tool_choice)}
-    if tools := [t for t in req.tools or () if isinstance(t, a.ToolDefinition)]:
-        body["tools"] = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
-                                                           **({"description": t.description} if t.description else {})}}
-                         for t in tools]
-    if req.thinking is not None:
-        body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
-    if req.output_config is not None and req.output_config.format is not None:
-        body["response_format"] = {"type": "json_schema",
-                                   "json_schema": {"name": "output", "schema": req.output_config.format.schema_}}
+def chat_request(req: a.MessagesInput) -> ChatRequest:
+    """The station's chat request of a Messages request (or of a count_tokens one, without sampling)."""
+    choice = req.tool_choice
+    sampling = Sampling(cap=True)
     if isinstance(req, a.MessagesRequest):
-        sampling = {"max_tokens": req.max_tokens, "stop": req.stop_sequences, "stream": req.stream,
-                    "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
-        body.update({k: v for k, v in sampling.items() if v is not None})
-    return body
+        sampling = Sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                            stops=tuple(req.stop_sequences or ()), stream=bool(req.stream), cap=True)
+    if req.output_config is not None and req.output_config.format is not None:
+        schema = req.output_config.format.schema_ or {"type": "object"}
+        sampling = dataclasses.replace(sampling, formats=(ConstraintSpec("json", schema, "output_config.format"),))
+    return ChatRequest(
+        messages=messages(req), sampling=sampling,
+        tools=tuple(function_tool(t.name, t.description or None, t.input_schema) for t in req.tools or ()
+                    if isinstance(t, a.ToolDefinition)),
+        tool_choice={a.ToolChoiceAuto: "auto", a.ToolChoiceAny: "required", a.ToolChoiceNone: "none"}.get(type(choice)),
+        named_tool=choice.name if isinstance(choice, a.ToolChoiceTool) else None,
+        parallel_tool_calls=not getattr(choice, "disable_parallel_tool_use", None),
+        template_kwargs={"enable_thinking": req.thinking.type != "disabled"} if req.thinking is not None else {},
+        names=NAMES)
 
 
 def call_input(arguments: str) -> dict[str, Any]:
@@ -122,22 +110,20 @@ def stop_reason(run: Run, c: Choice) -> tuple[a.StopReason, str | None]:
 
 def usage(run: Run) -> a.MessagesUsage:
     """Anthropic's usage: the prompt's tokens read from the prefix cache apart from the rest."""
-    u = run.usage()
-    cached = u.prompt_tokens_details.cached_tokens
-    return a.MessagesUsage(input_tokens=u.prompt_tokens - cached, output_tokens=u.completion_tokens,
-                           cache_creation_input_tokens=0, cache_read_input_tokens=cached)
+    n = run.counts()
+    return a.MessagesUsage(input_tokens=n.prompt - n.cached, output_tokens=n.generated,
+                           cache_creation_input_tokens=0, cache_read_input_tokens=n.cached)
 
 
 def reply(run: Run, head: dict) -> a.MessageReply:
     """The Messages reply of a finished run (one choice)."""
     c = run.choices[0]
     blocks: list[a.ContentBlock] = []
-    if c.reasoning is not None and c.reasoning.text:
-        blocks.append(a.ThinkingOut(type="thinking", thinking=c.reasoning.text, signature=""))
-    text = "".join(c.answer) if c.tool is None else (c.tool.content or "")
-    if text:
-        blocks.append(a.TextOut(type="text", text=text))
-    for call in c.tool.calls if c.tool is not None else ():
+    if c.thinking:
+        blocks.append(a.ThinkingOut(type="thinking", thinking=c.thinking, signature=""))
+    if c.content:
+        blocks.append(a.TextOut(type="text", text=c.content))
+    for call in c.calls:
         blocks.append(a.ToolUseOut(type="tool_use", id=call["id"], name=call["function"]["name"],
                                    input=call_input(call["function"]["arguments"])))
     reason, sequence = stop_reason(run, c)

@@ -2,17 +2,18 @@
 unknown fields refused by name) and reply bodies (the documented shapes, in `/openapi.json`).
 
 A field the station does not support but that arrives as null is treated as absent, as OpenAI's own clients send
-nulls freely. What a type cannot say is checked in `openai.parse`: token ids below the vocabulary size, a prompt plus
-`max_tokens` that fits the context, and rules between fields (`top_logprobs` needs `logprobs`, `echo` not with
-`stream`).
+nulls freely. What a type cannot say is checked in `openai.parse` and `chat.request`: token ids below the vocabulary
+size, a prompt plus `max_tokens` that fits the context, and rules between fields (`top_logprobs` needs `logprobs`,
+`echo` not with `stream`).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field
 
+from jaxstation.chat.protocol import Body, Reply
 from jaxstation.engine.sampling import TOP_LOGPROBS
 from jaxstation.serving.protocol import StructuredOutputs, TokenControls
 
@@ -46,19 +47,6 @@ REFUSED_FIELDS = {
     "prediction": "predicted outputs are not served",
 }
 TokenId = Annotated[int, Field(ge=0)]
-
-
-class Body(BaseModel):
-    """A request body: strict types; unknown fields refused, unless sent as null."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_null_extras(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
-        return data
 
 
 class JsonSchemaSpec(Body):
@@ -222,10 +210,6 @@ class DetokenizeRequest(Body):
 
 
 # ---- replies -----------------------------------------------------------------------------------------------------
-class Reply(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
 class CompletionLogprobs(Reply):
     tokens: list[str]
     token_logprobs: list[float | None]

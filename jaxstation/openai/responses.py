@@ -1,7 +1,8 @@
 """`/v1/responses`: OpenAI's Responses API, for Codex CLI, the Agents SDK and `client.responses`.
 
-A request is translated to chat completions (`responses_input`) and runs as one `Run` on the station's scheduler,
-sharing the template, the prefix cache, constraints, tool parsing and stop logic with the other APIs. The output's
+A request is translated into the station's chat request (`responses_input`) and runs as one `Run` on the station's
+scheduler, sharing the template, the prefix cache, constraints, tool parsing, stop logic and the streaming loop with
+the other APIs. The output's
 items are built by one `Output` from the run's pieces, as they stream or at once, so a streamed response ends with
 the same items a whole one has. Its events, each with a `sequence_number`: `response.created`,
 `response.in_progress`; per item `response.output_item.added`, then for a message `response.content_part.added`,
@@ -14,26 +15,24 @@ the same items a whole one has. Its events, each with a `sequence_number`: `resp
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxstation.chat.request import validate
+from jaxstation.chat.run import Run, Update
+from jaxstation.chat.stream import Events, prepare, run_whole, served_model_name, sse, start_run, stream_response, wire
 from jaxstation.openai import responses_protocol as r
-from jaxstation.openai.parse import validate
-from jaxstation.openai.protocol import OpenAIErrorResponse
-from jaxstation.openai.responses_input import ResponseStore, chat_body, output_turn, turns
-from jaxstation.openai.routes import SSEResponse, chat_request, run_whole, served_model_name, start_run, wire
-from jaxstation.openai.run import Run
+from jaxstation.openai.protocol import REFUSED_FIELDS, OpenAIErrorResponse
+from jaxstation.openai.responses_input import ResponseStore, chat_request, output_turn, turns
 from jaxstation.serving import hosted_tools
 from jaxstation.serving.errors import OpenAIError
 from jaxstation.serving.http_common import read_json
 from jaxstation.serving.openapi import Endpoint
-from jaxstation.serving.outcomes import OPENAI_INVALID, OUTCOMES, check_ready, failure
+from jaxstation.serving.outcomes import OPENAI_INVALID, OUTCOMES, Failure, check_ready
 from jaxstation.serving.routes import rejected
 from jaxstation.serving.station import Station
 
@@ -128,11 +127,10 @@ class Output:
 
 
 def _usage(run: Run) -> r.ResponseUsage:
-    u = run.usage()
-    return r.ResponseUsage(input_tokens=u.prompt_tokens, input_tokens_details=r.InputTokensDetails(
-        cached_tokens=u.prompt_tokens_details.cached_tokens), output_tokens=u.completion_tokens,
-        output_tokens_details=r.OutputTokensDetails(reasoning_tokens=sum(c.thinking_tokens for c in run.choices)),
-        total_tokens=u.total_tokens)
+    n = run.counts()
+    return r.ResponseUsage(input_tokens=n.prompt, input_tokens_details=r.InputTokensDetails(cached_tokens=n.cached),
+                           output_tokens=n.generated, output_tokens_details=r.OutputTokensDetails(
+                               reasoning_tokens=n.thinking), total_tokens=n.prompt + n.generated)
 
 
 class ResponsesRoutes:
@@ -158,7 +156,7 @@ class ResponsesRoutes:
                 "tool_choice": choice, "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
                 "top_p": req.top_p, "truncation": "disabled", "user": req.user, "metadata": req.metadata or {}}
 
-    def _response(self, head: dict, run: Run, out: Output, status: str | None = None) -> r.ResponseObject:
+    def response_object(self, head: dict, run: Run, out: Output, status: str | None = None) -> r.ResponseObject:
         finish = run.choices[0].finish
         if status is None:
             status = "incomplete" if finish == "length" else "completed"
@@ -166,15 +164,11 @@ class ResponsesRoutes:
         return r.ResponseObject.model_validate({**head, "status": status, "incomplete_details": details,
                                                 "output": out.items, "usage": _usage(run) if finish else None})
 
-    def _keep(self, head: dict, response: r.ResponseObject, history: list[dict], req: r.ResponsesRequest) -> None:
-        if head["store"]:
-            self.store.put(response, history + turns(req.input) + [output_turn(wire(response)["output"])])
-
     async def create(self, request: Request) -> Response:
         station = self.station
         try:
             check_ready(station)
-            req = validate(r.ResponsesRequest, await read_json(request, station.config.max_body_bytes))
+            req = validate(r.ResponsesRequest, await read_json(request, station.config.max_body_bytes), REFUSED_FIELDS)
             history: list[dict] = []
             if req.previous_response_id is not None:
                 stored = self.store.get(req.previous_response_id)
@@ -183,51 +177,30 @@ class ResponsesRoutes:
                                       "are kept in memory, bounded, and lost on restart)", "previous_response_id",
                                       "not_found")
                 history = stored.conversation
-            run = await start_run(station, chat_request(station, chat_body(req, history), cap=True))
+            run = await start_run(station, prepare(station, chat_request(req, history)))
         except OUTCOMES as e:
             return rejected(station, request, e, OPENAI_INVALID)
-        request.state.token_counts = lambda: (run.usage().prompt_tokens, run.usage().completion_tokens)
+        request.state.token_counts = lambda: (run.counts().prompt, run.counts().generated)
         head, extra = self._head(req), hosted_tools.headers(hosted_tools.skipped(req.tools))
         if req.stream:
-            return SSEResponse(self._events(run, head, history, req), run.cancel_all, extra)
+            return stream_response(run, ResponseEvents(self, run, head, history, req), extra)
         if (stopped := await run_whole(run, request)) is not None:
             return stopped
         c, out = run.choices[0], Output()
-        thinking = c.reasoning.text if c.reasoning is not None else ""
-        text = "".join(c.answer) if c.tool is None else (c.tool.content or "")
-        calls = c.tool.calls if c.tool is not None else []
         deltas = [{"id": k["id"], "function": {"name": k["function"]["name"], "arguments": k["function"]["arguments"]}}
-                  for k in calls]
-        out.feed(thinking, text, deltas)
-        status = "incomplete" if c.finish == "length" else "completed"
-        out.close(status)
-        response = self._response(head, run, out, status)
-        self._keep(head, response, history, req)
-        return JSONResponse(wire(response), headers=extra)
+                  for k in c.calls]
+        out.feed(c.thinking, c.content or "", deltas)
+        return JSONResponse(wire(self.finish(head, run, out, history, req)[0]), headers=extra)
 
-    async def _events(self, run: Run, head: dict, history: list[dict], req: r.ResponsesRequest
-                      ) -> AsyncIterator[str]:
-        out = Output()
-        for kind in ("response.created", "response.in_progress"):
-            yield _sse(out.event(kind, response=wire(self._response(head, run, out, "in_progress"))))
-        try:
-            while not run.done:
-                update = await run.next()
-                if update is not None:
-                    for event in out.feed(update.thinking, update.text, update.tool_deltas):
-                        yield _sse(event)
-            status = "incomplete" if run.choices[0].finish == "length" else "completed"
-            for event in out.close(status):
-                yield _sse(event)
-            response = self._response(head, run, out, status)
-            self._keep(head, response, history, req)
-            yield _sse(out.event(f"response.{status}", response=wire(response)))
-        except OUTCOMES as e:
-            run.cancel_all()
-            f = failure(e, OPENAI_INVALID)
-            failed = {**wire(self._response(head, run, out, "failed")),
-                      "error": {"code": f.code or "server_error", "message": f.message}}
-            yield _sse(out.event("response.failed", response=failed))
+    def finish(self, head: dict, run: Run, out: Output, history: list[dict], req: r.ResponsesRequest
+                ) -> tuple[r.ResponseObject, list[dict]]:
+        """A finished run's response, its open item closed (and the events closing it), kept if stored."""
+        status = "incomplete" if run.choices[0].finish == "length" else "completed"
+        events = out.close(status)
+        response = self.response_object(head, run, out, status)
+        if head["store"]:
+            self.store.put(response, history + turns(req.input) + [output_turn(wire(response)["output"])])
+        return response, events
 
     def _stored(self, request: Request) -> r.ResponseObject:
         response_id = request.path_params["response_id"]
@@ -274,7 +247,33 @@ class ResponsesRoutes:
 
 
 def _sse(event: dict) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return sse(event, event["type"])
+
+
+class ResponseEvents(Events):
+    """A streamed response's events: created and in_progress, each output item's, then completed or incomplete (the
+    response stored), or failed."""
+
+    def __init__(self, routes: ResponsesRoutes, run: Run, head: dict, history: list[dict],
+                 req: r.ResponsesRequest) -> None:
+        self.routes, self.run, self.head, self.history, self.req = routes, run, head, history, req
+        self.out = Output()
+
+    def opening(self) -> list[str]:
+        response = wire(self.routes.response_object(self.head, self.run, self.out, "in_progress"))
+        return [_sse(self.out.event(kind, response=response)) for kind in ("response.created", "response.in_progress")]
+
+    def update(self, update: Update) -> list[str]:
+        return [_sse(e) for e in self.out.feed(update.thinking, update.text, update.tool_deltas)]
+
+    def closing(self) -> list[str]:
+        response, events = self.routes.finish(self.head, self.run, self.out, self.history, self.req)
+        return [_sse(e) for e in events + [self.out.event(f"response.{response.status}", response=wire(response))]]
+
+    def failed(self, failed: Failure) -> list[str]:
+        response = {**wire(self.routes.response_object(self.head, self.run, self.out, "failed")),
+                    "error": {"code": failed.code or "server_error", "message": failed.message}}
+        return [_sse(self.out.event("response.failed", response=response))]
 
 
 def responses_endpoints(station: Station) -> list[Endpoint]:

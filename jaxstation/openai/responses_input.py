@@ -1,11 +1,12 @@
-"""A Responses request as the chat completions request the station runs, and the bounded store behind `store` and
+"""A Responses request as the station's chat request, and the bounded store behind `store` and
 `previous_response_id`.
 
 The prompt is the chat template's, as for chat completions: `instructions` is the system turn, message items are
 turns (developer as system), consecutive `function_call` items are one assistant turn's tool calls (joined to the
 assistant message just before them), each `function_call_output` is a tool turn, and reasoning items are dropped
-(templates drop earlier thinking too). `text.format` is `response_format`, `reasoning.effort` the template's
-`enable_thinking` (off for "none"), and `max_output_tokens` is `max_tokens`, cut to the context left.
+(templates drop earlier thinking too). `text.format` is what the output follows, `reasoning.effort` the template's
+`enable_thinking` (off for "none"), and `max_output_tokens` is cut to the context left. Errors name the Responses
+fields: `input`, `max_output_tokens`, `text.format`.
 
 The store keeps each stored response and the conversation that led to it (its turns, the response's own included)
 in memory: at most `responses_store_size` of them, none older than `responses_store_age_s`, the oldest evicted
@@ -20,7 +21,11 @@ import dataclasses
 import time
 from typing import Any
 
+from jaxstation.chat.request import ChatRequest, Sampling, function_tool, turn
+from jaxstation.engine.constraints import ConstraintSpec
 from jaxstation.openai import responses_protocol as r
+
+NAMES = {"messages": "input", "max_tokens": "max_output_tokens"}  # how Responses spells chat's fields
 
 
 def _text(content: str | list[r.InputText]) -> str:
@@ -28,70 +33,62 @@ def _text(content: str | list[r.InputText]) -> str:
 
 
 def turns(items: str | list) -> list[dict]:
-    """The input's items as chat messages."""
+    """The input's items as the chat template's messages."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        return [turn("user", items)]
     out: list[dict] = []
     for item in items:
         if isinstance(item, r.MessageItem):
-            out.append({"role": item.role, "content": _text(item.content)})
+            out.append(turn(item.role, _text(item.content)))
         elif isinstance(item, r.FunctionCallItem):
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+            call = turn("assistant", None, calls=[(item.call_id, item.name, item.arguments)])
             if out and out[-1]["role"] == "assistant":
-                out[-1]["tool_calls"] = [*out[-1].get("tool_calls", []), call]
+                out[-1]["tool_calls"] = [*out[-1].get("tool_calls", []), *call["tool_calls"]]
             else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                out.append(call)
         elif isinstance(item, r.FunctionCallOutputItem):
-            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            out.append(turn("tool", item.output, call_id=item.call_id))
     return out
 
 
 def output_turn(output: list[dict]) -> dict:
     """A response's output items as the assistant turn that continues its conversation."""
     text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
-    calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"],
-                                                                      "arguments": item["arguments"]}}
-             for item in output if item["type"] == "function_call"]
-    return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}
+    return turn("assistant", text, calls=[(item["call_id"], item["name"], item["arguments"])
+                                          for item in output if item["type"] == "function_call"])
 
 
-def _text_format(fmt: Any) -> dict[str, Any]:
+def _format(fmt: Any) -> tuple[ConstraintSpec, ...]:
     if isinstance(fmt, r.TextFormatJsonObject):
-        return {"response_format": {"type": "json_object"}}
+        return (ConstraintSpec("json", {"type": "object"}, "text.format"),)
     if isinstance(fmt, r.TextFormatJsonSchema):
-        spec = {"name": fmt.name, "schema": fmt.schema_,
-                **{k: v for k, v in (("description", fmt.description), ("strict", fmt.strict)) if v is not None}}
-        return {"response_format": {"type": "json_schema", "json_schema": spec}}
-    return {}
+        return (ConstraintSpec("json", fmt.schema_, "text.format"),)
+    return ()
 
 
-def chat_body(req: r.ResponsesRequest, history: list[dict]) -> dict[str, Any]:
-    """The chat completions body of a Responses request; `history`: the turns of its previous response."""
-    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    body: dict[str, Any] = {"model": req.model, "messages": system + history + turns(req.input)}
-    if functions := [t for t in req.tools or () if isinstance(t, r.FunctionTool)]:
-        body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                         for t in functions]
-    if isinstance(req.tool_choice, r.FunctionChoice):
-        body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
-    elif req.tool_choice is not None:
-        body["tool_choice"] = req.tool_choice
-    if req.reasoning is not None and req.reasoning.effort is not None:
-        body["chat_template_kwargs"] = {"enable_thinking": req.reasoning.effort != "none"}
-    if req.text is not None:
-        body.update(_text_format(req.text.format))
-    sampling = {"max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                "parallel_tool_calls": req.parallel_tool_calls, "user": req.user, "stream": req.stream}
-    body.update({k: v for k, v in sampling.items() if v is not None})
-    return {k: v for k, v in body.items() if v is not None}
+def chat_request(req: r.ResponsesRequest, history: list[dict]) -> ChatRequest:
+    """The chat request of a Responses request; `history`: the turns of its previous response."""
+    system = [turn("system", req.instructions)] if req.instructions else []
+    choice = req.tool_choice
+    sampling = Sampling(max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
+                        formats=_format(req.text.format) if req.text is not None else (), stream=bool(req.stream),
+                        cap=True)
+    effort = req.reasoning.effort if req.reasoning is not None else None
+    return ChatRequest(
+        messages=system + history + turns(req.input), sampling=sampling,
+        tools=tuple(function_tool(t.name, t.description, t.parameters, t.strict) for t in req.tools or ()
+                    if isinstance(t, r.FunctionTool)),
+        tool_choice=None if isinstance(choice, r.FunctionChoice) else choice,
+        named_tool=choice.name if isinstance(choice, r.FunctionChoice) else None,
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        template_kwargs={"enable_thinking": effort != "none"} if effort is not None else {}, names=NAMES)
 
 
 @dataclasses.dataclass
 class Stored:
     at: float  # time.monotonic() when stored
     response: r.ResponseObject
-    conversation: list[dict]  # chat turns, less the instructions, up to and including this response's output
+    conversation: list[dict]  # template messages, less the instructions, up to and including this response's output
 
 
 class ResponseStore:

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from jaxstation.openai.protocol import Body, Reply
+from jaxstation.chat.protocol import Body, Reply
 from jaxstation.serving.hosted_tools import FUNCTION_TOOL, HOSTED_TOOL, HostedTool, tool_kind
 
 

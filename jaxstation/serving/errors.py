@@ -75,12 +75,34 @@ def error_response(path: str, status: int, message: str, field: str | None = Non
     return ApiError(status, message, field, headers=headers).response()
 
 
-def field_path(loc: tuple[int | str, ...]) -> str:
-    """('messages', 0, 'role') -> 'messages[0].role'. A part with a space is a union's tag, not a field: left out."""
-    out = ""
-    for part in loc:
-        if isinstance(part, str) and " " in part:
+_NO_BODY = object()
+
+
+def _parts(loc: tuple[int | str, ...], body: Any, missing: bool = False) -> list[int | str]:
+    """The parts of an error's location that are fields or indices, less the union tags pydantic puts in it (`str`,
+    `list[...]`, a discriminator's tag): walked along `body` (the request as sent), a part that names no key or index
+    of the value there is a tag, and so is a key the next part names too (a tag that is also a field's name, as
+    `text` in `{"type": "text", "text": ...}`). `missing`: the last part is a field the body lacks. Without the body,
+    a part with a space is a tag (`hosted_tools`' tags)."""
+    if body is _NO_BODY:
+        return [part for part in loc if not (isinstance(part, str) and " " in part)]
+    out, value = [], body
+    for k, part in enumerate(loc):
+        last = k == len(loc) - 1
+        if isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value):
+            value = value[part]
+        elif isinstance(value, dict) and part in value and (last or loc[k + 1] not in value):
+            value = value[part]
+        elif part != "[key]" and not (last and missing and isinstance(value, dict)):  # [key]: the key at fault
             continue
+        out.append(part)
+    return out
+
+
+def field_path(loc: tuple[int | str, ...], body: Any = _NO_BODY, missing: bool = False) -> str:
+    """('messages', 0, 'role') -> 'messages[0].role', less union tags (`_parts`)."""
+    out = ""
+    for part in _parts(loc, body, missing):
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
@@ -90,32 +112,47 @@ def _shown(value: Any) -> str:
     return text if len(text) <= _REPR_LIMIT else text[:_REPR_LIMIT] + "..."
 
 
-def describe(error: ValidationError) -> tuple[str, str, str]:
-    """The first problem in `error` as (field, message, kind), kind being 'unknown', 'missing' or 'invalid'.
+def describe(error: ValidationError, body: Any = _NO_BODY) -> tuple[str, str, str]:
+    """The first problem in `error` as (field, message, kind), kind being 'unknown', 'missing' or 'invalid'; `body`
+    is the request as sent, for naming fields past unions.
 
-    A union reports one error per member, each under the member's tag; the field named is then the union's own
-    (the common prefix of those errors), and the message lists why each form was refused.
+    A union reports one error per member, each under the member's tag. When one member alone took the value (its type
+    fits: a list, an object) and failed only inside it, its errors are what the client meant, and the field named is
+    the one inside at fault, such as `input[2].content`. Otherwise (or for an element of no known kind) it is the
+    union's own (the common prefix of the errors), and the message lists why each form was refused.
     """
-    errors = error.errors(include_url=False)
+    return _describe(error.errors(include_url=False), body)
+
+
+def _describe(errors: list[dict], body: Any) -> tuple[str, str, str]:
     first = errors[0]
     loc = tuple(first["loc"])
     if not loc:
         return "body", "the body must be a JSON object", "invalid"
-    if first["type"] == "extra_forbidden":
-        return field_path(loc), f"unsupported field {field_path(loc)!r}", "unknown"
-    if first["type"] == "missing":
-        return field_path(loc), f"missing required field {field_path(loc)!r}", "missing"
-    siblings = [tuple(e["loc"]) for e in errors if e["loc"][:1] == loc[:1]]
+    if first["type"] in ("extra_forbidden", "missing"):
+        field = field_path(loc, body, missing=True)
+        if first["type"] == "missing":
+            return field, f"missing required field {field!r}", "missing"
+        return field, f"unsupported field {field!r}", "unknown"
+    siblings = [e for e in errors if e["loc"][:1] == loc[:1]]
     common = loc
     for other in siblings[1:]:
         n = 0
-        while n < min(len(common), len(other)) and common[n] == other[n]:
+        while n < min(len(common), len(other["loc"])) and common[n] == other["loc"][n]:
             n += 1
         common = common[:n]
-    if len(siblings) > 1 and len(common) < len(loc):  # a union: every form was refused
-        field = field_path(common)
-        reasons = "; ".join(f"as {e['loc'][len(common)]}: {e['msg'].lower()}" for e in errors
-                            if tuple(e["loc"][:len(common)]) == common and len(e["loc"]) > len(common))
+    at = len(common)
+    depth = len(_parts(common, body))
+    if len(siblings) > 1 and at < len(loc) and (body is _NO_BODY or len(_parts(loc[:at + 1], body)) == depth):
+        members = [e for e in siblings if len(e["loc"]) > at]  # a union: every form was refused
+        inside = [e for e in members if len(_parts(tuple(e["loc"]), body, e["type"] == "missing")) > depth
+                  and not e["type"].startswith("union_tag")]  # an element of no known kind: the union is named
+        took = {e["loc"][at] for e in members if e in inside or not (
+            e["type"].endswith("_type") or e["type"] in ("literal_error", "union_tag_invalid"))}  # e.g. too_long
+        if len(took) == 1 and len(inside) == sum(e["loc"][at] in took for e in members):
+            return _describe(inside, body)  # one member took the value: its own errors say what is wrong
+        field = field_path(common, body)
+        reasons = "; ".join(f"as {e['loc'][at]}: {e['msg'].lower()}" for e in members)
         return field, f"{field} has no accepted form, got {_shown(first['input'])} ({reasons})", "invalid"
-    field = field_path(loc)
+    field = field_path(loc, body)
     return field, f"{field}: {first['msg'].lower()}, got {_shown(first['input'])}", "invalid"

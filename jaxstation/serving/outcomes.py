@@ -22,6 +22,7 @@ from jaxstation.engine.jobs import Cancelled, QueueFull, ShuttingDown, StepFaile
 from jaxstation.engine.scheduler import Scheduler
 from jaxstation.serving.errors import ApiError, OpenAIError, error_response
 from jaxstation.serving.http_common import RETRY_AFTER_S, BodyError
+from jaxstation.serving.protocol import request_field
 from jaxstation.serving.station import Station
 
 STATION_INVALID = 422  # /generate's status for a request it cannot serve as asked
@@ -62,9 +63,9 @@ def failure(error: Exception, invalid: int) -> Failure:
         case BodyError():
             return Failure(error.status, error.message, "body", "too_large" if error.status == 413 else "invalid_value")
         case ConstraintError():
-            return Failure(invalid, error.message, error.field.split(".")[0], "invalid_value")
+            return Failure(invalid, error.message, request_field(error.field), "invalid_value")
         case ConstraintFailed():
-            return Failure(invalid, str(error), error.field.split(".")[0], "constraint_failed")
+            return Failure(invalid, str(error), request_field(error.field), "constraint_failed")
         case QueueFull() | NotReady():
             return Failure(503, str(error), None, "overloaded", retry=True)
         case ShuttingDown():

@@ -99,6 +99,16 @@ class StructuredOutputs(Strict):
     json_object: bool | None = Field(None, description="true: any JSON object")
 
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def request_field(field: str) -> str:
+    """The request field a constraint's field names: `structured_outputs.regex` is `structured_outputs`'s, a face's
+    own path (`text.format`, `output_config.format`) is itself."""
+    head, _, last = field.rpartition(".")
+    return head if head == "structured_outputs" and last in STRUCTURED_KINDS else field
+
+
 def constraint_spec(so: StructuredOutputs, field: str, invalid: Callable[[str, str], Exception]
                     ) -> ConstraintSpec | None:
     """The one constraint a structured_outputs object asks for (None for none), or `invalid(field, message)`."""

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import json
 
+from jaxstation.chat.stops import holdback
 from jaxstation.engine.constraints import JSON_WHITESPACE, ConstraintSpec
-from jaxstation.openai.stops import holdback
 
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = ("qwen3", "deepseek_r1")

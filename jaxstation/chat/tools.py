@@ -1,5 +1,5 @@
-"""Tool calls as OpenAI defines them: tools into the prompt, a constraint for `required` and named calls, and the
-model's text back into `tool_calls`.
+"""Tool calls as OpenAI defines them, for every face (Responses' and Messages' tool choices map onto chat's): tools
+into the prompt, a constraint for `required` and named calls, and the model's text back into `tool_calls`.
 
 Prompt. The tools reach the model through its chat template, which receives `tools` (and assistant `tool_calls`,
 and `role: "tool"` messages) as HF templates expect. A template that ignores `tools` (SmolLM2-Instruct's does) gets
@@ -97,7 +97,7 @@ def _template_takes_tools(template: str) -> bool:
 
 
 def _hermes_call(call: dict) -> str:
-    arguments = call["function"]["arguments"]  # parsed already where it is JSON (`openai.parse.chat_messages`)
+    arguments = call["function"]["arguments"]  # parsed already where it is JSON (`chat.request.turn`)
     return f"{OPEN}\n{json.dumps({'name': call['function']['name'], 'arguments': arguments})}\n{CLOSE}"
 
 

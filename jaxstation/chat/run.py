@@ -1,5 +1,6 @@
-"""Running one OpenAI request's choices: each choice is one `Job` on the station's scheduler, and the host does the
-text work on its tokens (incremental detokenizing, stop strings across token boundaries, logprobs in OpenAI's shapes).
+"""Running one request's choices, for every face: each choice is one `Job` on the station's scheduler, and the host
+does the text work on its tokens (incremental detokenizing, stop strings across token boundaries, the thinking split
+from the answer, tool calls parsed out of it); the faces shape the replies (and OpenAI's logprobs) from its choices.
 
 Each job's `on_token` callback runs on the decode thread and hands its `Sample` to the request's event loop with
 `loop.call_soon_threadsafe` into an `asyncio.Queue`; the job's Future does the same when it resolves. Everything else
@@ -15,17 +16,15 @@ import secrets
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from jaxstation.chat.reasoning import ReasoningStream
+from jaxstation.chat.request import RunRequest, bad
+from jaxstation.chat.stops import scan_stops
+from jaxstation.chat.tools import ToolStream
 from jaxstation.engine.constraints import Constraint
 from jaxstation.engine.jobs import Job, QueueFull, Result, ShuttingDown
 from jaxstation.engine.rows import SEED_LIMIT, Sample
 from jaxstation.model.detokenizer import IncrementalDetokenizer
 from jaxstation.model.tokenizer import Tokenizer
-from jaxstation.openai import protocol as p
-from jaxstation.openai.logprobs import chat_logprobs, completion_logprobs
-from jaxstation.openai.parse import RunRequest, bad
-from jaxstation.openai.reasoning import ReasoningStream
-from jaxstation.openai.stops import scan_stops
-from jaxstation.openai.tools import ToolStream
 from jaxstation.serving.outcomes import wait_for
 from jaxstation.serving.station import Station
 
@@ -49,9 +48,35 @@ class Choice:
     stop: str | None = None  # the stop string that ended it
     thinking_tokens: int = 0  # tokens generated in the thinking (its tags included)
 
+    @property
+    def content(self) -> str | None:
+        """The answer's text: the text less the thinking, or with tools the content before the calls (None for
+        none)."""
+        return "".join(self.answer) if self.tool is None else self.tool.content
+
+    @property
+    def calls(self) -> list[dict]:
+        """The tool calls the choice ended with, as OpenAI's tool_calls entries."""
+        return self.tool.calls if self.tool is not None else []
+
+    @property
+    def thinking(self) -> str:
+        return self.reasoning.text if self.reasoning is not None else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Counts:
+    """A run's tokens: its prompts' (each once), how many of those were read from the prefix cache (for each prompt,
+    the most any of its choices reused), the generated ones and those of them in the thinking."""
+
+    prompt: int
+    cached: int
+    generated: int
+    thinking: int
+
 
 @dataclasses.dataclass
-class _Update:
+class Update:
     choice: Choice
     text: str
     finished: bool
@@ -87,7 +112,7 @@ class Run:
                 reasoning = ReasoningStream(req.reasoning, req.prompt_opens) if req.reasoning else None
                 self.choices.append(Choice(index, i, job, detok, tool=tool, reasoning=reasoning))
         if len(self.choices) > self.scheduler.max_queue:  # it could never be queued: not a 503 to retry
-            raise bad("prompt" if len(req.prompts) > 1 else "n",
+            raise bad(req.param("prompt") if len(req.prompts) > 1 else req.param("n"),
                       f"the request needs {len(self.choices)} jobs (prompts x n: {len(req.prompts)} x {req.n}), more "
                       f"than the station's queue holds (max_queue={self.scheduler.max_queue})")
         try:
@@ -135,7 +160,7 @@ class Run:
             c.text.append(out)
         return out
 
-    async def next(self, disconnected: asyncio.Future | None = None) -> _Update | None:
+    async def next(self, disconnected: asyncio.Future | None = None) -> Update | None:
         """Wait for the next event and return what it changes (None when it changes nothing visible)."""
         get = asyncio.ensure_future(self.queue.get())
         try:
@@ -166,7 +191,7 @@ class Run:
             c.finish = "length" if result.finish_reason == "length" else "stop"
         return self._update(c, text, True)
 
-    def _update(self, c: Choice, text: str, finished: bool) -> _Update:
+    def _update(self, c: Choice, text: str, finished: bool) -> Update:
         """What a choice's new text shows: its thinking split out first, then the rest as is, or through its tool
         plan (content, and tool-call deltas; a choice that ends on calls finishes with "tool_calls")."""
         thinking = ""
@@ -174,49 +199,18 @@ class Run:
             thinking, text = c.reasoning.push(text, final=finished)
         c.answer.append(text)
         if c.tool is None:
-            return _Update(c, text, finished, thinking=thinking)
+            return Update(c, text, finished, thinking=thinking)
         shown, deltas = c.tool.push(text)
         if finished:
             rest, more = c.tool.finish()
             shown, deltas = shown + rest, deltas + more
             if c.tool.calls and c.finish == "stop":
                 c.finish = "tool_calls"
-        return _Update(c, shown, finished, deltas, thinking)
+        return Update(c, shown, finished, deltas, thinking)
 
-    def usage(self) -> p.Usage:
-        """OpenAI's usage. Each prompt counts once; its cached tokens are the most any of its choices reused."""
-        prompt = sum(len(t) for t in self.req.prompts)
-        completion = sum(c.tokens for c in self.choices)
-        cached = sum(max(c.job.cached_tokens for c in self.choices if c.prompt == i)
-                     for i in range(len(self.req.prompts)))
-        return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                       prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached))
-
-    def echo(self, c: Choice) -> tuple[str, p.CompletionLogprobs | None]:
-        """With echo: the prompt's text and, with logprobs, the logprobs of its tokens then the generated ones.
-
-        A prompt token's text_offset is where it starts in the prompt's decoded text (the prompt as sent, when it
-        decodes back to itself, as byte-level BPE does)."""
-        text = self.req.echo_texts[c.prompt]
-        if self.req.logprobs is None:
-            return text, None
-        prompt = self.req.prompts[c.prompt]
-        detok = IncrementalDetokenizer(self.tok, skip_special_tokens=False)
-        offsets = []
-        for t in prompt:
-            offsets.append(len(detok.text))
-            detok.push(t)
-        shift = len(text)  # generated offsets count from the end of the echoed prompt
-        entries: list[tuple[Sample | None, int]] = list(zip([None, *c.prompt_logprobs], offsets, strict=True))
-        entries += [(s, off + shift) for s, off in c.logprobs]
-        tokens = list(prompt) + [s.token for s, _ in c.logprobs]
-        return text, completion_logprobs(self.tok, entries, self.req.logprobs, echo=True, tokens=tokens)
-
-    def logprobs_since(self, c: Choice, streaming: bool = False) -> p.ChatLogprobs | p.CompletionLogprobs | None:
-        """The logprobs of the tokens not reported yet (a stream's chunk without new tokens gets null)."""
-        if self.req.logprobs is None or (streaming and c.lp_sent == len(c.logprobs)):
-            return None
-        entries, c.lp_sent = c.logprobs[c.lp_sent:], len(c.logprobs)
-        if self.req.chat:
-            return chat_logprobs(self.tok, entries, self.req.logprobs)
-        return completion_logprobs(self.tok, entries, self.req.logprobs, echo=self.req.echo_texts is not None)
+    def counts(self) -> Counts:
+        prompts = self.req.prompts
+        cached = sum(max(c.job.cached_tokens for c in self.choices if c.prompt == i) for i in range(len(prompts)))
+        return Counts(prompt=sum(len(t) for t in prompts), cached=cached,
+                      generated=sum(c.tokens for c in self.choices),
+                      thinking=sum(c.thinking_tokens for c in self.choices))
