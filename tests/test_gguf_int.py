@@ -1,10 +1,11 @@
 """GGUF blocks multiplied in integers on the CPU kernel (weights "gguf").
 
 The kernel rounds each activation row to 8 bits per 32 columns from that row alone, sums each 32 columns' code
-products exactly in int32, then runs one fixed float epilogue per output. A numpy reference of the same arithmetic (its own block decoders, checked
-against the gguf package's dequantization) gives the kernel's bits for every format, so a row's bits are the same
-alone and among others at any row count; the AVX2, AVX-VNNI and AVX-512 (maddubs) builds give those bits too.
-Against the float32 product over the dequantized weights the error is that of 8-bit activations.
+products exactly in int32, then runs one fixed float epilogue per output. A numpy reference of the same arithmetic
+(its own block decoders, checked against the gguf package's dequantization) gives the kernel's bits for every format,
+so a row's bits are the same alone and among others at any row count; the AVX2, AVX-VNNI and AVX-512 (maddubs)
+builds give those bits too. Against the float32 product over the dequantized weights the error is that of 8-bit
+activations.
 """
 
 from __future__ import annotations
