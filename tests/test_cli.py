@@ -65,7 +65,7 @@ def test_help_shows_defaults_and_routes() -> None:
                     "(default: 32) [env MOONSHINE_PREFILL_CHUNK]", "(default: 128) [env MOONSHINE_KV_BLOCK]",
                     "(default: 64) [env MOONSHINE_MAX_QUEUE]", "(default: 30.0) [env MOONSHINE_DRAIN_S]",
                     "(default: 1048576) [env MOONSHINE_MAX_BODY_BYTES]",
-                    "(default: gguf-exact on CPU for a GGUF model where the CPU kernel builds, else float32; "
+                    "(default: gguf on CPU for a GGUF model where the CPU kernel builds, else float32; "
                     "bfloat16 on a GPU) [env MOONSHINE_DTYPE]",
                     "(default: auto) [env MOONSHINE_ATTENTION]", "(default: auto) [env MOONSHINE_LAYER_LOOP]",
                     "(default: off) [env MOONSHINE_CONTINUOUS_BATCH]"):

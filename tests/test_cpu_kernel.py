@@ -35,10 +35,9 @@ def test_the_kernel_builds_and_is_the_cpu_default() -> None:
     def plan(**settings) -> Plan:
         return resolve_plan(StationConfig(**settings), cfg)
 
-    assert plan().matmul == "kernel" and plan().dtype == "gguf-exact"  # the default model's blocks, float32-exact
-    assert plan().int_dot is None and "dtype gguf-exact," in str(plan())
-    integer = plan(dtype="gguf")
-    assert integer.int_dot == cpu_kernel.int_dot_isa() and f"dtype gguf (integer dot {integer.int_dot})" in str(integer)
+    assert plan().matmul == "kernel" and plan().dtype == "gguf"  # the default model's blocks, integer products
+    assert plan().int_dot == cpu_kernel.int_dot_isa() and f"dtype gguf (integer dot {plan().int_dot})" in str(plan())
+    assert plan(dtype="gguf-exact").int_dot is None and "dtype gguf-exact," in str(plan(dtype="gguf-exact"))
     assert plan(model="tests/fixtures/tiny-llama3").dtype == "float32"
     assert plan(matmul="xla").dtype == "float32"
     assert plan(dtype="int8").matmul == "kernel"

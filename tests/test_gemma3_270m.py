@@ -5,7 +5,7 @@ integers (weights "gguf"), a request gives the same tokens and logits alone and 
 (decode waves 1, 2, 4 and 8 rows wide), the same tokens and logprobs with its prompt in packed steps beside others
 and with n-gram drafts verified in one step, and its greedy tokens start as transformers' do from the same file
 (`tests/reference/gemma3_270m_reference.json`) and then may part, as 8-bit activations move near-tied logits.
-float32-exact (weights "gguf-exact", the default), greedy tokens on four prompts equal transformers', and the logits
+float32-exact (weights "gguf-exact"), greedy tokens on four prompts equal transformers', and the logits
 are those of the same model dequantized to float32, bit for bit.
 
 As a station runs it: a layer of every stored combination and the 262,144-row head give each row the same bits at
@@ -70,8 +70,8 @@ def gemma(gemma3_270m: Path, plan: Plan) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def exact(gemma3_270m: Path, plan: Plan) -> LoadedModel:
-    """float32-exact (weights "gguf-exact", the default)."""
-    return load_model(gemma3_270m, plan.dtype, plan.layer_loop, plan.matmul)
+    """float32-exact (weights "gguf-exact")."""
+    return load_model(gemma3_270m, "gguf-exact", plan.layer_loop, plan.matmul)
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +85,7 @@ def exact_engine(exact: LoadedModel, plan: Plan) -> Engine:
 
 
 def test_gguf_multiplies_in_integers(gemma3_270m: Path, plan: Plan, gemma: LoadedModel) -> None:
-    assert plan.dtype == "gguf-exact" and plan.int_dot is None  # the default
-    integer = station_plan(StationConfig(model=str(gemma3_270m), dtype="gguf", lanes=8, max_seq=128))
-    assert integer.int_dot == cpu_kernel.int_dot_isa()
+    assert plan.dtype == "gguf" and plan.int_dot == cpu_kernel.int_dot_isa()  # the default
     assert all(w.integer for layer in gemma.params.layers for w in (layer.wo, layer.w_down, layer.w_gate_up))
     assert gemma.params.embed.integer
 
@@ -107,9 +105,8 @@ def test_the_file_is_a_q4_k_m_mix(gemma3_270m: Path, gemma: LoadedModel) -> None
 
 
 # greedy tokens the integer path shares with transformers' from the start, per prompt (measured; where they part,
-# the paths' top tokens are near ties that 8-bit activations move: " capital of" or " largest city in", " mendatang"
-# or " 衣装", " farmer" or " hard")
-INTEGER_AGREES = (11, 16, 4, 8)
+# the paths' top tokens are near ties that 8-bit activations move: " mendatang" or " 衣装", " Mr." or " John")
+INTEGER_AGREES = (16, 16, 4, 3)
 
 
 @pytest.mark.parametrize("case", range(len(GREEDY)))
@@ -198,9 +195,9 @@ NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def served(gemma3_270m: Path, exact: LoadedModel):
+def served(gemma3_270m: Path, gemma: LoadedModel):
     station = Station(StationConfig(model=str(gemma3_270m), lanes=8, max_seq=128, prefill_chunk=32, kv_block=128,
-                                    continuous=True, drain_s=5), model=exact)
+                                    continuous=True, drain_s=5), model=gemma)
     with ServerThread(create_app(station)) as server, server.client(timeout=300) as http:
         wait_for(lambda: http.get("/ready").status_code == 200, 600, "the station did not turn ready", 0.2)
         assert station.plan.wave_widths == (1, 2, 4, 8) and station.plan.prefill_budget > 0

@@ -9,6 +9,7 @@ import logging
 import pytest
 from conftest import engine_config, station_plan
 
+from jaxstation.kernels import cpu_kernel
 from jaxstation.model.loader import checkpoint_config
 from jaxstation.serving.plan import resolve_plan, startup_plan
 from jaxstation.serving.settings import ConfigError, StationConfig, resolve
@@ -21,7 +22,7 @@ def test_the_plan_on_this_machine_is_logged_once_in_one_line(caplog: pytest.LogC
     with caplog.at_level(logging.INFO, logger="jaxstation.serving.plan"):
         plan = startup_plan(config)
     assert [r.getMessage() for r in caplog.records] == [
-        "plan: backend cpu, dtype gguf-exact, matmul kernel, layer_loop unroll, "
+        f"plan: backend cpu, dtype gguf (integer dot {cpu_kernel.int_dot_isa()}), matmul kernel, layer_loop unroll, "
         "attention kernel, wave_widths 1,2,4, prefill_budget 128, speculative off"]
     assert plan == resolve_plan(config, checkpoint_config(None))
 
@@ -40,7 +41,7 @@ def test_a_mesh_runs_full_waves_and_no_packing() -> None:
     station = resolve_plan(StationConfig(**SHAPE, layers="0:15"), cfg)
     host = resolve_plan(StationConfig(**SHAPE, stations="http://127.0.0.1:1"), cfg)
     assert station == host
-    assert str(host) == ("backend cpu, dtype gguf-exact, matmul kernel, "
+    assert str(host) == (f"backend cpu, dtype gguf (integer dot {cpu_kernel.int_dot_isa()}), matmul kernel, "
                          "layer_loop unroll, attention kernel, wave_widths 4, prefill_budget off, speculative off")
 
 
