@@ -81,6 +81,7 @@ class RunRequest:
     reasoning: str | None = None  # the reasoning parser splitting the thinking from the answer (chat only)
     prompt_opens: bool = False  # the rendered prompt ends with the thinking's opening tag
     context_ends: tuple[bool, ...] = ()  # per prompt, with cap: max_tokens was cut to the context left
+    model: str | None = None  # the model the request names: a LoRA adapter's name selects it (docs/lora.md)
 
 
 def check_token_ids(tokens: list[int], vocab: int, param: str) -> list[int]:
@@ -157,6 +158,7 @@ def _common(req: SamplingFields, chat: bool, prompts: list[list[int]], logprobs:
     stop_ids |= frozenset() if req.ignore_eos else eos_ids
     check_allowed(sampling, stop_ids, bad)
     return RunRequest(chat=chat, prompts=prompts, n=req.n or 1, max_tokens=lengths, sampling=sampling, seed=req.seed,
+                      model=req.model,
                       stops=tuple(stops), stop_ids=stop_ids, logprobs=logprobs, stream=bool(req.stream),
                       include_usage=bool(options and options.include_usage),
                       continuous_usage=bool(options and options.continuous_usage_stats),
