@@ -160,8 +160,9 @@ def lora_engine(default_model, tmp_path_factory):
     engine = planned_engine(default_model, config, station_plan(config))
     tmp = tmp_path_factory.mktemp("lora")
     cfg = default_model.cfg
-    x = write_peft(tmp / "x", random_lora(cfg, rank=16, seed=10), rank=16, alpha=32.0)
-    y = write_peft(tmp / "y", random_lora(cfg, rank=8, seed=11, modules=("q", "k", "v", "o")), rank=8, alpha=8.0)
+    x = write_peft(tmp / "x", random_lora(cfg, rank=16, seed=10, b_std=0.2), rank=16, alpha=32.0)
+    y = write_peft(tmp / "y", random_lora(cfg, rank=8, seed=11, modules=("q", "k", "v", "o"), b_std=0.3), rank=8,
+                   alpha=8.0)
     adapters = Adapters(engine, in_use=set)
     adapters.load("x", str(x))
     adapters.load("y", str(y))
@@ -178,21 +179,18 @@ def rows_of(engine: Engine, state: Run) -> list[DecodeRow | None]:
     return rows
 
 
-def admit(engine: Engine, state: Run, requests: dict[int, tuple[list[int], int]], packed: bool) -> None:
-    """Begin each request (lane -> (prompt, LoRA slot)) and feed its prompt: in one packed step beside the decode rows
-    of the lanes running (packed), or chunk by chunk (not)."""
+def admit(engine: Engine, state: Run, requests: dict[int, tuple[list[int], int]], cut: int = 0) -> None:
+    """Begin each request (lane -> (prompt, LoRA slot)) and feed its prompt in one packed step beside the decode rows
+    of the lanes running; with `cut`, the first `cut` tokens of every prompt in a packed step of their own first."""
     for lane, (prompt, lora) in requests.items():
         engine.begin(lane, prompt, GREEDY, frozenset(), lora)
-    if packed:
-        pieces = [PromptPiece(lane, prompt, 0, len(prompt), GREEDY) for lane, (prompt, _) in requests.items()]
-        samples = engine.pack(pieces, rows_of(engine, state))
-        for lane in state:
-            state[lane][1].append(samples[lane])
-    else:
-        samples = [None] * engine.lanes
-        for lane, (prompt, _) in requests.items():
-            for start in range(0, len(prompt), engine.chunk):
-                samples[lane], _ = engine.prefill(lane, prompt, start, GREEDY)
+    if cut:
+        engine.pack([PromptPiece(lane, prompt, 0, cut, GREEDY) for lane, (prompt, _) in requests.items()],
+                    [None] * engine.lanes)
+    pieces = [PromptPiece(lane, prompt, cut, len(prompt) - cut, GREEDY) for lane, (prompt, _) in requests.items()]
+    samples = engine.pack(pieces, rows_of(engine, state))
+    for lane in state:
+        state[lane][1].append(samples[lane])
     for lane, (prompt, _) in requests.items():
         state[lane] = (prompt, [samples[lane]])
 
@@ -215,9 +213,9 @@ PROMPT_B = [1, 9690, 198, 19556, 16538, 253, 5873, 30, 2, 198, 1, 520, 9531, 198
 STEPS = 8
 
 
-def alone(engine: Engine, prompt: list[int], lora: int, lane: int, packed: bool = True) -> Run:
+def alone(engine: Engine, prompt: list[int], lora: int, lane: int, cut: int = 0) -> Run:
     state: Run = {}
-    admit(engine, state, {lane: (prompt, lora)}, packed)
+    admit(engine, state, {lane: (prompt, lora)}, cut)
     decode(engine, state, STEPS)
     return state
 
@@ -229,27 +227,31 @@ def test_a_rows_bits_are_its_own_beside_any_others(lora_engine):
     base = trace(alone(engine, PROMPT_X, 0, lane=0), 0, STEPS + 1)
     assert [t for t, *_ in want] != [t for t, *_ in base]  # the adapter changes the tokens
     assert trace(alone(engine, PROMPT_X, x, lane=3), 3, STEPS + 1) == want  # another lane
-    assert trace(alone(engine, PROMPT_X, x, lane=2, packed=False), 2, STEPS + 1) == want  # chunked prefill
+    assert trace(alone(engine, PROMPT_X, x, lane=2, cut=7), 2, STEPS + 1) == want  # the prompt cut in two
     # beside rows of Y and base rows, entering in a packed step beside their decode rows
     state: Run = {}
-    admit(engine, state, {0: (PROMPT_B, y), 1: (PROMPT_B, 0)}, packed=True)
+    admit(engine, state, {0: (PROMPT_B, y), 1: (PROMPT_B, 0)})
     decode(engine, state, 2)
-    admit(engine, state, {2: (PROMPT_X, x), 3: (PROMPT_X[3:], x)}, packed=True)
+    admit(engine, state, {2: (PROMPT_X, x), 3: (PROMPT_X[3:], x)})
     decode(engine, state, STEPS)
     assert trace(state, 2, STEPS + 1) == want
     # and the base and Y rows beside them are the rows they are alone
-    assert trace(state, 1, STEPS + 3) == trace(alone(engine, PROMPT_B, 0, lane=1), 1, STEPS + 3)
-    assert trace(state, 0, STEPS + 3) == trace(alone(engine, PROMPT_B, y, lane=0), 0, STEPS + 3)
+    assert trace(state, 1, STEPS + 1) == trace(alone(engine, PROMPT_B, 0, lane=1), 1, STEPS + 1)
+    assert trace(state, 0, STEPS + 1) == trace(alone(engine, PROMPT_B, y, lane=0), 0, STEPS + 1)
 
 
 def test_unloaded_and_loaded_again_gives_the_same_bits(lora_engine):
     engine, adapters = lora_engine
-    first = adapters.get("x")
+    first, y = adapters.get("x"), adapters.get("y")
     want = trace(alone(engine, PROMPT_X, first.slot, lane=1), 1, STEPS + 1)
-    assert adapters.unload("x") == first
-    again = adapters.load("x", first.path)  # the next free slot: another one
-    assert again.slot != first.slot and again.load != first.load
+    assert adapters.unload("x") == first and adapters.get("x") is None
+    other = adapters.load("y-again", y.path)  # takes X's slot
+    assert other.slot == first.slot
+    again = adapters.load("x", first.path)
+    assert again.slot not in (first.slot, y.slot) and again.load not in (first.load, other.load)
     assert trace(alone(engine, PROMPT_X, again.slot, lane=0), 0, STEPS + 1) == want
+    assert trace(alone(engine, PROMPT_B, other.slot, lane=2), 2, 4) == trace(alone(engine, PROMPT_B, y.slot, lane=3),
+                                                                              3, 4)
 
 
 def test_verify_steps_run_each_rows_adapter(lora_engine):
@@ -260,7 +262,7 @@ def test_verify_steps_run_each_rows_adapter(lora_engine):
     plain = alone(engine, PROMPT_X, x, lane=0)[0][1]
     base = alone(engine, PROMPT_B, 0, lane=1)[1][1]
     state: Run = {}
-    admit(engine, state, {2: (PROMPT_X, x), 3: (PROMPT_B, 0)}, packed=True)
+    admit(engine, state, {2: (PROMPT_X, x), 3: (PROMPT_B, 0)})
     rows = rows_of(engine, state)
     rows[2] = DecodeRow(plain[0].token, len(PROMPT_X), GREEDY, 1, drafts=(plain[1].token, plain[2].token))
     rows[3] = DecodeRow(base[0].token, len(PROMPT_B), GREEDY, 1)
