@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 from adapter_util import random_lora, write_gguf_lora, write_merged, write_peft
-from conftest import FIXTURES, engine_config, station_plan, tiny_model
+from conftest import FIXTURES, TESTS, engine_config, station_plan, tiny_model
 
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.prefix_cache import PrefixCache
@@ -72,6 +72,21 @@ def test_float32_adapter_equals_merged_weights(tiny_lora):
     assert tokens == want_tokens
     assert tokens != base_tokens  # the adapter changes the output: the comparison above means something
     np.testing.assert_allclose(np.stack(logits), np.stack(want_logits), atol=1e-4, rtol=0)
+
+
+def test_an_adapter_peft_wrote_gives_pefts_tokens_and_logits(tiny_lora):
+    """tests/data/peft-tiny-llama3: saved by PEFT 0.21 itself (rsLoRA, rank 4, every projection;
+    scripts/make_peft_adapter.py), with the logits PEFT's model computed for its greedy continuation."""
+    base = tiny_lora[0]
+    path = TESTS / "data" / "peft-tiny-llama3"
+    with np.load(path / "reference.npz") as ref:
+        prompt, want_tokens, want_logits = ref["prompt"].tolist(), ref["tokens"].tolist(), ref["logits"]
+    engine = Engine(base, **TINY, max_loras=1, max_lora_rank=4)
+    engine.write_lora(1, read_adapter(path, base.cfg, 4).slots(base.cfg, 4))
+    tokens, logits = run_logits(engine, prompt, len(want_tokens) - 1, lora=1)
+    assert tokens == want_tokens
+    np.testing.assert_allclose(np.stack(logits), want_logits, atol=1e-4, rtol=0)
+    assert run_logits(engine, prompt, len(want_tokens) - 1, lora=0, lane=1)[0] != want_tokens
 
 
 def test_gguf_lora_file_reads_as_its_peft_twin(tiny_lora):

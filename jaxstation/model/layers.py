@@ -100,7 +100,7 @@ class Params:
         """Every matmul runs on the CPU kernel, whose rows do not depend on how many rows a call has: a wave may then
         run narrower than the arena without changing any row's bits (XLA's dot computes one row differently)."""
         heads = [self.embed if self.lm_head is None else self.lm_head]
-        projections = [w for layer in _layer_list(self) for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+        projections = [w for layer in layer_list(self) for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
         return all(on_kernel(w) for w in heads + projections)
 
     @property
@@ -361,7 +361,7 @@ def lora_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def with_lora(cfg: ModelConfig, params: Params, slots: int, rank: int) -> Params:
     """The params with zeroed LoRA stacks of `slots` slots of rank `rank` on every layer (model/lora.py)."""
-    if any(layer.shards > 1 for layer in _layer_list(params)):
+    if any(layer.shards > 1 for layer in layer_list(params)):
         raise ValueError("LoRA adapters need weights on one device: a station split over several serves none")
     empty = empty_layer(lora_shapes(cfg), slots, rank)
     if isinstance(params.layers, tuple):
@@ -382,5 +382,6 @@ def write_adapter(params: Params, slot: int, layers: list[dict]) -> Params:
     return dataclasses.replace(params, layers=dataclasses.replace(params.layers, lora=lora))
 
 
-def _layer_list(params: Params) -> tuple[LayerParams, ...]:
+def layer_list(params: Params) -> tuple[LayerParams, ...]:
+    """Each layer's weights ("unroll"), or the one stacked pytree ("scan")."""
     return params.layers if isinstance(params.layers, tuple) else (params.layers,)

@@ -94,7 +94,8 @@ def _read_peft(source: Path, cfg: ModelConfig, max_rank: int) -> Adapter:
         raise refuse("peft_type", f"{conf['peft_type']!r} is not LORA")
     if rank > max_rank or rank < 1:
         raise refuse("r", f"rank {rank} is outside [1, --max-lora-rank {max_rank}]")
-    for field in ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform"):
+    for field in ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform", "lora_bias",
+                  "layer_replication", "target_parameters", "trainable_token_indices", "alora_invocation_tokens"):
         if conf.get(field):
             raise refuse(field, f"{conf[field]!r} is not served (plain LoRA on the seven projections only)")
     if conf.get("bias", "none") != "none":
