@@ -8,6 +8,7 @@ blocks on the CPU kernel, unrolled), with three LoRA slots.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
@@ -25,6 +26,7 @@ from jaxstation.model.lora import empty_layer, slot_arrays, write_slot
 from jaxstation.model.lora_files import AdapterError, read_adapter
 from jaxstation.serving.adapters import Adapters
 from jaxstation.serving.plan import planned_engine
+from jaxstation.serving.settings import ConfigError, add_arguments, resolve
 
 GREEDY = SamplingParams()
 TINY = {"lanes": 4, "max_seq": 128, "chunk": 16, "block": 32}
@@ -313,3 +315,19 @@ def test_prefix_reuse_keys_on_the_adapter():
     assert not cache.pick(prompt, [0, 1], [7, 0], adapter=4).hit
     pick = cache.pick(prompt, [0, 1], [7, 0], adapter=3)
     assert (pick.lane, pick.reused) == (0, 16)
+
+
+def test_settings_name_what_the_user_typed():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, "serve")
+    args = parser.parse_args(["--lora-modules", "a=/x/a", "b=/x/b.gguf", "--max-lora-rank", "8"])
+    config = resolve(args, env={"MOONSHINE_ALLOW_RUNTIME_LORA": "on"}, command="serve")
+    assert config.lora_modules == (("a", "/x/a"), ("b", "/x/b.gguf")) and config.max_lora_rank == 8
+    assert config.lora_slots == 2 and config.allow_runtime_lora
+    assert resolve(None, env={"MOONSHINE_ALLOW_RUNTIME_LORA": "1"}, command="serve").lora_slots == 1
+    assert resolve(None, env={}, command="serve").lora_slots == 0
+    with pytest.raises(ConfigError, match="--lora-modules='a': 'a' must be name=path"):
+        resolve(parser.parse_args(["--lora-modules", "a"]), env={}, command="serve")
+    with pytest.raises(ConfigError, match="MOONSHINE_LORA_MODULES names 2 adapters, more than --max-loras=1"):
+        resolve(parser.parse_args(["--max-loras", "1"]), env={"MOONSHINE_LORA_MODULES": "a=/p,b=/q"},
+                command="serve")

@@ -46,9 +46,8 @@ from jaxstation.engine.rows import (
 )
 from jaxstation.engine.steps import prefill_chunk, step_rows
 from jaxstation.kernels import host_memory
-from jaxstation.model.layers import lora_shapes, with_lora, write_adapter
+from jaxstation.model.layers import with_lora, write_adapter
 from jaxstation.model.loader import LoadedModel
-from jaxstation.model.lora import slot_arrays
 from jaxstation.model.sharding import mesh_of
 
 PACK_FLOOR = 16  # the narrowest packed step
@@ -335,14 +334,11 @@ class Engine:
         serves no adapters (the steps then carry none)."""
         return self.lane_lora[np.asarray(lanes, np.int32)] if self.max_loras else None
 
-    def write_lora(self, slot: int, layers: list[dict] | None) -> None:
-        """Put an adapter into LoRA slot `slot` (1..max_loras): `layers` as `lora.slot_arrays` gives them per layer,
-        or None to zero the slot. The params are swapped as one reference, so a step already running keeps the
-        weights it started with."""
+    def write_lora(self, slot: int, layers: list[dict]) -> None:
+        """Put an adapter into LoRA slot `slot` (1..max_loras): `layers` as `lora.slot_arrays` gives them per layer.
+        The params are swapped as one reference, so a step already running keeps the weights it started with."""
         if not 1 <= slot <= self.max_loras:
             raise ValueError(f"LoRA slot {slot} is outside [1, {self.max_loras}]")
-        if layers is None:
-            layers = [slot_arrays({}, lora_shapes(self.cfg), self.max_lora_rank)] * self.cfg.num_layers
         self.model = dataclasses.replace(self.model, params=write_adapter(self.params, slot, layers))
 
     def turn_rows(self, decode_rows: int) -> int:
