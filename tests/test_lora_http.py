@@ -80,8 +80,8 @@ def test_model_selects_the_adapter_on_every_route(served):
     responses = openai_client(server).responses.create(model="x", input=ASK, max_output_tokens=NEW, temperature=0)
     assert responses.output_text == chat_x
     messages = anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="unused", max_retries=0)
-    reply = messages.messages.create(model="x", max_tokens=NEW, temperature=0,
-                                     messages=[{"role": "user", "content": ASK}])
+    reply = messages.messages.create(model="x", max_tokens=NEW, messages=[{"role": "user", "content": ASK}],
+                                     extra_body={"temperature": 0})  # the SDK takes temperature only this way
     assert reply.content[0].text == chat_x
 
 
