@@ -34,8 +34,9 @@ PROJECTIONS = {"wqkv": ("q", "k", "v"), "wo": ("o",), "w_gate_up": ("gate", "up"
 @partial(jax.tree_util.register_dataclass, data_fields=["a", "b"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class LoraProj:
-    """One fused projection's adapters: a [slots, parts * rank, in] (the parts' A stacked along the rank), and b one
-    [slots, out_part, rank] per part (scale folded in). With a leading layer axis in a stacked ("scan") layout."""
+    """One fused projection's adapters: a [slots, in, parts * rank] (the parts' A^T side by side), and b one
+    [slots, rank, out_part] per part (B^T, scale folded in). With a leading layer axis in a stacked ("scan") layout.
+    The summed axis comes before the last, so that every add of `row_sum` is a vector over the last."""
 
     a: jax.Array
     b: tuple[jax.Array, ...]
@@ -59,8 +60,8 @@ def empty_layer(shapes: dict[str, tuple[int, int]], slots: int, rank: int) -> Lo
     """One layer's stacks, every slot zero."""
     def proj(parts: tuple[str, ...]) -> LoraProj:
         d_in = shapes[parts[0]][0]
-        return LoraProj(a=jnp.zeros((slots, len(parts) * rank, d_in), jnp.float32),
-                        b=tuple(jnp.zeros((slots, shapes[p][1], rank), jnp.float32) for p in parts))
+        return LoraProj(a=jnp.zeros((slots, d_in, len(parts) * rank), jnp.float32),
+                        b=tuple(jnp.zeros((slots, rank, shapes[p][1]), jnp.float32) for p in parts))
 
     return LoraLayer(**{name: proj(parts) for name, parts in PROJECTIONS.items()})
 
@@ -71,14 +72,14 @@ def slot_arrays(weights: dict[str, tuple[np.ndarray, np.ndarray]], shapes: dict[
     (A [r, in], B [out, r] with the scale folded in); a slot it lacks, and ranks below `rank`, are zeros."""
     out = {}
     for name, parts in PROJECTIONS.items():
-        a = np.zeros((len(parts) * rank, shapes[parts[0]][0]), np.float32)
+        a = np.zeros((shapes[parts[0]][0], len(parts) * rank), np.float32)
         bs = []
         for j, p in enumerate(parts):
-            b = np.zeros((shapes[p][1], rank), np.float32)
+            b = np.zeros((rank, shapes[p][1]), np.float32)
             if p in weights:
                 pa, pb = weights[p]
-                a[j * rank:j * rank + pa.shape[0]] = pa
-                b[:, :pb.shape[1]] = pb
+                a[:, j * rank:j * rank + pa.shape[0]] = pa.T
+                b[:pb.shape[1]] = pb.T
             bs.append(b)
         out[name] = (a, tuple(bs))
     return out
@@ -100,10 +101,11 @@ def write_slot(layer: LoraLayer, slot: jax.Array, arrays: dict[str, tuple[jax.Ar
 def add_delta(y: jax.Array, proj: LoraProj, x: jax.Array, adapters: jax.Array) -> jax.Array:
     """y + B (A x) per row, added in float32. y: [rows, Q, out] (a projection's output); x: [rows, Q, in] (its
     input); adapters: [rows] int32, each row's slot."""
-    a = proj.a[adapters]  # [rows, parts * rank, in]
+    a = proj.a[adapters]  # [rows, in, parts * rank]
     xf = x.astype(jnp.float32)
-    h = row_sum(xf[:, :, None, :] * a[:, None])  # [rows, Q, parts * rank]
-    rank = proj.b[0].shape[-1]
-    outs = [row_sum(h[:, :, None, j * rank:(j + 1) * rank] * b[adapters][:, None]) for j, b in enumerate(proj.b)]
+    h = row_sum(xf[..., None] * a[:, None], axis=-2)  # [rows, Q, parts * rank]
+    rank = proj.b[0].shape[-2]
+    outs = [row_sum(h[..., j * rank:(j + 1) * rank, None] * b[adapters][:, None], axis=-2)
+            for j, b in enumerate(proj.b)]
     delta = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-1)  # [rows, Q, out]
     return (y.astype(jnp.float32) + delta).astype(y.dtype)
