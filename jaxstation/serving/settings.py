@@ -92,6 +92,7 @@ COMMANDS = ("serve", "station", "host")
 _ALL = frozenset(COMMANDS)
 _FRONT = frozenset({"serve", "host"})  # the commands that serve the API: a station or a mesh host
 _MESH = frozenset({"station", "host"})
+_SERVE = frozenset({"serve"})  # one station process, on one device (LoRA adapters)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,15 +184,15 @@ SETTINGS: tuple[_Setting, ...] = (
     _Setting("lora_modules", "MOONSHINE_LORA_MODULES", "--lora-modules", _parse_lora_modules,
              "LoRA adapters served beside the model, as name=path (a PEFT directory or a GGUF LoRA file), several "
              "separated by spaces or commas; a request names one in `model` (docs/lora.md)",
-             commands=frozenset({"serve"})),
+             commands=_SERVE),
     _Setting("max_loras", "MOONSHINE_MAX_LORAS", "--max-loras", _parse_int,
              "LoRA adapters resident at once (default: the --lora-modules given, at least 1 with "
-             "--allow-runtime-lora)", commands=frozenset({"serve"})),
+             "--allow-runtime-lora)", commands=_SERVE),
     _Setting("max_lora_rank", "MOONSHINE_MAX_LORA_RANK", "--max-lora-rank", _parse_int,
-             "the highest LoRA rank a station holds (adapters above it are refused)", commands=frozenset({"serve"})),
+             "the highest LoRA rank a station holds (adapters above it are refused)", commands=_SERVE),
     _Setting("allow_runtime_lora", "MOONSHINE_ALLOW_RUNTIME_LORA", "--allow-runtime-lora", parse_bool,
              "POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off: both answer 404)",
-             commands=frozenset({"serve"})),
+             commands=_SERVE),
     _Setting("max_queue", "MOONSHINE_MAX_QUEUE", "--max-queue", _parse_int,
              "jobs waiting for a lane before new ones get 503", commands=_FRONT),
     _Setting("drain_s", "MOONSHINE_DRAIN_S", "--drain-s", _parse_float,
