@@ -127,3 +127,19 @@ def test_runtime_routes_need_the_flag(tmp_path):
             reply = http.post(path, json={"lora_name": "x", "lora_path": str(tmp_path)})
             assert reply.status_code == 404 and "error" in reply.json()
         assert http.get("/v1/models").status_code == 200
+
+
+def test_prefix_reuse_never_crosses_adapters(served):
+    _, _, http, _ = served
+    prompt = list(range(1000, 1040))  # 40 tokens: one 32-token chunk to reuse
+
+    def cached(lora: str | None) -> int:
+        body = {"tokens": prompt, "max_new_tokens": 2, **({"lora": lora} if lora else {})}
+        reply = http.post("/generate", json=body)
+        assert reply.status_code == 200
+        return reply.json()["timing"]["cached_tokens"]
+
+    assert cached("x") == 0
+    assert cached("x") == 32  # the same adapter reuses its prefix
+    assert cached(None) == 0  # the base model does not reuse the adapter's KV
+    assert cached(None) == 32
