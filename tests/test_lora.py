@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from adapter_util import random_lora, write_gguf_lora, write_merged, write_peft
 from conftest import FIXTURES, TESTS, engine_config, station_plan, tiny_model
+from test_cli import run_cli
 
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.prefix_cache import PrefixCache
@@ -331,3 +332,17 @@ def test_settings_name_what_the_user_typed():
     with pytest.raises(ConfigError, match="MOONSHINE_LORA_MODULES names 2 adapters, more than --max-loras=1"):
         resolve(parser.parse_args(["--max-loras", "1"]), env={"MOONSHINE_LORA_MODULES": "a=/p,b=/q"},
                 command="serve")
+
+
+def test_serve_refuses_an_adapter_that_does_not_fit_in_one_line(tmp_path, default_model):
+    """`serve --lora-modules` with an adapter above --max-lora-rank stops the started server with one line naming
+    the setting, the file, the field and the reason (exit 1, as a tensor that fails to load)."""
+    path = write_peft(tmp_path / "big", random_lora(default_model.cfg, 32, seed=7, modules=("q",)), rank=32,
+                      alpha=32.0)
+    r = run_cli("serve", "--port", "0", "--lanes", "2", "--max-seq", "256", "--lora-modules", f"big={path}",
+                timeout=300)
+    out = r.stderr + r.stdout
+    assert r.returncode == 1 and "Traceback" not in out, out
+    message = (f"--lora-modules big={path}: {path / 'adapter_config.json'}: field 'r': rank 32 is outside "
+               "[1, --max-lora-rank 16]")
+    assert len([line for line in r.stderr.splitlines() if message in line]) == 1, out

@@ -23,6 +23,7 @@ from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.runner import Runner
 from jaxstation.engine.scheduler import Scheduler
 from jaxstation.model.loader import CheckpointError, LoadedModel
+from jaxstation.model.lora_files import AdapterError
 from jaxstation.serving.adapters import Adapters
 from jaxstation.serving.coldstart import CompileCount, StartupClock, enable_compile_cache
 from jaxstation.serving.draft import load_draft, speculation
@@ -96,7 +97,10 @@ class Station:
                 with clock.phase("lora_load"):
                     self.adapters = Adapters(self.engine, self._lora_in_use)
                     for name, path in c.lora_modules:
-                        log.info("LoRA adapter %s: slot %d", name, self.adapters.load(name, path).slot)
+                        try:
+                            log.info("LoRA adapter %s: slot %d", name, self.adapters.load(name, path).slot)
+                        except AdapterError as e:
+                            raise AdapterError(f"{c.named('lora_modules')} {name}={path}: {e}") from None
             draft = None
             if self.plan.speculative == "draft":
                 with clock.phase("draft_load"):
