@@ -10,19 +10,29 @@ Usage:
   python -m bench.step --shape mistral-7b --lanes 1 8 32 64 --live 512 2048 --max-seq 4096   # random weights
   python -m bench.step --model gemma-3-270m.gguf --lanes 1 8 --live 4095 --max-seq 4096 --kv-windows full
   JAX_NUM_CPU_DEVICES=4 python -m bench.step --shape qwen3-0.6b --dtype float32 --tensor-parallel 1 2 4 --lanes 1 8
+
+With --lora, one decode step of 8 rows, each on its own rank-16 LoRA adapter on every projection (docs/lora.md),
+against the same step of an engine without adapters, the two interleaved in one process (A, B, A, B, ...) so that
+whatever else runs on the machine weighs on both alike; reports the ratio of their medians:
+  python -m bench.step --lora
+  python -m bench.step --lora --shape mistral-7b --num-layers 4   # random weights, the first 4 of its 32 layers
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 
 import jax
+import numpy as np
 
 from bench.common import add_model_args, bench_model, copy_bandwidth, read_bandwidth, summary, timed, write_result
 from jaxstation.engine.arena import arena_bytes
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import DecodeRow, SamplingParams
+from jaxstation.model.layers import layer_list, lora_shapes
+from jaxstation.model.lora import slot_arrays
 from jaxstation.model.sharding import device_bytes, make_mesh, shard_params
 
 
@@ -39,7 +49,12 @@ def main() -> None:
     ap.add_argument("--vocab-replicated", action="store_true",
                     help="keep the embedding and the head whole on every device (default: split by vocabulary rows)")
     ap.add_argument("--name", default="step", help="result file name")
+    ap.add_argument("--lora", action="store_true", help="8 rows over 8 rank-16 adapters against the base step")
+    ap.add_argument("--num-layers", type=int, default=None, help="--shape: keep only this many of its layers")
     args = ap.parse_args()
+    if args.lora:
+        lora_main(args)
+        return
 
     copy_bw, read_bw = copy_bandwidth(), read_bandwidth()
     # the roofline: a decode step only has to read its bytes (on an accelerator, from its own memory)
@@ -95,6 +110,51 @@ def sweep(args, model, engine_kw: dict, n: int, bandwidth: float) -> list[dict]:
                   f"{(weights + kv) / 1e6:6.0f} MB a device  ({100 * row['fraction_of_roofline']:.0f}% of roofline)")
         del engine
     return rows
+
+
+LORA_ROWS, LORA_RANK = 8, 16
+
+
+def lora_main(args) -> None:
+    """The --lora comparison: interleaved decode steps with and without a distinct adapter per row."""
+    if args.num_layers:
+        from jaxstation.model import shapes
+        shapes.ARCHITECTURES[args.shape] = dataclasses.replace(shapes.ARCHITECTURES[args.shape],
+                                                               num_layers=args.num_layers)
+    max_seq, live = 1024, 512
+    model, engine_kw = bench_model(args, max_seq)
+    shape = dict(lanes=LORA_ROWS, max_seq=max_seq, chunk=32, block=128, wave_widths=(LORA_ROWS,), **engine_kw)
+    base = Engine(model, **shape)
+    lora = Engine(model, **shape, max_loras=LORA_ROWS, max_lora_rank=LORA_RANK)
+    rng, cfg = np.random.default_rng(0), model.cfg
+    shapes_ = lora_shapes(cfg)
+    for slot in range(1, LORA_ROWS + 1):
+        per_layer = {m: (rng.normal(0, d_in ** -0.5, (LORA_RANK, d_in)).astype(np.float32),
+                         rng.normal(0, 0.01, (d_out, LORA_RANK)).astype(np.float32))
+                     for m, (d_in, d_out) in shapes_.items()}
+        lora.write_lora(slot, [slot_arrays(per_layer, shapes_, LORA_RANK)] * cfg.num_layers)
+    for lane in range(LORA_ROWS):
+        lora.begin(lane, [1], SamplingParams(), frozenset(), lora=lane + 1)
+    wave = [DecodeRow(1, live - 1, SamplingParams(), 0)] * LORA_ROWS
+    for engine in (base, lora):  # compile, and one run
+        engine.decode(wave)
+        engine.decode(wave)
+    times: dict[str, list[float]] = {"base": [], "lora": []}
+    for _ in range(args.reps):
+        for name, engine in (("base", base), ("lora", lora)):
+            times[name].append(timed(lambda e=engine: e.decode(wave)))  # decode reads its samples back
+    base_ms, lora_ms = (1e3 * statistics.median(times[k]) for k in ("base", "lora"))
+    pairs = [b / a for a, b in zip(times["base"], times["lora"], strict=True)]
+    result = {"rows": LORA_ROWS, "rank": LORA_RANK, "live": live, "layers": cfg.num_layers,
+              "base_ms": base_ms, "lora_ms": lora_ms, "ratio": lora_ms / base_ms,
+              "pair_ratio_median": statistics.median(pairs), "base_times_s": times["base"],
+              "lora_times_s": times["lora"], "adapter_bytes": sum(
+                  a.nbytes for layer in layer_list(lora.params) for a in jax.tree_util.tree_leaves(layer.lora)),
+              "weight_bytes": model.params.nbytes}
+    print(f"{model.source} ({args.dtype}, {cfg.num_layers} layers): base {base_ms:.1f} ms, {LORA_ROWS} adapters "
+          f"{lora_ms:.1f} ms: {result['ratio']:.3f}x (pairwise median {result['pair_ratio_median']:.3f}x)")
+    path = write_result(args.name, {"config": vars(args), "model": str(model.source), "dtype": args.dtype, **result})
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 from starlette.applications import Starlette
 
 from jaxstation.anthropic.routes import anthropic_endpoints
+from jaxstation.openai.lora_routes import lora_endpoints
 from jaxstation.openai.responses import responses_endpoints
 from jaxstation.openai.routes import openai_endpoints
 from jaxstation.serving.coldstart import StartupClock
@@ -16,9 +17,11 @@ from jaxstation.serving.station import EngineFactory, Station
 
 
 def create_app(station: Station) -> Starlette:
-    """The Starlette app for `station`. Its lifespan starts the station and drains it on shutdown."""
+    """The Starlette app for `station`. Its lifespan starts the station and drains it on shutdown. The runtime LoRA
+    routes exist only with --allow-runtime-lora."""
+    lora = lora_endpoints(station) if station.config.allow_runtime_lora else []
     return station_app(station, station_endpoints(station) + openai_endpoints(station)
-                       + responses_endpoints(station) + anthropic_endpoints(station))
+                       + responses_endpoints(station) + anthropic_endpoints(station) + lora)
 
 
 def station_and_app(config: StationConfig, engine_factory: EngineFactory | None = None) -> tuple[Starlette, Station]:

@@ -156,7 +156,8 @@ class FakeEngine:
             return self.prefill_budget
         return max(self.decode_turn_rows, decode_rows + 1)
 
-    def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int]) -> None:
+    def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int],
+              lora: int = 0) -> None:
         self._begun[lane] = tuple(prompt)
 
     def reuse_floor(self, lane: int) -> int:

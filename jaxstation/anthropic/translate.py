@@ -71,10 +71,10 @@ def messages(req: a.MessagesInput) -> list[dict]:
 def chat_request(req: a.MessagesInput) -> ChatRequest:
     """The station's chat request of a Messages request (or of a count_tokens one, without sampling)."""
     choice = req.tool_choice
-    sampling = Sampling(cap=True)
+    sampling = Sampling(cap=True, model=req.model)
     if isinstance(req, a.MessagesRequest):
         sampling = Sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                            stops=tuple(req.stop_sequences or ()), stream=bool(req.stream), cap=True)
+                            stops=tuple(req.stop_sequences or ()), stream=bool(req.stream), cap=True, model=req.model)
     if req.output_config is not None and req.output_config.format is not None:
         schema = req.output_config.format.schema_ or {"type": "object"}
         sampling = dataclasses.replace(sampling, formats=(ConstraintSpec("json", schema, "output_config.format"),))

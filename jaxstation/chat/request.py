@@ -104,6 +104,7 @@ class Sampling:
     skip_special: bool = True
     speculate: bool = True
     cap: bool = False  # a max_tokens past the context left is cut to it (as agents' APIs do) rather than refused
+    model: str | None = None  # the model the request names: a LoRA adapter's name selects it (docs/lora.md)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +151,7 @@ class RunRequest:
     prompt_opens: bool = False  # the rendered prompt ends with the thinking's opening tag
     context_ends: tuple[bool, ...] = ()  # per prompt, with cap: max_tokens was cut to the context left
     names: Mapping[str, str] = dataclasses.field(default_factory=dict)  # internal field -> the face's
+    model: str | None = None  # the model the request names: a LoRA adapter's name selects it (docs/lora.md)
 
     def param(self, name: str) -> str:
         return self.names.get(name, name)
@@ -228,7 +230,7 @@ def plan_run(prompts: list[list[int]], s: Sampling, chat: bool, max_request_toke
                       include_usage=s.include_usage, continuous_usage=s.continuous_usage,
                       include_stop=s.include_stop, skip_special=s.skip_special, echo_texts=echo_texts,
                       constraint=request_constraint(s.formats, tools, on_device), tools=tools,
-                      speculate=s.speculate, context_ends=tuple(context_ends), names=names)
+                      speculate=s.speculate, context_ends=tuple(context_ends), names=names, model=s.model)
 
 
 def tool_plan(req: ChatRequest) -> ToolPlan | None:

@@ -107,6 +107,7 @@ class Run:
                           prompt_logprobs=req.echo_texts is not None and req.logprobs is not None,
                           reuse_prefix=self.station.config.reuse_prefix(False), on_token=self._on_token(index),
                           constraint=self.constraint.copy() if self.constraint else None, speculate=req.speculate)
+                self.station.use_adapter(job, req.model)  # an adapter's name runs it; any other name, the base
                 detok = IncrementalDetokenizer(self.tok, skip_special_tokens=req.skip_special)
                 tool = ToolStream(req.tools) if req.tools else None
                 reasoning = ReasoningStream(req.reasoning, req.prompt_opens) if req.reasoning else None

@@ -46,6 +46,7 @@ from jaxstation.engine.rows import (
 )
 from jaxstation.engine.steps import prefill_chunk, step_rows
 from jaxstation.kernels import host_memory
+from jaxstation.model.layers import with_lora, write_adapter
 from jaxstation.model.loader import LoadedModel
 from jaxstation.model.sharding import mesh_of
 
@@ -81,12 +82,14 @@ class Engine:
     def __init__(self, model: LoadedModel, lanes: int, max_seq: int, chunk: int, block: int,
                  attention: str = "blocked", wave_widths: Sequence[int] | None = None,
                  prefill_budget: int | None = 0, speculative: bool = False, kv_windows: str = "ring",
-                 kv_dtype: str = "auto") -> None:
+                 kv_dtype: str = "auto", max_loras: int = 0, max_lora_rank: int = 16) -> None:
         """wave_widths: the decode wave widths (default: `layout.default_wave_widths`). prefill_budget: rows per
         packed admission step (`pack`; 0: prompts enter one `prefill` chunk at a time; None:
         `layout.default_prefill_budget`). speculative: verify drafted tokens (`verify`; where waves may run narrow).
         kv_windows: "ring" keeps only a windowed layer's window (engine/arena.py), "full" every position.
         kv_dtype: the arena's dtype (`arena.KV_DTYPES`; the decode attention kernel reads float32 only).
+        max_loras, max_lora_rank: the LoRA adapters resident at once and their highest rank (model/lora.py): slots
+        1..max_loras of stacks allocated here, slot 0 the base; 0 serves none and the steps carry no adapters.
         A station passes its plan's (serving/plan.py), resolved by the same rules."""
         if max_seq % chunk or max_seq % block:
             raise ValueError(f"max_seq ({max_seq}) must be a multiple of the prefill chunk ({chunk}) "
@@ -109,6 +112,10 @@ class Engine:
         self.pack_widths = pack_widths(budget) if budget else ()
         if jax.default_backend() == "cpu":
             host_memory.keep_freed_memory()  # a step's temporary buffer is not paged in afresh every call
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        if max_loras:
+            model = dataclasses.replace(model, params=with_lora(model.cfg, model.params, max_loras + 1, max_lora_rank))
+        self.lane_lora = np.zeros(lanes, np.int32)  # each lane's LoRA slot, set by `begin`
         self.model = model
         self.cfg = model.cfg
         self.lanes, self.max_seq, self.chunk, self.block = lanes, max_seq, chunk, block
@@ -146,10 +153,15 @@ class Engine:
             at = [p for q, p in zip(lanes, positions, strict=True) if q == lane]
             self.ring_hold.wrote(lane, min(at), max(at))
 
-    def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int]) -> None:
-        """A request takes `lane`: before its first prefill chunk (at 0 or on a reused prefix), write the lane's token
-        state from its whole prompt, its stop ids (held back by min_tokens), its logit bias and allowed tokens. A
-        request without token controls never reads that state: nothing runs."""
+    def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int],
+              lora: int = 0) -> None:
+        """A request takes `lane`: before its first prefill chunk (at 0 or on a reused prefix), set the lane's LoRA
+        slot (`lora`, 0 for the base) and write the lane's token state from its whole prompt, its stop ids (held back
+        by min_tokens), its logit bias and allowed tokens. A request without token controls never reads that state:
+        nothing runs for it."""
+        if not 0 <= lora <= self.max_loras:
+            raise ValueError(f"LoRA slot {lora} is outside [0, {self.max_loras}]")
+        self.lane_lora[lane] = lora
         if not sampling.controls:
             return
         vocab = self.cfg.vocab_size
@@ -195,7 +207,7 @@ class Engine:
         self.arena, out, logits, rows = prefill_chunk(
             self.cfg, self.params, self.arena, np.int32(lane), np.int32(start), tokens, np.int32(len(piece)),
             sampling_arrays([(sampling, 0)]), targets, penalty_arrays([(sampling, 0)], self.cfg.vocab_size, [mask]),
-            block=self.block, last=last, return_logits=True, prompt_logprobs=scored)
+            self._adapters(lane), block=self.block, last=last, return_logits=True, prompt_logprobs=scored)
         logits = logits if return_logits else None
         return (read_samples(out)[0] if last else None), logits, (read_samples(rows)[:len(following)] if scored else [])
 
@@ -229,8 +241,8 @@ class Engine:
         self.arena, out, logits = step_rows(
             self.cfg, self.params, self.arena, positions, tokens, n_blocks, sampling_arrays(per_row),
             None if full else np.array(order, np.int32),
-            penalty_arrays(per_row, self.cfg.vocab_size, [r.mask if r else None for r in wave]), block=self.block,
-            attention=self.attention, return_logits=True)
+            penalty_arrays(per_row, self.cfg.vocab_size, [r.mask if r else None for r in wave]),
+            adapters=self._adapters(order), block=self.block, attention=self.attention, return_logits=True)
         logits = logits if return_logits else None
         samples: list[Sample | None] = [None] * self.lanes
         for lane, sample, r in zip(order, read_samples(out), wave, strict=True):
@@ -263,7 +275,8 @@ class Engine:
             np.int32(max(r.position for _, r in steps) // self.block + 1), sampling_arrays(per_row),
             np.array([lane for lane, _ in steps] + [0] * pad, np.int32),
             penalty_arrays(per_row, self.cfg.vocab_size, [r.mask for _, r in steps] + [None] * pad),
-            block=self.block, attention=self.attention, return_logits=True)
+            adapters=self._adapters([lane for lane, _ in steps] + [0] * pad), block=self.block,
+            attention=self.attention, return_logits=True)
         samples: list[list[Sample] | None] = [None] * self.lanes
         for (lane, _), sample in zip(steps, read_samples(out), strict=False):
             samples[lane] = (samples[lane] or []) + [sample]
@@ -309,12 +322,24 @@ class Engine:
             np.array(packed.tokens + [0] * pad, np.int32), np.int32(max(packed.positions) // self.block + 1),
             sampling_arrays(per_slot), np.array(packed.lanes + [0] * pad, np.int32),
             penalty_arrays(per_slot, self.cfg.vocab_size, [s.mask for s in packed.sampled] + idle),
-            np.array([s.row for s in packed.sampled] + [0] * len(idle), np.int32), block=self.block,
-            attention=self.attention)
+            np.array([s.row for s in packed.sampled] + [0] * len(idle), np.int32),
+            self._adapters(packed.lanes + [0] * pad), block=self.block, attention=self.attention)
         samples: list[Sample | None] = [None] * self.lanes
         for s, sample in zip(packed.sampled, read_samples(out), strict=False):
             samples[s.lane] = sample
         return samples
+
+    def _adapters(self, lanes: int | Sequence[int]) -> np.ndarray | None:
+        """The LoRA slot of each of `lanes` (rows of a step; one lane for a prefill chunk), or None where the engine
+        serves no adapters (the steps then carry none)."""
+        return self.lane_lora[np.asarray(lanes, np.int32)] if self.max_loras else None
+
+    def write_lora(self, slot: int, layers: list[dict]) -> None:
+        """Put an adapter into LoRA slot `slot` (1..max_loras): `layers` as `lora.slot_arrays` gives them per layer.
+        The params are swapped as one reference, so a step already running keeps the weights it started with."""
+        if not 1 <= slot <= self.max_loras:
+            raise ValueError(f"LoRA slot {slot} is outside [1, {self.max_loras}]")
+        self.model = dataclasses.replace(self.model, params=write_adapter(self.params, slot, layers))
 
     def turn_rows(self, decode_rows: int) -> int:
         """The most rows of a packed turn that carries `decode_rows` decode rows: the widest packed step whose warm-up
@@ -389,13 +414,14 @@ class Engine:
 
 
 def generate(engine: Engine, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
-             stop_ids: frozenset[int] = frozenset(), lane: int = 0) -> list[int]:
-    """Run one request alone on `lane`: chunked prefill, then decode until a stop id or max_new_tokens.
+             stop_ids: frozenset[int] = frozenset(), lane: int = 0, lora: int = 0) -> list[int]:
+    """Run one request alone on `lane` (with LoRA slot `lora`): chunked prefill, then decode until a stop id or
+    max_new_tokens.
 
     The stop token is not included. Used by the CLI and as the serial reference in tests. An engine that packs feeds
     the prompt in packed steps of its whole budget, as a station does for a request that runs alone.
     """
-    engine.begin(lane, prompt, sampling, stop_ids)
+    engine.begin(lane, prompt, sampling, stop_ids, lora)
     sample = None
     step = engine.prefill_budget or engine.chunk
     for start in range(0, len(prompt), step):

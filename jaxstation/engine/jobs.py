@@ -63,6 +63,8 @@ class Job:
     cached_tokens: int = 0
     constraint: Constraint | None = None
     speculate: bool = True  # may draft tokens where the station speculates (the tokens are the same either way)
+    lora: int = 0  # the LoRA slot its rows read (engine/engine.py); 0: the base model
+    lora_load: int = 0  # which load of an adapter that slot holds: prefix reuse keys on it (0: the base model)
 
 
 @dataclasses.dataclass(frozen=True)

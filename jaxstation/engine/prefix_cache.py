@@ -10,7 +10,8 @@ a fresh run, and its tokens are bit-identical to a fresh run's.
 
 The cache is host bookkeeping only: per lane, the token ids prefill wrote and the engine's `lane_versions` stamp
 taken when the lane was freed. A stamp that changed since (another caller wrote the lane, or `Engine.reset` rebuilt
-the arena) voids the entry, so a rebuilt or overwritten lane is never reused.
+the arena) voids the entry, so a rebuilt or overwritten lane is never reused. An entry also names the LoRA adapter
+its KV was computed with: only a request with the same adapter (the same load of it) reuses it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class _Entry:
     version: int  # the lane's Engine.lane_versions stamp when it was freed
     last_used: int  # a logical clock: larger is more recent
     floor: int = 0  # the lowest restart above 0 whose window the lane's rings hold (`RingHold.floor`)
+    adapter: int = 0  # the LoRA adapter load whose weights wrote the KV (`Job.lora_load`; 0: the base model)
 
 
 class LaneVersions:
@@ -113,11 +115,12 @@ class PrefixCache:
         self._clock = 0
 
     def pick(self, prompt: Sequence[int], free: Sequence[int], versions: Sequence[int] | LaneVersions,
-             reuse: bool = True) -> Pick:
+             reuse: bool = True, adapter: int = 0) -> Pick:
         """Choose a lane among `free` for `prompt`. `versions` are the engine's current lane stamps.
 
         The last prompt token is always prefilled (its logits give the first token), so at most len(prompt) - 1
-        tokens match. With reuse off, the choice is the least recently used lane and nothing is reused.
+        tokens match, and only on a lane whose KV was written with the request's LoRA `adapter` load. With reuse off,
+        the choice is the least recently used lane and nothing is reused.
         """
         if not free:
             raise ValueError("no free lane to pick")
@@ -127,7 +130,8 @@ class PrefixCache:
             entry = self._entries[lane]
             if entry is not None and entry.version != versions[lane]:
                 entry = self._entries[lane] = None  # the lane's KV changed under us
-            matched = min(common_prefix(entry.tokens, prompt), len(prompt) - 1) if reuse and entry else 0
+            same = reuse and entry is not None and entry.adapter == adapter
+            matched = min(common_prefix(entry.tokens, prompt), len(prompt) - 1) if same else 0
             reused = matched // self.chunk * self.chunk
             reused = reused if entry is None or reused >= entry.floor else 0  # the rings lost the window before it
             key = (-reused, entry.last_used if entry else -1, lane)
@@ -139,11 +143,11 @@ class PrefixCache:
         """The lane now runs a request: its cached entry no longer describes it."""
         self._entries[lane] = None
 
-    def store(self, lane: int, tokens: Sequence[int], version: int, floor: int = 0) -> None:
-        """The lane was freed holding prefill-written KV for `tokens` (positions [0, len(tokens))), reusable from a
-        restart at `floor` or above (`RingHold.floor`)."""
+    def store(self, lane: int, tokens: Sequence[int], version: int, floor: int = 0, adapter: int = 0) -> None:
+        """The lane was freed holding prefill-written KV for `tokens` (positions [0, len(tokens))) with LoRA adapter
+        load `adapter`, reusable from a restart at `floor` or above (`RingHold.floor`)."""
         self._clock += 1
-        self._entries[lane] = _Entry(tuple(tokens), version, self._clock, floor) if tokens else None
+        self._entries[lane] = _Entry(tuple(tokens), version, self._clock, floor, adapter) if tokens else None
 
     def clear(self) -> int:
         """Drop every entry (the arena was rebuilt, or a client asked); returns how many there were."""

@@ -28,8 +28,10 @@ class Runner(Protocol):
     verify_rows: int  # the most rows a `verify` step holds; 0 or 1: it does not speculate
     wave_widths: tuple[int, ...]  # the decode wave widths, the lanes last
 
-    def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int]) -> None:
-        """A request takes `lane` (called before its first prefill chunk): set the lane's per-request token state."""
+    def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int],
+              lora: int = 0) -> None:
+        """A request takes `lane` (called before its first prefill chunk): set the lane's per-request token state and
+        its LoRA slot (0: the base model)."""
 
     def prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
                 return_logits: bool = False, mask: np.ndarray | None = None) -> tuple[Sample | None, Any]:

@@ -99,6 +99,11 @@ class Scheduler:
         with self.cond:
             return sum(lane is not None for lane in self.lanes)
 
+    def lora_slots(self) -> set[int]:
+        """The LoRA slots that queued and running jobs read."""
+        with self.cond:
+            return {job.lora for job in self.pending} | {lane.job.lora for lane in self.lanes if lane is not None}
+
     @property
     def accepting(self) -> bool:
         """Whether `submit` takes new jobs (False once `drain` starts)."""
@@ -224,7 +229,8 @@ class Scheduler:
                 break
             job = self.pending.popleft()
             reuse = job.reuse_prefix and not job.prompt_logprobs
-            pick = self.prefix_cache.pick(job.tokens, free, self.engine.lane_versions, reuse=reuse)
+            pick = self.prefix_cache.pick(job.tokens, free, self.engine.lane_versions, reuse=reuse,
+                                          adapter=job.lora_load)
             self.prefix_cache.take(pick.lane)
             if reuse:
                 self.metrics.count_prefix_lookup(pick.matched, pick.reused)
@@ -313,7 +319,7 @@ class Scheduler:
         """Before a job's first prefill chunk or piece: the engine sets up its lane's token state."""
         lane = self.lanes[i]
         if lane.fed == lane.job.cached_tokens:
-            self.engine.begin(i, lane.job.tokens, lane.job.sampling, lane.job.stop_ids)
+            self.engine.begin(i, lane.job.tokens, lane.job.sampling, lane.job.stop_ids, lane.job.lora)
 
     def _prefill_chunk(self, i: int, mask: np.ndarray | None) -> None:
         """Prefill lane i's next chunk; the last one samples the first token (or, for a scored prompt on a packing
@@ -417,7 +423,7 @@ class Scheduler:
         if i in self.prefill_order:
             self.prefill_order.remove(i)
         kept = [] if lane.job.prompt_logprobs else lane.job.tokens[:lane.fed]
-        self.prefix_cache.store(i, kept, self.engine.lane_versions[i], self.engine.reuse_floor(i))
+        self.prefix_cache.store(i, kept, self.engine.lane_versions[i], self.engine.reuse_floor(i), lane.job.lora_load)
         return lane
 
     def _fail_job(self, job: Job, error: Exception, outcome: str = "error") -> None:

@@ -43,25 +43,26 @@ from jaxstation.model.layers import (
 
 
 def run_layers(cfg: ModelConfig, params: Params, arena: KVArena, x: jax.Array, positions: jax.Array,
-               lanes: jax.Array, n_blocks: jax.Array, block: int, *, attention: str = "blocked"
-               ) -> tuple[jax.Array, KVArena]:
+               lanes: jax.Array, n_blocks: jax.Array, block: int, adapters: jax.Array | None = None, *,
+               attention: str = "blocked") -> tuple[jax.Array, KVArena]:
     """Run every layer over rows of arena `lanes`: write their k/v at `positions`, attend, MLP.
 
     x: [rows, Q, d]; positions: [rows, Q] int32 (consecutive within a row); lanes: [rows] int32 (one lane for a
     prefill chunk). attention: the decode waves' attention (`attention.attend`). Each layer writes to and reads
-    from its kind's buffer (`KVArena.layer`: the full one, or a windowed layer's ring).
+    from its kind's buffer (`KVArena.layer`: the full one, or a windowed layer's ring). adapters: [rows] int32, each
+    row's LoRA slot (model/lora.py), or None where the station serves no adapters.
     """
     rots = rotary(cfg, positions)
 
     def body(i, layer, carry):
         x, arena = carry
-        q, k, v = qkv_proj(cfg, layer, x, rotary_at(cfg, rots, i))  # [rows, Q, heads|kvh, hd]
+        q, k, v = qkv_proj(cfg, layer, x, rotary_at(cfg, rots, i), adapters)  # [rows, Q, heads|kvh, hd]
         # k and v are computed whole before they are written: fused into the arena's scatter, XLA 0.11+ on CPU
         # computes them differently at different wave widths (a row's bits changed between 1 and 4 rows)
         k, v = jax.lax.optimization_barrier((k, v))
         kv = arena.layer(i).write(lanes, positions, k, v)
         o = attend(cfg, attention, q, positions, kv, i, lanes, n_blocks, block)
-        return mlp_block(cfg, layer, attn_out(cfg, layer, x, o)), arena.with_layer(i, kv)
+        return mlp_block(cfg, layer, attn_out(cfg, layer, x, o, adapters), adapters), arena.with_layer(i, kv)
 
     return over_layers(params, body, (x, arena))
 
@@ -78,7 +79,8 @@ def choose(logits: jax.Array, sampling: SamplingArrays, arena: KVArena, lanes: j
 @partial(jax.jit, static_argnames=("cfg", "block", "attention", "return_logits"), donate_argnames=("arena",))
 def step_rows(cfg: ModelConfig, params: Params, arena: KVArena, positions: jax.Array, tokens: jax.Array,
               n_blocks: jax.Array, sampling: SamplingArrays, lanes: jax.Array | None = None,
-              penalties: PenaltyArrays | None = None, picks: jax.Array | None = None, *, block: int,
+              penalties: PenaltyArrays | None = None, picks: jax.Array | None = None,
+              adapters: jax.Array | None = None, *, block: int,
               attention: str = "blocked", return_logits: bool = False
               ) -> tuple[KVArena, SampleOut, jax.Array | None]:
     """Feed one token per row into its lane with one read of the weights: a decode wave, or a packed step.
@@ -91,6 +93,7 @@ def step_rows(cfg: ModelConfig, params: Params, arena: KVArena, positions: jax.A
     picks: [slots] int32, the rows to sample from (default: every row). With picks, rows of one lane may share the
     step at consecutive positions (a packed admission step: prompt pieces of several lanes, and decode rows): every
     row writes its k/v before any row attends, and each attends only to its lane's positions up to its own.
+    adapters: [rows] int32, each row's LoRA slot, or None where the station serves no adapters.
     """
     rows = tokens.shape[0]
     if lanes is None:
@@ -98,7 +101,8 @@ def step_rows(cfg: ModelConfig, params: Params, arena: KVArena, positions: jax.A
     elif attention not in ("blocked", "kernel"):
         raise ValueError(f"attention={attention!r} runs full-width waves only")
     x = embed_tokens(cfg, params, tokens)[:, None, :]  # [rows, 1, d]
-    x, arena = run_layers(cfg, params, arena, x, positions[:, None], lanes, n_blocks, block, attention=attention)
+    x, arena = run_layers(cfg, params, arena, x, positions[:, None], lanes, n_blocks, block, adapters,
+                          attention=attention)
     h = x[:, 0] if picks is None else x[picks, 0]  # [slots, d]
     logits = lm_logits(cfg, params, h)  # [slots, vocab]
     out, arena = choose(logits, sampling, arena, lanes if picks is None else lanes[picks], penalties)
@@ -109,7 +113,8 @@ def step_rows(cfg: ModelConfig, params: Params, arena: KVArena, positions: jax.A
          donate_argnames=("arena",))
 def prefill_chunk(cfg: ModelConfig, params: Params, arena: KVArena, lane: jax.Array, start: jax.Array,
                   tokens: jax.Array, n_valid: jax.Array, sampling: SamplingArrays, targets: jax.Array | None = None,
-                  penalties: PenaltyArrays | None = None, *, block: int, last: bool, return_logits: bool = False,
+                  penalties: PenaltyArrays | None = None, adapter: jax.Array | None = None, *, block: int, last: bool,
+                  return_logits: bool = False,
                   prompt_logprobs: bool = False
                   ) -> tuple[KVArena, SampleOut | None, jax.Array | None, SampleOut | None]:
     """Write one chunk of a lane's prompt into the arena: tokens [chunk] at positions [start, start + chunk).
@@ -118,13 +123,15 @@ def prefill_chunk(cfg: ModelConfig, params: Params, arena: KVArena, lane: jax.Ar
     With `last`, also sample from the logits of the last valid row (sampling and penalty arrays have one row).
     With `prompt_logprobs`, also score every row: the log-softmax log-probability of targets [chunk] (the next prompt
     token of each row; the host ignores rows that have none) and the top TOP_LOGPROBS tokens. The [chunk, vocab]
-    logits stay on the device; only [chunk] and [chunk, TOP_LOGPROBS] arrays come back.
+    logits stay on the device; only [chunk] and [chunk, TOP_LOGPROBS] arrays come back. adapter: the lane's LoRA
+    slot (int32), or None where the station serves no adapters.
     """
     chunk = tokens.shape[0]
     positions = (start + jnp.arange(chunk, dtype=jnp.int32))[None]  # [1, chunk]
     n_blocks = (start + n_valid + block - 1) // block
     x = embed_tokens(cfg, params, tokens)[None]  # [1, chunk, d]
-    x, arena = run_layers(cfg, params, arena, x, positions, jnp.reshape(lane, (1,)), n_blocks, block)
+    x, arena = run_layers(cfg, params, arena, x, positions, jnp.reshape(lane, (1,)), n_blocks, block,
+                          None if adapter is None else jnp.reshape(adapter, (1,)))
     scored = None
     if prompt_logprobs:
         logprobs = log_softmax(lm_logits(cfg, params, x[0]))  # [chunk, vocab], never leaves

@@ -13,14 +13,17 @@ import jax
 import jax.numpy as jnp
 
 
-def row_sum(x: jax.Array) -> jax.Array:
-    """Sum over the last axis by pairwise halves (an odd length gains a zero): [..., n] -> [...]."""
-    while x.shape[-1] > 1:
-        if x.shape[-1] % 2:
-            x = jnp.concatenate([x, jnp.zeros((*x.shape[:-1], 1), x.dtype)], axis=-1)
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x[..., 0]
+def row_sum(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Sum over `axis` (a negative index) by pairwise halves (an odd length gains a zero): [..., n] -> [...]. Over
+    an axis before the last, each add is a whole vector of the axes after it."""
+    while x.shape[axis] > 1:
+        if x.shape[axis] % 2:
+            pad = list(x.shape)
+            pad[axis] = 1
+            x = jnp.concatenate([x, jnp.zeros(pad, x.dtype)], axis=axis)
+        half = x.shape[axis] // 2
+        x = jax.lax.slice_in_dim(x, 0, half, axis=axis) + jax.lax.slice_in_dim(x, half, 2 * half, axis=axis)
+    return jnp.squeeze(x, axis)
 
 
 def log_softmax(x: jax.Array) -> jax.Array:

@@ -104,10 +104,11 @@ class MeshEngine:
                    block=config.kv_block, recover_s=config.mesh_recover_s, pipeline=config.mesh_pipeline)
 
     # ---- the Runner interface ---------------------------------------------------------------------------------
-    def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int]) -> None:
-        """Nothing to set: a mesh host serves no token controls."""
-        if sampling.controls:
-            raise ValueError("a mesh host applies no penalties, logit_bias or min_tokens")
+    def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int],
+              lora: int = 0) -> None:
+        """Nothing to set: a mesh host serves no token controls and no LoRA adapters."""
+        if sampling.controls or lora:
+            raise ValueError("a mesh host applies no penalties, logit_bias, min_tokens or LoRA adapters")
 
     def prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
                 return_logits: bool = False, mask: np.ndarray | None = None) -> tuple[Sample | None, np.ndarray | None]:

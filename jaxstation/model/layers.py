@@ -29,6 +29,7 @@ import numpy as np
 from jaxstation.kernels import cpu_kernel
 from jaxstation.kernels.rowwise import row_sum
 from jaxstation.model.config import NO_WINDOW, ModelConfig
+from jaxstation.model.lora import LoraLayer, LoraProj, add_delta, empty_layer, part_shapes, write_slot
 from jaxstation.model.quant import (
     GGUF_WEIGHTS,
     MATMULS,
@@ -55,7 +56,7 @@ Carry = TypeVar("Carry")
 
 @partial(jax.tree_util.register_dataclass, data_fields=[
     "attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down", "bqkv", "q_norm", "k_norm", "post_attn_norm",
-    "post_mlp_norm"], meta_fields=["shards"])
+    "post_mlp_norm", "lora"], meta_fields=["shards"])
 @dataclasses.dataclass(frozen=True)
 class LayerParams:
     """One layer's weights ("unroll"), or every layer's stacked on a leading axis ("scan"). The optional ones are
@@ -74,6 +75,7 @@ class LayerParams:
     post_attn_norm: jax.Array | None = None  # [d]
     post_mlp_norm: jax.Array | None = None  # [d]
     shards: int = 1  # the devices wqkv and w_gate_up are laid out for (`sharding.shard_major`)
+    lora: LoraLayer | None = None  # the resident LoRA adapters' stacks (model/lora.py), where a station serves them
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["embed", "layers", "final_norm", "lm_head"], meta_fields=[])
@@ -98,8 +100,7 @@ class Params:
         """Every matmul runs on the CPU kernel, whose rows do not depend on how many rows a call has: a wave may then
         run narrower than the arena without changing any row's bits (XLA's dot computes one row differently)."""
         heads = [self.embed if self.lm_head is None else self.lm_head]
-        layers = self.layers if isinstance(self.layers, tuple) else (self.layers,)
-        projections = [w for layer in layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+        projections = [w for layer in layer_list(self) for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
         return all(on_kernel(w) for w in heads + projections)
 
     @property
@@ -268,10 +269,22 @@ def rope(x: jax.Array, rot: Rotary) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
-def qkv_proj(cfg: ModelConfig, layer: LayerParams, x: jax.Array, rot: Rotary):
-    """Norm, fused q/k/v projection and RoPE. x: [..., T, d] -> q [..., T, heads, hd], k/v [..., T, kv_heads, hd]."""
+def project(x: jax.Array, w: Weight, lora: LoraProj | None, adapters: jax.Array | None) -> jax.Array:
+    """x @ w, plus each row's LoRA delta where the layer has adapters and the step gives each row's slot
+    (adapters: [rows] int32 over x's leading axis)."""
+    y = matmul(x, w)
+    return y if lora is None or adapters is None else add_delta(y, lora, x, adapters)
+
+
+def _lora(layer: LayerParams, name: str) -> LoraProj | None:
+    return None if layer.lora is None else getattr(layer.lora, name)
+
+
+def qkv_proj(cfg: ModelConfig, layer: LayerParams, x: jax.Array, rot: Rotary, adapters: jax.Array | None = None):
+    """Norm, fused q/k/v projection and RoPE. x: [..., T, d] -> q [..., T, heads, hd], k/v [..., T, kv_heads, hd].
+    adapters: each row's LoRA slot ([rows] over x's leading axis), or None."""
     h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps, beside=layer.wqkv)
-    qkv = matmul(h, layer.wqkv)
+    qkv = project(h, layer.wqkv, _lora(layer, "wqkv"), adapters)
     if layer.bqkv is not None:
         qkv = qkv + layer.bqkv
     lead = x.shape[:-1]
@@ -284,18 +297,20 @@ def qkv_proj(cfg: ModelConfig, layer: LayerParams, x: jax.Array, rot: Rotary):
     return rope(q, rot), rope(k, rot), v
 
 
-def attn_out(cfg: ModelConfig, layer: LayerParams, x: jax.Array, o: jax.Array) -> jax.Array:
+def attn_out(cfg: ModelConfig, layer: LayerParams, x: jax.Array, o: jax.Array, adapters: jax.Array | None = None
+             ) -> jax.Array:
     """The residual after attention: x + o @ wo (normed first with sandwich norms). o: [..., heads * head_dim]."""
-    return x + _post_norm(cfg, matmul(o, layer.wo), layer.post_attn_norm, layer.wo)
+    return x + _post_norm(cfg, project(o, layer.wo, _lora(layer, "wo"), adapters), layer.post_attn_norm, layer.wo)
 
 
-def mlp_block(cfg: ModelConfig, layer: LayerParams, x: jax.Array) -> jax.Array:
+def mlp_block(cfg: ModelConfig, layer: LayerParams, x: jax.Array, adapters: jax.Array | None = None) -> jax.Array:
     """Residual gated MLP: x + down(act(gate) * up), SwiGLU or GeGLU (tanh GELU)."""
     h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps, beside=layer.w_gate_up)
-    gate_up = matmul(h, layer.w_gate_up)
+    gate_up = project(h, layer.w_gate_up, _lora(layer, "w_gate_up"), adapters)
     gate, up = split_fused(gate_up, fused_sizes(cfg, "w_gate_up"), layer.shards)
     act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-    return x + _post_norm(cfg, matmul(act * up, layer.w_down), layer.post_mlp_norm, layer.w_down)
+    down = project(act * up, layer.w_down, _lora(layer, "w_down"), adapters)
+    return x + _post_norm(cfg, down, layer.post_mlp_norm, layer.w_down)
 
 
 def _post_norm(cfg: ModelConfig, y: jax.Array, weight: jax.Array | None, fed_by: Weight) -> jax.Array:
@@ -336,3 +351,37 @@ def forward_full(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Arr
         return mlp_block(cfg, layer, attn_out(cfg, layer, x, o))
 
     return lm_logits(cfg, params, over_layers(params, body, embed_tokens(cfg, params, tokens)))
+
+
+def lora_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Each checkpoint projection's (in, out), as a LoRA adapter's A and B must fit it."""
+    return part_shapes(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim,
+                       cfg.num_kv_heads * cfg.head_dim)
+
+
+def with_lora(cfg: ModelConfig, params: Params, slots: int, rank: int) -> Params:
+    """The params with zeroed LoRA stacks of `slots` slots of rank `rank` on every layer (model/lora.py)."""
+    if any(layer.shards > 1 for layer in layer_list(params)):
+        raise ValueError("LoRA adapters need weights on one device: a station split over several serves none")
+    empty = empty_layer(lora_shapes(cfg), slots, rank)
+    if isinstance(params.layers, tuple):
+        return dataclasses.replace(params, layers=tuple(dataclasses.replace(layer, lora=empty)
+                                                        for layer in params.layers))
+    stacked = jax.tree_util.tree_map(lambda a: jnp.zeros((cfg.num_layers, *a.shape), a.dtype), empty)
+    return dataclasses.replace(params, layers=dataclasses.replace(params.layers, lora=stacked))
+
+
+def write_adapter(params: Params, slot: int, layers: list[dict]) -> Params:
+    """The params with LoRA slot `slot` holding `layers` (one `lora.slot_arrays` per layer)."""
+    if isinstance(params.layers, tuple):
+        return dataclasses.replace(params, layers=tuple(
+            dataclasses.replace(layer, lora=write_slot(layer.lora, np.int32(slot), arrays))
+            for layer, arrays in zip(params.layers, layers, strict=True)))
+    stacked = jax.tree_util.tree_map(lambda *a: np.stack(a), *layers)
+    lora = write_slot(params.layers.lora, np.int32(slot), stacked)
+    return dataclasses.replace(params, layers=dataclasses.replace(params.layers, lora=lora))
+
+
+def layer_list(params: Params) -> tuple[LayerParams, ...]:
+    """Each layer's weights ("unroll"), or the one stacked pytree ("scan")."""
+    return params.layers if isinstance(params.layers, tuple) else (params.layers,)

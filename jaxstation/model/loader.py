@@ -207,11 +207,11 @@ def _gguf_name(key: tuple[int | None, str]) -> str:
     return f"blk.{layer}." + next(n for n, s in _GGUF_LAYER_NAMES.items() if s == slot)
 
 
-def _unpermute_rope(w: Tensor, n_heads: int) -> Tensor:
+def unpermute_rope(w: Tensor, n_heads: int) -> Tensor:
     """llama.cpp stores a `llama` model's q/k rows interleaved for its pairwise RoPE (other architectures keep HF's
     order and rotate halves); restore HF's rotate-half row order (of a dense matrix, or of the rows of its blocks)."""
     if isinstance(w, GGUFBlocks):
-        return dataclasses.replace(w, data=_unpermute_rope(w.data, n_heads))
+        return dataclasses.replace(w, data=unpermute_rope(w.data, n_heads))
     half = w.shape[0] // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -290,7 +290,7 @@ def load_gguf(path: Path, dtype: str = "float32", reader: GGUFFile | None = None
             except Exception as e:
                 raise CheckpointError(f"cannot dequantize tensor {t.name!r} ({qtype.name}) in {path}: {e}") from e
         if interleaved and key[1] in ("q", "k") and arr.shape == _expected_shapes(cfg)[key[1]]:
-            arr = _unpermute_rope(arr, cfg.num_heads if key[1] == "q" else cfg.num_kv_heads)
+            arr = unpermute_rope(arr, cfg.num_heads if key[1] == "q" else cfg.num_kv_heads)
         tensors[key] = arr
     return _assemble(cfg, tensors, names, dtype, layer_loop, str(path), matmul, shards)
 

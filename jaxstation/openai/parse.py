@@ -70,7 +70,8 @@ def _sampling(req: SamplingFields, logprobs: int | None, max_tokens: int | None)
                     logprobs=logprobs, stream=bool(req.stream), include_usage=bool(options and options.include_usage),
                     continuous_usage=bool(options and options.continuous_usage_stats),
                     include_stop=bool(req.include_stop_str_in_output),
-                    skip_special=req.skip_special_tokens is not False, speculate=req.speculative is not False)
+                    skip_special=req.skip_special_tokens is not False, speculate=req.speculative is not False,
+                    model=req.model)
 
 
 def parse_completion(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: int, eos_ids: frozenset[int],

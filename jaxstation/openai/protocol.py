@@ -339,6 +339,8 @@ class ModelCard(Reply):
     created: int
     owned_by: str
     max_model_len: int
+    root: str | None = Field(None, description="a LoRA adapter's path")
+    parent: str | None = Field(None, description="a LoRA adapter's base model")
 
 
 class ModelList(Reply):

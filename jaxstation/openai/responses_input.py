@@ -72,7 +72,7 @@ def chat_request(req: r.ResponsesRequest, history: list[dict]) -> ChatRequest:
     choice = req.tool_choice
     sampling = Sampling(max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
                         formats=_format(req.text.format) if req.text is not None else (), stream=bool(req.stream),
-                        cap=True)
+                        cap=True, model=req.model)
     effort = req.reasoning.effort if req.reasoning is not None else None
     return ChatRequest(
         messages=system + history + turns(req.input), sampling=sampling,

@@ -109,10 +109,12 @@ class OpenAIRoutes:
         return await self.completions(request, chat=False)
 
     async def models(self, request: Request) -> Response:
-        now = int(time.time())
-        cards = [p.ModelCard(id=name, object="model", created=now, owned_by="jaxstation",
-                             max_model_len=self.station.config.max_request_tokens)
+        now, limit = int(time.time()), self.station.config.max_request_tokens
+        cards = [p.ModelCard(id=name, object="model", created=now, owned_by="jaxstation", max_model_len=limit)
                  for name in served_model_names(self.station)]
+        adapters = self.station.adapters.residents() if self.station.adapters else []
+        cards += [p.ModelCard(id=a.name, object="model", created=now, owned_by="jaxstation", max_model_len=limit,
+                              root=a.path, parent=served_model_name(self.station)) for a in adapters]
         return JSONResponse(wire(p.ModelList(object="list", data=cards)))
 
     async def tokenize(self, request: Request) -> Response:

@@ -18,7 +18,8 @@ from starlette.routing import Route
 
 _REF = "#/components/schemas/{model}"
 _STATUS_TEXT = {400: "Bad request: the error names the field", 401: "A missing or wrong API key",
-                404: "No such resource", 413: "The body is over the size limit",
+                404: "No such resource", 409: "A conflict: a name already taken, or no room left",
+                413: "The body is over the size limit",
                 422: "A field is invalid: the error names it",
                 500: "A step failed", 502: "A mesh station stayed down",
                 503: "Not ready, draining, or the queue is full"}

@@ -50,6 +50,7 @@ class Plan:
     speculative: str = "off"  # off, ngram or draft: drafts verified in one step (--speculative)
     tensor_parallel: int = 1  # the devices the model is split over (--tensor-parallel)
     int_dot: str | None = None  # dtype gguf: the integer dot's instruction set (avx512-vnni, avx512, avx-vnni, avx2)
+    max_loras: int = 0  # LoRA adapters resident at once (--max-loras); 0 serves none
 
     def __str__(self) -> str:
         widths = ",".join(map(str, self.wave_widths))
@@ -57,7 +58,8 @@ class Plan:
         return (f"backend {self.backend}, dtype {dtype}, matmul {self.matmul}, layer_loop {self.layer_loop}, "
                 f"attention {self.attention}, wave_widths {widths}, prefill_budget {self.prefill_budget or 'off'}, "
                 f"speculative {self.speculative}"
-                + (f", tensor_parallel {self.tensor_parallel}" if self.tensor_parallel > 1 else ""))
+                + (f", tensor_parallel {self.tensor_parallel}" if self.tensor_parallel > 1 else "")
+                + (f", max_loras {self.max_loras}" if self.max_loras else ""))
 
 
 def resolve_plan(config: StationConfig, cfg: ModelConfig) -> Plan:
@@ -82,7 +84,12 @@ def resolve_plan(config: StationConfig, cfg: ModelConfig) -> Plan:
                           f"need every matmul on the CPU kernel and its attention (here: matmul {matmul}, attention "
                           f"{attention}, backend {backend}); a verify row's independence of its place in the step is "
                           "checked on the CPU kernels only")
-    return Plan(backend, dtype, matmul, layer_loop, attention, widths, budget, config.speculative, shards, int_dot)
+    loras = config.lora_slots
+    if loras and shards > 1:
+        raise ConfigError(f"{config.named('max_loras')}={loras}: LoRA adapters need the model on one device, and "
+                          f"{config.named('tensor_parallel')}={shards}")
+    return Plan(backend, dtype, matmul, layer_loop, attention, widths, budget, config.speculative, shards, int_dot,
+                loras)
 
 
 def _tensor_parallel(config: StationConfig, cfg: ModelConfig) -> int:
@@ -258,4 +265,5 @@ def planned_engine(model: LoadedModel, config: StationConfig, plan: Plan) -> Eng
     """The local engine of a station of `config` on `model`, as `plan` says."""
     return Engine(model, lanes=config.lanes, max_seq=config.max_seq, chunk=config.prefill_chunk, block=config.kv_block,
                   attention=plan.attention, wave_widths=plan.wave_widths, prefill_budget=plan.prefill_budget,
-                  speculative=plan.speculative != "off", kv_windows=config.kv_windows, kv_dtype=config.kv_dtype)
+                  speculative=plan.speculative != "off", kv_windows=config.kv_windows, kv_dtype=config.kv_dtype,
+                  max_loras=plan.max_loras, max_lora_rank=config.max_lora_rank)

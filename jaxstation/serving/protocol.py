@@ -145,6 +145,8 @@ class GenerateRequest(Strict, TokenControls):
                                                          "schema, a regex, a choice or a grammar")
     speculative: bool = Field(True, description="false: never draft tokens for this request where the station "
                                                 "speculates (its tokens are the same either way)")
+    lora: str | None = Field(None, description="the name of a loaded LoRA adapter to run with (docs/lora.md); an "
+                                               "unknown name is a 404")
 
 
 class GenerateTiming(BaseModel):
@@ -172,6 +174,20 @@ class ReadyResponse(BaseModel):
 
 class ResetPrefixCacheResponse(BaseModel):
     cleared: int = Field(description="cached prefixes dropped")
+
+
+class LoadLoraAdapterRequest(Strict):
+    lora_name: str = Field(min_length=1, description="the name requests give in `model`")
+    lora_path: str = Field(min_length=1, description="a PEFT directory or a GGUF LoRA file on the station's disk")
+
+
+class UnloadLoraAdapterRequest(Strict):
+    lora_name: str = Field(min_length=1)
+
+
+class LoraAdapterResponse(BaseModel):
+    lora_name: str
+    status: Literal["loaded", "unloaded"]
 
 
 class ErrorDetail(BaseModel):

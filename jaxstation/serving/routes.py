@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from jaxstation import __version__
 from jaxstation.engine.jobs import Job, Result
 from jaxstation.serving.access_log import AccessLogMiddleware
-from jaxstation.serving.errors import OPENAI_PATHS, error_response
+from jaxstation.serving.errors import OPENAI_PATHS, ApiError, error_response
 from jaxstation.serving.http_common import read_json, until_disconnect
 from jaxstation.serving.openapi import Endpoint, openapi_endpoint, routes
 from jaxstation.serving.outcomes import OUTCOMES, STATION_INVALID, Disconnected, check_ready, failure, wait_for
@@ -93,6 +93,10 @@ def station_endpoints(station: Station) -> list[Endpoint]:
         body = await read_json(request, station.config.max_body_bytes)
         job, spec = parse_generate(body, station.model.cfg.vocab_size, station.config.max_request_tokens,
                                    station.eos_ids, station.config.reuse_prefix, station.engine.token_controls)
+        if (name := body.get("lora")) is not None and not station.use_adapter(job, name):
+            loaded = [r.name for r in station.adapters.residents()] if station.adapters else []
+            raise ApiError(404, f"lora {name!r} is not a loaded adapter (loaded: {', '.join(loaded) or 'none'})",
+                           "lora")
         if spec is not None:
             job.constraint = await asyncio.to_thread(station.compile_constraint, spec)
         return job, scheduler.submit(job)
@@ -148,7 +152,7 @@ def station_endpoints(station: Station) -> list[Endpoint]:
 
     return [
         Endpoint("/generate", "POST", generate, "Token ids in, generated token ids out", GenerateResponse,
-                 ErrorResponse, request=GenerateRequest, statuses=(400, 413, 422, 500, 503)),
+                 ErrorResponse, request=GenerateRequest, statuses=(400, 404, 413, 422, 500, 503)),
         Endpoint("/health", "GET", health, "Whether the process is up (200 while loading)", HealthResponse,
                  ErrorResponse, statuses=(), ok_statuses=(200, 503)),
         Endpoint("/ready", "GET", ready, "Whether the station can serve (503 while loading or draining)",

@@ -74,10 +74,25 @@ def _parse_names(name: str, value: str) -> tuple[str, ...]:
     return names
 
 
+def _parse_lora_modules(name: str, value: str) -> tuple[tuple[str, str], ...]:
+    """name=path pairs, separated by commas or spaces (a flag given several values joins them)."""
+    pairs = []
+    for item in value.replace(",", " ").split():
+        adapter, sep, path = item.partition("=")
+        if not (sep and adapter and path):
+            raise ConfigError(f"{name}={value!r}: {item!r} must be name=path")
+        pairs.append((adapter, path))
+    names = [n for n, _ in pairs]
+    if len(set(names)) < len(names):
+        raise ConfigError(f"{name}={value!r} names an adapter twice")
+    return tuple(pairs)
+
+
 COMMANDS = ("serve", "station", "host")
 _ALL = frozenset(COMMANDS)
 _FRONT = frozenset({"serve", "host"})  # the commands that serve the API: a station or a mesh host
 _MESH = frozenset({"station", "host"})
+_SERVE = frozenset({"serve"})  # one station process, on one device (LoRA adapters)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +181,18 @@ SETTINGS: tuple[_Setting, ...] = (
              commands=frozenset({"serve"})),
     _Setting("draft_tokens", "MOONSHINE_DRAFT_TOKENS", "--draft-tokens", _parse_int,
              "speculative decoding: the most tokens a request drafts a step", commands=frozenset({"serve"})),
+    _Setting("lora_modules", "MOONSHINE_LORA_MODULES", "--lora-modules", _parse_lora_modules,
+             "LoRA adapters served beside the model, as name=path (a PEFT directory or a GGUF LoRA file), several "
+             "separated by spaces or commas; a request names one in `model` (docs/lora.md)",
+             commands=_SERVE),
+    _Setting("max_loras", "MOONSHINE_MAX_LORAS", "--max-loras", _parse_int,
+             "LoRA adapters resident at once (default: the --lora-modules given, at least 1 with "
+             "--allow-runtime-lora)", commands=_SERVE),
+    _Setting("max_lora_rank", "MOONSHINE_MAX_LORA_RANK", "--max-lora-rank", _parse_int,
+             "the highest LoRA rank a station holds (adapters above it are refused)", commands=_SERVE),
+    _Setting("allow_runtime_lora", "MOONSHINE_ALLOW_RUNTIME_LORA", "--allow-runtime-lora", parse_bool,
+             "POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off: both answer 404)",
+             commands=_SERVE),
     _Setting("max_queue", "MOONSHINE_MAX_QUEUE", "--max-queue", _parse_int,
              "jobs waiting for a lane before new ones get 503", commands=_FRONT),
     _Setting("drain_s", "MOONSHINE_DRAIN_S", "--drain-s", _parse_float,
@@ -255,6 +282,10 @@ class StationConfig:
     speculative: str = "off"
     draft_model: str | None = None  # speculative=draft: the draft model's checkpoint
     draft_tokens: int = 3
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) of each adapter loaded at start-up
+    max_loras: int | None = None  # None: as many as lora_modules, at least 1 with allow_runtime_lora
+    max_lora_rank: int = 16
+    allow_runtime_lora: bool = False
     max_queue: int = 64
     drain_s: float = 30.0
     max_body_bytes: int = 1 * MiB
@@ -295,6 +326,12 @@ class StationConfig:
         if (self.speculative == "draft") != (self.draft_model is not None):
             raise ConfigError(f"{self.named('speculative')}=draft and {self.named('draft_model')} go together (here: "
                               f"{self.speculative} and {self.draft_model or 'no draft model'})")
+        if self.max_lora_rank < 1 or (self.max_loras is not None and self.max_loras < 0):
+            raise ConfigError(f"{self.named('max_lora_rank')}={self.max_lora_rank} must be >= 1 and "
+                              f"{self.named('max_loras')}={self.max_loras} >= 0")
+        if self.max_loras is not None and len(self.lora_modules) > self.max_loras:
+            raise ConfigError(f"{self.named('lora_modules')} names {len(self.lora_modules)} adapters, more than "
+                              f"{self.named('max_loras')}={self.max_loras} resident at once")
         if self.responses_store_age_s <= 0:
             raise ConfigError(f"{self.named('responses_store_age_s')}={self.responses_store_age_s} must be > 0")
         if self.prefix_reuse not in PREFIX_REUSE:
@@ -391,6 +428,13 @@ class StationConfig:
         return self.model is None or str(self.model).endswith(".gguf")
 
     @property
+    def lora_slots(self) -> int:
+        """The LoRA adapters a station holds at once (`max_loras`, or its default)."""
+        if self.max_loras is not None:
+            return self.max_loras
+        return max(len(self.lora_modules), 1) if self.allow_runtime_lora else len(self.lora_modules)
+
+    @property
     def max_request_tokens(self) -> int:
         """The most prompt + max_new_tokens one request may ask for (the last generated token is never fed)."""
         return self.max_seq
@@ -414,6 +458,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
             parser.add_argument(s.flag, dest=s.field, type=int, default=None, help=help_)
         elif s.parse is _parse_float:
             parser.add_argument(s.flag, dest=s.field, type=float, default=None, help=help_)
+        elif s.parse is _parse_lora_modules:
+            parser.add_argument(s.flag, dest=s.field, nargs="+", default=None, help=help_)
         else:
             parser.add_argument(s.flag, dest=s.field, default=None, help=help_)
 
@@ -430,6 +476,7 @@ def resolve(args: argparse.Namespace | None = None, env: Mapping[str, str] | Non
             continue
         flag_value = getattr(args, s.field, None) if args is not None else None
         if flag_value is not None:  # argparse typed the numbers and booleans; the rest is parsed here
+            flag_value = " ".join(flag_value) if isinstance(flag_value, list) else flag_value
             values[s.field] = s.parse(s.flag, flag_value) if isinstance(flag_value, str) else flag_value
             sources[s.field] = s.flag
         elif s.env and env.get(s.env, "").strip():

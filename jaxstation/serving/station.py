@@ -18,10 +18,13 @@ import jax
 
 from jaxstation.engine.constraints import Constraint, ConstraintError, ConstraintSpec, Grammars
 from jaxstation.engine.draft import DraftModel
+from jaxstation.engine.jobs import Job
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.runner import Runner
 from jaxstation.engine.scheduler import Scheduler
 from jaxstation.model.loader import CheckpointError, LoadedModel
+from jaxstation.model.lora_files import AdapterError
+from jaxstation.serving.adapters import Adapters
 from jaxstation.serving.coldstart import CompileCount, StartupClock, enable_compile_cache
 from jaxstation.serving.draft import load_draft, speculation
 from jaxstation.serving.memory import arena_summary, check_memory
@@ -56,6 +59,7 @@ class Station:
         self._engine_factory = engine_factory or local_engine
         self.scheduler: Scheduler | None = None
         self.grammars: Grammars | None = None  # compiles structured-output constraints, once the model is loaded
+        self.adapters: Adapters | None = None  # the LoRA adapters by name, where the plan holds any (--max-loras)
         self.ready = threading.Event()
         self.load_error: str | None = None
         self.on_load_failed: Callable[[], None] | None = None
@@ -89,6 +93,14 @@ class Station:
                     c.chat_template))
             with clock.phase("arena_alloc"):
                 self.engine = self._engine_factory(self.model, c, self.plan)
+            if self.plan.max_loras:
+                with clock.phase("lora_load"):
+                    self.adapters = Adapters(self.engine, self._lora_in_use)
+                    for name, path in c.lora_modules:
+                        try:
+                            log.info("LoRA adapter %s: slot %d", name, self.adapters.load(name, path).slot)
+                        except AdapterError as e:
+                            raise AdapterError(f"{c.named('lora_modules')} {name}={path}: {e}") from None
             draft = None
             if self.plan.speculative == "draft":
                 with clock.phase("draft_load"):
@@ -116,6 +128,17 @@ class Station:
             log.info("ready: %d lanes x %d positions, continuous=%s", c.lanes, c.max_seq, c.continuous)
         except Exception as e:
             start_failed(self, e)
+
+    def _lora_in_use(self) -> set[int]:
+        return self.scheduler.lora_slots() if self.scheduler is not None else set()
+
+    def use_adapter(self, job: Job, name: str | None) -> bool:
+        """Point `job` at the LoRA adapter called `name`, if one is loaded; False (the job runs on the base model)
+        otherwise."""
+        resident = self.adapters.get(name) if self.adapters is not None else None
+        if resident is not None:
+            job.lora, job.lora_load = resident.slot, resident.load
+        return resident is not None
 
     def compile_constraint(self, spec: ConstraintSpec) -> Constraint:
         """A request's constraint, compiled (blocking: call it off the event loop). Raises ConstraintError."""
