@@ -5,40 +5,34 @@ Futures. The one decode thread is the only caller of the engine. Each turn it fi
 `schedule()`s: retires cancelled or early-finished lanes, picks the prompt work (below) and the decode rows of every
 lane past its prompt. It runs them, then `postprocess()`es the samples: a token joins its request, which retires on a
 stop id, `terminal_prosody`, `max_new_tokens`, `finish_early` (a host matched a stop string) or cancellation, and its
-Future is answered. A job generates at least `sampling.min_tokens` tokens before a stop id or `terminal_prosody` ends
-it. A constrained job (engine/constraints.py) gets its mask before each step that samples for it, and its grammar
-takes each token after. With no live lane and nothing pending the thread waits on the condition variable.
+Future is answered (after at least `sampling.min_tokens` tokens). A constrained job (engine/constraints.py) gets its
+mask before each step that samples for it, and its grammar takes each token after. Idle, the thread waits on `cond`.
 
 Who owns what (docs/design.md has the map). `cond`, a re-entrant lock, guards `pending`, `_accepting`, `_stop`,
 `_prefix_resets`, each job's `cancelled` and `stop_requested`, and `lanes` (written by the decode thread under it).
-The decode thread alone owns the engine, the prefix cache, `prefill_order` and each `Lane`'s progress. Other threads
-never touch that state: `cancel` (which also drops a queued job) and `finish_early` set a flag under `cond`;
-`reset_prefix_cache` queues a Future that the decode thread answers between two turns; `drain` stops the queue and
-waits on `cond`. Futures are answered by `jobs.answer`, which leaves one its caller cancelled as it is.
+The decode thread alone owns the engine, the prefix cache, `prefill_order` and each `Lane`'s progress; other threads
+set flags under `cond` (`cancel`, which also drops a queued job, and `finish_early`), queue a Future it answers between
+turns (`reset_prefix_cache`) or wait on `cond` (`drain`). `jobs.answer` leaves a Future its caller cancelled as is.
 
-Backpressure. The queue holds at most `max_queue` jobs; `submit` past that raises QueueFull (the server answers 503
-with Retry-After) instead of letting latency grow without bound. Once `drain` starts, `submit` raises ShuttingDown.
+Backpressure. `submit` past `max_queue` queued jobs raises QueueFull (a 503 with Retry-After); once `drain` starts,
+ShuttingDown.
 
-Prefix reuse (engine/prefix_cache.py). `_fill` gives a job the free lane with the longest reusable prefix and starts
-its prefill at the last chunk boundary at or below the match, so its tokens equal a fresh run's.
-
-Speculation (engine/speculative.py, engine/draft.py). Where the engine verifies drafts (`verify_rows` > 1) and a turn
-admits no prompt pieces, decode rows carry drafts (`draft_rows`: prompt lookup's or a draft model's) and run as one
-`verify` step; each row's accepted tokens go through `postprocess` one by one, as plain decoding's would.
+Prefix reuse (engine/prefix_cache.py): `_fill` gives a job the free lane with the longest reusable prefix (of its
+adapter) and starts its prefill at the last chunk boundary at or below the match, so its tokens equal a fresh run's.
+Speculation (engine/speculative.py, engine/draft.py): where the engine verifies drafts and a turn admits no prompt
+pieces, decode rows carry drafts and run as one `verify` step; each row's accepted tokens go through `postprocess`.
 
 Admission (engine/turns.py). On an engine that packs, a turn's prompt work is pieces of every prefilling lane's
 prompt, run with the decode rows as one packed step (`Engine.pack`); a turn without pieces runs a decode wave.
-Otherwise a turn prefills at most one chunk (the oldest prefilling lane's next one), then runs the decode wave. A job
-that scores its prompt is always prefilled one chunk per turn.
+Otherwise (and for a job that scores its prompt) a turn prefills at most one chunk, the oldest prefilling lane's next,
+then runs the decode wave. Serialize-all (continuous=False) admits a job only when no lane is busy.
 
-Serialize-all (continuous=False). The same loop admits a job only when no lane is busy, through the same shapes.
+Invariance. The steps come from a fixed set of shapes and never mix rows (narrow waves only where a row computes
+alike at every width), and each request samples with its own seed and counter: a job's tokens never depend on its
+lane, on what runs beside it, or on the mode.
 
-Invariance. The steps come from a fixed set of shapes and never mix rows (a narrow wave is one only where a row
-computes alike at every width: the CPU kernels), and each request samples with its own seed and counter, so a job's
-tokens are the same whichever lane it gets, whatever runs beside it, and in either mode.
-
-Failure. A step that raises fails every job in a lane with StepFailed, rebuilds the arena, drops every cached prefix
-and goes on.
+Failure: a step that raises fails every job in a lane (StepFailed), rebuilds the arena, drops every cached prefix and
+goes on. LoRA (docs/lora.md): a job carries its adapter's slot; `lora_slots` says which slots jobs still read.
 """
 
 from __future__ import annotations

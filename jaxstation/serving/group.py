@@ -52,7 +52,9 @@ HEARTBEAT_S = 1.0  # each end says it is alive this often
 LOST_S = 10.0  # a peer silent this long is lost
 CONNECT_S = 300.0  # how long the leader waits for every follower to connect (they load and compile first)
 CALLS = ("begin", "prefill", "prefill_scored", "decode", "verify", "pack", "reset")  # what runs a step
-LOCAL = ("turn_rows", "reuse_floor", "warmup_steps", "warmup")  # run no step for a request (each warms up alone)
+# run no step for a request: each process warms up alone, and LoRA adapters (written by write_lora) are refused on a
+# model split over devices, so a group never holds one
+LOCAL = ("turn_rows", "reuse_floor", "warmup_steps", "warmup", "write_lora")
 _ROWS = {t.__name__: t for t in (DecodeRow, SamplingParams, PromptPiece)}  # what a step call may build
 
 
