@@ -820,6 +820,7 @@ struct IntSmall {
   static constexpr int64_t kBlock = 32, kBytes = kBytesT;
   static constexpr int kBias = kBiasT, kQh = kQhT, kQs = kQsT;
   static constexpr bool kMin = kMinT, kScaled = false, kSigned = false;
+  static constexpr bool kTiles = kQhT < 0 && kBytesT != 34;  // Q4_0, Q4_1: decoded a tile's block at a time
 };
 
 struct IntQ4_0 : IntSmall<18, 8, false, -1, 2> {  // d, 16 bytes of nibbles
@@ -856,9 +857,9 @@ struct IntQ8_0 : IntSmall<34, kVnni ? 128 : 0, false, -1, 2> {  // d, 32 int8: w
 };
 
 #if defined(__AVX512F__)
-// The 4- and 5-bit 32-column formats, a tile's block at a time: each block read across the tile's 16 rows and put in
-// the Layout's vectors in registers (the same codes the channel decoders write). Q8_0's bytes are as fast through the
-// channel decoder.
+// Q4_0 and Q4_1, a tile's block at a time: each block read across the tile's 16 rows and put in the Layout's vectors
+// in registers (the same codes the channel decoders write). Q8_0's bytes and Q5's fifth bits measured faster through
+// the channel decoders.
 constexpr bool kTileDecode = true;
 
 // 16 rows' 16 bytes (row h at p + h * stride; rows from `valid` on read as zeros) as 4 vectors, vector k lane h: row
@@ -912,15 +913,6 @@ void DecodeTileBlock(const uint8_t* w, int64_t row_len, int valid, int64_t blk, 
   uint8_t* codes = c.codes.data() + blk * 8 * kIntCh * 4;
   const IVec low = _mm512_set1_epi8(0x0F);
   for (int k = 0; k < 4; ++k) q[4 + k] = _mm512_and_si512(_mm512_srli_epi16(q[k], 4), low), q[k] = _mm512_and_si512(q[k], low);
-  if constexpr (F::kQh >= 0) {  // bit c of qh: column c's fifth bit, 0x10 in its byte
-    const IVec qh = RowDword(b + F::kQh, row_len, valid);
-    for (int j = 0; j < 8; ++j) {
-      const IVec bits = _mm512_and_si512(_mm512_srli_epi32(qh, 4 * j), _mm512_set1_epi32(0xF));
-      const IVec spread = _mm512_and_si512(_mm512_mullo_epi32(bits, _mm512_set1_epi32(0x00204081)),
-                                           _mm512_set1_epi32(0x01010101));
-      q[j] = _mm512_or_si512(q[j], _mm512_slli_epi32(spread, 4));
-    }
-  }
   for (int j = 0; j < 8; ++j) IStore(codes + j * 64, q[j]);
 }
 #else
@@ -934,7 +926,7 @@ template <int kBytesT, int kBiasT, bool kMinT>
 struct IntK {
   static constexpr int64_t kBlock = 256, kBytes = kBytesT;
   static constexpr int kBias = kBiasT;
-  static constexpr bool kMin = kMinT, kScaled = true, kSigned = false;
+  static constexpr bool kMin = kMinT, kScaled = true, kSigned = false, kTiles = false;
 };
 
 // Q4_K and Q5_K's 6-bit scales and mins of group j (d * sc * q - dmin * mn): the minimum's coefficient is -dmin.
@@ -1035,7 +1027,7 @@ void IntChannels(const IntActs& a, const uint8_t* w, int64_t row_len, float* y, 
       std::fill(c.m.begin(), c.m.end(), 0.0f), std::fill(c.scales.begin(), c.scales.end(), 0);
       std::fill(c.mins.begin(), c.mins.end(), 0);
     }
-    if constexpr (kTileDecode && F::kBlock == 32 && F::kBytes != 34) {
+    if constexpr (kTileDecode && F::kTiles) {
       const uint8_t* tile = w + n * row_len;
       for (int64_t b = 0; b < a.K / 32; ++b) {
         for (int h = 0; h < kIntCh && n + kIntCh + h < n_end; ++h)  // the same block of the next tile's rows
