@@ -813,41 +813,39 @@ inline __m256i FifthBits(const uint8_t* p) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
 }
 
-// The 32-column formats: one block a group. kBias: the code's offset; kMin: a float minimum per block (half-float
-// after d); kQh, kQs: where the fifth bits and the codes begin (kQh -1: none; Q8_0: 32 bytes of codes, else nibbles).
-template <int kBytesT, int kBiasT, bool kMinT, int kQhT, int kQsT>
+// The 32-column formats: one block a group. kBias: the code's offset; kMin: a float minimum per block.
+template <int kBytesT, int kBiasT, bool kMinT>
 struct IntSmall {
   static constexpr int64_t kBlock = 32, kBytes = kBytesT;
-  static constexpr int kBias = kBiasT, kQh = kQhT, kQs = kQsT;
+  static constexpr int kBias = kBiasT;
   static constexpr bool kMin = kMinT, kScaled = false, kSigned = false;
-  static constexpr bool kTiles = kQhT < 0 && kBytesT != 34;  // Q4_0, Q4_1: decoded a tile's block at a time
 };
 
-struct IntQ4_0 : IntSmall<18, 8, false, -1, 2> {  // d, 16 bytes of nibbles
+struct IntQ4_0 : IntSmall<18, 8, false> {  // d, 16 bytes of nibbles
   static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
     c.D(blk) = HalfToFloat(b);
     Store32(c.Codes(blk), Nibbles(b + 2));
   }
 };
-struct IntQ4_1 : IntSmall<20, 0, true, -1, 4> {  // d, m, 16 bytes of nibbles
+struct IntQ4_1 : IntSmall<20, 0, true> {  // d, m, 16 bytes of nibbles
   static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
     c.D(blk) = HalfToFloat(b), c.M(blk) = HalfToFloat(b + 2);
     Store32(c.Codes(blk), Nibbles(b + 4));
   }
 };
-struct IntQ5_0 : IntSmall<22, 16, false, 2, 6> {  // d, qh[4], 16 bytes of nibbles
+struct IntQ5_0 : IntSmall<22, 16, false> {  // d, qh[4], 16 bytes of nibbles
   static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
     c.D(blk) = HalfToFloat(b);
     Store32(c.Codes(blk), _mm256_or_si256(Nibbles(b + 6), FifthBits(b + 2)));
   }
 };
-struct IntQ5_1 : IntSmall<24, 0, true, 4, 8> {  // d, m, qh[4], 16 bytes of nibbles
+struct IntQ5_1 : IntSmall<24, 0, true> {  // d, m, qh[4], 16 bytes of nibbles
   static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
     c.D(blk) = HalfToFloat(b), c.M(blk) = HalfToFloat(b + 2);
     Store32(c.Codes(blk), _mm256_or_si256(Nibbles(b + 8), FifthBits(b + 4)));
   }
 };
-struct IntQ8_0 : IntSmall<34, kVnni ? 128 : 0, false, -1, 2> {  // d, 32 int8: with VNNI as unsigned codes q + 128
+struct IntQ8_0 : IntSmall<34, kVnni ? 128 : 0, false> {  // d, 32 int8: with VNNI as unsigned codes q + 128
   static constexpr bool kSigned = !kVnni;
   static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
     c.D(blk) = HalfToFloat(b);
@@ -856,77 +854,12 @@ struct IntQ8_0 : IntSmall<34, kVnni ? 128 : 0, false, -1, 2> {  // d, 32 int8: w
   }
 };
 
-#if defined(__AVX512F__)
-// Q4_0 and Q4_1, a tile's block at a time: each block read across the tile's 16 rows and put in the Layout's vectors
-// in registers (the same codes the channel decoders write). Q8_0's bytes and Q5's fifth bits measured faster through
-// the channel decoders.
-constexpr bool kTileDecode = true;
-
-// 16 rows' 16 bytes (row h at p + h * stride; rows from `valid` on read as zeros) as 4 vectors, vector k lane h: row
-// h's dword k. Two rounds of two-source permutes: 4 rows x 4 dwords a vector, then 8 x 2, then 16 x 1.
-inline void RowBytes16(const uint8_t* p, int64_t stride, int valid, IVec* out) {
-  struct Index {
-    IVec v[2][2];
-    Index() {
-      alignas(64) int32_t idx[16];
-      for (int h = 0; h < 2; ++h) {
-        for (int l = 0; l < 16; ++l) idx[l] = (l / 2 / 4) * 16 + (l / 2 % 4) * 4 + 2 * h + l % 2;
-        v[0][h] = _mm512_load_si512(idx);
-        for (int l = 0; l < 16; ++l) idx[l] = (l / 8) * 16 + (l % 8) * 2 + h;
-        v[1][h] = _mm512_load_si512(idx);
-      }
-    }
-  };
-  static const Index index;
-  const auto row = [&](int h) {
-    return h < valid ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + h * stride)) : _mm_setzero_si128();
-  };
-  IVec a[4], b[4];
-  for (int q = 0; q < 4; ++q)
-    a[q] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(row(4 * q)),
-                                                                    row(4 * q + 1), 1), row(4 * q + 2), 2),
-                              row(4 * q + 3), 3);
-  for (int q = 0; q < 2; ++q)  // b[2q + h]: rows 8q.., dwords 2h, 2h + 1
-    for (int h = 0; h < 2; ++h) b[2 * q + h] = _mm512_permutex2var_epi32(a[2 * q], index.v[0][h], a[2 * q + 1]);
-  for (int k = 0; k < 4; ++k) out[k] = _mm512_permutex2var_epi32(b[k / 2], index.v[1][k % 2], b[2 + k / 2]);
-}
-
-// Lane h: the dword at p + h * stride (rows from `valid` on: 0). Scalar loads: a gather is slow on CPUs with the
-// gather data sampling mitigation.
-inline IVec RowDword(const uint8_t* p, int64_t stride, int valid) {
-  alignas(64) int32_t v[kIntCh] = {};
-  for (int h = 0; h < valid; ++h) std::memcpy(v + h, p + h * stride, 4);
-  return _mm512_load_si512(v);
-}
-
-inline Vec HalfLow(IVec v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }  // each lane's low half-float
-
-// Block `blk` of the tile's rows (row h at w + h * row_len) into c: d, m and the 8 code vectors.
-template <typename F>
-void DecodeTileBlock(const uint8_t* w, int64_t row_len, int valid, int64_t blk, IntCodes& c) {
-  const uint8_t* b = w + blk * F::kBytes;
-  const IVec head = RowDword(b, row_len, valid);  // d, and the minimum after it
-  _mm512_storeu_ps(c.d.data() + blk * kIntCh, HalfLow(head));
-  if constexpr (F::kMin) _mm512_storeu_ps(c.m.data() + blk * kIntCh, HalfLow(_mm512_srli_epi32(head, 16)));
-  IVec q[8];
-  RowBytes16(b + F::kQs, row_len, valid, q);
-  uint8_t* codes = c.codes.data() + blk * 8 * kIntCh * 4;
-  const IVec low = _mm512_set1_epi8(0x0F);
-  for (int k = 0; k < 4; ++k) q[4 + k] = _mm512_and_si512(_mm512_srli_epi16(q[k], 4), low), q[k] = _mm512_and_si512(q[k], low);
-  for (int j = 0; j < 8; ++j) IStore(codes + j * 64, q[j]);
-}
-#else
-constexpr bool kTileDecode = false;
-template <typename F>
-void DecodeTileBlock(const uint8_t*, int64_t, int, int64_t, IntCodes&) {}
-#endif
-
 // The K-quants: 256 columns in 8 groups of 32, each with an integer scale (Q6_K: one per 16 columns) in `scales`.
 template <int kBytesT, int kBiasT, bool kMinT>
 struct IntK {
   static constexpr int64_t kBlock = 256, kBytes = kBytesT;
   static constexpr int kBias = kBiasT;
-  static constexpr bool kMin = kMinT, kScaled = true, kSigned = false, kTiles = false;
+  static constexpr bool kMin = kMinT, kScaled = true, kSigned = false;
 };
 
 // Q4_K and Q5_K's 6-bit scales and mins of group j (d * sc * q - dmin * mn): the minimum's coefficient is -dmin.
@@ -1027,27 +960,18 @@ void IntChannels(const IntActs& a, const uint8_t* w, int64_t row_len, float* y, 
       std::fill(c.m.begin(), c.m.end(), 0.0f), std::fill(c.scales.begin(), c.scales.end(), 0);
       std::fill(c.mins.begin(), c.mins.end(), 0);
     }
-    if constexpr (kTileDecode && F::kTiles) {
-      const uint8_t* tile = w + n * row_len;
-      for (int64_t b = 0; b < a.K / 32; ++b) {
-        for (int h = 0; h < kIntCh && n + kIntCh + h < n_end; ++h)  // the same block of the next tile's rows
-          _mm_prefetch(reinterpret_cast<const char*>(tile + (kIntCh + h) * row_len + b * F::kBytes), _MM_HINT_T0);
-        DecodeTileBlock<F>(tile, row_len, int(valid), b, c);
+    for (int h = 0; h < valid; ++h) {
+      const uint8_t* row = w + (n + h) * row_len;
+      IntChannel channel{c, h};
+      for (int64_t b = 0; b < a.K / F::kBlock; ++b) {
+        _mm_prefetch(reinterpret_cast<const char*>(row + b * F::kBytes) + kIntAhead, _MM_HINT_T0);
+        F::Decode(row + b * F::kBytes, b, channel);
       }
-    } else {
-      for (int h = 0; h < valid; ++h) {
-        const uint8_t* row = w + (n + h) * row_len;
-        IntChannel channel{c, h};
-        for (int64_t b = 0; b < a.K / F::kBlock; ++b) {
-          _mm_prefetch(reinterpret_cast<const char*>(row + b * F::kBytes) + kIntAhead, _MM_HINT_T0);
-          F::Decode(row + b * F::kBytes, b, channel);
-        }
-      }
-      for (int64_t group = 0; group < a.K / 32; ++group) {
-        IVec v[8];
-        Interleave(c.raw.data() + group * kIntCh * 32, v);
-        for (int j = 0; j < 8; ++j) IStore(c.codes.data() + (group * 8 + j) * kIntCh * 4, v[j]);
-      }
+    }
+    for (int64_t group = 0; group < a.K / 32; ++group) {
+      IVec v[8];
+      Interleave(c.raw.data() + group * kIntCh * 32, v);
+      for (int j = 0; j < 8; ++j) IStore(c.codes.data() + (group * 8 + j) * kIntCh * 4, v[j]);
     }
     int64_t m = 0;
     for (; m + kIntRows <= M; m += kIntRows) IntTile<F, kIntRows>(a, m, c, y, N, n, valid);
