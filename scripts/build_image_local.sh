@@ -3,8 +3,8 @@
 # a daemon runs), run the container, wait for /ready, send one chat request, then stop it during a long generation and
 # check the exit code and how long the stop took against Cloud Run's 10 s.
 #
-# Where the registry's python image is unreachable, the base is made from Debian packages (debootstrap bookworm, with
-# its Python 3.11) and imported as localhost/jaxstation-base:bookworm. Podman runs with runc, nofile and nproc limits
+# Where the registry's python image is unreachable, the base is made from Debian packages (debootstrap trixie, with
+# its Python 3.13) and imported as localhost/jaxstation-base:trixie. Podman runs with runc, nofile and nproc limits
 # this machine allows (a containers.conf of its own), and this machine's CA bundle mounted into the build for pip, so
 # a build works behind a TLS-inspecting proxy. It needs root (or a docker daemon), the network to PyPI and Debian, and,
 # for the default CUDA image, about 6 GB of disk for the CUDA wheels. Not part of .ci/run.
@@ -34,7 +34,7 @@ case $DEVICE in cuda | cpu) ;; *) echo "--device must be cuda or cpu, got $DEVIC
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 IMAGE=localhost/jaxstation:$DEVICE
 CONTAINER=jaxstation-check-$DEVICE
-LOCAL_BASE=localhost/jaxstation-base:bookworm
+LOCAL_BASE=localhost/jaxstation-base:trixie
 WORK=$(mktemp -d)
 say() { echo "== $*" >&2; }
 fail() { echo "FAILED: $*" >&2; exit 1; }
@@ -82,8 +82,8 @@ elif timeout 60 "$ENGINE" pull -q docker.io/library/python:3.12-slim >/dev/null 
   say "base: python:3.12-slim from the registry"
 else
   command -v debootstrap >/dev/null || fail "the registry is unreachable and debootstrap is not installed"
-  say "the registry is unreachable: making $LOCAL_BASE with debootstrap bookworm"
-  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$WORK/rootfs" \
+  say "the registry is unreachable: making $LOCAL_BASE with debootstrap trixie"
+  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates trixie "$WORK/rootfs" \
     http://deb.debian.org/debian >&2
   rm -rf "$WORK/rootfs/var/cache/apt/archives"/*.deb "$WORK/rootfs/var/lib/apt/lists"/*
   tar -C "$WORK/rootfs" -c . | "$ENGINE" import --change 'CMD ["python3"]' - "$LOCAL_BASE" >&2
