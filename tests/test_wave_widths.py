@@ -9,8 +9,8 @@ from conftest import prefill_all, tiny_model
 from test_batch_invariance import TARGET, run_wave
 
 from jaxstation.engine.engine import Engine
-from jaxstation.engine.layout import default_wave_widths
 from jaxstation.engine.rows import DecodeRow, SamplingParams
+from jaxstation.engine.rules import default_wave_widths
 from jaxstation.model.loader import LoadedModel
 from jaxstation.serving.plan import resolve_plan
 from jaxstation.serving.settings import ConfigError, StationConfig

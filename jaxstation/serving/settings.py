@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from jaxstation.engine.arena import KV_DTYPES, KV_WINDOWS
-from jaxstation.engine.layout import ATTENTIONS, PACK_BUDGET_AUTO
+from jaxstation.engine.rules import ATTENTIONS, PACK_BUDGET_AUTO
 from jaxstation.model.chat_template import read_template
 from jaxstation.model.config import LayerRange
 from jaxstation.model.layers import LAYER_LOOPS, WEIGHT_DTYPES
