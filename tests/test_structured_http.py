@@ -21,7 +21,7 @@ from jaxstation.app import create_app
 from jaxstation.chat.tools import HERMES_PROMPT, ToolPlan, ToolStream, parse_calls
 from jaxstation.model.loader import LoadedModel
 from jaxstation.openai.parse import parse_chat
-from jaxstation.serving.errors import OpenAIError
+from jaxstation.serving.errors import ApiError
 from jaxstation.serving.settings import StationConfig
 from jaxstation.serving.station import Station
 
@@ -331,7 +331,7 @@ def test_no_token_left_is_a_clear_error(live):
 
 def test_a_mesh_host_refuses_constraints(default_model):
     for body in ({"response_format": {"type": "json_object"}}, {"tools": [WEATHER], "tool_choice": "required"}):
-        with pytest.raises(OpenAIError) as e:
+        with pytest.raises(ApiError) as e:
             parse_chat({"messages": ASK, **body}, default_model.tokenizer, 49152, 512, frozenset({2}), False)
         assert e.value.status == 400 and "mesh host" in str(e.value)
 

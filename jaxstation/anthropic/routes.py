@@ -27,7 +27,7 @@ from jaxstation.serving import hosted_tools
 from jaxstation.serving.errors import anthropic_body
 from jaxstation.serving.http_common import read_json
 from jaxstation.serving.openapi import Endpoint
-from jaxstation.serving.outcomes import OPENAI_INVALID, OUTCOMES, Failure, check_ready
+from jaxstation.serving.outcomes import API_INVALID, OUTCOMES, Failure, check_ready
 from jaxstation.serving.routes import rejected
 from jaxstation.serving.station import Station
 
@@ -121,7 +121,7 @@ class MessagesRoutes:
             req = validate(a.MessagesRequest, await self._body(request))
             run = await start_run(station, prepare(station, chat_request(req)))
         except OUTCOMES as e:
-            return rejected(station, request, e, OPENAI_INVALID)
+            return rejected(station, request, e, API_INVALID)
         request.state.token_counts = lambda: (run.counts().prompt, run.counts().generated)
         head = {"id": f"msg_{uuid.uuid4().hex}", "model": served_model_name(station)}
         extra = hosted_tools.headers(hosted_tools.skipped(req.tools))
@@ -135,7 +135,7 @@ class MessagesRoutes:
             req = validate(a.MessagesInput, await self._body(request))
             _, prompt = chat_prompt(chat_request(req), station.model.tokenizer)
         except OUTCOMES as e:
-            return rejected(station, request, e, OPENAI_INVALID)
+            return rejected(station, request, e, API_INVALID)
         return JSONResponse(wire(a.CountTokensReply(input_tokens=len(prompt))))
 
     def endpoints(self) -> list[Endpoint]:

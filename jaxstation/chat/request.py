@@ -3,7 +3,7 @@
 A face validates its own pydantic body and builds a `ChatRequest` (messages as the chat template reads them, tools,
 tool choice, template variables, and the `Sampling` of the run) or, for OpenAI's completions, a `Sampling` and its
 prompts. Here the messages are rendered through the model's template, tokenized, and checked for what no type can say
-(the context, token ids, rules between fields); the result is a `RunRequest`. Every refusal is an `OpenAIError`
+(the context, token ids, rules between fields); the result is a `RunRequest`. Every refusal is an `ApiError`
 naming the field as the face spells it (`names`: `max_tokens` is Responses' `max_output_tokens`, `messages` its
 `input`), rendered in the shape of the route's API by `serving.outcomes`.
 """
@@ -22,19 +22,19 @@ from jaxstation.chat.tools import ToolPlan, template_messages, tool_constraint
 from jaxstation.engine.constraints import ConstraintSpec
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.model.tokenizer import Tokenizer
-from jaxstation.serving.errors import OpenAIError, describe
+from jaxstation.serving.errors import ApiError, describe
 from jaxstation.serving.protocol import NO_TOKEN_STATE, TokenControls, check_allowed, request_field, token_controls
 
 M = TypeVar("M", bound=BaseModel)
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
-def bad(param: str, message: str) -> OpenAIError:
-    return OpenAIError(400, message, param, "invalid_value")
+def bad(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param, "invalid_value")
 
 
-def unsupported(param: str, message: str) -> OpenAIError:
-    return OpenAIError(400, message, param, "unsupported_parameter")
+def unsupported(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param, "unsupported_parameter")
 
 
 def validate(model: type[M], body: Any, refused: Mapping[str, str] | None = None) -> M:

@@ -25,7 +25,7 @@ from jaxstation.chat.request import ChatRequest, RunRequest, plan_chat
 from jaxstation.chat.run import Run, Update
 from jaxstation.model.default_model import DEFAULT_GGUF_NAME
 from jaxstation.serving.http_common import until_disconnect
-from jaxstation.serving.outcomes import OPENAI_INVALID, OUTCOMES, Disconnected, Failure, failure
+from jaxstation.serving.outcomes import API_INVALID, OUTCOMES, Disconnected, Failure, failure
 from jaxstation.serving.station import Station
 
 KEEPALIVE_S = 5.0  # the longest a stream stays silent: a long prompt's prefill must not look like a dead peer
@@ -90,7 +90,7 @@ async def run_whole(run: Run, request: Request) -> Response | None:
         return Response(status_code=499)
     except OUTCOMES as e:
         run.cancel_all()
-        return failure(e, OPENAI_INVALID).response(request.url.path)
+        return failure(e, API_INVALID).response(request.url.path)
     finally:
         gone.cancel()
     return None
@@ -131,7 +131,7 @@ async def stream_events(run: Run, events: Events) -> AsyncIterator[str]:
             yield event
     except OUTCOMES as e:
         run.cancel_all()
-        for event in events.failed(failure(e, OPENAI_INVALID)):
+        for event in events.failed(failure(e, API_INVALID)):
             yield event
     for event in events.last():
         yield event

@@ -1,6 +1,6 @@
 """An OpenAI completions or chat completions body as the station's request: validated against `openai.protocol`,
 then translated into `chat.request`'s types (the chat messages as the template reads them, the sampling), which render,
-tokenize and check what the types cannot. Every refusal is an `OpenAIError` naming the field."""
+tokenize and check what the types cannot. Every refusal is an `ApiError` naming the field."""
 
 from __future__ import annotations
 

@@ -29,10 +29,10 @@ from jaxstation.openai import responses_protocol as r
 from jaxstation.openai.protocol import REFUSED_FIELDS, OpenAIErrorResponse
 from jaxstation.openai.responses_input import ResponseStore, chat_request, output_turn, turns
 from jaxstation.serving import hosted_tools
-from jaxstation.serving.errors import OpenAIError
+from jaxstation.serving.errors import ApiError
 from jaxstation.serving.http_common import read_json
 from jaxstation.serving.openapi import Endpoint
-from jaxstation.serving.outcomes import OPENAI_INVALID, OUTCOMES, Failure, check_ready
+from jaxstation.serving.outcomes import API_INVALID, OUTCOMES, Failure, check_ready
 from jaxstation.serving.routes import rejected
 from jaxstation.serving.station import Station
 
@@ -173,13 +173,13 @@ class ResponsesRoutes:
             if req.previous_response_id is not None:
                 stored = self.store.get(req.previous_response_id)
                 if stored is None:
-                    raise OpenAIError(404, f"no stored response {req.previous_response_id!r} (stored responses "
-                                      "are kept in memory, bounded, and lost on restart)", "previous_response_id",
-                                      "not_found")
+                    raise ApiError(404, f"no stored response {req.previous_response_id!r} (stored responses "
+                                   "are kept in memory, bounded, and lost on restart)", "previous_response_id",
+                                   "not_found")
                 history = stored.conversation
             run = await start_run(station, prepare(station, chat_request(req, history)))
         except OUTCOMES as e:
-            return rejected(station, request, e, OPENAI_INVALID)
+            return rejected(station, request, e, API_INVALID)
         request.state.token_counts = lambda: (run.counts().prompt, run.counts().generated)
         head, extra = self._head(req), hosted_tools.headers(hosted_tools.skipped(req.tools))
         if req.stream:
@@ -206,19 +206,19 @@ class ResponsesRoutes:
         response_id = request.path_params["response_id"]
         stored = self.store.get(response_id)
         if stored is None:
-            raise OpenAIError(404, f"no stored response {response_id!r}", "response_id", "not_found")
+            raise ApiError(404, f"no stored response {response_id!r}", "response_id", "not_found")
         return stored.response
 
     async def retrieve(self, request: Request) -> Response:
         try:
             return JSONResponse(wire(self._stored(request)))
-        except OpenAIError as e:
+        except ApiError as e:
             return e.response()
 
     async def delete(self, request: Request) -> Response:
         try:
             response = self._stored(request)
-        except OpenAIError as e:
+        except ApiError as e:
             return e.response()
         self.store.delete(response.id)
         return JSONResponse(wire(r.DeletedResponse(id=response.id, object="response", deleted=True)))
@@ -226,10 +226,10 @@ class ResponsesRoutes:
     async def cancel(self, request: Request) -> Response:
         try:
             self._stored(request)
-        except OpenAIError as e:
+        except ApiError as e:
             return e.response()
-        return OpenAIError(400, "only background responses can be cancelled, and background is not served",
-                           "response_id", "invalid_value").response()
+        return ApiError(400, "only background responses can be cancelled, and background is not served",
+                        "response_id", "invalid_value").response()
 
     def endpoints(self) -> list[Endpoint]:
         err = OpenAIErrorResponse

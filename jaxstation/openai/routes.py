@@ -39,10 +39,10 @@ from jaxstation.openai.parse import (
     parse_tokenize,
     validate,
 )
-from jaxstation.serving.errors import OpenAIError
+from jaxstation.serving.errors import ApiError
 from jaxstation.serving.http_common import read_json
 from jaxstation.serving.openapi import Endpoint
-from jaxstation.serving.outcomes import OPENAI_INVALID, OUTCOMES, Failure, NotReady, check_ready
+from jaxstation.serving.outcomes import API_INVALID, OUTCOMES, Failure, NotReady, check_ready
 from jaxstation.serving.routes import rejected
 from jaxstation.serving.station import Station
 
@@ -76,7 +76,7 @@ class OpenAIRoutes:
         return self.station.model.tokenizer
 
     def _rejected(self, request: Request, error: Exception) -> Response:
-        return rejected(self.station, request, error, OPENAI_INVALID)
+        return rejected(self.station, request, error, API_INVALID)
 
     async def _start(self, request: Request, chat: bool) -> Run:
         """Parse the body and start its run."""
@@ -218,7 +218,7 @@ class Chunks(Events):
         return [sse(wire(reply(**self.head, object=obj, choices=[], usage=usage(self.run))))]
 
     def failed(self, failed: Failure) -> list[str]:
-        return [sse(OpenAIError(failed.status, failed.message, failed.field, failed.code).body())]
+        return [sse(ApiError(failed.status, failed.message, failed.field, failed.code).body())]
 
     def last(self) -> list[str]:
         return ["data: [DONE]\n\n"]

@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from jaxstation import __version__
 from jaxstation.engine.jobs import Job, Result
 from jaxstation.serving.access_log import AccessLogMiddleware
-from jaxstation.serving.errors import OPENAI_PATHS, ApiError, error_response
+from jaxstation.serving.errors import OPENAI_PATHS, StationError, error_response
 from jaxstation.serving.http_common import read_json, until_disconnect
 from jaxstation.serving.openapi import Endpoint, openapi_endpoint, routes
 from jaxstation.serving.outcomes import OUTCOMES, STATION_INVALID, Disconnected, check_ready, failure, wait_for
@@ -95,8 +95,8 @@ def station_endpoints(station: Station) -> list[Endpoint]:
                                    station.eos_ids, station.config.reuse_prefix, station.engine.token_controls)
         if (name := body.get("lora")) is not None and not station.use_adapter(job, name):
             loaded = [r.name for r in station.adapters.residents()] if station.adapters else []
-            raise ApiError(404, f"lora {name!r} is not a loaded adapter (loaded: {', '.join(loaded) or 'none'})",
-                           "lora")
+            raise StationError(404, f"lora {name!r} is not a loaded adapter (loaded: {', '.join(loaded) or 'none'})",
+                               "lora")
         if spec is not None:
             job.constraint = await asyncio.to_thread(station.compile_constraint, spec)
         return job, scheduler.submit(job)
