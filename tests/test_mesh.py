@@ -35,9 +35,9 @@ from jaxstation.mesh.host import create_host_app
 from jaxstation.mesh.host_engine import MeshEngine
 from jaxstation.mesh.stage import fingerprint
 from jaxstation.mesh.station import MeshStation, create_station_app
+from jaxstation.serving.payload import CONTENT_TYPE, DTYPES, decode, encode
 from jaxstation.serving.plan import resolve_plan
 from jaxstation.serving.settings import ConfigError, StationConfig
-from jaxstation.serving.wire import CONTENT_TYPE, DTYPES, decode, encode
 
 SPLIT3 = ["0:7", "7:19", "19:30"]
 ENGINE_SHAPE = {"lanes": SHAPE["lanes"], "max_seq": SHAPE["max_seq"], "chunk": SHAPE["prefill_chunk"],

@@ -13,7 +13,7 @@ from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import DecodeRow, SamplingParams, sampling_arrays
 from jaxstation.mesh.stage import Stage, slice_params
 from jaxstation.model.config import LayerRange
-from jaxstation.serving.wire import DTYPES, decode, encode
+from jaxstation.serving.payload import DTYPES, decode, encode
 
 
 def _stages(model, splits: list[str], attention: str = "blocked") -> list[Stage]:

@@ -22,7 +22,16 @@ from jaxstation.anthropic import protocol as a
 from jaxstation.anthropic.translate import chat_request, reply, stop_reason, usage
 from jaxstation.chat.request import chat_prompt, validate
 from jaxstation.chat.run import Run, Update
-from jaxstation.chat.stream import Events, prepare, run_whole, served_model_name, sse, start_run, stream_response, wire
+from jaxstation.chat.stream import (
+    Events,
+    plan_on_station,
+    reply_body,
+    run_whole,
+    served_model_name,
+    sse,
+    start_run,
+    stream_response,
+)
 from jaxstation.serving import hosted_tools
 from jaxstation.serving.errors import anthropic_body
 from jaxstation.serving.http_common import read_json
@@ -33,7 +42,7 @@ from jaxstation.serving.station import Station
 
 
 def _event(event: a.Reply | dict) -> str:
-    data = event if isinstance(event, dict) else wire(event)
+    data = event if isinstance(event, dict) else reply_body(event)
     return sse(data, data["type"])
 
 
@@ -119,7 +128,7 @@ class MessagesRoutes:
         station = self.station
         try:
             req = validate(a.MessagesRequest, await self._body(request))
-            run = await start_run(station, prepare(station, chat_request(req)))
+            run = await start_run(station, plan_on_station(station, chat_request(req)))
         except OUTCOMES as e:
             return rejected(station, request, e, API_INVALID)
         request.state.token_counts = lambda: (run.counts().prompt, run.counts().generated)
@@ -127,7 +136,7 @@ class MessagesRoutes:
         extra = hosted_tools.headers(hosted_tools.skipped(req.tools))
         if run.req.stream:
             return stream_response(run, MessageEvents(run, head), extra, beat=_event(a.Ping(type="ping")))
-        return await run_whole(run, request) or JSONResponse(wire(reply(run, head)), headers=extra)
+        return await run_whole(run, request) or JSONResponse(reply_body(reply(run, head)), headers=extra)
 
     async def count_tokens(self, request: Request) -> Response:
         station = self.station
@@ -136,7 +145,7 @@ class MessagesRoutes:
             _, prompt = chat_prompt(chat_request(req), station.model.tokenizer)
         except OUTCOMES as e:
             return rejected(station, request, e, API_INVALID)
-        return JSONResponse(wire(a.CountTokensReply(input_tokens=len(prompt))))
+        return JSONResponse(reply_body(a.CountTokensReply(input_tokens=len(prompt))))
 
     def endpoints(self) -> list[Endpoint]:
         err = a.AnthropicErrorResponse

@@ -38,7 +38,7 @@ def sse(data: dict, event: str | None = None) -> str:
     return f"{head}data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def wire(reply: BaseModel) -> dict[str, Any]:
+def reply_body(reply: BaseModel) -> dict[str, Any]:
     """A reply model as sent: every field that was set, nulls included, and nothing else."""
     return reply.model_dump(mode="json", exclude_unset=True)
 
@@ -61,11 +61,15 @@ def served_model_name(station: Station) -> str:
     return served_model_names(station)[0]
 
 
-def prepare(station: Station, req: ChatRequest) -> RunRequest:
+def station_reasoning(station: Station) -> str | None:
+    """The reasoning parser `station` splits its model's thinking with (None: the thinking stays in the text)."""
+    return pick_parser(station.config.reasoning_parser, station.model.tokenizer.chat_template)
+
+
+def plan_on_station(station: Station, req: ChatRequest) -> RunRequest:
     """A chat request as `station` runs it, with the station's reasoning parser."""
-    tok = station.model.tokenizer
-    return plan_chat(req, tok, station.model.cfg.vocab_size, station.config.max_request_tokens, station.eos_ids,
-                     station.engine.token_controls, pick_parser(station.config.reasoning_parser, tok.chat_template))
+    return plan_chat(req, station.model.tokenizer, station.model.cfg.vocab_size, station.config.max_request_tokens,
+                     station.eos_ids, station.engine.token_controls, station_reasoning(station))
 
 
 async def start_run(station: Station, req: RunRequest) -> Run:

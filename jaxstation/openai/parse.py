@@ -130,7 +130,8 @@ def chat_request(req: ChatCompletionRequest, cap: bool = False) -> ChatRequest:
 
 def parse_chat(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: int, eos_ids: frozenset[int],
                on_device: bool, reasoning: str | None = None, cap: bool = False) -> RunRequest:
-    """reasoning: the station's reasoning parser (None: the thinking stays in the text); cap: as `chat_request`'s."""
+    """A chat completions body as the station runs it: how the /v1/chat/completions route prepares every request.
+    reasoning: the station's reasoning parser (None: the thinking stays in the text); cap: as `chat_request`'s."""
     return plan_chat(chat_request(validate(ChatCompletionRequest, body, REFUSED_FIELDS), cap), tok, vocab,
                      max_request_tokens, eos_ids, on_device, reasoning)
 

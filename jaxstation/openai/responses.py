@@ -24,7 +24,16 @@ from starlette.responses import JSONResponse, Response
 
 from jaxstation.chat.request import validate
 from jaxstation.chat.run import Run, Update
-from jaxstation.chat.stream import Events, prepare, run_whole, served_model_name, sse, start_run, stream_response, wire
+from jaxstation.chat.stream import (
+    Events,
+    plan_on_station,
+    reply_body,
+    run_whole,
+    served_model_name,
+    sse,
+    start_run,
+    stream_response,
+)
 from jaxstation.openai import responses_protocol as r
 from jaxstation.openai.protocol import REFUSED_FIELDS, OpenAIErrorResponse
 from jaxstation.openai.responses_input import ResponseStore, chat_request, output_turn, turns
@@ -177,7 +186,7 @@ class ResponsesRoutes:
                                    "are kept in memory, bounded, and lost on restart)", "previous_response_id",
                                    "not_found")
                 history = stored.conversation
-            run = await start_run(station, prepare(station, chat_request(req, history)))
+            run = await start_run(station, plan_on_station(station, chat_request(req, history)))
         except OUTCOMES as e:
             return rejected(station, request, e, API_INVALID)
         request.state.token_counts = lambda: (run.counts().prompt, run.counts().generated)
@@ -190,7 +199,7 @@ class ResponsesRoutes:
         deltas = [{"id": k["id"], "function": {"name": k["function"]["name"], "arguments": k["function"]["arguments"]}}
                   for k in c.calls]
         out.feed(c.thinking, c.content or "", deltas)
-        return JSONResponse(wire(self.finish(head, run, out, history, req)[0]), headers=extra)
+        return JSONResponse(reply_body(self.finish(head, run, out, history, req)[0]), headers=extra)
 
     def finish(self, head: dict, run: Run, out: Output, history: list[dict], req: r.ResponsesRequest
                 ) -> tuple[r.ResponseObject, list[dict]]:
@@ -199,7 +208,7 @@ class ResponsesRoutes:
         events = out.close(status)
         response = self.response_object(head, run, out, status)
         if head["store"]:
-            self.store.put(response, history + turns(req.input) + [output_turn(wire(response)["output"])])
+            self.store.put(response, history + turns(req.input) + [output_turn(reply_body(response)["output"])])
         return response, events
 
     def _stored(self, request: Request) -> r.ResponseObject:
@@ -211,7 +220,7 @@ class ResponsesRoutes:
 
     async def retrieve(self, request: Request) -> Response:
         try:
-            return JSONResponse(wire(self._stored(request)))
+            return JSONResponse(reply_body(self._stored(request)))
         except ApiError as e:
             return e.response()
 
@@ -221,7 +230,7 @@ class ResponsesRoutes:
         except ApiError as e:
             return e.response()
         self.store.delete(response.id)
-        return JSONResponse(wire(r.DeletedResponse(id=response.id, object="response", deleted=True)))
+        return JSONResponse(reply_body(r.DeletedResponse(id=response.id, object="response", deleted=True)))
 
     async def cancel(self, request: Request) -> Response:
         try:
@@ -260,7 +269,7 @@ class ResponseEvents(Events):
         self.out = Output()
 
     def opening(self) -> list[str]:
-        response = wire(self.routes.response_object(self.head, self.run, self.out, "in_progress"))
+        response = reply_body(self.routes.response_object(self.head, self.run, self.out, "in_progress"))
         return [_sse(self.out.event(kind, response=response)) for kind in ("response.created", "response.in_progress")]
 
     def update(self, update: Update) -> list[str]:
@@ -268,10 +277,11 @@ class ResponseEvents(Events):
 
     def closing(self) -> list[str]:
         response, events = self.routes.finish(self.head, self.run, self.out, self.history, self.req)
-        return [_sse(e) for e in events + [self.out.event(f"response.{response.status}", response=wire(response))]]
+        done = self.out.event(f"response.{response.status}", response=reply_body(response))
+        return [_sse(e) for e in events + [done]]
 
     def failed(self, failed: Failure) -> list[str]:
-        response = {**wire(self.routes.response_object(self.head, self.run, self.out, "failed")),
+        response = {**reply_body(self.routes.response_object(self.head, self.run, self.out, "failed")),
                     "error": {"code": failed.code or "server_error", "message": failed.message}}
         return [_sse(self.out.event("response.failed", response=response))]
 
