@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxstation.config.plan import Plan, resolve_plan
+from jaxstation.config.settings import ConfigError, StationConfig
 from jaxstation.kernels import cpu_kernel
 from jaxstation.model.layers import forward_full
 from jaxstation.model.loader import LoadedModel, checkpoint_config, load_model
 from jaxstation.model.quant import KernelWeight, QuantWeight, kernel_weight, matmul, prepare_weight
-from jaxstation.serving.plan import Plan, resolve_plan
-from jaxstation.serving.settings import ConfigError, StationConfig
 
 SHAPES = [(576, 960), (1536, 576), (64, 4)]  # [in, out]: the default model's, and a small one
 

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxstation.serving.payload import DTYPES, PayloadError, decode, encode
+from jaxstation.group.payload import DTYPES, PayloadError, decode, encode
 
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 0, 4), (2, 3, 4, 5)]
 

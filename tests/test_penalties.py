@@ -22,8 +22,8 @@ from jaxstation.engine.jobs import Job
 from jaxstation.engine.rows import DecodeRow, SamplingParams
 from jaxstation.engine.scheduler import Scheduler
 from jaxstation.mesh.host_engine import MeshEngine
-from jaxstation.serving.errors import StationError
-from jaxstation.serving.protocol import parse_generate
+from jaxstation.server.errors import StationError
+from jaxstation.server.protocol import parse_generate
 
 TARGET = [504, 3575, 282, 4649, 314, 7042, 30, 198, 1780, 314, 260, 2988, 282]  # "The capital of France is ..."
 STEPS = 8

@@ -29,17 +29,17 @@ from conftest import FIXTURES, TESTS
 from server_util import free_port
 from sharded_run import PROMPT
 
+from jaxstation.config.memory import check_memory, weight_bytes
+from jaxstation.config.plan import resolve_plan
+from jaxstation.config.settings import ConfigError, GiB, StationConfig, resolve
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import DecodeRow, PromptPiece, SamplingParams
+from jaxstation.group.payload import PayloadError, encode
+from jaxstation.group.process_group import CALLS, LOCAL, Group, LeaderEngine, process_group, receive, send
 from jaxstation.model.layers import projection_shapes
 from jaxstation.model.loader import checkpoint_config, hf_config
 from jaxstation.model.shapes import ARCHITECTURES
 from jaxstation.model.sharding import indivisible, kv_replicas, natural_order, replicated_kv, shard_major, split_fused
-from jaxstation.serving.group import CALLS, LOCAL, Group, LeaderEngine, process_group, receive, send
-from jaxstation.serving.memory import check_memory, weight_bytes
-from jaxstation.serving.payload import PayloadError, encode
-from jaxstation.serving.plan import resolve_plan
-from jaxstation.serving.settings import ConfigError, GiB, StationConfig, resolve
 
 # every family once, float32 and int8: over 2 devices (the fixtures' 2 KV heads), as a station plans and loads them;
 # over 4, a fixture's family with 8 heads and 4 KV heads and seeded random weights, and Gemma 3's 2 KV heads each

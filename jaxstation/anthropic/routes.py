@@ -4,7 +4,7 @@ Anthropic SDKs.
 A request is translated into the station's chat request (`anthropic.translate`) and runs as one `Run` on the
 station's scheduler, so it shares the template, the prefix cache, constraints, tool parsing, stop strings and the
 streaming loop with the OpenAI routes. A `max_tokens` past the context left is cut to it (the stop reason then says
-`max_tokens`); a prompt that alone fills the context is a 400. Errors take Anthropic's shape (`serving.errors`). The
+`max_tokens`); a prompt that alone fills the context is a 400. Errors take Anthropic's shape (`server.errors`). The
 stream is Anthropic's named events: `message_start`, `ping`, then per content block `content_block_start`,
 `content_block_delta`s (`thinking_delta`, `text_delta`, `input_json_delta`) and `content_block_stop`, then
 `message_delta` (the stop reason and the usage) and `message_stop`; a failure ends it with an `error` event.
@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from jaxstation.anthropic import protocol as a
 from jaxstation.anthropic.translate import chat_request, reply, stop_reason, usage
+from jaxstation.chat import hosted_tools
 from jaxstation.chat.request import chat_prompt, validate
 from jaxstation.chat.run import Run, Update
 from jaxstation.chat.stream import (
@@ -32,13 +33,12 @@ from jaxstation.chat.stream import (
     start_run,
     stream_response,
 )
-from jaxstation.serving import hosted_tools
-from jaxstation.serving.errors import anthropic_body
-from jaxstation.serving.http_common import read_json
-from jaxstation.serving.openapi import Endpoint
-from jaxstation.serving.outcomes import API_INVALID, OUTCOMES, Failure, check_ready
-from jaxstation.serving.routes import rejected
-from jaxstation.serving.station import Station
+from jaxstation.server.errors import anthropic_body
+from jaxstation.server.http_common import read_json
+from jaxstation.server.openapi import Endpoint
+from jaxstation.server.outcomes import API_INVALID, OUTCOMES, Failure, check_ready
+from jaxstation.server.routes import rejected
+from jaxstation.server.station import Station
 
 
 def _event(event: a.Reply | dict) -> str:

@@ -5,7 +5,7 @@ tool choice, template variables, and the `Sampling` of the run) or, for OpenAI's
 prompts. Here the messages are rendered through the model's template, tokenized, and checked for what no type can say
 (the context, token ids, rules between fields); the result is a `RunRequest`. Every refusal is an `ApiError`
 naming the field as the face spells it (`names`: `max_tokens` is Responses' `max_output_tokens`, `messages` its
-`input`), rendered in the shape of the route's API by `serving.outcomes`.
+`input`), rendered in the shape of the route's API by `server.outcomes`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from jaxstation.chat.tools import ToolPlan, template_messages, tool_constraint
 from jaxstation.engine.constraints import ConstraintSpec
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.model.tokenizer import Tokenizer
-from jaxstation.serving.errors import ApiError, describe
-from jaxstation.serving.protocol import NO_TOKEN_STATE, TokenControls, check_allowed, request_field, token_controls
+from jaxstation.server.errors import ApiError, describe
+from jaxstation.server.protocol import NO_TOKEN_STATE, TokenControls, check_allowed, request_field, token_controls
 
 M = TypeVar("M", bound=BaseModel)
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}

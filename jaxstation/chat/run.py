@@ -5,7 +5,7 @@ from the answer, tool calls parsed out of it); the faces shape the replies (and 
 Each job's `on_token` callback runs on the decode thread and hands its `Sample` to the request's event loop with
 `loop.call_soon_threadsafe` into an `asyncio.Queue`; the job's Future does the same when it resolves. Everything else
 here runs on the request's event loop. Non-streaming and streaming replies are built from the same events, so their
-text is the same. A job's failure is raised as the engine's own exception (`serving.outcomes` maps it).
+text is the same. A job's failure is raised as the engine's own exception (`server.outcomes` maps it).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from jaxstation.engine.jobs import Job, QueueFull, Result, ShuttingDown
 from jaxstation.engine.rows import SEED_LIMIT, Sample
 from jaxstation.model.detokenizer import IncrementalDetokenizer
 from jaxstation.model.tokenizer import Tokenizer
-from jaxstation.serving.outcomes import wait_for
-from jaxstation.serving.station import Station
+from jaxstation.server.outcomes import wait_for
+from jaxstation.server.station import Station
 
 
 @dataclasses.dataclass

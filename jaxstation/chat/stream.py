@@ -24,9 +24,9 @@ from jaxstation.chat.reasoning import pick_parser
 from jaxstation.chat.request import ChatRequest, RunRequest, plan_chat
 from jaxstation.chat.run import Run, Update
 from jaxstation.model.default_model import DEFAULT_GGUF_NAME
-from jaxstation.serving.http_common import until_disconnect
-from jaxstation.serving.outcomes import API_INVALID, OUTCOMES, Disconnected, Failure, failure
-from jaxstation.serving.station import Station
+from jaxstation.server.http_common import until_disconnect
+from jaxstation.server.outcomes import API_INVALID, OUTCOMES, Disconnected, Failure, failure
+from jaxstation.server.station import Station
 
 KEEPALIVE_S = 5.0  # the longest a stream stays silent: a long prompt's prefill must not look like a dead peer
 COMMENT = ": keep-alive\n\n"  # an SSE comment, which clients skip

@@ -90,7 +90,7 @@ class Engine:
         kv_dtype: the arena's dtype (`arena.KV_DTYPES`; the decode attention kernel reads float32 only).
         max_loras, max_lora_rank: the LoRA adapters resident at once and their highest rank (model/lora.py): slots
         1..max_loras of stacks allocated here, slot 0 the base; 0 serves none and the steps carry no adapters.
-        A station passes its plan's (serving/plan.py), resolved by the same rules."""
+        A station passes its plan's (config/plan.py), resolved by the same rules."""
         if max_seq % chunk or max_seq % block:
             raise ValueError(f"max_seq ({max_seq}) must be a multiple of the prefill chunk ({chunk}) "
                              f"and of the KV block ({block})")

@@ -14,12 +14,12 @@ import httpx
 import jax.numpy as jnp
 import numpy as np
 
+from jaxstation.config.plan import Plan
+from jaxstation.config.settings import StationConfig
 from jaxstation.engine.jobs import UpstreamFailed
+from jaxstation.group.payload import CONTENT_TYPE, PayloadError, decode, encode
 from jaxstation.model.config import LayerRange, ModelConfig
 from jaxstation.model.layers import compute_dtype
-from jaxstation.serving.payload import CONTENT_TYPE, PayloadError, decode, encode
-from jaxstation.serving.plan import Plan
-from jaxstation.serving.settings import StationConfig
 
 RETRY_S = 0.25  # between probes of a lost station
 

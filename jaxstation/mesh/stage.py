@@ -23,12 +23,12 @@ import numpy as np
 from jaxstation.engine.arena import KVArena, allocate_arena
 from jaxstation.engine.sampling import SampleOut, SamplingArrays, sample, token_logprobs
 from jaxstation.engine.steps import run_layers
+from jaxstation.group.payload import DTYPES, PayloadError
 from jaxstation.kernels.rowwise import log_softmax
 from jaxstation.model.config import LayerRange, ModelConfig
 from jaxstation.model.layers import Params, embed_tokens, layer_at, lm_logits
 from jaxstation.model.loader import LoadedModel
 from jaxstation.model.sharding import fused_sizes, mesh_of, natural_order
-from jaxstation.serving.payload import DTYPES, PayloadError
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingArrays))
 _SAMPLING_DTYPES = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32,

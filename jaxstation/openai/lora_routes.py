@@ -14,13 +14,13 @@ from starlette.responses import JSONResponse, Response
 from jaxstation.model.lora_files import AdapterError
 from jaxstation.openai.parse import validate
 from jaxstation.openai.protocol import OpenAIErrorResponse
-from jaxstation.serving.adapters import AdapterConflict
-from jaxstation.serving.errors import ApiError
-from jaxstation.serving.http_common import read_json
-from jaxstation.serving.openapi import Endpoint
-from jaxstation.serving.outcomes import OUTCOMES, check_ready, failure
-from jaxstation.serving.protocol import LoadLoraAdapterRequest, LoraAdapterResponse, UnloadLoraAdapterRequest
-from jaxstation.serving.station import Station
+from jaxstation.server.adapters import AdapterConflict
+from jaxstation.server.errors import ApiError
+from jaxstation.server.http_common import read_json
+from jaxstation.server.openapi import Endpoint
+from jaxstation.server.outcomes import OUTCOMES, check_ready, failure
+from jaxstation.server.protocol import LoadLoraAdapterRequest, LoraAdapterResponse, UnloadLoraAdapterRequest
+from jaxstation.server.station import Station
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -37,7 +37,7 @@ from jaxstation.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from jaxstation.serving.protocol import constraint_spec
+from jaxstation.server.protocol import constraint_spec
 
 
 def _formats(req: SamplingFields) -> tuple[ConstraintSpec, ...]:

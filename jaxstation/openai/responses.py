@@ -22,6 +22,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxstation.chat import hosted_tools
 from jaxstation.chat.request import validate
 from jaxstation.chat.run import Run, Update
 from jaxstation.chat.stream import (
@@ -37,13 +38,12 @@ from jaxstation.chat.stream import (
 from jaxstation.openai import responses_protocol as r
 from jaxstation.openai.protocol import REFUSED_FIELDS, OpenAIErrorResponse
 from jaxstation.openai.responses_input import ResponseStore, chat_request, output_turn, turns
-from jaxstation.serving import hosted_tools
-from jaxstation.serving.errors import ApiError
-from jaxstation.serving.http_common import read_json
-from jaxstation.serving.openapi import Endpoint
-from jaxstation.serving.outcomes import API_INVALID, OUTCOMES, Failure, check_ready
-from jaxstation.serving.routes import rejected
-from jaxstation.serving.station import Station
+from jaxstation.server.errors import ApiError
+from jaxstation.server.http_common import read_json
+from jaxstation.server.openapi import Endpoint
+from jaxstation.server.outcomes import API_INVALID, OUTCOMES, Failure, check_ready
+from jaxstation.server.routes import rejected
+from jaxstation.server.station import Station
 
 
 def _id(prefix: str) -> str:

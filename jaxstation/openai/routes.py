@@ -32,12 +32,12 @@ from jaxstation.model.tokenizer import Tokenizer
 from jaxstation.openai import protocol as p
 from jaxstation.openai.logprobs import echo, logprobs_since, usage
 from jaxstation.openai.parse import parse_chat, parse_completion, parse_detokenize, parse_tokenize
-from jaxstation.serving.errors import ApiError
-from jaxstation.serving.http_common import read_json
-from jaxstation.serving.openapi import Endpoint
-from jaxstation.serving.outcomes import API_INVALID, OUTCOMES, Failure, NotReady, check_ready
-from jaxstation.serving.routes import rejected
-from jaxstation.serving.station import Station
+from jaxstation.server.errors import ApiError
+from jaxstation.server.http_common import read_json
+from jaxstation.server.openapi import Endpoint
+from jaxstation.server.outcomes import API_INVALID, OUTCOMES, Failure, NotReady, check_ready
+from jaxstation.server.routes import rejected
+from jaxstation.server.station import Station
 
 
 def tokenizer_config(tok: Tokenizer, max_model_len: int) -> p.TokenizerInfo:

@@ -19,6 +19,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxstation.config.memory import available_memory, weight_bytes
+from jaxstation.config.settings import ConfigError, StationConfig
 from jaxstation.engine import rules
 from jaxstation.engine.arena import arena_bytes, arena_layout, kv_dtype_of
 from jaxstation.engine.engine import Engine
@@ -28,8 +30,6 @@ from jaxstation.model.config import ModelConfig
 from jaxstation.model.layers import compute_dtype, kernel_takes_every_matmul
 from jaxstation.model.loader import LoadedModel, checkpoint_config, load_model
 from jaxstation.model.quant import GGUF_WEIGHTS
-from jaxstation.serving.memory import available_memory, weight_bytes
-from jaxstation.serving.settings import ConfigError, StationConfig
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ the followers, load the same model, warm up through the same function as the lea
 then run each call they receive and nothing else; they answer /health and /ready for their own probes.
 
 The calls travel over one TCP connection a follower opens to the leader (the coordinator's host, its port + 1), as
-length-prefixed `serving.payload` payloads: the arrays as raw buffers with their dtype and shape, the rest as JSON that
+length-prefixed `group.payload` payloads: the arrays as raw buffers with their dtype and shape, the rest as JSON that
 may build only the engine's row types, tuples, frozensets and plain values. Nothing on the wire names a module, so
 processes on different NumPy lines read each other. Both ends send a heartbeat every HEARTBEAT_S.
 Multi-controller JAX does not survive a lost process, so a peer whose connection closes, or that is silent for
@@ -36,15 +36,15 @@ from typing import Any
 
 import numpy as np
 
+from jaxstation.config.coldstart import enable_compile_cache
+from jaxstation.config.plan import Plan, load_planned, startup_plan
+from jaxstation.config.settings import ConfigError, StationConfig
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import DecodeRow, PromptPiece, SamplingParams
+from jaxstation.group.payload import PayloadError, decode, encode
 from jaxstation.model.loader import LoadedModel
-from jaxstation.serving.access_log import configure_logging
-from jaxstation.serving.coldstart import enable_compile_cache
-from jaxstation.serving.payload import PayloadError, decode, encode
-from jaxstation.serving.plan import Plan, load_planned, startup_plan
-from jaxstation.serving.settings import ConfigError, StationConfig
-from jaxstation.serving.station import local_engine, warm_up
+from jaxstation.server.access_log import configure_logging
+from jaxstation.server.station import local_engine, warm_up
 
 log = logging.getLogger(__name__)
 

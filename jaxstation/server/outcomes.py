@@ -21,10 +21,10 @@ from starlette.responses import JSONResponse
 from jaxstation.engine.constraints import ConstraintError, ConstraintFailed
 from jaxstation.engine.jobs import Cancelled, QueueFull, ShuttingDown, StepFailed, UpstreamFailed
 from jaxstation.engine.scheduler import Scheduler
-from jaxstation.serving.errors import ApiError, StationError, error_response
-from jaxstation.serving.http_common import RETRY_AFTER_S, BodyError
-from jaxstation.serving.protocol import request_field
-from jaxstation.serving.station import Station
+from jaxstation.server.errors import ApiError, StationError, error_response
+from jaxstation.server.http_common import RETRY_AFTER_S, BodyError
+from jaxstation.server.protocol import request_field
+from jaxstation.server.station import Station
 
 STATION_INVALID = 422  # /generate's status for a request it cannot serve as asked
 API_INVALID = 400  # the API faces' (OpenAI, Responses, Messages)

@@ -1,4 +1,4 @@
-"""Binary payloads, of the mesh (mesh/) and of a group's step calls (serving/group.py): one JSON header line that
+"""Binary payloads, of the mesh (mesh/) and of a group's step calls (group/process_group.py): one JSON header line that
 declares every array, then the arrays' raw bytes.
 
     {"meta": {...}, "arrays": [{"name": "x", "dtype": "bfloat16", "shape": [8, 1, 576]}, ...]}\\n<raw bytes>
@@ -31,7 +31,7 @@ DTYPES: dict[str, np.dtype] = {
 _NAMES = {dt: name for name, dt in DTYPES.items()}
 
 if sys.byteorder != "little":  # the wire is little-endian and arrays are sent as their memory
-    raise ImportError("jaxstation.serving.payload needs a little-endian host")
+    raise ImportError("jaxstation.group.payload needs a little-endian host")
 
 
 class PayloadError(ValueError):

@@ -21,7 +21,7 @@ from jaxstation.engine.constraints import ConstraintSpec
 from jaxstation.engine.jobs import Job
 from jaxstation.engine.penalties import MAX_LOGIT_BIAS
 from jaxstation.engine.rows import FLOAT32_MAX, FLOAT32_TINY, SEED_LIMIT, SamplingParams
-from jaxstation.serving.errors import StationError, describe
+from jaxstation.server.errors import StationError, describe
 
 TokenId = Annotated[int, Field(ge=0)]
 BiasKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$")]  # a token id, in decimal
