@@ -22,7 +22,7 @@ from jaxstation.chat.stops import scan_stops
 from jaxstation.chat.tools import ToolStream
 from jaxstation.engine.constraints import Constraint
 from jaxstation.engine.jobs import Job, QueueFull, Result, ShuttingDown
-from jaxstation.engine.rows import SEED_LIMIT, Sample
+from jaxstation.engine.rows import SEED_LIMIT, Sample, SamplingParams
 from jaxstation.model.detokenizer import IncrementalDetokenizer
 from jaxstation.model.tokenizer import Tokenizer
 from jaxstation.server.outcomes import wait_for
@@ -103,7 +103,7 @@ class Run:
                 seed = (req.seed + j) % SEED_LIMIT if req.seed is not None else secrets.randbelow(SEED_LIMIT)
                 index = len(self.choices)
                 job = Job(tokens=prompt, max_new_tokens=max_tokens,
-                          sampling=dataclasses.replace(req.sampling, seed=seed), stop_ids=req.stop_ids,
+                          sampling=SamplingParams.bounded(req.sampling, seed=seed), stop_ids=req.stop_ids,
                           prompt_logprobs=req.echo_texts is not None and req.logprobs is not None,
                           reuse_prefix=self.station.config.reuse_prefix(False), on_token=self._on_token(index),
                           constraint=self.constraint.copy() if self.constraint else None, speculate=req.speculate)

@@ -17,6 +17,7 @@ from jaxstation.chat.request import (
     plan_chat,
     plan_run,
     render_chat,
+    sampling_params,
     turn,
     unsupported,
     validate,
@@ -63,8 +64,8 @@ def _sampling(req: SamplingFields, logprobs: int | None, max_tokens: int | None)
     if options is not None and options.continuous_usage_stats and not options.include_usage:
         field = "stream_options.continuous_usage_stats"
         raise bad(field, f"{field} needs include_usage=true")
-    return Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                    min_p=req.min_p, seed=req.seed, n=req.n or 1,
+    return Sampling(max_tokens=max_tokens, params=sampling_params(req.temperature, req.top_p, req.top_k, req.min_p),
+                    seed=req.seed, n=req.n or 1,
                     stops=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
                     stop_token_ids=tuple(req.stop_token_ids or ()), controls=req, formats=_formats(req),
                     logprobs=logprobs, stream=bool(req.stream), include_usage=bool(options and options.include_usage),

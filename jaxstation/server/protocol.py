@@ -231,8 +231,8 @@ def parse_generate(body: Any, vocab: int, max_request_tokens: int, eos_ids: froz
     refuse = lambda field, message: StationError(422, message, field)  # noqa: E731
     controls = token_controls(req, vocab, on_device, refuse, refuse)
     seed = secrets.randbelow(SEED_LIMIT) if req.seed is None else req.seed
-    sampling = SamplingParams(temperature=float(req.temperature or 0.0), top_k=req.top_k or 0,
-                              top_p=float(1.0 if req.top_p is None else req.top_p), seed=seed, **controls)
+    sampling = SamplingParams.bounded(temperature=float(req.temperature or 0.0), top_k=req.top_k or 0,
+                                      top_p=float(1.0 if req.top_p is None else req.top_p), seed=seed, **controls)
     stops = (frozenset() if req.ignore_eos else eos_ids) | frozenset(req.stop_token_ids or ())
     check_allowed(sampling, stops, refuse)
     spec = constraint_spec(req.structured_outputs, "structured_outputs", refuse) if req.structured_outputs else None
