@@ -35,11 +35,11 @@ import numpy as np
 from bench.common import planned_model, write_result
 from bench.peers import CACHE
 from bench.workload import first_executable, repacking_crashes
+from jaxstation.config.plan import resolve_plan
+from jaxstation.config.settings import StationConfig
 from jaxstation.engine.engine import Engine, generate
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.model.layers import forward_full
-from jaxstation.serving.plan import resolve_plan
-from jaxstation.serving.settings import StationConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "tests" / "reference" / "smollm2_hf_reference.npz"

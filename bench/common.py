@@ -106,10 +106,10 @@ def add_lane_sweep_args(ap, reps: int, name: str) -> None:
 def bench_model(args, max_seq: int, tensor_parallel: int = 1):
     """(LoadedModel, Engine keyword arguments) for the model args, as a station with max_seq split over
     `tensor_parallel` devices would plan them."""
+    from jaxstation.config.plan import load_planned, resolve_plan
+    from jaxstation.config.settings import StationConfig
     from jaxstation.model.loader import checkpoint_config
     from jaxstation.model.shapes import ARCHITECTURES, random_model
-    from jaxstation.serving.plan import load_planned, resolve_plan
-    from jaxstation.serving.settings import StationConfig
 
     station = StationConfig(model=f"random:{args.shape}" if args.shape else args.model,  # random weights: no file
                             dtype=args.dtype, layer_loop=args.layer_loop, matmul=args.matmul, attention=args.attention,
@@ -125,9 +125,9 @@ def bench_model(args, max_seq: int, tensor_parallel: int = 1):
 
 def planned_model(**settings):
     """(LoadedModel, Plan): the default model as a station of `settings` on this machine plans and loads it."""
+    from jaxstation.config.plan import load_planned, resolve_plan
+    from jaxstation.config.settings import StationConfig
     from jaxstation.model.loader import checkpoint_config
-    from jaxstation.serving.plan import load_planned, resolve_plan
-    from jaxstation.serving.settings import StationConfig
 
     station = StationConfig(**settings)
     plan = resolve_plan(station, checkpoint_config(station.model))

@@ -30,12 +30,12 @@ def _station_cmd(port: int, layers: str, lanes: int, max_seq: int, args) -> list
 
 
 def _one_mesh(args, model, prompts, urls: list[str], lanes: int, max_seq: int, pipeline: bool) -> dict:
+    from jaxstation.config.plan import resolve_plan
+    from jaxstation.config.settings import StationConfig
     from jaxstation.engine.jobs import Job
     from jaxstation.engine.scheduler import Scheduler
     from jaxstation.mesh.host_engine import MeshEngine
     from jaxstation.mesh.stage import fingerprint
-    from jaxstation.serving.plan import resolve_plan
-    from jaxstation.serving.settings import StationConfig
 
     config = StationConfig(stations=",".join(urls), mesh_token=TOKEN, lanes=lanes, max_seq=max_seq,
                            prefill_chunk=args.chunk, kv_block=args.block, dtype=args.dtype, layer_loop=args.layer_loop,

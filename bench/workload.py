@@ -167,7 +167,7 @@ def server_process(cmd: Sequence[str], ready_url: str, timeout_s: float = 300.0,
 
 def station_available() -> str | None:
     """None if `python -m jaxstation serve` can be tried, else why not."""
-    for f in ("serving/server.py", "cli.py", "__main__.py"):
+    for f in ("server/serve.py", "cli.py", "__main__.py"):
         if not (REPO / "jaxstation" / f).exists():
             return f"jaxstation/{f} is missing"
     return None

@@ -1,4 +1,4 @@
-"""The whole HTTP app of a station: its own routes (`serving`) with the OpenAI face (`openai`) and Anthropic's
+"""The whole HTTP app of a station: its own routes (`server`) with the OpenAI face (`openai`) and Anthropic's
 Messages API (`anthropic`) on top, and `/openapi.json` for all. It sits above those packages, so none imports the
 app."""
 
@@ -7,13 +7,13 @@ from __future__ import annotations
 from starlette.applications import Starlette
 
 from jaxstation.anthropic.routes import anthropic_endpoints
+from jaxstation.config.coldstart import StartupClock
+from jaxstation.config.settings import StationConfig
 from jaxstation.openai.lora_routes import lora_endpoints
 from jaxstation.openai.responses import responses_endpoints
 from jaxstation.openai.routes import openai_endpoints
-from jaxstation.serving.coldstart import StartupClock
-from jaxstation.serving.routes import station_app, station_endpoints
-from jaxstation.serving.settings import StationConfig
-from jaxstation.serving.station import EngineFactory, Station
+from jaxstation.server.routes import station_app, station_endpoints
+from jaxstation.server.station import EngineFactory, Station
 
 
 def create_app(station: Station) -> Starlette:

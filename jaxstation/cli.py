@@ -12,9 +12,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from jaxstation import __version__
-from jaxstation.model.loader import CheckpointError
-from jaxstation.serving.memory import use_gpu_memory_fraction
-from jaxstation.serving.settings import (
+from jaxstation.config.memory import use_gpu_memory_fraction
+from jaxstation.config.settings import (
     COMMANDS,
     DTYPES,
     SETTINGS,
@@ -23,12 +22,13 @@ from jaxstation.serving.settings import (
     add_arguments,
     resolve,
 )
+from jaxstation.model.loader import CheckpointError
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
-    from jaxstation.serving.group import Group
-    from jaxstation.serving.station import Station
+    from jaxstation.group.process_group import Group
+    from jaxstation.server.station import Station
 
 
 def _plugin_error_in_one_line(record: logging.LogRecord) -> bool:
@@ -47,10 +47,10 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from jaxstation.config.plan import load_planned, planned_engine, startup_plan
     from jaxstation.engine.engine import generate
     from jaxstation.engine.rows import SamplingParams
     from jaxstation.model.loader import checkpoint_config, load_tokenizer
-    from jaxstation.serving.plan import load_planned, planned_engine, startup_plan
 
     t0 = time.perf_counter()
     tok = load_tokenizer(args.model)
@@ -95,11 +95,11 @@ def cmd_export_tokenizer(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from jaxstation.app import station_and_app
+    from jaxstation.config.draft import check_draft
+    from jaxstation.config.plan import auto_max_seq
+    from jaxstation.group.process_group import initialize, process_group, serve_follower
     from jaxstation.model.loader import checkpoint_config
-    from jaxstation.serving.draft import check_draft
-    from jaxstation.serving.group import initialize, process_group, serve_follower
-    from jaxstation.serving.plan import auto_max_seq
-    from jaxstation.serving.server import serve, warmup_only
+    from jaxstation.server.serve import serve, warmup_only
 
     config = resolve(args, command="serve")
     cfg = checkpoint_config(config.model)  # a bad checkpoint is refused here, before the server announces it listens
@@ -122,7 +122,7 @@ def _group_leader(config: StationConfig, group: Group) -> tuple[Starlette, Stati
     """Process 0 of a group: the station, its engine's step calls sent to every follower; a lost follower fails the
     requests in flight (503) before the process exits."""
     from jaxstation.app import station_and_app
-    from jaxstation.serving.group import Leader
+    from jaxstation.group.process_group import Leader
 
     leader = Leader(group)
     app, station = station_and_app(config, engine_factory=leader.engine_factory)
@@ -144,7 +144,7 @@ def cmd_station(args: argparse.Namespace) -> int:
 
 def cmd_host(args: argparse.Namespace) -> int:
     from jaxstation.mesh.host import create_host_app
-    from jaxstation.serving.server import serve
+    from jaxstation.server.serve import serve
 
     config = resolve(args, command="host")
     if not config.station_urls:

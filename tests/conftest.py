@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxstation.config.coldstart import enable_compile_cache
+from jaxstation.config.plan import Plan, load_planned, planned_engine, resolve_plan
+from jaxstation.config.settings import StationConfig
 from jaxstation.engine.constraints import Grammars
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import DecodeRow, SamplingParams
 from jaxstation.model.loader import LoadedModel, checkpoint_config, load_hf_dir, load_model
-from jaxstation.serving.coldstart import enable_compile_cache
-from jaxstation.serving.plan import Plan, load_planned, planned_engine, resolve_plan
-from jaxstation.serving.settings import StationConfig
 
 TESTS = Path(__file__).resolve().parent
 FIXTURES = TESTS / "fixtures"

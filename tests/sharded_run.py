@@ -29,6 +29,9 @@ sys.path.insert(0, str(TESTS))
 
 from conftest import FIXTURES, run_wave  # noqa: E402
 
+from jaxstation.config.coldstart import enable_compile_cache  # noqa: E402
+from jaxstation.config.plan import load_planned, resolve_plan  # noqa: E402
+from jaxstation.config.settings import StationConfig  # noqa: E402
 from jaxstation.engine.engine import Engine  # noqa: E402
 from jaxstation.engine.rows import SamplingParams  # noqa: E402
 from jaxstation.mesh.stage import Stage  # noqa: E402
@@ -36,9 +39,6 @@ from jaxstation.model.config import LayerRange, ModelConfig  # noqa: E402
 from jaxstation.model.layers import build_params  # noqa: E402
 from jaxstation.model.loader import LoadedModel, checkpoint_config, hf_config  # noqa: E402
 from jaxstation.model.sharding import device_bytes, make_mesh, shard_params  # noqa: E402
-from jaxstation.serving.coldstart import enable_compile_cache  # noqa: E402
-from jaxstation.serving.plan import load_planned, resolve_plan  # noqa: E402
-from jaxstation.serving.settings import StationConfig  # noqa: E402
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]  # lane 0's request, greedy
 STEPS = 6

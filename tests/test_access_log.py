@@ -18,10 +18,10 @@ from conftest import SERVE_SHAPE_FLAGS
 from server_util import ServerThread, free_port, station_process, wait_for
 
 from jaxstation.app import create_app
+from jaxstation.config.settings import ConfigError, StationConfig, resolve
 from jaxstation.model.loader import LoadedModel
-from jaxstation.serving.access_log import JsonFormatter
-from jaxstation.serving.settings import ConfigError, StationConfig, resolve
-from jaxstation.serving.station import Station
+from jaxstation.server.access_log import JsonFormatter
+from jaxstation.server.station import Station
 
 SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
 SECRET_PROMPT = "The orange submarine whispers"
@@ -162,7 +162,7 @@ def test_serve_json_mode_prints_one_json_object_per_line(tmp_path: Path) -> None
 
 def test_probes_log_at_debug_whatever_their_status(caplog: pytest.LogCaptureFixture) -> None:
     """A load balancer polls /ready while the station loads: its 503s are expected, and must not flood the log."""
-    from jaxstation.serving.access_log import access_line
+    from jaxstation.server.access_log import access_line
 
     with caplog.at_level(logging.DEBUG, logger="jaxstation.access"):
         for path, status in (("/ready", 503), ("/ready", 200), ("/health", 503), ("/health", 200)):

@@ -26,10 +26,10 @@ import pytest
 from server_util import ServerThread, free_port, metric, station_process, wait_for
 
 from jaxstation.app import create_app
+from jaxstation.config.settings import ConfigError, StationConfig
 from jaxstation.model.default_model import default_model_path
 from jaxstation.model.loader import LoadedModel
-from jaxstation.serving.settings import ConfigError, StationConfig
-from jaxstation.serving.station import Station
+from jaxstation.server.station import Station
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "scripts" / "deploy_cloudrun.sh"
@@ -146,7 +146,7 @@ def test_a_linked_model_is_served_under_its_target_name(tmp_path: Path) -> None:
 
 def test_dockerignore_sends_the_package_and_keeps_the_rest_out(tmp_path: Path) -> None:
     sent = set(dockerfile_steps.copy_context(REPO, tmp_path))
-    assert {"pyproject.toml", "README.md", "jaxstation/serving/server.py", "jaxstation/cli.py"} <= sent
+    assert {"pyproject.toml", "README.md", "jaxstation/server/serve.py", "jaxstation/cli.py"} <= sent
     for kept_out in ("tests/", "bench/", "scripts/", ".git", ".ci/", "__pycache__"):
         assert not any(s.startswith(kept_out) or f"/{kept_out}" in s for s in sent), kept_out
     assert not any(s.endswith(".pyc") for s in sent)
@@ -221,7 +221,7 @@ def test_container_command_serves_on_port_then_drains_on_sigterm_and_a_warm_star
 
 
 def test_non_local_cache_needs_the_gcs_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    from jaxstation.serving.coldstart import enable_compile_cache
+    from jaxstation.config.coldstart import enable_compile_cache
 
     monkeypatch.setitem(sys.modules, "etils.epath", None)  # as if etils were not installed
     with pytest.raises(ConfigError, match="MOONSHINE_COMPILE_CACHE_DIR='gs://bucket/cache'.*gcs"):
@@ -230,7 +230,7 @@ def test_non_local_cache_needs_the_gcs_extra(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_compile_cache_setting_resolves() -> None:
     from jaxstation.cli import build_parser
-    from jaxstation.serving.settings import resolve
+    from jaxstation.config.settings import resolve
 
     env = {"MOONSHINE_COMPILE_CACHE_DIR": "/cache/a"}
     assert resolve(None, env).compile_cache_dir == "/cache/a"

@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxstation.config.plan import Plan, resolve_plan
+from jaxstation.config.settings import ConfigError, StationConfig
 from jaxstation.kernels import cpu_kernel
 from jaxstation.model.layers import forward_full
 from jaxstation.model.loader import LoadedModel, checkpoint_config, load_model
-from jaxstation.model.quant import KernelWeight, QuantWeight, kernel_weight, matmul, prepare
-from jaxstation.serving.plan import Plan, resolve_plan
-from jaxstation.serving.settings import ConfigError, StationConfig
+from jaxstation.model.quant import KernelWeight, QuantWeight, kernel_weight, matmul, prepare_weight
 
 SHAPES = [(576, 960), (1536, 576), (64, 4)]  # [in, out]: the default model's, and a small one
 
@@ -61,7 +61,7 @@ def test_the_kernel_builds_and_is_the_cpu_default() -> None:
 def _weights(n_in: int, n_out: int, weights: str, seed: int = 0) -> tuple[KernelWeight, np.ndarray]:
     """A kernel weight and the float64 [in, out] matrix it stands for."""
     w = np.random.default_rng(seed).standard_normal((n_in, n_out)).astype(np.float32)
-    kw = prepare(w, weights, "kernel")
+    kw = prepare_weight(w, weights, "kernel")
     assert isinstance(kw, KernelWeight) and kw.w.shape == (n_out, n_in)
     dense = np.asarray(kw.w, np.float64).T
     return kw, dense if kw.scale is None else dense * np.asarray(kw.scale, np.float64)
@@ -136,8 +136,8 @@ def test_the_norm_kernel_is_rms_norm_and_row_invariant(d: int) -> None:
 def test_shapes_the_kernel_cannot_take_stay_on_xla() -> None:
     assert cpu_kernel.fits(576, 960) and not cpu_kernel.fits(48, 64) and not cpu_kernel.fits(64, 6)
     w = np.ones((48, 64), np.float32)
-    assert isinstance(prepare(w, "int8", "kernel"), QuantWeight)
-    assert isinstance(prepare(w, "float32", "kernel"), jax.Array)
+    assert isinstance(prepare_weight(w, "int8", "kernel"), QuantWeight)
+    assert isinstance(prepare_weight(w, "float32", "kernel"), jax.Array)
     with pytest.raises(ValueError,
                        match="the CPU kernel takes float32, int8, gguf or gguf-exact weights, not bfloat16"):
         kernel_weight(np.ones((64, 64), np.float32), "bfloat16")

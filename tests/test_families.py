@@ -24,6 +24,8 @@ from mesh_util import TOKEN, start_mesh
 from server_util import ServerThread, wait_for
 
 from jaxstation.app import create_app
+from jaxstation.config.plan import resolve_plan
+from jaxstation.config.settings import StationConfig
 from jaxstation.engine.engine import Engine, generate
 from jaxstation.engine.jobs import Job
 from jaxstation.engine.rows import SamplingParams
@@ -33,9 +35,7 @@ from jaxstation.mesh.stage import fingerprint
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.layers import forward_full
 from jaxstation.model.loader import CheckpointError, LoadedModel, load_model
-from jaxstation.serving.plan import resolve_plan
-from jaxstation.serving.settings import StationConfig
-from jaxstation.serving.station import Station
+from jaxstation.server.station import Station
 
 FAMILIES = ("tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3")
 TOLERANCE = 1e-4

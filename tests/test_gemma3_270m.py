@@ -35,6 +35,8 @@ from test_row_invariance import assert_rows_equal_at_every_width, row_invariant_
 from test_speculative_engine import TEXT, accepted, jobs_for, run
 
 from jaxstation.app import create_app
+from jaxstation.config.plan import Plan
+from jaxstation.config.settings import StationConfig
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.jobs import Job
 from jaxstation.engine.rows import SamplingParams
@@ -44,9 +46,7 @@ from jaxstation.model.gguf_file import GGUFFile
 from jaxstation.model.layers import forward_full
 from jaxstation.model.loader import LoadedModel, load_model
 from jaxstation.model.quant import KernelWeight
-from jaxstation.serving.plan import Plan
-from jaxstation.serving.settings import StationConfig
-from jaxstation.serving.station import Station
+from jaxstation.server.station import Station
 
 GREEDY = json.loads((REFERENCE / "gemma3_270m_reference.json").read_text(encoding="utf-8"))["greedy"]
 STEPS = len(GREEDY[0]["greedy_ids"]) - 1

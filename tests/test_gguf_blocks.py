@@ -28,7 +28,7 @@ from jaxstation.model.quant import (
     KernelWeight,
     kernel_weight,
     matmul,
-    prepare,
+    prepare_weight,
     projection,
     stack,
     take_rows,
@@ -57,7 +57,7 @@ def check_formats_bitwise(n_in: int = 512, n_out: int = 40) -> None:
     f = jax.jit(matmul)
     for i, fmt in enumerate(cpu_kernel.BLOCK_FORMATS):
         blocks = random_blocks(fmt, n_out, n_in, seed=i)
-        stored, dense = prepare(blocks, "gguf-exact", "kernel"), blocks.dequantize()
+        stored, dense = prepare_weight(blocks, "gguf-exact", "kernel"), blocks.dequantize()
         assert isinstance(stored, KernelWeight) and stored.blocks == fmt and stored.w.dtype == jnp.uint8
         assert np.isfinite(dense).all() and len(np.unique(dense)) > n_in  # many distinct weights
         as_float32 = kernel_weight(dense, "float32")
@@ -103,7 +103,7 @@ def test_a_projection_stored_in_several_formats_joins_its_parts() -> None:
              random_blocks("Q8_0", 16, 256, seed=3)]
     joined = projection(parts)
     assert [p.fmt for p in joined] == ["Q5_0", "Q8_0"] and joined[0].shape == (80, 256)
-    w = prepare(joined, "gguf-exact", "kernel")
+    w = prepare_weight(joined, "gguf-exact", "kernel")
     assert isinstance(w, JoinedWeight) and [p.blocks for p in w.parts] == ["Q5_0", "Q8_0"]
     dense = np.concatenate([p.dequantize() for p in parts])  # [96, 256]
     x = jnp.asarray(np.random.default_rng(4).standard_normal((8, 256)), jnp.float32)
@@ -119,9 +119,9 @@ def test_shapes_and_formats_the_kernel_cannot_take() -> None:
     assert not cpu_kernel.fits_blocks("Q4_1", 576, 6) and not cpu_kernel.fits_blocks("IQ4_NL", 576, 64)
     blocks = random_blocks("Q4_K", 8, 256, seed=1)
     odd = GGUFBlocks(blocks.data[:6], "Q4_K", (6, 256))  # 6 channels: not a multiple of 4, so dense on XLA's dot
-    w = prepare(odd, "gguf", "kernel")
+    w = prepare_weight(odd, "gguf", "kernel")
     assert isinstance(w, jax.Array) and np.array_equal(np.asarray(w), blocks.dequantize()[:6].T)
-    dense = prepare(blocks, "float32", "kernel")  # other weights dequantize
+    dense = prepare_weight(blocks, "float32", "kernel")  # other weights dequantize
     assert isinstance(dense, KernelWeight) and dense.blocks is None and dense.w.dtype == jnp.float32
 
 

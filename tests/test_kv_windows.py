@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 from conftest import FIXTURES, prefill_all, run_wave, station_plan
 
+from jaxstation.config.memory import check_memory, weight_bytes
+from jaxstation.config.plan import auto_max_seq
+from jaxstation.config.settings import ConfigError, GiB, StationConfig
 from jaxstation.engine.arena import arena_bytes, arena_layout
 from jaxstation.engine.engine import Engine, generate
 from jaxstation.engine.prefix_cache import PrefixCache, RingHold
 from jaxstation.engine.rows import DecodeRow, PromptPiece, SamplingParams
 from jaxstation.model.loader import load_model
 from jaxstation.model.shapes import ARCHITECTURES
-from jaxstation.serving.memory import check_memory, weight_bytes
-from jaxstation.serving.plan import auto_max_seq
-from jaxstation.serving.settings import ConfigError, GiB, StationConfig
 
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=11)
 
@@ -196,7 +196,7 @@ def test_the_real_gemma3_on_a_ring_gives_the_full_arenas_bits(gemma3_270m: Path)
 def test_max_seq_defaults_to_the_models_context_as_far_as_memory_allows(caplog) -> None:
     """Gemma 3 270M's shape at 8 lanes: its whole 32,768-position context where memory is plentiful; where it is
     not, the longest multiple of the block whose arena, rings counted, and weights take half the free memory."""
-    caplog.set_level("INFO", logger="jaxstation.serving.plan")
+    caplog.set_level("INFO", logger="jaxstation.config.plan")
     config = StationConfig(lanes=8)
     assert auto_max_seq(config, GEMMA3_270M, available=64 * GiB).max_seq == 32768
     assert "max_seq 32768: the model's context length" in caplog.text

@@ -14,15 +14,15 @@ import pytest
 from conftest import ENGINE_SHAPE, tiny_model
 from test_batch_invariance import TARGET, run_wave
 
+from jaxstation.config.memory import check_memory, weight_bytes
+from jaxstation.config.plan import resolve_plan
+from jaxstation.config.settings import ConfigError, StationConfig
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import SamplingParams, sampling_arrays
 from jaxstation.engine.steps import step_rows
 from jaxstation.model.loader import LoadedModel, load_model
 from jaxstation.model.quant import QuantWeight, matmul, quantize
 from jaxstation.model.shapes import ARCHITECTURES, random_model
-from jaxstation.serving.memory import check_memory, weight_bytes
-from jaxstation.serving.plan import resolve_plan
-from jaxstation.serving.settings import ConfigError, StationConfig
 
 STEPS = 5
 SEEDED = SamplingParams(temperature=0.9, top_k=20, seed=42)

@@ -62,5 +62,5 @@ def test_a_load_failure_is_one_line_naming_the_file(tmp_path: Path, monkeypatch:
     lines = [line for line in r.stderr.splitlines() if message in line]
     assert len(lines) == 1, out
     if code == 2:  # refused before anything else ran (beyond logging the plan)
-        said = [line for line in r.stderr.splitlines() if " INFO jaxstation.serving.plan: plan: " not in line]
+        said = [line for line in r.stderr.splitlines() if " INFO jaxstation.config.plan: plan: " not in line]
         assert said == [f"error: {lines[0].removeprefix('error: ')}"] and "Uvicorn running" not in out

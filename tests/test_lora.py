@@ -18,6 +18,8 @@ from adapter_util import random_lora, write_gguf_lora, write_merged, write_peft
 from conftest import FIXTURES, TESTS, engine_config, station_plan, tiny_model
 from test_cli import run_cli
 
+from jaxstation.config.plan import planned_engine
+from jaxstation.config.settings import ConfigError, add_arguments, resolve
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.prefix_cache import PrefixCache
 from jaxstation.engine.rows import DecodeRow, PromptPiece, SamplingParams
@@ -25,9 +27,7 @@ from jaxstation.model.layers import lora_shapes, project
 from jaxstation.model.loader import LoadedModel, load_hf_dir
 from jaxstation.model.lora import empty_layer, slot_arrays, write_slot
 from jaxstation.model.lora_files import AdapterError, read_adapter
-from jaxstation.serving.adapters import Adapters
-from jaxstation.serving.plan import planned_engine
-from jaxstation.serving.settings import ConfigError, add_arguments, resolve
+from jaxstation.server.adapters import Adapters
 
 GREEDY = SamplingParams()
 TINY = {"lanes": 4, "max_seq": 128, "chunk": 16, "block": 32}

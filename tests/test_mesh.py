@@ -26,18 +26,18 @@ from mesh_util import SHAPE, TOKEN, StationProcess, start_mesh
 from server_util import ServerThread, metric, wait_for
 
 from jaxstation import cli
+from jaxstation.config.plan import resolve_plan
+from jaxstation.config.settings import ConfigError, StationConfig
 from jaxstation.engine.engine import Engine, generate
 from jaxstation.engine.jobs import Job
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.engine.scheduler import Scheduler
+from jaxstation.group.payload import CONTENT_TYPE, DTYPES, decode, encode
 from jaxstation.mesh.client import MeshError
 from jaxstation.mesh.host import create_host_app
 from jaxstation.mesh.host_engine import MeshEngine
 from jaxstation.mesh.stage import fingerprint
 from jaxstation.mesh.station import MeshStation, create_station_app
-from jaxstation.serving.plan import resolve_plan
-from jaxstation.serving.settings import ConfigError, StationConfig
-from jaxstation.serving.wire import CONTENT_TYPE, DTYPES, decode, encode
 
 SPLIT3 = ["0:7", "7:19", "19:30"]
 ENGINE_SHAPE = {"lanes": SHAPE["lanes"], "max_seq": SHAPE["max_seq"], "chunk": SHAPE["prefill_chunk"],

@@ -11,9 +11,9 @@ from conftest import tiny_model
 
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import DecodeRow, SamplingParams, sampling_arrays
+from jaxstation.group.payload import DTYPES, decode, encode
 from jaxstation.mesh.stage import Stage, slice_params
 from jaxstation.model.config import LayerRange
-from jaxstation.serving.wire import DTYPES, decode, encode
 
 
 def _stages(model, splits: list[str], attention: str = "blocked") -> list[Stage]:

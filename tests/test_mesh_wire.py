@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxstation.serving.wire import DTYPES, WireError, decode, encode
+from jaxstation.group.payload import DTYPES, PayloadError, decode, encode
 
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 0, 4), (2, 3, 4, 5)]
 
@@ -42,7 +42,7 @@ def test_non_contiguous_arrays_are_sent_in_c_order():
 
 
 def test_an_unsupported_dtype_is_refused_on_encode():
-    with pytest.raises(WireError, match="x: dtype float64 cannot travel"):
+    with pytest.raises(PayloadError, match="x: dtype float64 cannot travel"):
         encode({}, {"x": np.zeros(2)})
 
 
@@ -53,7 +53,7 @@ def _body(specs, payload: bytes, meta=None) -> bytes:
 def test_a_truncated_body_is_refused():
     body = encode({}, {"lanes": np.arange(4, dtype=np.int32), "x": np.zeros((4, 8), np.float32)})
     for cut in (1, 64, len(body) - body.index(b"\n") - 2):
-        with pytest.raises(WireError) as e:
+        with pytest.raises(PayloadError) as e:
             decode(body[:-cut])
         assert e.value.field in ("x", "lanes") and "truncated" in e.value.message
 
@@ -72,7 +72,7 @@ def test_a_truncated_body_is_refused():
     ({"name": "x"}, b"", "arrays", "must be a list"),
 ])
 def test_a_lying_or_malformed_header_is_refused(specs, payload, field, message):
-    with pytest.raises(WireError) as e:
+    with pytest.raises(PayloadError) as e:
         decode(_body(specs, payload))
     assert e.value.field == field and message in e.value.message
 
@@ -86,5 +86,5 @@ def test_a_lying_or_malformed_header_is_refused(specs, payload, field, message):
     (b"\xff\xfe\n", "not JSON"),
 ])
 def test_a_header_that_is_not_the_declared_json_is_refused(body, message):
-    with pytest.raises(WireError, match=message):
+    with pytest.raises(PayloadError, match=message):
         decode(body)

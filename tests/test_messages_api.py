@@ -19,9 +19,9 @@ from jaxstation.anthropic.protocol import MessagesRequest
 from jaxstation.anthropic.translate import BILLING_HEADER, chat_request
 from jaxstation.app import create_app
 from jaxstation.chat.request import chat_prompt
+from jaxstation.config.settings import StationConfig
 from jaxstation.model.loader import LoadedModel
-from jaxstation.serving.settings import StationConfig
-from jaxstation.serving.station import Station
+from jaxstation.server.station import Station
 
 SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
 KEY = "k3y"

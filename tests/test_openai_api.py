@@ -17,11 +17,11 @@ import pytest
 from server_util import ServerThread, metric, queue_held_full, raw_post, wait_for
 
 from jaxstation.app import create_app
+from jaxstation.config.settings import StationConfig
 from jaxstation.model.loader import LoadedModel
 from jaxstation.openai.parse import parse_chat, render_chat
 from jaxstation.openai.protocol import MAX_PROMPTS
-from jaxstation.serving.settings import StationConfig
-from jaxstation.serving.station import Station
+from jaxstation.server.station import Station
 
 SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
 READY_S = 120

@@ -25,11 +25,11 @@ from server_util import ServerThread, wait_for
 
 from jaxstation.anthropic import protocol as anthropic_protocol
 from jaxstation.app import create_app
+from jaxstation.config.settings import StationConfig
 from jaxstation.model.loader import LoadedModel
 from jaxstation.openai import responses_protocol
 from jaxstation.openai.protocol import ChatCompletionChunk, CompletionResponse, OpenAIErrorResponse
-from jaxstation.serving.settings import StationConfig
-from jaxstation.serving.station import Station
+from jaxstation.server.station import Station
 
 # A short context keeps every valid request quick: at most 48 positions, 8 choices on 4 lanes; a 16-row packed step
 # holds a third of the context, so one pack width (one compiled program) serves every prompt.

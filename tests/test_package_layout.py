@@ -13,7 +13,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jaxstation"
 # bottom to top: a module may import only from its own layer and those before it
-LAYERS = ("kernels", "web", "model", "engine", "serving", "chat", "openai", "anthropic", "app", "mesh", "cli")
+LAYERS = ("kernels", "model", "engine", "config", "server", "group", "chat", "openai", "anthropic", "app", "mesh",
+          "cli")
 MAX_LINES = 450
 
 
@@ -35,8 +36,8 @@ def test_imports_run_down_the_stack(path: Path) -> None:
             assert LAYERS.index(there) <= LAYERS.index(here), f"{path.name} ({here}) imports {node.module} ({there})"
 
 
-@pytest.mark.parametrize("package", ["kernels", "web", "model", "engine", "serving", "chat", "openai", "anthropic",
-                                     "mesh", "app", "cli"])
+@pytest.mark.parametrize("package", ["kernels", "model", "engine", "config", "server", "server.web", "chat", "openai",
+                                     "anthropic", "app", "group", "mesh", "cli"])
 def test_each_package_imports_alone(package: str) -> None:
     assert importlib.import_module(f"jaxstation.{package}")
 

@@ -14,14 +14,14 @@ import pytest
 from conftest import tiny_model
 from fake_engine import FakeEngine, expected
 
+from jaxstation.config.plan import resolve_plan
+from jaxstation.config.settings import ConfigError, StationConfig
 from jaxstation.engine.engine import Engine, generate, pack_slots, pack_widths
 from jaxstation.engine.jobs import Job
 from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample, SamplingParams
 from jaxstation.engine.scheduler import Scheduler
 from jaxstation.engine.turns import Lane, prompt_pieces
 from jaxstation.model.loader import LoadedModel
-from jaxstation.serving.plan import resolve_plan
-from jaxstation.serving.settings import ConfigError, StationConfig
 
 GREEDY = SamplingParams()
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=11)

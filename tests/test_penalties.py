@@ -22,8 +22,8 @@ from jaxstation.engine.jobs import Job
 from jaxstation.engine.rows import DecodeRow, SamplingParams
 from jaxstation.engine.scheduler import Scheduler
 from jaxstation.mesh.host_engine import MeshEngine
-from jaxstation.serving.errors import ApiError
-from jaxstation.serving.protocol import parse_generate
+from jaxstation.server.errors import StationError
+from jaxstation.server.protocol import parse_generate
 
 TARGET = [504, 3575, 282, 4649, 314, 7042, 30, 198, 1780, 314, 260, 2988, 282]  # "The capital of France is ..."
 STEPS = 8
@@ -207,7 +207,7 @@ def test_controls_after_a_prefix_cache_hit(engine):
 def test_a_mesh_host_refuses_them_by_name(field, value):
     assert MeshEngine.token_controls is False and Engine.token_controls is True
     body = {"tokens": [1, 2], "max_new_tokens": 2, field: value}
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(StationError) as e:
         parse_generate(body, VOCAB, 512, frozenset({EOS}), lambda resume: True, on_device=False)
     assert e.value.field == field and field in e.value.message
     neutral = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": {},
@@ -223,7 +223,7 @@ def test_a_mesh_host_refuses_them_by_name(field, value):
                          ids=["past the vocabulary", "empty", "only stop ids under min_tokens"])
 def test_bad_allowed_token_ids_are_refused_by_name(extra):
     body = {"tokens": [1, 2], "max_new_tokens": 2, **extra}
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(StationError) as e:
         parse_generate(body, VOCAB, 512, frozenset({EOS}), lambda resume: True, on_device=True)
     assert e.value.status == 422 and e.value.field == "allowed_token_ids"
     job, _ = parse_generate({**body, "allowed_token_ids": [EOS, 7]}, VOCAB, 512, frozenset({EOS}), lambda resume: True,

@@ -9,17 +9,17 @@ import logging
 import pytest
 from conftest import engine_config, station_plan
 
+from jaxstation.config.plan import resolve_plan, startup_plan
+from jaxstation.config.settings import ConfigError, StationConfig, resolve
 from jaxstation.kernels import cpu_kernel
 from jaxstation.model.loader import checkpoint_config
-from jaxstation.serving.plan import resolve_plan, startup_plan
-from jaxstation.serving.settings import ConfigError, StationConfig, resolve
 
 SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
 
 
 def test_the_plan_on_this_machine_is_logged_once_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
     config = resolve(None, {"MOONSHINE_BATCH_LANES": "4", "MOONSHINE_MAX_SEQ": "512"})
-    with caplog.at_level(logging.INFO, logger="jaxstation.serving.plan"):
+    with caplog.at_level(logging.INFO, logger="jaxstation.config.plan"):
         plan = startup_plan(config)
     assert [r.getMessage() for r in caplog.records] == [
         f"plan: backend cpu, dtype gguf (integer dot {cpu_kernel.int_dot_isa()}), matmul kernel, layer_loop unroll, "

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from jaxstation.chat.reasoning import ReasoningStream, after_thinking, pick_parser
+from jaxstation.config.settings import ConfigError, StationConfig
 from jaxstation.engine.constraints import ConstraintSpec, mask_words
 from jaxstation.model.tokenizer import Tokenizer
 from jaxstation.openai.parse import parse_chat
-from jaxstation.serving.settings import ConfigError, StationConfig
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tiny-qwen3"
 # Qwen3's chat template, its generation prompt as released: thinking off writes an empty thinking block

@@ -12,8 +12,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from jaxstation.serving.openapi import Endpoint, openapi_endpoint
-from jaxstation.serving.protocol import ErrorResponse
+from jaxstation.server.openapi import Endpoint, openapi_endpoint
+from jaxstation.server.protocol import ErrorResponse
 
 
 class Reply(BaseModel):

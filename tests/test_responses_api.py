@@ -22,9 +22,9 @@ from server_util import ServerThread, wait_for
 
 from jaxstation.app import create_app
 from jaxstation.chat import stream as chat_stream
+from jaxstation.config.settings import StationConfig
 from jaxstation.model.loader import LoadedModel
-from jaxstation.serving.settings import StationConfig
-from jaxstation.serving.station import Station
+from jaxstation.server.station import Station
 
 SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
 MODEL = "SmolLM2-135M-Instruct.Q4_1"

@@ -1,11 +1,16 @@
 """The sampling filters against a plain sort-based reference: top-k, top-p and min-p found by bisection keep exactly
-the tokens a sorted vocabulary would."""
+the tokens a sorted vocabulary would; and a request's sampling parameters as the faces build them."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+from jaxstation.chat.request import sampling_params
+from jaxstation.engine.rows import SamplingParams
 from jaxstation.engine.sampling import SamplingArrays, _filter_mask
 
 
@@ -44,3 +49,29 @@ def test_filters_equal_a_sorted_vocabulary() -> None:
         assert np.array_equal(got[r], want), (r, top_k[r], top_p[r], min_p[r], got[r].sum(), want.sum())
         assert got[r].sum() >= 1
     assert got[0].sum() >= 64  # ties at the top are all kept, whatever k
+
+
+def test_bounded_parameters_are_the_checked_ones_and_direct_ones_still_check() -> None:
+    """`bounded` (values a face's types already bounded) builds what the checking constructor builds; built directly,
+    SamplingParams still refuses what lies out of bounds."""
+    fields = {"temperature": 0.7, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "seed": 3, "presence_penalty": 0.5,
+              "frequency_penalty": -1.0, "repetition_penalty": 1.1, "logit_bias": ((5, 1.0),),
+              "allowed_token_ids": (1, 2), "min_tokens": 2}
+    assert SamplingParams.bounded(**fields) == SamplingParams(**fields)
+    base = SamplingParams(temperature=0.5, top_k=3)
+    assert SamplingParams.bounded(base, seed=9) == dataclasses.replace(base, seed=9)
+    assert SamplingParams.bounded() == SamplingParams()
+    with pytest.raises(TypeError, match="top_q"):
+        SamplingParams.bounded(top_q=0.5)
+    for bad in ({"temperature": -1.0}, {"top_k": -1}, {"top_p": 0.0}, {"min_p": 1.5}, {"presence_penalty": 3.0},
+                {"repetition_penalty": 0.0}, {"logit_bias": ((1, 101.0),)}, {"allowed_token_ids": (-1,)},
+                {"min_tokens": -1}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+def test_the_chat_faces_defaults() -> None:
+    """What a chat face did not send: temperature 1, every filter off; top_k -1 is off too."""
+    assert sampling_params() == SamplingParams(temperature=1.0)
+    assert sampling_params(0, 0.5, -1, 0.1) == SamplingParams(temperature=0.0, top_p=0.5, min_p=0.1)
+    assert sampling_params(top_k=7) == SamplingParams(temperature=1.0, top_k=7)

@@ -23,12 +23,12 @@ from conftest import COMPILE_CACHE_ENV, SERVE_SHAPE_FLAGS, station_plan
 from server_util import ServerThread, free_port, metric, queue_held_full, raw_post, station_process, wait_for
 
 from jaxstation.app import create_app
+from jaxstation.config.plan import planned_engine
+from jaxstation.config.settings import StationConfig
 from jaxstation.engine.engine import generate
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.model.loader import LoadedModel
-from jaxstation.serving.plan import planned_engine
-from jaxstation.serving.settings import StationConfig
-from jaxstation.serving.station import Station
+from jaxstation.server.station import Station
 
 SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
 BODY_LIMIT = 8192
@@ -356,7 +356,7 @@ def test_a_signal_while_compiling_ends_the_process_cleanly(sig: signal.Signals, 
 # ---- settings and CLI (no model run) -----------------------------------------------------------------------------
 def test_settings_resolve_flags_over_env_over_defaults() -> None:
     from jaxstation.cli import build_parser
-    from jaxstation.serving.settings import resolve
+    from jaxstation.config.settings import resolve
 
     assert resolve(None, {}) == StationConfig()
     env = {"PORT": "9000", "MOONSHINE_BATCH_LANES": "2", "MOONSHINE_CONTINUOUS_BATCH": "yes",
@@ -376,15 +376,15 @@ def test_settings_resolve_flags_over_env_over_defaults() -> None:
     ({"MOONSHINE_DTYPE": "float16"}, "MOONSHINE_DTYPE='float16' must be one of float32, bfloat16"),
 ])
 def test_settings_errors_name_the_variable(env: dict, message: str) -> None:
-    from jaxstation.serving.settings import ConfigError, resolve
+    from jaxstation.config.settings import ConfigError, resolve
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         resolve(None, env)
 
 
 def test_memory_check_names_what_to_lower(default_model: LoadedModel) -> None:
-    from jaxstation.serving.memory import check_memory
-    from jaxstation.serving.settings import ConfigError
+    from jaxstation.config.memory import check_memory
+    from jaxstation.config.settings import ConfigError
 
     cfg = default_model.cfg
     check_memory(cfg, StationConfig(**SHAPE), "gguf", available=1 << 40)

@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (engine/draft.py, serving/draft.py): a request's tokens, logprobs and finish
+"""Speculative decoding with a draft model (engine/draft.py, config/draft.py): a request's tokens, logprobs and finish
 reason with a draft model's drafts verified in one step equal those without speculation, bit for bit (greedy and
 seeded, k = 1, 3 and 7, alone and beside requests that speculate and that do not, both scheduler modes, the default
 model's GGUF blocks, float32 and int8 weights, and the tiny fixtures with a smaller draft); a draft whose vocabulary
@@ -22,15 +22,15 @@ from test_gguf_types import rewrite_gguf
 from test_speculative_engine import GREEDY, SEEDED, accepted, jobs_for, run
 
 from jaxstation.app import create_app
+from jaxstation.config.draft import check_draft, load_draft
+from jaxstation.config.plan import load_planned, planned_engine
+from jaxstation.config.settings import ConfigError, StationConfig
 from jaxstation.engine.draft import DraftModel
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.jobs import Job
 from jaxstation.engine.speculative import NgramProposer, Speculation
 from jaxstation.model.loader import LoadedModel, model_source
-from jaxstation.serving.draft import check_draft, load_draft
-from jaxstation.serving.plan import load_planned, planned_engine
-from jaxstation.serving.settings import ConfigError, StationConfig
-from jaxstation.serving.station import Station
+from jaxstation.server.station import Station
 
 TINY_DRAFT = FIXTURES / "tiny-qwen2-draft" / "model.gguf"
 TINY_F32 = FIXTURES / "tiny-qwen2"  # the same weights in safetensors: float32

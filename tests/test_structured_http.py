@@ -19,11 +19,11 @@ from server_util import ServerThread, wait_for
 
 from jaxstation.app import create_app
 from jaxstation.chat.tools import HERMES_PROMPT, ToolPlan, ToolStream, parse_calls
+from jaxstation.config.settings import StationConfig
 from jaxstation.model.loader import LoadedModel
 from jaxstation.openai.parse import parse_chat
-from jaxstation.serving.errors import OpenAIError
-from jaxstation.serving.settings import StationConfig
-from jaxstation.serving.station import Station
+from jaxstation.server.errors import ApiError
+from jaxstation.server.station import Station
 
 SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -331,7 +331,7 @@ def test_no_token_left_is_a_clear_error(live):
 
 def test_a_mesh_host_refuses_constraints(default_model):
     for body in ({"response_format": {"type": "json_object"}}, {"tools": [WEATHER], "tool_choice": "required"}):
-        with pytest.raises(OpenAIError) as e:
+        with pytest.raises(ApiError) as e:
             parse_chat({"messages": ASK, **body}, default_model.tokenizer, 49152, 512, frozenset({2}), False)
         assert e.value.status == 400 and "mesh host" in str(e.value)
 

@@ -29,17 +29,17 @@ from conftest import FIXTURES, TESTS
 from server_util import free_port
 from sharded_run import PROMPT
 
+from jaxstation.config.memory import check_memory, weight_bytes
+from jaxstation.config.plan import resolve_plan
+from jaxstation.config.settings import ConfigError, GiB, StationConfig, resolve
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import DecodeRow, PromptPiece, SamplingParams
+from jaxstation.group.payload import PayloadError, encode
+from jaxstation.group.process_group import CALLS, LOCAL, Group, LeaderEngine, process_group, receive, send
 from jaxstation.model.layers import projection_shapes
 from jaxstation.model.loader import checkpoint_config, hf_config
 from jaxstation.model.shapes import ARCHITECTURES
 from jaxstation.model.sharding import indivisible, kv_replicas, natural_order, replicated_kv, shard_major, split_fused
-from jaxstation.serving.group import CALLS, LOCAL, Group, LeaderEngine, process_group, receive, send
-from jaxstation.serving.memory import check_memory, weight_bytes
-from jaxstation.serving.plan import resolve_plan
-from jaxstation.serving.settings import ConfigError, GiB, StationConfig, resolve
-from jaxstation.serving.wire import WireError, encode
 
 # every family once, float32 and int8: over 2 devices (the fixtures' 2 KV heads), as a station plans and loads them;
 # over 4, a fixture's family with 8 heads and 4 KV heads and seeded random weights, and Gemma 3's 2 KV heads each
@@ -296,10 +296,10 @@ def test_step_calls_cross_the_wire_whole_and_nothing_else_is_decoded() -> None:
         assert dataclasses.replace(got, mask=None) == dataclasses.replace(row, mask=None) and args[0][1] is None
         assert got.mask.tolist() == [1, 0, 3] and got.mask.dtype == np.uint32
         a.sendall(struct.pack("!I", len(evil := pickle.dumps(os.system))) + evil)
-        with pytest.raises(WireError, match="header"):
+        with pytest.raises(PayloadError, match="header"):
             receive(b)
         a.sendall(struct.pack("!I", len(evil := encode({"message": {"row": "Popen", "fields": {}}}, {}))) + evil)
-        with pytest.raises(WireError, match="a step call may not hold"):
+        with pytest.raises(PayloadError, match="a step call may not hold"):
             receive(b)
 
 

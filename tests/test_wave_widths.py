@@ -8,12 +8,12 @@ import pytest
 from conftest import prefill_all, tiny_model
 from test_batch_invariance import TARGET, run_wave
 
+from jaxstation.config.plan import resolve_plan
+from jaxstation.config.settings import ConfigError, StationConfig
 from jaxstation.engine.engine import Engine
-from jaxstation.engine.layout import default_wave_widths
 from jaxstation.engine.rows import DecodeRow, SamplingParams
+from jaxstation.engine.rules import default_wave_widths
 from jaxstation.model.loader import LoadedModel
-from jaxstation.serving.plan import resolve_plan
-from jaxstation.serving.settings import ConfigError, StationConfig
 
 STEPS = 4
 SAMPLINGS = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.02, seed=77)]

@@ -19,9 +19,9 @@ from starlette.testclient import TestClient
 
 from jaxstation.app import create_app
 from jaxstation.cli import build_parser
+from jaxstation.config.settings import StationConfig, resolve
 from jaxstation.model.loader import LoadedModel
-from jaxstation.serving.settings import StationConfig, resolve
-from jaxstation.serving.station import Station
+from jaxstation.server.station import Station
 
 SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
 KEY = "k3y"

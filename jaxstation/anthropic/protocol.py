@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
+from jaxstation.chat.hosted_tools import FUNCTION_TOOL, HOSTED_TOOL, HostedTool, tool_kind
 from jaxstation.chat.protocol import Body, Reply
-from jaxstation.serving.hosted_tools import FUNCTION_TOOL, HOSTED_TOOL, HostedTool, tool_kind
 
 ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 

@@ -4,7 +4,7 @@ Anthropic SDKs.
 A request is translated into the station's chat request (`anthropic.translate`) and runs as one `Run` on the
 station's scheduler, so it shares the template, the prefix cache, constraints, tool parsing, stop strings and the
 streaming loop with the OpenAI routes. A `max_tokens` past the context left is cut to it (the stop reason then says
-`max_tokens`); a prompt that alone fills the context is a 400. Errors take Anthropic's shape (`serving.errors`). The
+`max_tokens`); a prompt that alone fills the context is a 400. Errors take Anthropic's shape (`server.errors`). The
 stream is Anthropic's named events: `message_start`, `ping`, then per content block `content_block_start`,
 `content_block_delta`s (`thinking_delta`, `text_delta`, `input_json_delta`) and `content_block_stop`, then
 `message_delta` (the stop reason and the usage) and `message_stop`; a failure ends it with an `error` event.
@@ -20,20 +20,29 @@ from starlette.responses import JSONResponse, Response
 
 from jaxstation.anthropic import protocol as a
 from jaxstation.anthropic.translate import chat_request, reply, stop_reason, usage
+from jaxstation.chat import hosted_tools
 from jaxstation.chat.request import chat_prompt, validate
 from jaxstation.chat.run import Run, Update
-from jaxstation.chat.stream import Events, prepare, run_whole, served_model_name, sse, start_run, stream_response, wire
-from jaxstation.serving import hosted_tools
-from jaxstation.serving.errors import anthropic_body
-from jaxstation.serving.http_common import read_json
-from jaxstation.serving.openapi import Endpoint
-from jaxstation.serving.outcomes import OPENAI_INVALID, OUTCOMES, Failure, check_ready
-from jaxstation.serving.routes import rejected
-from jaxstation.serving.station import Station
+from jaxstation.chat.stream import (
+    Events,
+    plan_on_station,
+    reply_body,
+    run_whole,
+    served_model_name,
+    sse,
+    start_run,
+    stream_response,
+)
+from jaxstation.server.errors import anthropic_body
+from jaxstation.server.http_common import read_json
+from jaxstation.server.openapi import Endpoint
+from jaxstation.server.outcomes import API_INVALID, OUTCOMES, Failure, check_ready
+from jaxstation.server.routes import rejected
+from jaxstation.server.station import Station
 
 
 def _event(event: a.Reply | dict) -> str:
-    data = event if isinstance(event, dict) else wire(event)
+    data = event if isinstance(event, dict) else reply_body(event)
     return sse(data, data["type"])
 
 
@@ -119,15 +128,15 @@ class MessagesRoutes:
         station = self.station
         try:
             req = validate(a.MessagesRequest, await self._body(request))
-            run = await start_run(station, prepare(station, chat_request(req)))
+            run = await start_run(station, plan_on_station(station, chat_request(req)))
         except OUTCOMES as e:
-            return rejected(station, request, e, OPENAI_INVALID)
+            return rejected(station, request, e, API_INVALID)
         request.state.token_counts = lambda: (run.counts().prompt, run.counts().generated)
         head = {"id": f"msg_{uuid.uuid4().hex}", "model": served_model_name(station)}
         extra = hosted_tools.headers(hosted_tools.skipped(req.tools))
         if run.req.stream:
             return stream_response(run, MessageEvents(run, head), extra, beat=_event(a.Ping(type="ping")))
-        return await run_whole(run, request) or JSONResponse(wire(reply(run, head)), headers=extra)
+        return await run_whole(run, request) or JSONResponse(reply_body(reply(run, head)), headers=extra)
 
     async def count_tokens(self, request: Request) -> Response:
         station = self.station
@@ -135,8 +144,8 @@ class MessagesRoutes:
             req = validate(a.MessagesInput, await self._body(request))
             _, prompt = chat_prompt(chat_request(req), station.model.tokenizer)
         except OUTCOMES as e:
-            return rejected(station, request, e, OPENAI_INVALID)
-        return JSONResponse(wire(a.CountTokensReply(input_tokens=len(prompt))))
+            return rejected(station, request, e, API_INVALID)
+        return JSONResponse(reply_body(a.CountTokensReply(input_tokens=len(prompt))))
 
     def endpoints(self) -> list[Endpoint]:
         err = a.AnthropicErrorResponse

@@ -19,7 +19,7 @@ import json
 from typing import Any
 
 from jaxstation.anthropic import protocol as a
-from jaxstation.chat.request import ChatRequest, Sampling, function_tool, turn
+from jaxstation.chat.request import ChatRequest, Sampling, function_tool, sampling_params, turn
 from jaxstation.chat.run import Choice, Run
 from jaxstation.engine.constraints import ConstraintSpec
 
@@ -73,7 +73,7 @@ def chat_request(req: a.MessagesInput) -> ChatRequest:
     choice = req.tool_choice
     sampling = Sampling(cap=True, model=req.model)
     if isinstance(req, a.MessagesRequest):
-        sampling = Sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+        sampling = Sampling(max_tokens=req.max_tokens, params=sampling_params(req.temperature, req.top_p, req.top_k),
                             stops=tuple(req.stop_sequences or ()), stream=bool(req.stream), cap=True, model=req.model)
     if req.output_config is not None and req.output_config.format is not None:
         schema = req.output_config.format.schema_ or {"type": "object"}

@@ -3,9 +3,9 @@
 A face validates its own pydantic body and builds a `ChatRequest` (messages as the chat template reads them, tools,
 tool choice, template variables, and the `Sampling` of the run) or, for OpenAI's completions, a `Sampling` and its
 prompts. Here the messages are rendered through the model's template, tokenized, and checked for what no type can say
-(the context, token ids, rules between fields); the result is a `RunRequest`. Every refusal is an `OpenAIError`
+(the context, token ids, rules between fields); the result is a `RunRequest`. Every refusal is an `ApiError`
 naming the field as the face spells it (`names`: `max_tokens` is Responses' `max_output_tokens`, `messages` its
-`input`), rendered in the shape of the route's API by `serving.outcomes`.
+`input`), rendered in the shape of the route's API by `server.outcomes`.
 """
 
 from __future__ import annotations
@@ -22,19 +22,19 @@ from jaxstation.chat.tools import ToolPlan, template_messages, tool_constraint
 from jaxstation.engine.constraints import ConstraintSpec
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.model.tokenizer import Tokenizer
-from jaxstation.serving.errors import OpenAIError, describe
-from jaxstation.serving.protocol import NO_TOKEN_STATE, TokenControls, check_allowed, request_field, token_controls
+from jaxstation.server.errors import ApiError, describe
+from jaxstation.server.protocol import NO_TOKEN_STATE, TokenControls, check_allowed, request_field, token_controls
 
 M = TypeVar("M", bound=BaseModel)
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
-def bad(param: str, message: str) -> OpenAIError:
-    return OpenAIError(400, message, param, "invalid_value")
+def bad(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param, "invalid_value")
 
 
-def unsupported(param: str, message: str) -> OpenAIError:
-    return OpenAIError(400, message, param, "unsupported_parameter")
+def unsupported(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param, "unsupported_parameter")
 
 
 def validate(model: type[M], body: Any, refused: Mapping[str, str] | None = None) -> M:
@@ -81,16 +81,22 @@ def function_tool(name: str, description: str | None, parameters: dict | None, s
     return {"type": "function", "function": {k: v for k, v in fields.items() if v is not None}}
 
 
+def sampling_params(temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                    min_p: float | None = None) -> SamplingParams:
+    """A face's sampling fields as the engine takes them, with the chat APIs' defaults for what was not sent
+    (temperature 1; top_k 0 or -1 is off). The face's types have bounded them: they are not checked again."""
+    return SamplingParams.bounded(temperature=float(1.0 if temperature is None else temperature),
+                                  top_k=0 if top_k in (None, -1) else top_k,
+                                  top_p=float(1.0 if top_p is None else top_p), min_p=float(min_p or 0.0))
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """What shapes a run beside its prompt, as every face asks for it."""
 
     max_tokens: int | None = None  # None: the rest of the context (chat) or 16 (completions)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # 0 or -1: off
-    min_p: float | None = None
-    seed: int | None = None
+    params: SamplingParams = dataclasses.field(default_factory=sampling_params)  # the token controls join at `plan_run`
+    seed: int | None = None  # choice j samples with seed + j; None: a random seed for each choice
     n: int = 1
     stops: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -219,10 +225,7 @@ def plan_run(prompts: list[list[int]], s: Sampling, chat: bool, max_request_toke
         stop_param = names.get("stop", "stop")
         raise bad(stop_param, f"{stop_param} strings must not be empty")
     stop_ids = frozenset(check_token_ids(s.stop_token_ids, vocab, "stop_token_ids"))
-    sampling = SamplingParams(temperature=float(1.0 if s.temperature is None else s.temperature),
-                              top_k=0 if s.top_k in (None, -1) else s.top_k,
-                              top_p=float(1.0 if s.top_p is None else s.top_p), min_p=float(s.min_p or 0.0),
-                              **token_controls(controls, vocab, on_device, bad, unsupported))
+    sampling = SamplingParams.bounded(s.params, **token_controls(controls, vocab, on_device, bad, unsupported))
     stop_ids |= frozenset() if controls.ignore_eos else eos_ids
     check_allowed(sampling, stop_ids, bad)
     return RunRequest(chat=chat, prompts=prompts, n=s.n, max_tokens=lengths, sampling=sampling, seed=s.seed,

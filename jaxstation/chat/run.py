@@ -5,7 +5,7 @@ from the answer, tool calls parsed out of it); the faces shape the replies (and 
 Each job's `on_token` callback runs on the decode thread and hands its `Sample` to the request's event loop with
 `loop.call_soon_threadsafe` into an `asyncio.Queue`; the job's Future does the same when it resolves. Everything else
 here runs on the request's event loop. Non-streaming and streaming replies are built from the same events, so their
-text is the same. A job's failure is raised as the engine's own exception (`serving.outcomes` maps it).
+text is the same. A job's failure is raised as the engine's own exception (`server.outcomes` maps it).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from jaxstation.chat.stops import scan_stops
 from jaxstation.chat.tools import ToolStream
 from jaxstation.engine.constraints import Constraint
 from jaxstation.engine.jobs import Job, QueueFull, Result, ShuttingDown
-from jaxstation.engine.rows import SEED_LIMIT, Sample
+from jaxstation.engine.rows import SEED_LIMIT, Sample, SamplingParams
 from jaxstation.model.detokenizer import IncrementalDetokenizer
 from jaxstation.model.tokenizer import Tokenizer
-from jaxstation.serving.outcomes import wait_for
-from jaxstation.serving.station import Station
+from jaxstation.server.outcomes import wait_for
+from jaxstation.server.station import Station
 
 
 @dataclasses.dataclass
@@ -103,7 +103,7 @@ class Run:
                 seed = (req.seed + j) % SEED_LIMIT if req.seed is not None else secrets.randbelow(SEED_LIMIT)
                 index = len(self.choices)
                 job = Job(tokens=prompt, max_new_tokens=max_tokens,
-                          sampling=dataclasses.replace(req.sampling, seed=seed), stop_ids=req.stop_ids,
+                          sampling=SamplingParams.bounded(req.sampling, seed=seed), stop_ids=req.stop_ids,
                           prompt_logprobs=req.echo_texts is not None and req.logprobs is not None,
                           reuse_prefix=self.station.config.reuse_prefix(False), on_token=self._on_token(index),
                           constraint=self.constraint.copy() if self.constraint else None, speculate=req.speculate)

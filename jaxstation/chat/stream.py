@@ -24,9 +24,9 @@ from jaxstation.chat.reasoning import pick_parser
 from jaxstation.chat.request import ChatRequest, RunRequest, plan_chat
 from jaxstation.chat.run import Run, Update
 from jaxstation.model.default_model import DEFAULT_GGUF_NAME
-from jaxstation.serving.http_common import until_disconnect
-from jaxstation.serving.outcomes import OPENAI_INVALID, OUTCOMES, Disconnected, Failure, failure
-from jaxstation.serving.station import Station
+from jaxstation.server.http_common import until_disconnect
+from jaxstation.server.outcomes import API_INVALID, OUTCOMES, Disconnected, Failure, failure
+from jaxstation.server.station import Station
 
 KEEPALIVE_S = 5.0  # the longest a stream stays silent: a long prompt's prefill must not look like a dead peer
 COMMENT = ": keep-alive\n\n"  # an SSE comment, which clients skip
@@ -38,7 +38,7 @@ def sse(data: dict, event: str | None = None) -> str:
     return f"{head}data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def wire(reply: BaseModel) -> dict[str, Any]:
+def reply_body(reply: BaseModel) -> dict[str, Any]:
     """A reply model as sent: every field that was set, nulls included, and nothing else."""
     return reply.model_dump(mode="json", exclude_unset=True)
 
@@ -61,11 +61,15 @@ def served_model_name(station: Station) -> str:
     return served_model_names(station)[0]
 
 
-def prepare(station: Station, req: ChatRequest) -> RunRequest:
+def station_reasoning(station: Station) -> str | None:
+    """The reasoning parser `station` splits its model's thinking with (None: the thinking stays in the text)."""
+    return pick_parser(station.config.reasoning_parser, station.model.tokenizer.chat_template)
+
+
+def plan_on_station(station: Station, req: ChatRequest) -> RunRequest:
     """A chat request as `station` runs it, with the station's reasoning parser."""
-    tok = station.model.tokenizer
-    return plan_chat(req, tok, station.model.cfg.vocab_size, station.config.max_request_tokens, station.eos_ids,
-                     station.engine.token_controls, pick_parser(station.config.reasoning_parser, tok.chat_template))
+    return plan_chat(req, station.model.tokenizer, station.model.cfg.vocab_size, station.config.max_request_tokens,
+                     station.eos_ids, station.engine.token_controls, station_reasoning(station))
 
 
 async def start_run(station: Station, req: RunRequest) -> Run:
@@ -90,7 +94,7 @@ async def run_whole(run: Run, request: Request) -> Response | None:
         return Response(status_code=499)
     except OUTCOMES as e:
         run.cancel_all()
-        return failure(e, OPENAI_INVALID).response(request.url.path)
+        return failure(e, API_INVALID).response(request.url.path)
     finally:
         gone.cancel()
     return None
@@ -131,7 +135,7 @@ async def stream_events(run: Run, events: Events) -> AsyncIterator[str]:
             yield event
     except OUTCOMES as e:
         run.cancel_all()
-        for event in events.failed(failure(e, OPENAI_INVALID)):
+        for event in events.failed(failure(e, API_INVALID)):
             yield event
     for event in events.last():
         yield event

@@ -9,7 +9,7 @@ or its ring, engine/arena.py), and `attend`, which picks one.
 - `kernel_decode_attention`: the CPU decode attention kernel (kernels/cpu_kernel.py), each row reading its own lane's
   positions in place (around a ring, in position order); any wave width.
 - `dense_decode_attention`: `jax.nn.dot_product_attention` ("xla" or "cudnn") over each lane's whole slab, masked to
-  its length; full-width decode waves only (row r is lane r), never over a ring (layout.attention_refusal).
+  its length; full-width decode waves only (row r is lane r), never over a ring (rules.attention_refusal).
 """
 
 from __future__ import annotations

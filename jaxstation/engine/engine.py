@@ -22,15 +22,6 @@ import jax
 import numpy as np
 
 from jaxstation.engine.arena import allocate_arena, arena_layout, kv_dtype_of
-from jaxstation.engine.layout import (
-    ATTENTIONS,
-    attention_refusal,
-    budget_refusal,
-    default_prefill_budget,
-    default_wave_widths,
-    narrow_waves,
-    widths_refusal,
-)
 from jaxstation.engine.penalties import lane_rows, start_lane
 from jaxstation.engine.prefix_cache import LaneVersions, RingHold
 from jaxstation.engine.rows import (
@@ -43,6 +34,15 @@ from jaxstation.engine.rows import (
     penalty_arrays,
     read_samples,
     sampling_arrays,
+)
+from jaxstation.engine.rules import (
+    ATTENTIONS,
+    attention_refusal,
+    budget_refusal,
+    default_prefill_budget,
+    default_wave_widths,
+    narrow_waves,
+    widths_refusal,
 )
 from jaxstation.engine.steps import prefill_chunk, step_rows
 from jaxstation.kernels import host_memory
@@ -83,14 +83,14 @@ class Engine:
                  attention: str = "blocked", wave_widths: Sequence[int] | None = None,
                  prefill_budget: int | None = 0, speculative: bool = False, kv_windows: str = "ring",
                  kv_dtype: str = "auto", max_loras: int = 0, max_lora_rank: int = 16) -> None:
-        """wave_widths: the decode wave widths (default: `layout.default_wave_widths`). prefill_budget: rows per
+        """wave_widths: the decode wave widths (default: `rules.default_wave_widths`). prefill_budget: rows per
         packed admission step (`pack`; 0: prompts enter one `prefill` chunk at a time; None:
-        `layout.default_prefill_budget`). speculative: verify drafted tokens (`verify`; where waves may run narrow).
+        `rules.default_prefill_budget`). speculative: verify drafted tokens (`verify`; where waves may run narrow).
         kv_windows: "ring" keeps only a windowed layer's window (engine/arena.py), "full" every position.
         kv_dtype: the arena's dtype (`arena.KV_DTYPES`; the decode attention kernel reads float32 only).
         max_loras, max_lora_rank: the LoRA adapters resident at once and their highest rank (model/lora.py): slots
         1..max_loras of stacks allocated here, slot 0 the base; 0 serves none and the steps carry no adapters.
-        A station passes its plan's (serving/plan.py), resolved by the same rules."""
+        A station passes its plan's (config/plan.py), resolved by the same rules."""
         if max_seq % chunk or max_seq % block:
             raise ValueError(f"max_seq ({max_seq}) must be a multiple of the prefill chunk ({chunk}) "
                              f"and of the KV block ({block})")

@@ -1,5 +1,5 @@
 """What a request is to the engine: a `Job` goes into `Scheduler.submit`, its Future answers with a `Result` or one of
-the errors below. Request handlers (serving/, openai/) build Jobs and read Results; only the scheduler moves them.
+the errors below. Request handlers (server/, chat/) build Jobs and read Results; only the scheduler moves them.
 """
 
 from __future__ import annotations

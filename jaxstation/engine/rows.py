@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -26,6 +27,9 @@ class SamplingParams:
     (OpenAI's, over the generated tokens), repetition_penalty (vLLM's, over the prompt and the generated tokens),
     logit_bias ((token id, bias) pairs, each id once), allowed_token_ids (vLLM's: when not empty, every other token is
     masked) and min_tokens (the request's stop ids are held back until it has generated that many).
+
+    Built directly, it checks its bounds itself. A request's values are bounded once, by its API face's types (every
+    face's fields hold each one to these bounds or tighter), and `bounded` builds it from them without a second check.
     """
 
     temperature: float = 0.0
@@ -63,6 +67,19 @@ class SamplingParams:
             raise ValueError("allowed_token_ids must be token ids >= 0")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+
+    @classmethod
+    def bounded(cls, base: SamplingParams | None = None, **fields: Any) -> SamplingParams:
+        """`base` (default: the defaults) with `fields` set, from values a request's own types have already held to
+        the bounds `__post_init__` checks: built without checking them again."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        if unknown := sorted(set(fields) - set(names)):
+            raise TypeError(f"SamplingParams has no field {', '.join(unknown)}")
+        params = object.__new__(cls)
+        for f in dataclasses.fields(cls):
+            value = fields[f.name] if f.name in fields else (f.default if base is None else getattr(base, f.name))
+            object.__setattr__(params, f.name, value)
+        return params
 
     @property
     def penalized(self) -> bool:

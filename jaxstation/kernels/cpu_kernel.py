@@ -1,4 +1,5 @@
-"""The CPU kernels (jaxstation/kernels/cpu_kernels.cc): build them once, register them with XLA, call them.
+"""The CPU kernels (jaxstation/kernels/*.cc, one file per kernel family, and their shared cpu_kernels.h): build them
+once into one library, register them with XLA, call them.
 
 XLA's CPU dot has two problems for a decode step. With int8 weights it converts them to float32 in memory before the
 dot, so a step moves more bytes than with float32 weights (and it has no GGUF block formats at all). And it picks a
@@ -15,8 +16,8 @@ compiles faster.
 
 It is compiled at first use with the system C++ compiler against the jaxlib headers (`jax.ffi.include_dir()`), for
 this machine's CPU (`-march=native`: the AVX-512 variant where the CPU has it, else AVX2), and cached under
-~/.cache/jaxstation/kernels keyed by source, flags, compiler, jaxlib and the CPU. Without a compiler, or off x86-64
-with AVX2, FMA and F16C, `available()` says why and the station keeps XLA's dot.
+~/.cache/jaxstation/kernels keyed by every source and header, flags, compiler, jaxlib and the CPU. Without a compiler,
+or off x86-64 with AVX2, FMA and F16C, `available()` says why and the station keeps XLA's dot.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+KERNEL_DIR = Path(__file__).parent
+SOURCES = tuple(sorted(KERNEL_DIR.glob("*.cc")))  # one file per kernel family, compiled into one library
+HEADERS = tuple(sorted(KERNEL_DIR.glob("*.h")))  # what the sources share
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
 # "avx2" builds the AVX2 variant (integer dot products by maddubs) on a CPU that has AVX-512 and VNNI too, to test or
 # compare it; "avx-vnni" the AVX2 variant with AVX-VNNI's vpdpbusd; "avx512" the AVX-512 variant without VNNI. Unset,
@@ -102,17 +105,19 @@ def _build() -> Path:
     if isa not in ISA_FLAGS:
         raise KernelUnavailable(f"{ISA_ENV}={isa!r} must be one of {', '.join(filter(None, ISA_FLAGS))} or unset")
     build_flags = (*FLAGS, *ISA_FLAGS[isa])
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *build_flags, version, jaxlib.__version__, model,
+    texts = [f"{path.name}\n{path.read_text()}" for path in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256("\0".join([*texts, *build_flags, version, jaxlib.__version__, model,
                                     " ".join(sorted(flags))]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     tmp = target.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cxx, *build_flags, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp)]
+    cmd = [cxx, *build_flags, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", str(tmp)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         tmp.unlink(missing_ok=True)
-        raise KernelUnavailable(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
+        names = ", ".join(s.name for s in SOURCES)
+        raise KernelUnavailable(f"compiling {names} failed: {done.stderr.strip()[-2000:]}")
     os.replace(tmp, target)  # atomic: concurrent builds (mesh stations starting together) each land a whole file
     return target
 

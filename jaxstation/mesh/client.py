@@ -14,12 +14,12 @@ import httpx
 import jax.numpy as jnp
 import numpy as np
 
+from jaxstation.config.plan import Plan
+from jaxstation.config.settings import StationConfig
 from jaxstation.engine.jobs import UpstreamFailed
+from jaxstation.group.payload import CONTENT_TYPE, PayloadError, decode, encode
 from jaxstation.model.config import LayerRange, ModelConfig
 from jaxstation.model.layers import compute_dtype
-from jaxstation.serving.plan import Plan
-from jaxstation.serving.settings import StationConfig
-from jaxstation.serving.wire import CONTENT_TYPE, WireError, decode, encode
 
 RETRY_S = 0.25  # between probes of a lost station
 
@@ -100,7 +100,7 @@ class StationClient:
         ms = (time.perf_counter() - t0) * 1e3
         try:
             reply, out = decode(r.content)
-        except WireError as e:
+        except PayloadError as e:
             raise MeshError(f"{self.name} sent an unreadable {path} reply: {e}") from None
         if reply.get("epoch") != self.epoch:
             raise StationLost(self, "restarted (its epoch changed), so its KV is gone")

@@ -14,16 +14,16 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxstation.config.plan import Plan
+from jaxstation.config.settings import StationConfig
 from jaxstation.mesh.host_engine import MeshEngine
 from jaxstation.mesh.stage import fingerprint
 from jaxstation.model.loader import LoadedModel
 from jaxstation.openai.routes import openai_endpoints
-from jaxstation.serving.openapi import Endpoint
-from jaxstation.serving.plan import Plan
-from jaxstation.serving.protocol import ErrorResponse
-from jaxstation.serving.routes import station_app, station_endpoints
-from jaxstation.serving.settings import StationConfig
-from jaxstation.serving.station import Station
+from jaxstation.server.openapi import Endpoint
+from jaxstation.server.protocol import ErrorResponse
+from jaxstation.server.routes import station_app, station_endpoints
+from jaxstation.server.station import Station
 
 
 # ---- the host app ------------------------------------------------------------------------------------------------

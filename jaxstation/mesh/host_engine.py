@@ -33,14 +33,14 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from jaxstation.config.plan import Plan
+from jaxstation.config.settings import StationConfig
 from jaxstation.engine.prefix_cache import LaneVersions
 from jaxstation.engine.rows import DecodeRow, Sample, SamplingParams, read_samples, sampling_arrays
 from jaxstation.engine.sampling import SampleOut
 from jaxstation.mesh.client import MeshError, StationClient, StationLost, check_mesh, describe_field, wait_info
 from jaxstation.mesh.stage import SAMPLING_FIELDS
 from jaxstation.model.config import LayerRange, ModelConfig
-from jaxstation.serving.plan import Plan
-from jaxstation.serving.settings import StationConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

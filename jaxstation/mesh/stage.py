@@ -7,7 +7,7 @@ own settings. Both reuse the local engine's pieces (`steps.run_layers`, `model.l
 `Params` cut down to the range by `slice_params`, so a split model computes what the whole one does, bit for bit.
 
 Every input is checked against the station's settings before it reaches the device (`check_forward`,
-`check_lm_head`): a bad lane id, position, shape or dtype raises `WireError` naming the field.
+`check_lm_head`): a bad lane id, position, shape or dtype raises `PayloadError` naming the field.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import numpy as np
 from jaxstation.engine.arena import KVArena, allocate_arena
 from jaxstation.engine.sampling import SampleOut, SamplingArrays, sample, token_logprobs
 from jaxstation.engine.steps import run_layers
+from jaxstation.group.payload import DTYPES, PayloadError
 from jaxstation.kernels.rowwise import log_softmax
 from jaxstation.model.config import LayerRange, ModelConfig
 from jaxstation.model.layers import Params, embed_tokens, layer_at, lm_logits
 from jaxstation.model.loader import LoadedModel
 from jaxstation.model.sharding import fused_sizes, mesh_of, natural_order
-from jaxstation.serving.wire import DTYPES, WireError
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingArrays))
 _SAMPLING_DTYPES = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32,
@@ -137,111 +137,112 @@ class Stage:
     def _wave(self, meta: dict) -> str:
         wave = meta.get("wave")
         if wave not in ("prefill", "decode"):
-            raise WireError("wave", f"must be 'prefill' or 'decode', got {wave!r}")
+            raise PayloadError("wave", f"must be 'prefill' or 'decode', got {wave!r}")
         return wave
 
     def _group(self, k: int, field: str) -> None:
         if not 1 <= k <= self.lanes or self.lanes % k:
-            raise WireError(field, f"a decode wave covers a number of lanes that divides {self.lanes}, got {k}")
+            raise PayloadError(field, f"a decode wave covers a number of lanes that divides {self.lanes}, got {k}")
 
     def check_forward(self, meta: dict, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, int, int]:
-        """(inputs, positions, lane0, n_blocks) of a valid /forward payload, or WireError naming the field."""
+        """(inputs, positions, lane0, n_blocks) of a valid /forward payload, or PayloadError naming the field."""
         wave = self._wave(meta)
         want = {"lanes", "positions", "tokens" if self.first else "x"}
         if set(arrays) != want:
-            raise WireError("arrays", f"this station ({self.layers}) takes exactly {sorted(want)}, "
-                                      f"got {sorted(arrays)}")
+            raise PayloadError("arrays", f"this station ({self.layers}) takes exactly {sorted(want)}, "
+                                         f"got {sorted(arrays)}")
         lanes, positions = arrays["lanes"], arrays["positions"]
         if lanes.dtype != np.int32 or lanes.ndim != 1 or lanes.shape[0] < 1:
-            raise WireError("lanes", f"must be int32 [K], got {lanes.dtype} {list(lanes.shape)}")
+            raise PayloadError("lanes", f"must be int32 [K], got {lanes.dtype} {list(lanes.shape)}")
         k, q = lanes.shape[0], (1 if wave == "decode" else self.chunk)
         if wave == "prefill":
             if k != 1 or not 0 <= lanes[0] < self.lanes:
-                raise WireError("lanes", f"a prefill chunk is for one lane in [0, {self.lanes}), got {lanes.tolist()}")
+                raise PayloadError("lanes", f"a prefill chunk is for one lane in [0, {self.lanes}), got "
+                                            f"{lanes.tolist()}")
         else:
             self._group(k, "lanes")
             if lanes[0] % k or lanes[0] + k > self.lanes or not np.array_equal(lanes, lanes[0] + np.arange(k)):
-                raise WireError("lanes", f"a decode wave covers the contiguous lanes [j*K, (j+1)*K) within "
-                                         f"[0, {self.lanes}), got {lanes.tolist()}")
+                raise PayloadError("lanes", f"a decode wave covers the contiguous lanes [j*K, (j+1)*K) within "
+                                            f"[0, {self.lanes}), got {lanes.tolist()}")
         lane0 = int(lanes[0])
         if positions.dtype != np.int32 or positions.shape != (k, q):
-            raise WireError("positions", f"must be int32 {[k, q]} for a {wave} wave, got {positions.dtype} "
-                                         f"{list(positions.shape)}")
+            raise PayloadError("positions", f"must be int32 {[k, q]} for a {wave} wave, got {positions.dtype} "
+                                            f"{list(positions.shape)}")
         if positions.min() < 0 or positions.max() >= self.max_seq:
-            raise WireError("positions", f"must lie in [0, {self.max_seq})")
+            raise PayloadError("positions", f"must lie in [0, {self.max_seq})")
         start = int(positions[0, 0])
         if wave == "prefill" and (start % self.chunk or not np.array_equal(positions[0], start + np.arange(q))):
-            raise WireError("positions", f"a prefill chunk is one lane's consecutive positions from a multiple "
-                                         f"of {self.chunk}")
+            raise PayloadError("positions", f"a prefill chunk is one lane's consecutive positions from a multiple "
+                                            f"of {self.chunk}")
         if self.first:
             inputs = arrays["tokens"]
             if inputs.dtype != np.int32 or inputs.shape != (k, q):
-                raise WireError("tokens", f"must be int32 {[k, q]}, got {inputs.dtype} {list(inputs.shape)}")
+                raise PayloadError("tokens", f"must be int32 {[k, q]}, got {inputs.dtype} {list(inputs.shape)}")
             if inputs.min() < 0 or inputs.max() >= self.cfg.vocab_size:
-                raise WireError("tokens", f"token ids must lie in [0, {self.cfg.vocab_size})")
+                raise PayloadError("tokens", f"token ids must lie in [0, {self.cfg.vocab_size})")
         else:
             inputs = arrays["x"]
             shape = (k, q, self.cfg.hidden_size)
             if inputs.dtype != self.dtype or inputs.shape != shape:
-                raise WireError("x", f"must be {self.dtype_name} {list(shape)}, got {inputs.dtype} "
-                                     f"{list(inputs.shape)}")
+                raise PayloadError("x", f"must be {self.dtype_name} {list(shape)}, got {inputs.dtype} "
+                                        f"{list(inputs.shape)}")
         n_blocks = meta.get("n_blocks")
         if type(n_blocks) is not int or not 1 <= n_blocks <= self.max_seq // self.block:
-            raise WireError("n_blocks", f"must be an integer in [1, {self.max_seq // self.block}], got {n_blocks!r}")
+            raise PayloadError("n_blocks", f"must be an integer in [1, {self.max_seq // self.block}], got {n_blocks!r}")
         return inputs, positions, lane0, n_blocks
 
     def _head_route(self) -> None:
         if not self.last:
-            raise WireError("route", f"this station holds layers {self.layers}; only the last one has the lm_head")
+            raise PayloadError("route", f"this station holds layers {self.layers}; only the last one has the lm_head")
 
     def check_score(self, meta: dict, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """(x, targets) of a valid /score payload (a prefill chunk's residuals and each row's next prompt token)."""
         self._head_route()
         if set(arrays) != {"x", "targets"}:
-            raise WireError("arrays", f"/score takes exactly ['targets', 'x'], got {sorted(arrays)}")
+            raise PayloadError("arrays", f"/score takes exactly ['targets', 'x'], got {sorted(arrays)}")
         x, targets = arrays["x"], arrays["targets"]
         shape = (self.chunk, self.cfg.hidden_size)
         if x.dtype != self.dtype or x.shape != shape:
-            raise WireError("x", f"must be {self.dtype_name} {list(shape)}, got {x.dtype} {list(x.shape)}")
+            raise PayloadError("x", f"must be {self.dtype_name} {list(shape)}, got {x.dtype} {list(x.shape)}")
         if targets.dtype != np.int32 or targets.shape != (self.chunk,):
-            raise WireError("targets", f"must be int32 [{self.chunk}], got {targets.dtype} {list(targets.shape)}")
+            raise PayloadError("targets", f"must be int32 [{self.chunk}], got {targets.dtype} {list(targets.shape)}")
         if targets.min() < 0 or targets.max() >= self.cfg.vocab_size:
-            raise WireError("targets", f"token ids must lie in [0, {self.cfg.vocab_size})")
+            raise PayloadError("targets", f"token ids must lie in [0, {self.cfg.vocab_size})")
         return x, targets
 
     def check_lm_head(self, meta: dict, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, SamplingArrays, bool]:
-        """(x, sampling, return_logits) of a valid /lm_head payload, or WireError naming the field."""
+        """(x, sampling, return_logits) of a valid /lm_head payload, or PayloadError naming the field."""
         self._head_route()
         wave = self._wave(meta)
         want = {"x", *SAMPLING_FIELDS}
         if set(arrays) != want:
-            raise WireError("arrays", f"/lm_head takes exactly {sorted(want)}, got {sorted(arrays)}")
+            raise PayloadError("arrays", f"/lm_head takes exactly {sorted(want)}, got {sorted(arrays)}")
         x = arrays["x"]
         if x.dtype != self.dtype or x.ndim != 2 or x.shape[1] != self.cfg.hidden_size or x.shape[0] < 1:
-            raise WireError("x", f"must be {self.dtype_name} [R, {self.cfg.hidden_size}], got {x.dtype} "
-                                 f"{list(x.shape)}")
+            raise PayloadError("x", f"must be {self.dtype_name} [R, {self.cfg.hidden_size}], got {x.dtype} "
+                                    f"{list(x.shape)}")
         r = x.shape[0]
         if wave == "prefill" and r != 1:
-            raise WireError("x", f"a prefill wave samples one row, got {r}")
+            raise PayloadError("x", f"a prefill wave samples one row, got {r}")
         self._group(r, "x")
         for name, dtype in _SAMPLING_DTYPES.items():
             a = arrays[name]
             if a.dtype != dtype or a.shape != (r,):
-                raise WireError(name, f"must be {np.dtype(dtype)} [{r}], got {a.dtype} {list(a.shape)}")
+                raise PayloadError(name, f"must be {np.dtype(dtype)} [{r}], got {a.dtype} {list(a.shape)}")
         s = SamplingArrays(**{name: arrays[name] for name in SAMPLING_FIELDS})
         if not np.all(np.isfinite(s.temperature) & (s.temperature >= 0)):
-            raise WireError("temperature", "must be finite and >= 0")
+            raise PayloadError("temperature", "must be finite and >= 0")
         if np.any(s.top_k < 0):
-            raise WireError("top_k", "must be >= 0")
+            raise PayloadError("top_k", "must be >= 0")
         if not np.all((s.top_p > 0) & (s.top_p <= 1)):
-            raise WireError("top_p", "must lie in (0, 1]")
+            raise PayloadError("top_p", "must lie in (0, 1]")
         if not np.all((s.min_p >= 0) & (s.min_p <= 1)):
-            raise WireError("min_p", "must lie in [0, 1]")
+            raise PayloadError("min_p", "must lie in [0, 1]")
         if np.any(s.counter < 0):
-            raise WireError("counter", "must be >= 0")
+            raise PayloadError("counter", "must be >= 0")
         logits = meta.get("logits", False)
         if not isinstance(logits, bool):
-            raise WireError("logits", f"must be a boolean, got {logits!r}")
+            raise PayloadError("logits", f"must be a boolean, got {logits!r}")
         return x, s, logits
 
     # ---- steps ------------------------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ the station can serve (a start-up probe); `GET /metrics` gives request counts an
 host what the station holds (layers, model fingerprint, lane geometry, dtype); `POST /forward` runs one wave through
 the range; `POST /lm_head` (last station only) samples; `POST /score` (last station only) gives a prefill chunk's
 prompt logprobs. All but /health and /ready need the mesh token as a bearer token, compared in constant time.
-Payloads are `serving.wire` binary; a payload that does not fit the station's settings gets a 400 JSON error naming the
-field, and an unknown route or method a JSON 404 or 405.
+Payloads are `group.payload` binary; a payload that does not fit the station's settings gets a 400 JSON error naming
+the field, and an unknown route or method a JSON 404 or 405.
 
 The epoch is a random id chosen when the station starts (and again whenever its arena is rebuilt), sent with every
 reply (`X-Mesh-Epoch` and the binary header's meta): a host that sees it change knows the station's KV is gone.
@@ -31,19 +31,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from jaxstation.config.coldstart import enable_compile_cache
+from jaxstation.config.memory import check_memory
+from jaxstation.config.plan import load_planned, startup_plan
+from jaxstation.config.settings import StationConfig
 from jaxstation.engine.metrics import MeshStationMetrics
+from jaxstation.group.payload import CONTENT_TYPE, MAX_HEADER_BYTES, PayloadError, decode, encode
 from jaxstation.mesh.stage import Stage
 from jaxstation.model.loader import LoadedModel
-from jaxstation.serving.access_log import configure_logging
-from jaxstation.serving.coldstart import enable_compile_cache
-from jaxstation.serving.http_common import BodyError, read_body
-from jaxstation.serving.memory import check_memory
-from jaxstation.serving.plan import load_planned, startup_plan
-from jaxstation.serving.routes import json_http_error
-from jaxstation.serving.server import run_server, uvicorn_config
-from jaxstation.serving.settings import StationConfig
-from jaxstation.serving.station import start_failed
-from jaxstation.serving.wire import CONTENT_TYPE, MAX_HEADER_BYTES, WireError, decode, encode
+from jaxstation.server.access_log import configure_logging
+from jaxstation.server.http_common import BodyError, read_body
+from jaxstation.server.routes import json_http_error
+from jaxstation.server.serve import run_server, uvicorn_config
+from jaxstation.server.station import start_failed
 
 log = logging.getLogger(__name__)
 EPOCH_HEADER = "X-Mesh-Epoch"
@@ -200,7 +200,7 @@ class _StationRoutes:
             except BodyError as e:
                 requests.labels(name, "invalid").inc()
                 return _error(e.status, e.message, "body", station.epoch)
-            except WireError as e:
+            except PayloadError as e:
                 requests.labels(name, "invalid").inc()
                 return _error(400, e.message, e.field, station.epoch)
             t0 = time.perf_counter()

@@ -40,8 +40,8 @@ from jaxstation.model.quant import (
     matmul_transposed,
     on_kernel,
     precision_for,
-    prepare,
     prepare_embedding,
+    prepare_weight,
     projection,
     stack,
     take_rows,
@@ -149,7 +149,7 @@ def build_params(cfg: ModelConfig, tensor: Callable[[int | None, str], Tensor], 
     mesh = make_mesh(shards) if shards > 1 else None
 
     def proj(w: Tensor, slot: str) -> Weight:  # [in, out] or [layers, in, out]; GGUF blocks out-major
-        return prepare(on_shards(slot, w, mesh), weights, matmul)
+        return prepare_weight(on_shards(slot, w, mesh), weights, matmul)
 
     def layer_arrays(i: int) -> dict[str, Tensor]:
         t = functools.partial(tensor, i)

@@ -136,7 +136,7 @@ def _in_out(w: Tensor) -> np.ndarray:
     return np.swapaxes(dense(w), -1, -2) if isinstance(w, GGUFBlocks | tuple) else np.asarray(w)
 
 
-def prepare(w: Tensor, weights: str, matmul: str) -> Weight:
+def prepare_weight(w: Tensor, weights: str, matmul: str) -> Weight:
     """A projection as the step will read it: cast, quantized, or out-major for the kernel (when its shape fits the
     kernel; otherwise XLA's dot serves that weight). `w` is [..., in, out], or GGUF blocks [..., out, in], which
     weights "gguf" and "gguf-exact" keep as stored for the kernel."""

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.layers import LayerParams, Params, compute_dtype
 from jaxstation.model.loader import LoadedModel
-from jaxstation.model.quant import prepare, prepare_embedding
+from jaxstation.model.quant import prepare_embedding, prepare_weight
 from jaxstation.model.sharding import make_mesh, shard_params
 
 ARCHITECTURES: dict[str, ModelConfig] = {
@@ -57,7 +57,7 @@ def random_params(cfg: ModelConfig, weights: str = "bfloat16", layer_loop: str =
         return (0.02 * jax.random.normal(next(key), shape, jnp.float32)).astype(dtype)
 
     def proj(shape: tuple[int, ...]):  # [..., in, out]
-        return prepare(normal(shape), weights, matmul)
+        return prepare_weight(normal(shape), weights, matmul)
 
     def layer(lead: tuple[int, ...]) -> LayerParams:
         hd = cfg.head_dim

@@ -14,13 +14,13 @@ from starlette.responses import JSONResponse, Response
 from jaxstation.model.lora_files import AdapterError
 from jaxstation.openai.parse import validate
 from jaxstation.openai.protocol import OpenAIErrorResponse
-from jaxstation.serving.adapters import AdapterConflict
-from jaxstation.serving.errors import OpenAIError
-from jaxstation.serving.http_common import read_json
-from jaxstation.serving.openapi import Endpoint
-from jaxstation.serving.outcomes import OUTCOMES, check_ready, failure
-from jaxstation.serving.protocol import LoadLoraAdapterRequest, LoraAdapterResponse, UnloadLoraAdapterRequest
-from jaxstation.serving.station import Station
+from jaxstation.server.adapters import AdapterConflict
+from jaxstation.server.errors import ApiError
+from jaxstation.server.http_common import read_json
+from jaxstation.server.openapi import Endpoint
+from jaxstation.server.outcomes import OUTCOMES, check_ready, failure
+from jaxstation.server.protocol import LoadLoraAdapterRequest, LoraAdapterResponse, UnloadLoraAdapterRequest
+from jaxstation.server.station import Station
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -31,7 +31,7 @@ def lora_endpoints(station: Station) -> list[Endpoint]:
     async def body_as(request: Request, model: type[M]) -> M:
         check_ready(station)
         if station.adapters is None:
-            raise OpenAIError(400, "this station holds no LoRA slots (--max-loras 0)", "lora_name")
+            raise ApiError(400, "this station holds no LoRA slots (--max-loras 0)", "lora_name")
         return validate(model, await read_json(request, station.config.max_body_bytes))
 
     async def load(request: Request) -> Response:
@@ -39,9 +39,9 @@ def lora_endpoints(station: Station) -> list[Endpoint]:
             req = await body_as(request, LoadLoraAdapterRequest)
             await asyncio.to_thread(station.adapters.load, req.lora_name, req.lora_path)
         except AdapterError as e:
-            return OpenAIError(400, str(e), "lora_path").response()
+            return ApiError(400, str(e), "lora_path").response()
         except AdapterConflict as e:
-            return OpenAIError(409, str(e), "lora_name").response()
+            return ApiError(409, str(e), "lora_name").response()
         except OUTCOMES as e:
             return failure(e, 400).response(request.url.path)
         return JSONResponse(LoraAdapterResponse(lora_name=req.lora_name, status="loaded").model_dump())
@@ -50,7 +50,7 @@ def lora_endpoints(station: Station) -> list[Endpoint]:
         try:
             req = await body_as(request, UnloadLoraAdapterRequest)
             if station.adapters.unload(req.lora_name) is None:
-                raise OpenAIError(404, f"lora_name {req.lora_name!r} is not a loaded adapter", "lora_name")
+                raise ApiError(404, f"lora_name {req.lora_name!r} is not a loaded adapter", "lora_name")
         except OUTCOMES as e:
             return failure(e, 400).response(request.url.path)
         return JSONResponse(LoraAdapterResponse(lora_name=req.lora_name, status="unloaded").model_dump())

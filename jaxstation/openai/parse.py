@@ -1,6 +1,6 @@
 """An OpenAI completions or chat completions body as the station's request: validated against `openai.protocol`,
 then translated into `chat.request`'s types (the chat messages as the template reads them, the sampling), which render,
-tokenize and check what the types cannot. Every refusal is an `OpenAIError` naming the field."""
+tokenize and check what the types cannot. Every refusal is an `ApiError` naming the field."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from jaxstation.chat.request import (
     plan_chat,
     plan_run,
     render_chat,
+    sampling_params,
     turn,
     unsupported,
     validate,
@@ -37,7 +38,7 @@ from jaxstation.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from jaxstation.serving.protocol import constraint_spec
+from jaxstation.server.protocol import constraint_spec
 
 
 def _formats(req: SamplingFields) -> tuple[ConstraintSpec, ...]:
@@ -63,8 +64,8 @@ def _sampling(req: SamplingFields, logprobs: int | None, max_tokens: int | None)
     if options is not None and options.continuous_usage_stats and not options.include_usage:
         field = "stream_options.continuous_usage_stats"
         raise bad(field, f"{field} needs include_usage=true")
-    return Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                    min_p=req.min_p, seed=req.seed, n=req.n or 1,
+    return Sampling(max_tokens=max_tokens, params=sampling_params(req.temperature, req.top_p, req.top_k, req.min_p),
+                    seed=req.seed, n=req.n or 1,
                     stops=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
                     stop_token_ids=tuple(req.stop_token_ids or ()), controls=req, formats=_formats(req),
                     logprobs=logprobs, stream=bool(req.stream), include_usage=bool(options and options.include_usage),
@@ -130,7 +131,8 @@ def chat_request(req: ChatCompletionRequest, cap: bool = False) -> ChatRequest:
 
 def parse_chat(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: int, eos_ids: frozenset[int],
                on_device: bool, reasoning: str | None = None, cap: bool = False) -> RunRequest:
-    """reasoning: the station's reasoning parser (None: the thinking stays in the text); cap: as `chat_request`'s."""
+    """A chat completions body as the station runs it: how the /v1/chat/completions route prepares every request.
+    reasoning: the station's reasoning parser (None: the thinking stays in the text); cap: as `chat_request`'s."""
     return plan_chat(chat_request(validate(ChatCompletionRequest, body, REFUSED_FIELDS), cap), tok, vocab,
                      max_request_tokens, eos_ids, on_device, reasoning)
 

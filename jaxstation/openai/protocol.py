@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 
 from jaxstation.chat.protocol import Body, Reply
 from jaxstation.engine.sampling import TOP_LOGPROBS
-from jaxstation.serving.protocol import StructuredOutputs, TokenControls
+from jaxstation.server.protocol import StructuredOutputs, TokenControls
 
 MAX_N = 8
 MAX_PROMPTS = 256

@@ -22,19 +22,28 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxstation.chat import hosted_tools
 from jaxstation.chat.request import validate
 from jaxstation.chat.run import Run, Update
-from jaxstation.chat.stream import Events, prepare, run_whole, served_model_name, sse, start_run, stream_response, wire
+from jaxstation.chat.stream import (
+    Events,
+    plan_on_station,
+    reply_body,
+    run_whole,
+    served_model_name,
+    sse,
+    start_run,
+    stream_response,
+)
 from jaxstation.openai import responses_protocol as r
 from jaxstation.openai.protocol import REFUSED_FIELDS, OpenAIErrorResponse
 from jaxstation.openai.responses_input import ResponseStore, chat_request, output_turn, turns
-from jaxstation.serving import hosted_tools
-from jaxstation.serving.errors import OpenAIError
-from jaxstation.serving.http_common import read_json
-from jaxstation.serving.openapi import Endpoint
-from jaxstation.serving.outcomes import OPENAI_INVALID, OUTCOMES, Failure, check_ready
-from jaxstation.serving.routes import rejected
-from jaxstation.serving.station import Station
+from jaxstation.server.errors import ApiError
+from jaxstation.server.http_common import read_json
+from jaxstation.server.openapi import Endpoint
+from jaxstation.server.outcomes import API_INVALID, OUTCOMES, Failure, check_ready
+from jaxstation.server.routes import rejected
+from jaxstation.server.station import Station
 
 
 def _id(prefix: str) -> str:
@@ -173,13 +182,13 @@ class ResponsesRoutes:
             if req.previous_response_id is not None:
                 stored = self.store.get(req.previous_response_id)
                 if stored is None:
-                    raise OpenAIError(404, f"no stored response {req.previous_response_id!r} (stored responses "
-                                      "are kept in memory, bounded, and lost on restart)", "previous_response_id",
-                                      "not_found")
+                    raise ApiError(404, f"no stored response {req.previous_response_id!r} (stored responses "
+                                   "are kept in memory, bounded, and lost on restart)", "previous_response_id",
+                                   "not_found")
                 history = stored.conversation
-            run = await start_run(station, prepare(station, chat_request(req, history)))
+            run = await start_run(station, plan_on_station(station, chat_request(req, history)))
         except OUTCOMES as e:
-            return rejected(station, request, e, OPENAI_INVALID)
+            return rejected(station, request, e, API_INVALID)
         request.state.token_counts = lambda: (run.counts().prompt, run.counts().generated)
         head, extra = self._head(req), hosted_tools.headers(hosted_tools.skipped(req.tools))
         if req.stream:
@@ -190,7 +199,7 @@ class ResponsesRoutes:
         deltas = [{"id": k["id"], "function": {"name": k["function"]["name"], "arguments": k["function"]["arguments"]}}
                   for k in c.calls]
         out.feed(c.thinking, c.content or "", deltas)
-        return JSONResponse(wire(self.finish(head, run, out, history, req)[0]), headers=extra)
+        return JSONResponse(reply_body(self.finish(head, run, out, history, req)[0]), headers=extra)
 
     def finish(self, head: dict, run: Run, out: Output, history: list[dict], req: r.ResponsesRequest
                 ) -> tuple[r.ResponseObject, list[dict]]:
@@ -199,37 +208,37 @@ class ResponsesRoutes:
         events = out.close(status)
         response = self.response_object(head, run, out, status)
         if head["store"]:
-            self.store.put(response, history + turns(req.input) + [output_turn(wire(response)["output"])])
+            self.store.put(response, history + turns(req.input) + [output_turn(reply_body(response)["output"])])
         return response, events
 
     def _stored(self, request: Request) -> r.ResponseObject:
         response_id = request.path_params["response_id"]
         stored = self.store.get(response_id)
         if stored is None:
-            raise OpenAIError(404, f"no stored response {response_id!r}", "response_id", "not_found")
+            raise ApiError(404, f"no stored response {response_id!r}", "response_id", "not_found")
         return stored.response
 
     async def retrieve(self, request: Request) -> Response:
         try:
-            return JSONResponse(wire(self._stored(request)))
-        except OpenAIError as e:
+            return JSONResponse(reply_body(self._stored(request)))
+        except ApiError as e:
             return e.response()
 
     async def delete(self, request: Request) -> Response:
         try:
             response = self._stored(request)
-        except OpenAIError as e:
+        except ApiError as e:
             return e.response()
         self.store.delete(response.id)
-        return JSONResponse(wire(r.DeletedResponse(id=response.id, object="response", deleted=True)))
+        return JSONResponse(reply_body(r.DeletedResponse(id=response.id, object="response", deleted=True)))
 
     async def cancel(self, request: Request) -> Response:
         try:
             self._stored(request)
-        except OpenAIError as e:
+        except ApiError as e:
             return e.response()
-        return OpenAIError(400, "only background responses can be cancelled, and background is not served",
-                           "response_id", "invalid_value").response()
+        return ApiError(400, "only background responses can be cancelled, and background is not served",
+                        "response_id", "invalid_value").response()
 
     def endpoints(self) -> list[Endpoint]:
         err = OpenAIErrorResponse
@@ -260,7 +269,7 @@ class ResponseEvents(Events):
         self.out = Output()
 
     def opening(self) -> list[str]:
-        response = wire(self.routes.response_object(self.head, self.run, self.out, "in_progress"))
+        response = reply_body(self.routes.response_object(self.head, self.run, self.out, "in_progress"))
         return [_sse(self.out.event(kind, response=response)) for kind in ("response.created", "response.in_progress")]
 
     def update(self, update: Update) -> list[str]:
@@ -268,10 +277,11 @@ class ResponseEvents(Events):
 
     def closing(self) -> list[str]:
         response, events = self.routes.finish(self.head, self.run, self.out, self.history, self.req)
-        return [_sse(e) for e in events + [self.out.event(f"response.{response.status}", response=wire(response))]]
+        done = self.out.event(f"response.{response.status}", response=reply_body(response))
+        return [_sse(e) for e in events + [done]]
 
     def failed(self, failed: Failure) -> list[str]:
-        response = {**wire(self.routes.response_object(self.head, self.run, self.out, "failed")),
+        response = {**reply_body(self.routes.response_object(self.head, self.run, self.out, "failed")),
                     "error": {"code": failed.code or "server_error", "message": failed.message}}
         return [_sse(self.out.event("response.failed", response=response))]
 

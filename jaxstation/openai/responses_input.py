@@ -21,7 +21,7 @@ import dataclasses
 import time
 from typing import Any
 
-from jaxstation.chat.request import ChatRequest, Sampling, function_tool, turn
+from jaxstation.chat.request import ChatRequest, Sampling, function_tool, sampling_params, turn
 from jaxstation.engine.constraints import ConstraintSpec
 from jaxstation.openai import responses_protocol as r
 
@@ -70,7 +70,7 @@ def chat_request(req: r.ResponsesRequest, history: list[dict]) -> ChatRequest:
     """The chat request of a Responses request; `history`: the turns of its previous response."""
     system = [turn("system", req.instructions)] if req.instructions else []
     choice = req.tool_choice
-    sampling = Sampling(max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
+    sampling = Sampling(max_tokens=req.max_output_tokens, params=sampling_params(req.temperature, req.top_p),
                         formats=_format(req.text.format) if req.text is not None else (), stream=bool(req.stream),
                         cap=True, model=req.model)
     effort = req.reasoning.effort if req.reasoning is not None else None

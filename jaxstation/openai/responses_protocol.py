@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
+from jaxstation.chat.hosted_tools import FUNCTION_TOOL, HOSTED_TOOL, HostedTool, tool_kind
 from jaxstation.chat.protocol import Body, Reply
-from jaxstation.serving.hosted_tools import FUNCTION_TOOL, HOSTED_TOOL, HostedTool, tool_kind
 
 
 class InputText(Body):

@@ -19,32 +19,25 @@ from starlette.responses import JSONResponse, Response
 from jaxstation.chat.run import Choice, Run, Update
 from jaxstation.chat.stream import (
     Events,
-    prepare,
+    reply_body,
     run_whole,
     served_model_name,
     served_model_names,
     sse,
     start_run,
+    station_reasoning,
     stream_response,
-    wire,
 )
 from jaxstation.model.tokenizer import Tokenizer
 from jaxstation.openai import protocol as p
 from jaxstation.openai.logprobs import echo, logprobs_since, usage
-from jaxstation.openai.parse import (
-    REFUSED_FIELDS,
-    chat_request,
-    parse_completion,
-    parse_detokenize,
-    parse_tokenize,
-    validate,
-)
-from jaxstation.serving.errors import OpenAIError
-from jaxstation.serving.http_common import read_json
-from jaxstation.serving.openapi import Endpoint
-from jaxstation.serving.outcomes import OPENAI_INVALID, OUTCOMES, Failure, NotReady, check_ready
-from jaxstation.serving.routes import rejected
-from jaxstation.serving.station import Station
+from jaxstation.openai.parse import parse_chat, parse_completion, parse_detokenize, parse_tokenize
+from jaxstation.server.errors import ApiError
+from jaxstation.server.http_common import read_json
+from jaxstation.server.openapi import Endpoint
+from jaxstation.server.outcomes import API_INVALID, OUTCOMES, Failure, NotReady, check_ready
+from jaxstation.server.routes import rejected
+from jaxstation.server.station import Station
 
 
 def tokenizer_config(tok: Tokenizer, max_model_len: int) -> p.TokenizerInfo:
@@ -76,19 +69,18 @@ class OpenAIRoutes:
         return self.station.model.tokenizer
 
     def _rejected(self, request: Request, error: Exception) -> Response:
-        return rejected(self.station, request, error, OPENAI_INVALID)
+        return rejected(self.station, request, error, API_INVALID)
 
     async def _start(self, request: Request, chat: bool) -> Run:
         """Parse the body and start its run."""
         station = self.station
         check_ready(station)
         body = await self._body(request)
+        tok, vocab = station.model.tokenizer, station.model.cfg.vocab_size
+        limits = (station.config.max_request_tokens, station.eos_ids, station.engine.token_controls)
         if chat:
-            return await start_run(station, prepare(station, chat_request(validate(p.ChatCompletionRequest, body,
-                                                                                    REFUSED_FIELDS))))
-        return await start_run(station, parse_completion(
-            body, station.model.tokenizer, station.model.cfg.vocab_size, station.config.max_request_tokens,
-            station.eos_ids, station.engine.token_controls))
+            return await start_run(station, parse_chat(body, tok, vocab, *limits, station_reasoning(station)))
+        return await start_run(station, parse_completion(body, tok, vocab, *limits))
 
     async def completions(self, request: Request, chat: bool) -> Response:
         try:
@@ -100,7 +92,7 @@ class OpenAIRoutes:
                 "model": served_model_name(self.station)}
         if run.req.stream:
             return stream_response(run, Chunks(run, head))
-        return await run_whole(run, request) or JSONResponse(wire(whole_reply(run, head)))
+        return await run_whole(run, request) or JSONResponse(reply_body(whole_reply(run, head)))
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.completions(request, chat=True)
@@ -115,15 +107,15 @@ class OpenAIRoutes:
         adapters = self.station.adapters.residents() if self.station.adapters else []
         cards += [p.ModelCard(id=a.name, object="model", created=now, owned_by="jaxstation", max_model_len=limit,
                               root=a.path, parent=served_model_name(self.station)) for a in adapters]
-        return JSONResponse(wire(p.ModelList(object="list", data=cards)))
+        return JSONResponse(reply_body(p.ModelList(object="list", data=cards)))
 
     async def tokenize(self, request: Request) -> Response:
         try:
             tokens = parse_tokenize(await self._body(request), self._tokenizer())
         except OUTCOMES as e:
             return self._rejected(request, e)
-        return JSONResponse(wire(p.TokenizeResponse(count=len(tokens), tokens=tokens,
-                                                    max_model_len=self.station.config.max_request_tokens)))
+        return JSONResponse(reply_body(p.TokenizeResponse(count=len(tokens), tokens=tokens,
+                                                          max_model_len=self.station.config.max_request_tokens)))
 
     async def detokenize(self, request: Request) -> Response:
         try:
@@ -131,14 +123,14 @@ class OpenAIRoutes:
             tokens = parse_detokenize(await self._body(request), self.station.model.cfg.vocab_size)
         except OUTCOMES as e:
             return self._rejected(request, e)
-        return JSONResponse(wire(p.DetokenizeResponse(prompt=tok.decode(tokens))))
+        return JSONResponse(reply_body(p.DetokenizeResponse(prompt=tok.decode(tokens))))
 
     async def tokenizer_info(self, request: Request) -> Response:
         try:
             tok = self._tokenizer()
         except OUTCOMES as e:
             return self._rejected(request, e)
-        return JSONResponse(wire(tokenizer_config(tok, self.station.config.max_request_tokens)))
+        return JSONResponse(reply_body(tokenizer_config(tok, self.station.config.max_request_tokens)))
 
     def endpoints(self) -> list[Endpoint]:
         err = p.OpenAIErrorResponse
@@ -215,10 +207,10 @@ class Chunks(Events):
             return []
         reply = p.ChatCompletionChunk if self.run.req.chat else p.CompletionResponse
         obj = "chat.completion.chunk" if self.run.req.chat else "text_completion"
-        return [sse(wire(reply(**self.head, object=obj, choices=[], usage=usage(self.run))))]
+        return [sse(reply_body(reply(**self.head, object=obj, choices=[], usage=usage(self.run))))]
 
     def failed(self, failed: Failure) -> list[str]:
-        return [sse(OpenAIError(failed.status, failed.message, failed.field, failed.code).body())]
+        return [sse(ApiError(failed.status, failed.message, failed.field, failed.code).body())]
 
     def last(self) -> list[str]:
         return ["data: [DONE]\n\n"]
@@ -232,7 +224,8 @@ class Chunks(Events):
             {"usage": None} if run.req.include_usage else {})
         if not run.req.chat:
             choice = p.CompletionChoice(index=c.index, text=text, logprobs=lp, finish_reason=finish)
-            return sse(wire(p.CompletionResponse(**head, object="text_completion", choices=[choice], **usage_so_far)))
+            return sse(reply_body(p.CompletionResponse(**head, object="text_completion", choices=[choice],
+                                                       **usage_so_far)))
         delta = p.ChatDelta(role="assistant", content=text) if first else (
             p.ChatDelta(content=text) if text else p.ChatDelta())
         if calls:
@@ -240,5 +233,5 @@ class Chunks(Events):
         if thinking:
             delta.reasoning_content = delta.reasoning = thinking
         choice = p.ChatChunkChoice(index=c.index, delta=delta, logprobs=lp, finish_reason=finish)
-        return sse(wire(p.ChatCompletionChunk(**head, object="chat.completion.chunk", choices=[choice],
-                                              **usage_so_far)))
+        return sse(reply_body(p.ChatCompletionChunk(**head, object="chat.completion.chunk", choices=[choice],
+                                                    **usage_so_far)))

@@ -25,7 +25,7 @@ MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; cha
 
 def _load() -> dict[str, tuple[bytes, str]]:
     """Every file of static/, by name, with its media type."""
-    files = resources.files("jaxstation.web").joinpath("static")
+    files = resources.files("jaxstation.server.web").joinpath("static")
     return {f.name: (f.read_bytes(), MEDIA_TYPES[f.name[f.name.rfind("."):]])
             for f in files.iterdir() if f.name[f.name.rfind("."):] in MEDIA_TYPES}
 

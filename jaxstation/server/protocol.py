@@ -21,7 +21,7 @@ from jaxstation.engine.constraints import ConstraintSpec
 from jaxstation.engine.jobs import Job
 from jaxstation.engine.penalties import MAX_LOGIT_BIAS
 from jaxstation.engine.rows import FLOAT32_MAX, FLOAT32_TINY, SEED_LIMIT, SamplingParams
-from jaxstation.serving.errors import ApiError, describe
+from jaxstation.server.errors import StationError, describe
 
 TokenId = Annotated[int, Field(ge=0)]
 BiasKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$")]  # a token id, in decimal
@@ -204,40 +204,40 @@ class ErrorResponse(BaseModel):
 def parse_generate(body: Any, vocab: int, max_request_tokens: int, eos_ids: frozenset[int],
                    reuse_prefix: Callable[[bool], bool], on_device: bool) -> tuple[Job, ConstraintSpec | None]:
     """Validate a /generate body into a Job and the constraint it asks for (compiled by the caller, off the event
-    loop), or raise ApiError naming the offending field.
+    loop), or raise StationError naming the offending field.
 
     reuse_prefix: whether a request with this `resume` flag may start on cached KV (`StationConfig.reuse_prefix`).
     on_device: whether the runner applies the token controls (`Runner.token_controls`).
     """
     if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object", "body")
+        raise StationError(400, "the body must be a JSON object", "body")
     try:
         req = GenerateRequest.model_validate(body)
     except ValidationError as e:
         field, message, kind = describe(e)
         if kind == "unknown":
             message = f"unknown field {field!r}; fields are {', '.join(GenerateRequest.model_fields)}"
-        raise ApiError(422, message, field.split("[")[0].split(".")[0]) from None
+        raise StationError(422, message, field.split("[")[0].split(".")[0]) from None
     for field in ("tokens", "stop_token_ids"):
         for t in getattr(req, field) or ():
             if t >= vocab:
-                raise ApiError(422, f"{field} holds token id {t}, outside the vocabulary [0, {vocab})", field)
+                raise StationError(422, f"{field} holds token id {t}, outside the vocabulary [0, {vocab})", field)
     if len(req.tokens) + req.max_new_tokens > max_request_tokens:
-        raise ApiError(422, f"prompt ({len(req.tokens)} tokens) + max_new_tokens ({req.max_new_tokens}) exceeds the "
-                            f"station's max_seq of {max_request_tokens}", "max_new_tokens")
+        raise StationError(422, f"prompt ({len(req.tokens)} tokens) + max_new_tokens ({req.max_new_tokens}) exceeds "
+                                f"the station's max_seq of {max_request_tokens}", "max_new_tokens")
     if (req.min_tokens or 0) > req.max_new_tokens:
-        raise ApiError(422, f"min_tokens ({req.min_tokens}) exceeds max_new_tokens ({req.max_new_tokens})",
-                       "min_tokens")
-    refuse = lambda field, message: ApiError(422, message, field)  # noqa: E731
+        raise StationError(422, f"min_tokens ({req.min_tokens}) exceeds max_new_tokens ({req.max_new_tokens})",
+                           "min_tokens")
+    refuse = lambda field, message: StationError(422, message, field)  # noqa: E731
     controls = token_controls(req, vocab, on_device, refuse, refuse)
     seed = secrets.randbelow(SEED_LIMIT) if req.seed is None else req.seed
-    sampling = SamplingParams(temperature=float(req.temperature or 0.0), top_k=req.top_k or 0,
-                              top_p=float(1.0 if req.top_p is None else req.top_p), seed=seed, **controls)
+    sampling = SamplingParams.bounded(temperature=float(req.temperature or 0.0), top_k=req.top_k or 0,
+                                      top_p=float(1.0 if req.top_p is None else req.top_p), seed=seed, **controls)
     stops = (frozenset() if req.ignore_eos else eos_ids) | frozenset(req.stop_token_ids or ())
     check_allowed(sampling, stops, refuse)
     spec = constraint_spec(req.structured_outputs, "structured_outputs", refuse) if req.structured_outputs else None
     if spec is not None and not on_device:
-        raise ApiError(422, f"structured_outputs {NO_TOKEN_STATE}", "structured_outputs")
+        raise StationError(422, f"structured_outputs {NO_TOKEN_STATE}", "structured_outputs")
     job = Job(tokens=req.tokens, max_new_tokens=req.max_new_tokens, sampling=sampling, stop_ids=stops,
               terminal_prosody=req.terminal_prosody, reuse_prefix=reuse_prefix(req.resume), speculate=req.speculative)
     return job, spec

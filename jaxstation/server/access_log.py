@@ -24,7 +24,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("jaxstation.access")
 
-LOG_FORMATS = ("text", "json")
 PROBES = frozenset({"/health", "/ready"})
 _ERROR_BODY_LIMIT = 8192  # bytes of a 4xx body kept to find the refused field
 

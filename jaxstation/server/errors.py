@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse
 _REPR_LIMIT = 60
 
 
-class ApiError(Exception):
+class StationError(Exception):
     """An error in the station's shape: `{"error": {"message", "field"}}`."""
 
     def __init__(self, status: int, message: str, field: str | None = None,
@@ -29,8 +29,10 @@ class ApiError(Exception):
                             headers=self.headers)
 
 
-class OpenAIError(Exception):
-    """An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`."""
+class ApiError(Exception):
+    """An error of the API faces (OpenAI's, Responses' and Anthropic's Messages), with OpenAI's fields: its own body
+    is OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`; a route's `Failure` renders it in the shape of
+    the route's API."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
@@ -71,8 +73,8 @@ def error_response(path: str, status: int, message: str, field: str | None = Non
     if path.startswith(ANTHROPIC_PATHS):
         return JSONResponse(anthropic_body(status, message, field), status, headers=headers)
     if path.startswith(OPENAI_PATHS):
-        return OpenAIError(status, message, field, code, headers=headers).response()
-    return ApiError(status, message, field, headers=headers).response()
+        return ApiError(status, message, field, code, headers=headers).response()
+    return StationError(status, message, field, headers=headers).response()
 
 
 _NO_BODY = object()

@@ -17,10 +17,10 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 
-from jaxstation.serving.access_log import configure_logging
-from jaxstation.serving.coldstart import StartupClock
-from jaxstation.serving.settings import StationConfig
-from jaxstation.serving.station import Station
+from jaxstation.config.coldstart import StartupClock
+from jaxstation.config.settings import StationConfig
+from jaxstation.server.access_log import configure_logging
+from jaxstation.server.station import Station
 
 log = logging.getLogger(__name__)
 

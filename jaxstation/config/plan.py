@@ -4,7 +4,7 @@
 whether the CPU kernel runs here (which builds it with the system C++ compiler on first use). From those, the
 settings and the model's config it decides the weight format, the matmul path, the layer walk, the decode attention,
 the decode wave widths and the packed admission budget; checks that they fit together and fit the model, with the
-engine's own rules (engine/layout.py); and returns them frozen. A refusal is a `ConfigError` that names the flag or
+engine's own rules (engine/rules.py); and returns them frozen. A refusal is a `ConfigError` that names the flag or
 environment variable that asked for it. A station resolves its plan before it loads the weights (the model's config
 is read without its tensors), logs it in one line, and hands it to the loader and the engine: nothing downstream
 decides again. Each field keeps the name of its flag, from `--dtype` through the plan to the loader and the engine.
@@ -19,7 +19,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxstation.engine import layout
+from jaxstation.config.memory import available_memory, weight_bytes
+from jaxstation.config.settings import ConfigError, StationConfig
+from jaxstation.engine import rules
 from jaxstation.engine.arena import arena_bytes, arena_layout, kv_dtype_of
 from jaxstation.engine.engine import Engine
 from jaxstation.kernels import cpu_kernel
@@ -28,8 +30,6 @@ from jaxstation.model.config import ModelConfig
 from jaxstation.model.layers import compute_dtype, kernel_takes_every_matmul
 from jaxstation.model.loader import LoadedModel, checkpoint_config, load_model
 from jaxstation.model.quant import GGUF_WEIGHTS
-from jaxstation.serving.memory import available_memory, weight_bytes
-from jaxstation.serving.settings import ConfigError, StationConfig
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def _attention(config: StationConfig, cfg: ModelConfig, backend: str, dtype: str
     if config.attention == "kernel" and kernel_error is not None:
         raise ConfigError(f"{config.named('attention')}=kernel: {kernel_error}")
     if config.attention != "auto":
-        if refusal := layout.attention_refusal(cfg, config.attention, activations, config.max_seq, kv):
+        if refusal := rules.attention_refusal(cfg, config.attention, activations, config.max_seq, kv):
             raise ConfigError(f"{config.named('attention')}={config.attention!r} {refusal}")
         return config.attention
     if cfg.attn_softcap is not None:
@@ -187,13 +187,13 @@ def _attention(config: StationConfig, cfg: ModelConfig, backend: str, dtype: str
 
 def _waves(config: StationConfig, row_invariant: bool, attention: str) -> tuple[tuple[int, ...], int]:
     """The decode wave widths and the packed admission budget (0: off): the settings, or the engine's defaults."""
-    narrow, lanes = layout.narrow_waves(row_invariant, attention), config.lanes
-    widths = layout.default_wave_widths(lanes, narrow) if config.wave_widths == "auto" else config.wave_widths
-    budget = layout.default_prefill_budget(lanes, narrow) if config.prefill_budget == "auto" else config.prefill_budget
+    narrow, lanes = rules.narrow_waves(row_invariant, attention), config.lanes
+    widths = rules.default_wave_widths(lanes, narrow) if config.wave_widths == "auto" else config.wave_widths
+    budget = rules.default_prefill_budget(lanes, narrow) if config.prefill_budget == "auto" else config.prefill_budget
     asked = {"wave_widths": (f"waves of {','.join(map(str, widths))} rows",
-                             layout.widths_refusal(widths, lanes, row_invariant, attention)),
+                             rules.widths_refusal(widths, lanes, row_invariant, attention)),
              "prefill_budget": (f"packed steps of {budget} rows",
-                                layout.budget_refusal(budget, lanes, row_invariant, attention))}
+                                rules.budget_refusal(budget, lanes, row_invariant, attention))}
     for field, (what, refusal) in asked.items():
         if refusal:
             raise ConfigError(f"{config.named(field)} asks for {what}: {refusal}")

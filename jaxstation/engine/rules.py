@@ -1,7 +1,7 @@
 """What an engine can run, as rules in one place: which decode attention serves a model, which decode wave widths and
 which packed admission budget its weights allow, and the defaults of both.
 
-`Engine` applies them to what its caller passes; the station's plan (serving/plan.py) applies the same rules to the
+`Engine` applies them to what its caller passes; the station's plan (config/plan.py) applies the same rules to the
 settings at start-up, so that a refusal names the flag or environment variable that asked for it. Each refusal is a
 reason (a string) or None, and its caller words the error.
 """

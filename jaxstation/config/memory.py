@@ -9,10 +9,10 @@ import os
 import jax
 import jax.numpy as jnp
 
+from jaxstation.config.settings import ConfigError, GiB, StationConfig
 from jaxstation.engine.arena import KVArena, arena_bytes, kv_dtype_of
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.layers import compute_dtype, projection_shapes
-from jaxstation.serving.settings import ConfigError, GiB, StationConfig
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +85,11 @@ def check_memory(cfg: ModelConfig, station: StationConfig, dtype: str, *, weight
                  available: int | None = None, layout: tuple[int, tuple[bool, ...]] = (0, ())) -> None:
     """Fail at start-up, with the setting to lower, if max_seq exceeds the model or the arena cannot fit.
 
-    dtype: the weight format the plan chose (serving/plan.py).
+    dtype: the weight format the plan chose (config/plan.py).
 
     weights_resident: the weights are already loaded, so the free figure has them taken off already.
     available: bytes free on each device (default: measured by `available_memory`).
-    layout: (ring, windowed) of the arena (serving/plan.py's `planned_arena`); default every position of every layer.
+    layout: (ring, windowed) of the arena (config/plan.py's `planned_arena`); default every position of every layer.
     Split over `station.tensor_parallel` devices, each holds 1/N of the arena and its share of the weights: the check
     is per device.
     """

@@ -3,7 +3,7 @@
 Every environment variable has a mirroring CLI flag (`MOONSHINE_BATCH_LANES` <-> `--lanes`, ...). `PORT` is honoured
 because Cloud Run sets it. A `StationConfig` holds what the user asked for, each value parsed and checked once, on its
 own: it reads no backend and builds nothing. What `auto` means on this machine and for this model is decided once, at
-start-up, by the station's plan (serving/plan.py). `check_memory` (serving/memory.py) runs at start-up too, once the
+start-up, by the station's plan (config/plan.py). `check_memory` (config/memory.py) runs at start-up too, once the
 model's config is known, and fails with an error that says how much the KV arena needs and which setting to lower.
 """
 
@@ -15,14 +15,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jaxstation.engine.arena import KV_DTYPES, KV_WINDOWS
-from jaxstation.engine.layout import ATTENTIONS, PACK_BUDGET_AUTO
-from jaxstation.model.chat_template import read_template
-from jaxstation.model.config import LayerRange
-from jaxstation.model.layers import LAYER_LOOPS, WEIGHT_DTYPES
-from jaxstation.model.quant import MATMULS
-from jaxstation.serving.access_log import LOG_FORMATS
-from jaxstation.serving.setting_values import (
+from jaxstation.config.setting_values import (
     ConfigError,
     parse_bool,
     parse_float,
@@ -31,6 +24,12 @@ from jaxstation.serving.setting_values import (
     parse_names,
     parse_str,
 )
+from jaxstation.engine.arena import KV_DTYPES, KV_WINDOWS
+from jaxstation.engine.rules import ATTENTIONS, PACK_BUDGET_AUTO
+from jaxstation.model.chat_template import read_template
+from jaxstation.model.config import LayerRange
+from jaxstation.model.layers import LAYER_LOOPS, WEIGHT_DTYPES
+from jaxstation.model.quant import MATMULS
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -41,6 +40,7 @@ MATMUL_CHOICES = ("auto", *MATMULS)
 PREFIX_REUSE = ("auto", "resume", "off")
 SPECULATIVE = ("off", "ngram", "draft")
 REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "none")
+LOG_FORMATS = ("text", "json")  # how log lines are written (server/access_log.py)
 COMMANDS = ("serve", "station", "host")
 _ALL = frozenset(COMMANDS)
 _FRONT = frozenset({"serve", "host"})  # the commands that serve the API: a station or a mesh host
@@ -211,12 +211,12 @@ class StationConfig:
     """Every station setting. Build it with `resolve`; `__post_init__` rejects what cannot work."""
 
     model: str | None = None  # None: the embedded default model
-    dtype: str | None = None  # None: the backend's default, decided by the plan (serving/plan.py)
+    dtype: str | None = None  # None: the backend's default, decided by the plan (config/plan.py)
     attention: str = "auto"
     layer_loop: str = "auto"
     matmul: str = "auto"
     tensor_parallel: int = 1
-    coordinator_address: str | None = None  # a group of processes (serving/group.py); None: one process
+    coordinator_address: str | None = None  # a group of processes (group/process_group.py); None: one process
     num_processes: int | None = None
     process_id: int | None = None
     host: str = "127.0.0.1"

@@ -10,7 +10,7 @@ the followers, load the same model, warm up through the same function as the lea
 then run each call they receive and nothing else; they answer /health and /ready for their own probes.
 
 The calls travel over one TCP connection a follower opens to the leader (the coordinator's host, its port + 1), as
-length-prefixed `serving.wire` payloads: the arrays as raw buffers with their dtype and shape, the rest as JSON that
+length-prefixed `group.payload` payloads: the arrays as raw buffers with their dtype and shape, the rest as JSON that
 may build only the engine's row types, tuples, frozensets and plain values. Nothing on the wire names a module, so
 processes on different NumPy lines read each other. Both ends send a heartbeat every HEARTBEAT_S.
 Multi-controller JAX does not survive a lost process, so a peer whose connection closes, or that is silent for
@@ -36,15 +36,15 @@ from typing import Any
 
 import numpy as np
 
+from jaxstation.config.coldstart import enable_compile_cache
+from jaxstation.config.plan import Plan, load_planned, startup_plan
+from jaxstation.config.settings import ConfigError, StationConfig
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import DecodeRow, PromptPiece, SamplingParams
+from jaxstation.group.payload import PayloadError, decode, encode
 from jaxstation.model.loader import LoadedModel
-from jaxstation.serving.access_log import configure_logging
-from jaxstation.serving.coldstart import enable_compile_cache
-from jaxstation.serving.plan import Plan, load_planned, startup_plan
-from jaxstation.serving.settings import ConfigError, StationConfig
-from jaxstation.serving.station import local_engine, warm_up
-from jaxstation.serving.wire import WireError, decode, encode
+from jaxstation.server.access_log import configure_logging
+from jaxstation.server.station import local_engine, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -147,11 +147,11 @@ def _plain(value: Any, arrays: dict[str, np.ndarray]) -> Any:
     if _ROWS.get(type(value).__name__) is type(value):
         return {"row": type(value).__name__,
                 "fields": {f.name: _plain(getattr(value, f.name), arrays) for f in dataclasses.fields(value)}}
-    raise WireError("call", f"a step call may not hold {type(value).__name__}")
+    raise PayloadError("call", f"a step call may not hold {type(value).__name__}")
 
 
 def _value(plain: Any, arrays: dict[str, np.ndarray]) -> Any:
-    """The inverse of `_plain`; WireError for anything it would not have written."""
+    """The inverse of `_plain`; PayloadError for anything it would not have written."""
     if isinstance(plain, list):
         return [_value(v, arrays) for v in plain]
     if not isinstance(plain, dict):
@@ -165,7 +165,7 @@ def _value(plain: Any, arrays: dict[str, np.ndarray]) -> Any:
         return {k: _value(v, arrays) for k, v in plain["dict"].items()}
     if set(plain) == {"row", "fields"} and plain["row"] in _ROWS and isinstance(plain["fields"], dict):
         return _ROWS[plain["row"]](**{k: _value(v, arrays) for k, v in plain["fields"].items()})
-    raise WireError("call", f"a step call may not hold {json.dumps(plain)[:80]}")
+    raise PayloadError("call", f"a step call may not hold {json.dumps(plain)[:80]}")
 
 
 def send(sock: socket.socket, message: object) -> None:
@@ -176,15 +176,15 @@ def send(sock: socket.socket, message: object) -> None:
 
 def receive(sock: socket.socket) -> object:
     """The next message; ConnectionError when the peer closed, TimeoutError when it was silent for the timeout,
-    WireError for a payload that is not a step call, a heartbeat or a process id."""
+    PayloadError for a payload that is not a step call, a heartbeat or a process id."""
     (n,) = struct.unpack("!I", _exactly(sock, 4))
     meta, arrays = decode(_exactly(sock, n))
     if set(meta) != {"message"}:
-        raise WireError("meta", "must hold exactly 'message'")
+        raise PayloadError("meta", "must hold exactly 'message'")
     try:
         return _value(meta["message"], arrays)
     except TypeError as e:  # a row's fields that do not fit it
-        raise WireError("call", str(e)) from None
+        raise PayloadError("call", str(e)) from None
 
 
 def _exactly(sock: socket.socket, n: int) -> bytes:
@@ -245,7 +245,7 @@ class Leader:
             conn.settimeout(LOST_S)
             try:
                 process_id = receive(conn)
-            except (OSError, WireError, struct.error) as e:
+            except (OSError, PayloadError, struct.error) as e:
                 process_id = f"nothing readable ({_why(e)})"
             expected = set(range(1, self.group.processes)) - set(self.followers)
             if not isinstance(process_id, int) or process_id not in expected:
@@ -264,7 +264,7 @@ class Leader:
         try:
             while True:
                 receive(conn)  # heartbeats
-        except (OSError, WireError, struct.error) as e:
+        except (OSError, PayloadError, struct.error) as e:
             self.fail(f"process {process_id}", _why(e))
 
     def fail(self, who: str, reason: str) -> None:
@@ -341,7 +341,7 @@ def follow(engine: Engine, group: Group, ready: threading.Event) -> None:
     while True:
         try:
             message = receive(conn)
-        except (OSError, WireError, struct.error) as e:
+        except (OSError, PayloadError, struct.error) as e:
             lost("process 0 (the leader)", _why(e))
         if message != "beat":
             name, args, kwargs = message

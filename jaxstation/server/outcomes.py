@@ -2,10 +2,11 @@
 station can take work, and one that maps each way a request can fail to its HTTP status, message, field and code.
 
 The engine and the scheduler raise their own exceptions (`engine.jobs`, `engine.constraints`) and know nothing of
-HTTP; the routes raise `ApiError` or `OpenAIError` for what their parsers refuse. `failure` turns any of them into a
-`Failure`, and `errors.error_response` renders that in the shape of the route's API. The one status that differs
-between the APIs is that of a well-formed request the station cannot serve as asked (a constraint that does not
-compile, or one that leaves no token): `/generate` answers 422, as for its other refusals, and the OpenAI routes 400.
+HTTP; the routes raise `StationError` (the station's own routes) or `ApiError` (the OpenAI, Responses and Messages
+faces) for what their parsers refuse. `failure` turns any of them into a `Failure`, and `errors.error_response` renders
+that in the shape of the route's API. The one status that differs between the APIs is that of a well-formed request the
+station cannot serve as asked (a constraint that does not compile, or one that leaves no token): `/generate` answers
+422, as for its other refusals, and the API faces 400.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ from starlette.responses import JSONResponse
 from jaxstation.engine.constraints import ConstraintError, ConstraintFailed
 from jaxstation.engine.jobs import Cancelled, QueueFull, ShuttingDown, StepFailed, UpstreamFailed
 from jaxstation.engine.scheduler import Scheduler
-from jaxstation.serving.errors import ApiError, OpenAIError, error_response
-from jaxstation.serving.http_common import RETRY_AFTER_S, BodyError
-from jaxstation.serving.protocol import request_field
-from jaxstation.serving.station import Station
+from jaxstation.server.errors import ApiError, StationError, error_response
+from jaxstation.server.http_common import RETRY_AFTER_S, BodyError
+from jaxstation.server.protocol import request_field
+from jaxstation.server.station import Station
 
 STATION_INVALID = 422  # /generate's status for a request it cannot serve as asked
-OPENAI_INVALID = 400  # the OpenAI routes'
+API_INVALID = 400  # the API faces' (OpenAI, Responses, Messages)
 
 
 class NotReady(Exception):
@@ -56,9 +57,9 @@ class Failure:
 def failure(error: Exception, invalid: int) -> Failure:
     """What `error` answers with; `invalid` is the API's status for a request it cannot serve as asked."""
     match error:
-        case ApiError():
+        case StationError():
             return Failure(error.status, error.message, error.field)
-        case OpenAIError():
+        case ApiError():
             return Failure(error.status, error.message, error.param, error.code)
         case BodyError():
             return Failure(error.status, error.message, "body", "too_large" if error.status == 413 else "invalid_value")
@@ -77,7 +78,7 @@ def failure(error: Exception, invalid: int) -> Failure:
     raise TypeError(f"no outcome for {type(error).__name__}: {error}") from error
 
 
-OUTCOMES = (ApiError, OpenAIError, BodyError, ConstraintError, ConstraintFailed, QueueFull, NotReady, ShuttingDown,
+OUTCOMES = (StationError, ApiError, BodyError, ConstraintError, ConstraintFailed, QueueFull, NotReady, ShuttingDown,
             StepFailed, Cancelled)  # every exception `failure` maps
 
 

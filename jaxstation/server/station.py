@@ -16,6 +16,11 @@ from typing import Any
 
 import jax
 
+from jaxstation.config.coldstart import CompileCount, StartupClock, enable_compile_cache
+from jaxstation.config.draft import load_draft, speculation
+from jaxstation.config.memory import arena_summary, check_memory
+from jaxstation.config.plan import Plan, load_planned, planned_arena, planned_engine, startup_plan
+from jaxstation.config.settings import StationConfig
 from jaxstation.engine.constraints import Constraint, ConstraintError, ConstraintSpec, Grammars
 from jaxstation.engine.draft import DraftModel
 from jaxstation.engine.jobs import Job
@@ -24,12 +29,7 @@ from jaxstation.engine.runner import Runner
 from jaxstation.engine.scheduler import Scheduler
 from jaxstation.model.loader import CheckpointError, LoadedModel
 from jaxstation.model.lora_files import AdapterError
-from jaxstation.serving.adapters import Adapters
-from jaxstation.serving.coldstart import CompileCount, StartupClock, enable_compile_cache
-from jaxstation.serving.draft import load_draft, speculation
-from jaxstation.serving.memory import arena_summary, check_memory
-from jaxstation.serving.plan import Plan, load_planned, planned_arena, planned_engine, startup_plan
-from jaxstation.serving.settings import StationConfig
+from jaxstation.server.adapters import Adapters
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The station's own routes, and the app that serves them with whatever face sits above (the OpenAI API).
 
-`POST /generate` validates its body (`serving.protocol`), submits one `Job` and awaits its Future; a client that
+`POST /generate` validates its body (`server.protocol`), submits one `Job` and awaits its Future; a client that
 disconnects meanwhile cancels its job. `/health` answers at once, `/ready` only when the station can serve, and
 `/metrics` in Prometheus' text format. With an API key set, every route but /health and /ready needs it.
 Errors, 401 and unmatched routes included, answer in OpenAI's shape under `/v1/` and on vLLM's tokenizer routes,
@@ -26,12 +26,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxstation import __version__
 from jaxstation.engine.jobs import Job, Result
-from jaxstation.serving.access_log import AccessLogMiddleware
-from jaxstation.serving.errors import OPENAI_PATHS, ApiError, error_response
-from jaxstation.serving.http_common import read_json, until_disconnect
-from jaxstation.serving.openapi import Endpoint, openapi_endpoint, routes
-from jaxstation.serving.outcomes import OUTCOMES, STATION_INVALID, Disconnected, check_ready, failure, wait_for
-from jaxstation.serving.protocol import (
+from jaxstation.server.access_log import AccessLogMiddleware
+from jaxstation.server.errors import OPENAI_PATHS, StationError, error_response
+from jaxstation.server.http_common import read_json, until_disconnect
+from jaxstation.server.openapi import Endpoint, openapi_endpoint, routes
+from jaxstation.server.outcomes import OUTCOMES, STATION_INVALID, Disconnected, check_ready, failure, wait_for
+from jaxstation.server.protocol import (
     ErrorResponse,
     GenerateRequest,
     GenerateResponse,
@@ -40,8 +40,8 @@ from jaxstation.serving.protocol import (
     ResetPrefixCacheResponse,
     parse_generate,
 )
-from jaxstation.serving.station import Station
-from jaxstation.web.page import is_web_path, web_routes
+from jaxstation.server.station import Station
+from jaxstation.server.web.page import is_web_path, web_routes
 
 OPEN_PATHS = frozenset({"/health", "/ready"})  # never need the API key
 
@@ -95,8 +95,8 @@ def station_endpoints(station: Station) -> list[Endpoint]:
                                    station.eos_ids, station.config.reuse_prefix, station.engine.token_controls)
         if (name := body.get("lora")) is not None and not station.use_adapter(job, name):
             loaded = [r.name for r in station.adapters.residents()] if station.adapters else []
-            raise ApiError(404, f"lora {name!r} is not a loaded adapter (loaded: {', '.join(loaded) or 'none'})",
-                           "lora")
+            raise StationError(404, f"lora {name!r} is not a loaded adapter (loaded: {', '.join(loaded) or 'none'})",
+                               "lora")
         if spec is not None:
             job.constraint = await asyncio.to_thread(station.compile_constraint, spec)
         return job, scheduler.submit(job)

@@ -13,12 +13,12 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
+from jaxstation.config.memory import check_memory
+from jaxstation.config.plan import Plan, load_planned, planned_arena, planned_engine, resolve_plan
+from jaxstation.config.settings import ConfigError, StationConfig
 from jaxstation.engine.draft import DraftModel
 from jaxstation.engine.speculative import NgramProposer, Speculation
 from jaxstation.model.loader import CheckpointError, checkpoint_config, load_tokenizer, model_source
-from jaxstation.serving.memory import check_memory
-from jaxstation.serving.plan import Plan, load_planned, planned_arena, planned_engine, resolve_plan
-from jaxstation.serving.settings import ConfigError, StationConfig
 
 
 def check_draft(config: StationConfig) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
-from jaxstation.serving.settings import ConfigError
+from jaxstation.config.settings import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,311 @@
+// Decode attention of one query row per arena lane over that lane's own positions, each row's result depending on
+// nothing but its own lane (DecodeAttentionImpl below).
+
+#include "cpu_kernels.h"
+
+namespace {
+
+// e^x for x <= 0 (a score minus the row's maximum): Cody-Waite reduction and a degree-6 polynomial, ~2 ulp; x below
+// -87 gives e^-87 (1.6e-38), as good as zero beside the maximum's 1.
+inline Vec ExpNonPositive(Vec x) {
+  x = Max(x, Set1(-87.0f));
+  const Vec n = Round(Mul(x, Set1(1.44269504088896341f)));
+  Vec r = Fma(n, Set1(-0.693359375f), x);
+  r = Fma(n, Set1(2.12194440e-4f), r);
+  Vec p = Set1(1.0f / 720);
+  p = Fma(p, r, Set1(1.0f / 120));
+  p = Fma(p, r, Set1(1.0f / 24));
+  p = Fma(p, r, Set1(1.0f / 6));
+  p = Fma(p, r, Set1(0.5f));
+  p = Fma(p, r, Set1(1.0f));
+  p = Fma(p, r, Set1(1.0f));
+  return Mul(p, Pow2(n));
+}
+
+// Finish for kLanes vectors at once: lane p of the result is the sum of v[kSlot[p]]'s lanes by Finish's own tree (lane
+// i + lane i + kLanes / 2, then i + 4, i + 2, i + 1), so each sum has Finish's bits. v is overwritten.
+#if defined(__AVX512F__)
+inline Vec FoldLanes(Vec* v) {
+  for (int j = 0; j < 8; ++j)
+    v[j] = Add(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44), _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+  for (int j = 0; j < 4; ++j)
+    v[j] = Add(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x88), _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xDD));
+  for (int j = 0; j < 2; ++j)
+    v[j] = Add(_mm512_shuffle_ps(v[2 * j], v[2 * j + 1], 0x44), _mm512_shuffle_ps(v[2 * j], v[2 * j + 1], 0xEE));
+  return Add(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+}
+#else
+inline Vec FoldLanes(Vec* v) {
+  for (int j = 0; j < 4; ++j)
+    v[j] = Add(_mm256_permute2f128_ps(v[2 * j], v[2 * j + 1], 0x20),
+               _mm256_permute2f128_ps(v[2 * j], v[2 * j + 1], 0x31));
+  for (int j = 0; j < 2; ++j)
+    v[j] = Add(_mm256_shuffle_ps(v[2 * j], v[2 * j + 1], 0x44), _mm256_shuffle_ps(v[2 * j], v[2 * j + 1], 0xEE));
+  return Add(_mm256_shuffle_ps(v[0], v[1], 0x88), _mm256_shuffle_ps(v[0], v[1], 0xDD));
+}
+#endif
+
+// kSlot[p]: the input of FoldLanes whose sum lands in lane p (found by folding one-hot vectors).
+struct FoldSlots {
+  int slot[kLanes];
+  FoldSlots() {
+    Vec v[kLanes];
+    for (int j = 0; j < kLanes; ++j) {
+      float one[kLanes] = {};
+      one[0] = static_cast<float>(j);
+      v[j] = LoadX(one);
+    }
+    float lane[kLanes];
+    Store(lane, FoldLanes(v));
+    for (int p = 0; p < kLanes; ++p) slot[p] = static_cast<int>(lane[p]);
+  }
+};
+const FoldSlots kSlot;
+
+// A lane's positions lie kv_heads * head_dim floats apart, one head's slice of each a few cache lines: the walks
+// over keys and values ask for the slice kAhead positions on (into L2), so that many lines are in flight at once.
+constexpr int64_t kAhead = 64;
+inline void Prefetch(const float* p, int64_t floats) {
+  for (int64_t f = 0; f < floats; f += 16) _mm_prefetch(reinterpret_cast<const char*>(p + f), _MM_HINT_T1);
+}
+
+// A lane's keys or values for one head, walked from a row's first position: position i of the walk lies at slot
+// first + i, taken modulo `wrap` slots (a windowed layer's ring; a full buffer never wraps), slots `stride` floats
+// apart from `base` (slot 0). Where a slot lies never changes the operations on it.
+struct Slots {
+  const float* base;
+  int64_t stride, first, wrap;
+  const float* operator[](int64_t i) const {
+    const int64_t slot = first + i;
+    return base + (slot < wrap ? slot : slot - wrap) * stride;
+  }
+};
+
+// The attention's scores for a group of query heads: scores[g][i] = scale * q_g . k_i over n positions, each dot in
+// the matmul kernel's order (two accumulators over alternate vectors, then Finish's sum): kLanes positions at a time,
+// their horizontal sums folded together (FoldLanes: Finish's bits). NV vectors a head; the heads go side by side with
+// their queries in registers, so each key vector is read once for all of them. q: [group, NV * kLanes]; k: position
+// the walk's keys (Slots); scores: [group, n].
+template <int NV>
+inline void Dot(const Vec* q, const float* k, Vec& even, Vec& odd) {
+  even = Zero(), odd = Zero();
+  for (int c = 0; c < NV; c += 2) {
+    even = Fma(q[c], LoadX(k + c * kLanes), even);
+    if (c + 1 < NV) odd = Fma(q[c + 1], LoadX(k + (c + 1) * kLanes), odd);
+  }
+}
+
+template <int NV>
+void Scores(const float* q, int64_t group, const Slots& k, int64_t n, float scale, float* scores) {
+  constexpr int64_t kHeads = std::max(1, 16 / NV);
+  for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
+    const int64_t heads = std::min(kHeads, group - g0);
+    Vec qv[kHeads][NV];
+    for (int64_t g = 0; g < heads; ++g)
+      for (int c = 0; c < NV; ++c) qv[g][c] = LoadX(q + (g0 + g) * NV * kLanes + c * kLanes);
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+      if (g0 == 0)
+        for (int64_t p = 0; p < kLanes && i + kAhead + p < n; ++p) Prefetch(k[i + kAhead + p], NV * kLanes);
+      Vec s[kHeads][kLanes];
+      for (int64_t p = 0; p < kLanes; ++p)  // position i + p into the input that lands in lane p
+        for (int64_t g = 0; g < heads; ++g) {
+          Vec even, odd;
+          Dot<NV>(qv[g], k[i + p], even, odd);
+          s[g][kSlot.slot[p]] = Add(even, odd);
+        }
+      for (int64_t g = 0; g < heads; ++g) Store(scores + (g0 + g) * n + i, Mul(FoldLanes(s[g]), Set1(scale)));
+    }
+    for (; i < n; ++i)
+      for (int64_t g = 0; g < heads; ++g) {
+        Vec even, odd;
+        Dot<NV>(qv[g], k[i], even, odd);
+        scores[(g0 + g) * n + i] = Finish(even, odd) * scale;
+      }
+  }
+}
+
+// Scores for any number of vectors a head (up to 32), one head at a time.
+inline void ScoresAny(const float* q, int64_t group, int64_t nv, const Slots& k, int64_t n, float scale,
+                      float* scores) {
+  const auto dot = [&](const float* qr, const float* kr) {
+    Vec even = Zero(), odd = Zero();
+    for (int64_t c = 0; c < nv; c += 2) {
+      even = Fma(LoadX(qr + c * kLanes), LoadX(kr + c * kLanes), even);
+      if (c + 1 < nv) odd = Fma(LoadX(qr + (c + 1) * kLanes), LoadX(kr + (c + 1) * kLanes), odd);
+    }
+    return std::pair<Vec, Vec>(even, odd);
+  };
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q + g * nv * kLanes;
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+      Vec s[kLanes];
+      for (int64_t p = 0; p < kLanes; ++p) {
+        const auto [even, odd] = dot(qg, k[i + p]);
+        s[kSlot.slot[p]] = Add(even, odd);
+      }
+      Store(scores + g * n + i, Mul(FoldLanes(s), Set1(scale)));
+    }
+    for (; i < n; ++i) {
+      const auto [even, odd] = dot(qg, k[i]);
+      scores[g * n + i] = Finish(even, odd) * scale;
+    }
+  }
+}
+
+// The attention's output for a group of query heads: out_g = sum_i p_gi v_i / denom_g over n positions, each head's
+// sum in position order. NV vectors a head; the heads go side by side, as many at a time as keep their accumulators in
+// registers, so each value vector is read once for all of them and their chains of multiply-adds overlap. p: [group,
+// n] weights; v: the walk's values (Slots); out: [group, NV * kLanes].
+template <int NV>
+void WeightedSum(const float* p, int64_t n, int64_t group, const Slots& v, const float* denom,
+                 float* out) {
+  constexpr int64_t kHeads = std::max(1, 24 / NV);
+  for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
+    const int64_t heads = std::min(kHeads, group - g0);
+    Vec acc[kHeads][NV];
+    for (int64_t g = 0; g < kHeads; ++g)
+      for (int c = 0; c < NV; ++c) acc[g][c] = Zero();
+    for (int64_t i = 0; i < n; ++i) {
+      if (g0 == 0 && i % kLanes == 0)
+        for (int64_t a = i + kAhead; a < std::min(n, i + kAhead + kLanes); ++a) Prefetch(v[a], NV * kLanes);
+      const float* vi = v[i];
+      Vec x[NV];
+      for (int c = 0; c < NV; ++c) x[c] = LoadX(vi + c * kLanes);
+      for (int64_t g = 0; g < kHeads; ++g) {
+        if (g >= heads) break;
+        const Vec w = Set1(p[(g0 + g) * n + i]);
+        for (int c = 0; c < NV; ++c) acc[g][c] = Fma(w, x[c], acc[g][c]);
+      }
+    }
+    for (int64_t g = 0; g < heads; ++g) {
+      const Vec inv = Set1(1.0f / denom[g0 + g]);
+      for (int c = 0; c < NV; ++c) Store(out + (g0 + g) * NV * kLanes + c * kLanes, Mul(acc[g][c], inv));
+    }
+  }
+}
+
+// WeightedSum for any number of vectors a head (up to 32), one head at a time.
+inline void WeightedSumAny(const float* p, int64_t n, int64_t group, int64_t nv, const Slots& v,
+                           const float* denom, float* out) {
+  for (int64_t g = 0; g < group; ++g) {
+    Vec acc[32];
+    for (int64_t c = 0; c < nv; ++c) acc[c] = Zero();
+    for (int64_t i = 0; i < n; ++i) {
+      const Vec w = Set1(p[g * n + i]);
+      for (int64_t c = 0; c < nv; ++c) acc[c] = Fma(w, LoadX(v[i] + c * kLanes), acc[c]);
+    }
+    const Vec inv = Set1(1.0f / denom[g]);
+    for (int64_t c = 0; c < nv; ++c) Store(out + g * nv * kLanes + c * kLanes, Mul(acc[c], inv));
+  }
+}
+
+// Decode attention of one query row per arena lane over that lane's own positions: for row r and kv head h, the
+// group's query heads attend to k/v[layer, lanes[r], lo..positions[r], h] with lo = positions[r] - window + 1 (or 0),
+// softmax over exactly those positions (scores by the same two-accumulator dot as the matmul, exp by one polynomial,
+// sums and the weighted sum of v in position order). Each (row, kv head) is one task with one fixed order of
+// operations, so a row's result depends on nothing but its own lane. The key walk (Scores) takes kLanes positions at a
+// time, their horizontal sums folded together, and both it and the value walk (WeightedSum) take the group's heads
+// side by side; none of that changes any operation's order. q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd].
+// With ring > 0 the layer keeps a ring: position p at slot p mod ring, and the scratch position (idle rows') at slot
+// seq - 1 = ring; a row's positions then wrap around the ring at most once, walked in position order all the same.
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lanes,
+                               ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out, int64_t window,
+                               float scale, int64_t ring, int64_t scratch_pos) {
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 3 || kd.size() != 5 || v.element_count() != k.element_count() || qd[2] != kd[4] ||
+      qd[1] % kd[3])
+    return ffi::Error::InvalidArgument("decode_attention: q [rows, heads, hd], k and v [layers, lanes, seq, kvh, hd]");
+  const int64_t rows = qd[0], heads = qd[1], hd = qd[2], n_layers = kd[0], n_lanes = kd[1], seq = kd[2];
+  const int64_t kvh = kd[3], group = heads / kvh, nv = hd / kLanes;  // nv: vectors per head
+  if (hd % kLanes || hd > 256 || group > 8)
+    return ffi::Error::InvalidArgument("decode_attention: head_dim a multiple of 16 up to 256, group <= 8");
+  if (ring ? seq != ring + 1 || window > ring : scratch_pos != seq - 1)
+    return ffi::Error::InvalidArgument("decode_attention: a ring of seq - 1 slots holds the window; else scratch_pos "
+                                       "is seq - 1");
+  const int64_t l = layer.typed_data()[0];
+  const int32_t* lane = lanes.typed_data();
+  const int32_t* pos = positions.typed_data();
+  if (l < 0 || l >= n_layers) return ffi::Error::InvalidArgument("decode_attention: layer out of range");
+  for (int64_t r = 0; r < rows; ++r)
+    if (lane[r] < 0 || lane[r] >= n_lanes || pos[r] < 0 || pos[r] > scratch_pos)
+      return ffi::Error::InvalidArgument("decode_attention: lane or position out of range");
+  const float* qp = q.typed_data();
+  const float* kp = k.typed_data();
+  const float* vp = v.typed_data();
+  float* op = out->typed_data();
+  ParallelFor(pool, rows * kvh, [&](int64_t item) {
+    const int64_t r = item / kvh, h = item % kvh;
+    // a row at the lane's last position (the scratch slot idle rows write, which no request uses) reads only itself
+    const int64_t hi = pos[r], scratch = hi == scratch_pos;
+    const int64_t lo = scratch ? hi : window > 0 ? std::max<int64_t>(0, hi - window + 1) : 0, n = hi - lo + 1;
+    const int64_t stride = kvh * hd;  // floats between consecutive slots
+    const int64_t base = (l * n_lanes + lane[r]) * seq * stride + h * hd;  // the lane's slot 0, head h
+    const int64_t first = scratch ? seq - 1 : ring ? lo % ring : lo, wrap = ring && !scratch ? ring : seq;
+    const float* qh = qp + (r * heads + h * group) * hd;  // the group's query heads
+    std::vector<float> scores(group * n);
+    const Slots kr{kp + base, stride, first, wrap};
+    float* sc = scores.data();
+    switch (nv) {
+      case 1: Scores<1>(qh, group, kr, n, scale, sc); break;
+      case 2: Scores<2>(qh, group, kr, n, scale, sc); break;
+      case 3: Scores<3>(qh, group, kr, n, scale, sc); break;
+      case 4: Scores<4>(qh, group, kr, n, scale, sc); break;
+      case 8: Scores<8>(qh, group, kr, n, scale, sc); break;
+      case 16: Scores<16>(qh, group, kr, n, scale, sc); break;
+      default: ScoresAny(qh, group, nv, kr, n, scale, sc);
+    }
+    float denom[8] = {};
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = scores.data() + g * n;
+      Vec mv = Set1(sg[0]);
+      int64_t j = 0;
+      for (; j + kLanes <= n; j += kLanes) mv = Max(mv, LoadX(sg + j));
+      float lanes_max[kLanes];
+      Store(lanes_max, mv);
+      float m = *std::max_element(lanes_max, lanes_max + kLanes);
+      for (; j < n; ++j) m = std::max(m, sg[j]);
+      mv = Set1(m);
+      for (j = 0; j + kLanes <= n; j += kLanes) Store(sg + j, ExpNonPositive(Sub(LoadX(sg + j), mv)));
+      if (j < n) {  // the tail through a padded vector, so every score takes the same exp
+        float tail[kLanes];
+        for (int64_t t = 0; t < kLanes; ++t) tail[t] = j + t < n ? sg[j + t] - m : 0.0f;
+        Store(tail, ExpNonPositive(LoadX(tail)));
+        for (int64_t t = 0; j + t < n; ++t) sg[j + t] = tail[t];
+      }
+    }
+    for (int64_t j = 0; j < n; ++j)  // each sum in position order, the group's chains side by side
+      for (int64_t g = 0; g < group; ++g) denom[g] += scores[g * n + j];
+    const Slots vr{vp + base, stride, first, wrap};
+    float* o = op + (r * heads + h * group) * hd;
+    switch (nv) {
+      case 1: WeightedSum<1>(scores.data(), n, group, vr, denom, o); break;
+      case 2: WeightedSum<2>(scores.data(), n, group, vr, denom, o); break;
+      case 3: WeightedSum<3>(scores.data(), n, group, vr, denom, o); break;
+      case 4: WeightedSum<4>(scores.data(), n, group, vr, denom, o); break;
+      case 8: WeightedSum<8>(scores.data(), n, group, vr, denom, o); break;
+      case 16: WeightedSum<16>(scores.data(), n, group, vr, denom, o); break;
+      default: WeightedSumAny(scores.data(), n, group, nv, vr, denom, o);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, DecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("ring")
+                                  .Attr<int64_t>("scratch_pos"));

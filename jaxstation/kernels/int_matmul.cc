@@ -1,0 +1,409 @@
+// Integer dot products over GGUF blocks (weights "gguf"): x [M, K] times a GGUF file's blocks w [N, K / block *
+// block bytes] -> y [M, N].
+//
+// Each row of x is rounded to 8 bits per 32 columns (as llama.cpp's Q8_0), from that row alone: d = amax / 127, q =
+// x * (127 / amax) rounded to nearest even. (llama.cpp rounds to 256-column Q8_K blocks for the K-quants; on Gemma 3
+// 270M's Q4_K and Q6_K matrices that alone cost more perplexity than the 1% the integer path may lose.) A weight block
+// is read as unsigned byte codes (signed for Q8_0 without VNNI), w = d_w * s * (code - bias) (+ m for the formats with
+// a minimum), s an integer scale per 32 or 16 columns (the K-quants). For each output and each 32 columns, the products
+// of codes and q are summed exactly in int32, with the bias folded in as -bias * the columns' sum of q and the K-quant
+// scales multiplied in as integers: one integer `sum` per 32 columns. Then, in K order, one fixed float epilogue:
+// acc = acc + (d_w * d_x) * float(sum), and for the formats with a minimum acc = acc + (m * d_x) * float(minimum code *
+// sum of q). The output is acc. No step depends on the rows, the tile, the thread or the instruction set (vpdpbusd and
+// maddubs give the same int32 sums), so a row's bits never depend on the rows beside it, and every build gives the same
+// bits.
+//
+// Layout: a vector holds kIntCh channels, lane c channel c. A tile's channels are decoded once per call, each 32
+// columns into 8 vectors (vector j: columns 4j..4j+3 of every channel, as 4 bytes a lane), so that vpdpbusd against the
+// row's 4 bytes j, broadcast, adds every channel's 4 products into its own lane.
+
+#include "cpu_kernels.h"
+
+namespace {
+
+#if defined(__AVX512F__)
+using IVec = __m512i;
+constexpr int kIntCh = 16;
+inline IVec ILoad(const void* p) { return _mm512_loadu_si512(p); }
+inline void IStore(void* p, IVec v) { _mm512_storeu_si512(p, v); }
+inline IVec IAdd(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
+inline IVec ISet1(int32_t a) { return _mm512_set1_epi32(a); }
+inline IVec IMul(IVec a, IVec b) { return _mm512_mullo_epi32(a, b); }
+inline Vec ToFloat(IVec a) { return _mm512_cvtepi32_ps(a); }
+#if defined(__AVX512VNNI__)
+constexpr bool kVnni = true;
+constexpr const char* kIntIsa = "avx512-vnni";
+inline IVec DotU(IVec acc, IVec u, IVec s) { return _mm512_dpbusd_epi32(acc, u, s); }
+#else
+constexpr bool kVnni = false;
+constexpr const char* kIntIsa = "avx512";
+// pairs of u8 x s8 products in int16 (codes below 64 and |q| <= 127 cannot saturate), then pairs of those in int32
+inline IVec DotU(IVec acc, IVec u, IVec s) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+}
+#endif
+// Q8_0's signed codes without VNNI: |w| times q with w's sign (|w| <= 128, so no pair saturates)
+inline IVec DotS(IVec acc, IVec w, IVec s) {
+  return DotU(acc, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(s, _mm512_movepi8_mask(w), _mm512_setzero_si512(), s));
+}
+// 16 channels' 8 dwords (channel c's at in + 32 c) as 8 vectors, vector j lane c: channel c's dword j. Three rounds
+// of two-source permutes: 2 channels x 8 dwords a vector, then 4 x 4, 8 x 2, 16 x 1.
+inline void Interleave(const uint8_t* in, IVec* out) {
+  struct Index {
+    IVec v[3][2];
+    Index() {
+      alignas(64) int32_t idx[16];
+      for (int h = 0; h < 2; ++h) {
+        for (int l = 0; l < 16; ++l) idx[l] = (l / 4 / 2) * 16 + (l / 4 % 2) * 8 + 4 * h + l % 4;
+        v[0][h] = _mm512_load_si512(idx);
+        for (int l = 0; l < 16; ++l) idx[l] = (l / 2 / 4) * 16 + (l / 2 % 4) * 4 + 2 * h + l % 2;
+        v[1][h] = _mm512_load_si512(idx);
+        for (int l = 0; l < 16; ++l) idx[l] = (l / 8) * 16 + (l % 8) * 2 + h;
+        v[2][h] = _mm512_load_si512(idx);
+      }
+    }
+  };
+  static const Index index;
+  IVec a[8], b[8];
+  for (int i = 0; i < 8; ++i) a[i] = ILoad(in + 64 * i);
+  for (int p = 0; p < 4; ++p)  // b[2p + h]: channels 4p.., dwords 4h..
+    for (int h = 0; h < 2; ++h) b[2 * p + h] = _mm512_permutex2var_epi32(a[2 * p], index.v[0][h], a[2 * p + 1]);
+  for (int q = 0; q < 2; ++q)  // a[4q + 2h + h2]: channels 8q.., dwords 4h + 2h2..
+    for (int h = 0; h < 2; ++h)
+      for (int h2 = 0; h2 < 2; ++h2)
+        a[4 * q + 2 * h + h2] = _mm512_permutex2var_epi32(b[4 * q + h], index.v[1][h2], b[4 * q + 2 + h]);
+  for (int j = 0; j < 8; ++j) out[j] = _mm512_permutex2var_epi32(a[j / 2], index.v[2][j % 2], a[4 + j / 2]);
+}
+#else
+using IVec = __m256i;
+constexpr int kIntCh = 8;
+inline IVec ILoad(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline void IStore(void* p, IVec v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }
+inline IVec IAdd(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
+inline IVec ISet1(int32_t a) { return _mm256_set1_epi32(a); }
+inline IVec IMul(IVec a, IVec b) { return _mm256_mullo_epi32(a, b); }
+inline Vec ToFloat(IVec a) { return _mm256_cvtepi32_ps(a); }
+#if defined(__AVXVNNI__)
+constexpr bool kVnni = true;
+constexpr const char* kIntIsa = "avx-vnni";
+inline IVec DotU(IVec acc, IVec u, IVec s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+constexpr bool kVnni = false;
+constexpr const char* kIntIsa = "avx2";
+inline IVec DotU(IVec acc, IVec u, IVec s) {  // as the AVX-512 one
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
+inline IVec DotS(IVec acc, IVec w, IVec s) { return DotU(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w)); }
+// 8 channels' 8 dwords (channel c's at in + 32 c) as 8 vectors, vector j lane c: channel c's dword j.
+inline void Interleave(const uint8_t* in, IVec* out) {
+  IVec r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = ILoad(in + 32 * i);
+  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  for (int i = 0; i < 8; i += 4)
+    for (int k = 0; k < 2; ++k)
+      r[i + k] = _mm256_unpacklo_epi64(t[i + k], t[i + 2 + k]), r[i + 2 + k] = _mm256_unpackhi_epi64(t[i + k], t[i + 2 + k]);
+  // r[0..3]: channels 0-3, dwords (0, 4), (2, 6), (1, 5), (3, 7); r[4..7] the same for channels 4-7
+  const int order[4] = {0, 2, 1, 3};
+  for (int k = 0; k < 4; ++k) {
+    out[order[k]] = _mm256_permute2x128_si256(r[k], r[4 + k], 0x20);
+    out[order[k] + 4] = _mm256_permute2x128_si256(r[k], r[4 + k], 0x31);
+  }
+}
+#endif
+constexpr int kIntRows = 4;  // rows a tile, at most
+// Bytes ahead of the block being decoded that the decoder asks for: the rows of a matrix lie one after the other, so
+// the next channels' blocks are in flight while this one decodes.
+constexpr int64_t kIntAhead = 4096;
+
+// The rows of x rounded to 8 bits per 32 columns: q [M, K], d [M, K / 32] (each 32 columns' scale) and halves
+// [M, K / 16] (each 16 columns' sum of q).
+struct IntActs {
+  int64_t K = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> halves;
+  int32_t Sum(int64_t at) const { return halves[2 * at] + halves[2 * at + 1]; }
+};
+
+void QuantizeRows(const float* x, int64_t M, int64_t K, IntActs& a) {
+  a.K = K;
+  a.q.resize(M * K), a.d.resize(M * K / 32), a.halves.resize(M * K / 16);
+  float rounded[32];
+  for (int64_t b = 0; b < M * K / 32; ++b) {
+    const float* xb = x + b * 32;
+    Vec amax = Zero();
+    for (int64_t i = 0; i < 32; i += kLanes) amax = Max(amax, Max(LoadX(xb + i), Sub(Zero(), LoadX(xb + i))));
+    float lanes[kLanes];
+    Store(lanes, amax);
+    const float m = *std::max_element(lanes, lanes + kLanes);
+    const Vec id = Set1(m > 0 ? 127.0f / m : 0.0f);
+    a.d[b] = m / 127.0f;
+    for (int64_t i = 0; i < 32; i += kLanes) Store(rounded + i, Round(Mul(LoadX(xb + i), id)));
+    int8_t* q = a.q.data() + b * 32;
+    for (int h = 0; h < 2; ++h) {
+      int32_t sum = 0;
+      for (int64_t i = 16 * h; i < 16 * h + 16; ++i) sum += q[i] = static_cast<int8_t>(rounded[i]);
+      a.halves[2 * b + h] = sum;
+    }
+  }
+}
+
+// A tile's kIntCh channels as integer codes: codes [K / 32][8][kIntCh][4] (see Layout above); d, m [blocks][kIntCh];
+// scales [K / 32][2][kIntCh] (the K-quants' integer scale of columns 0-15 and 16-31 of each 32); mins [K / 32][kIntCh]
+// (Q4_K and Q5_K's integer minimum of each 32 columns). `raw` holds a group's codes channel by channel until
+// Interleave reorders them.
+struct IntCodes {
+  std::vector<uint8_t> codes, raw;
+  std::vector<int32_t> scales, mins;
+  std::vector<float> d, m;
+  void Resize(int64_t K, int64_t block) {
+    codes.resize(K * kIntCh), raw.resize(K * kIntCh), scales.resize(K / 16 * kIntCh), mins.resize(K / 32 * kIntCh);
+    d.resize(K / block * kIntCh), m.resize(K / block * kIntCh);
+  }
+};
+
+// Channel h of an IntCodes, as a block decoder writes it.
+struct IntChannel {
+  IntCodes& s;
+  int h;
+  uint8_t* Codes(int64_t group) { return s.raw.data() + (group * kIntCh + h) * 32; }
+  void Scales(int64_t group, int32_t low, int32_t high) {
+    s.scales[(2 * group) * kIntCh + h] = low, s.scales[(2 * group + 1) * kIntCh + h] = high;
+  }
+  void Min(int64_t group, int32_t min) { s.mins[group * kIntCh + h] = min; }
+  float& D(int64_t blk) { return s.d[blk * kIntCh + h]; }
+  float& M(int64_t blk) { return s.m[blk * kIntCh + h]; }
+};
+
+inline __m256i Load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void Store32(uint8_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+inline __m256i Field(__m256i v, int shift, int mask) {  // (byte >> shift) & mask in every byte
+  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(static_cast<char>(mask)));
+}
+// 16 bytes of nibbles as 32 codes: the low nibbles, then the high ones
+inline __m256i Nibbles(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+// 0x10 in byte c where bit c of the little-endian word at p is set
+inline __m256i FifthBits(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  const __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf),
+                                        _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+
+// The 32-column formats: one block a group. kBias: the code's offset; kMin: a float minimum per block.
+template <int kBytesT, int kBiasT, bool kMinT>
+struct IntSmall {
+  static constexpr int64_t kBlock = 32, kBytes = kBytesT;
+  static constexpr int kBias = kBiasT;
+  static constexpr bool kMin = kMinT, kScaled = false, kSigned = false;
+};
+
+struct IntQ4_0 : IntSmall<18, 8, false> {  // d, 16 bytes of nibbles
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    c.D(blk) = HalfToFloat(b);
+    Store32(c.Codes(blk), Nibbles(b + 2));
+  }
+};
+struct IntQ4_1 : IntSmall<20, 0, true> {  // d, m, 16 bytes of nibbles
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    c.D(blk) = HalfToFloat(b), c.M(blk) = HalfToFloat(b + 2);
+    Store32(c.Codes(blk), Nibbles(b + 4));
+  }
+};
+struct IntQ5_0 : IntSmall<22, 16, false> {  // d, qh[4], 16 bytes of nibbles
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    c.D(blk) = HalfToFloat(b);
+    Store32(c.Codes(blk), _mm256_or_si256(Nibbles(b + 6), FifthBits(b + 2)));
+  }
+};
+struct IntQ5_1 : IntSmall<24, 0, true> {  // d, m, qh[4], 16 bytes of nibbles
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    c.D(blk) = HalfToFloat(b), c.M(blk) = HalfToFloat(b + 2);
+    Store32(c.Codes(blk), _mm256_or_si256(Nibbles(b + 8), FifthBits(b + 4)));
+  }
+};
+struct IntQ8_0 : IntSmall<34, kVnni ? 128 : 0, false> {  // d, 32 int8: with VNNI as unsigned codes q + 128
+  static constexpr bool kSigned = !kVnni;
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    c.D(blk) = HalfToFloat(b);
+    const __m256i q = Load32(b + 2);
+    Store32(c.Codes(blk), kVnni ? _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80))) : q);
+  }
+};
+
+// The K-quants: 256 columns in 8 groups of 32, each with an integer scale (Q6_K: one per 16 columns) in `scales`.
+template <int kBytesT, int kBiasT, bool kMinT>
+struct IntK {
+  static constexpr int64_t kBlock = 256, kBytes = kBytesT;
+  static constexpr int kBias = kBiasT;
+  static constexpr bool kMin = kMinT, kScaled = true, kSigned = false;
+};
+
+// Q4_K and Q5_K's 6-bit scales and mins of group j (d * sc * q - dmin * mn): the minimum's coefficient is -dmin.
+inline void KScales(const uint8_t* b, int64_t blk, IntChannel& c) {
+  const uint8_t* s = b + 4;
+  c.D(blk) = HalfToFloat(b), c.M(blk) = -HalfToFloat(b + 2);
+  for (int j = 0; j < 8; ++j) {
+    const int sc = j < 4 ? s[j] & 0x3F : (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+    const int mn = j < 4 ? s[j + 4] & 0x3F : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+    c.Scales(blk * 8 + j, sc, sc);
+    c.Min(blk * 8 + j, mn);
+  }
+}
+
+struct IntQ4_K : IntK<144, 0, true> {  // d, dmin, scales[12], qs[128]: group j, nibble j % 2 of bytes 32 * (j / 2) on
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    KScales(b, blk, c);
+    for (int j = 0; j < 8; ++j)
+      Store32(c.Codes(blk * 8 + j), Field(Load32(b + 16 + 32 * (j / 2)), 4 * (j % 2), 0x0F));
+  }
+};
+struct IntQ5_K : IntK<176, 0, true> {  // d, dmin, scales[12], qh[32] (bit j: group j's fifth bit), qs[128]
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    KScales(b, blk, c);
+    const __m256i qh = Load32(b + 16);
+    for (int j = 0; j < 8; ++j) {
+      const __m256i low = Field(Load32(b + 48 + 32 * (j / 2)), 4 * (j % 2), 0x0F);
+      Store32(c.Codes(blk * 8 + j), _mm256_or_si256(low, _mm256_slli_epi16(Field(qh, j, 1), 4)));
+    }
+  }
+};
+struct IntQ6_K : IntK<210, 32, false> {  // ql[128], qh[64], int8 scales[16] (one per 16 columns), d
+  static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    c.D(blk) = HalfToFloat(b + 208);
+    for (int j = 0; j < 8; ++j) {
+      const int64_t half = j / 4, quarter = j % 4;
+      const __m256i low = Field(Load32(b + 64 * half + 32 * (quarter % 2)), static_cast<int>(4 * (quarter / 2)), 0x0F);
+      const __m256i high = Field(Load32(b + 128 + 32 * half), static_cast<int>(2 * quarter), 3);
+      Store32(c.Codes(blk * 8 + j), _mm256_or_si256(low, _mm256_slli_epi16(high, 4)));
+      c.Scales(blk * 8 + j, scales[2 * j], scales[2 * j + 1]);
+    }
+  }
+};
+
+// R rows x kIntCh channels over the whole K: each 32 columns' integer sums, then their epilogue, in K order.
+template <typename F, int R>
+void IntTile(const IntActs& a, int64_t m0, const IntCodes& c, float* y, int64_t N, int64_t n0, int64_t valid) {
+  constexpr int G = F::kBlock / 32;
+  const int64_t K = a.K;
+  Vec acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = Zero();
+  for (int64_t group = 0; group < K / 32; ++group) {
+    const int64_t blk = group / G;
+    const Vec dw = LoadW(c.d.data() + blk * kIntCh), mw = LoadW(c.m.data() + blk * kIntCh);
+    IVec w[8];
+    for (int j = 0; j < 8; ++j) w[j] = ILoad(c.codes.data() + (group * 8 + j) * kIntCh * 4);
+    const IVec low = ILoad(c.scales.data() + 2 * group * kIntCh), high = ILoad(c.scales.data() + (2 * group + 1) * kIntCh);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (m0 + r) * K / 32 + group;  // the row's 32 columns
+      const int8_t* q = a.q.data() + at * 32;
+      IVec half[2];
+      for (int h = 0; h < 2; ++h) {
+        half[h] = ISet1(-F::kBias * a.halves[2 * at + h]);
+        for (int j = 4 * h; j < 4 * h + 4; ++j) {
+          int32_t x4;
+          std::memcpy(&x4, q + 4 * j, 4);
+          half[h] = F::kSigned ? DotS(half[h], w[j], ISet1(x4)) : DotU(half[h], w[j], ISet1(x4));
+        }
+      }
+      const IVec sum = F::kScaled ? IAdd(IMul(half[0], low), IMul(half[1], high)) : IAdd(half[0], half[1]);
+      const Vec dx = Set1(a.d[at]);
+      acc[r] = Add(acc[r], Mul(Mul(dw, dx), ToFloat(sum)));
+      if constexpr (F::kMin) {  // the minimum codes (Q4_1, Q5_1: 1) times the row's sum of q
+        const Vec ms = F::kScaled ? ToFloat(IMul(ILoad(c.mins.data() + group * kIntCh), ISet1(a.Sum(at))))
+                                  : Set1(static_cast<float>(a.Sum(at)));
+        acc[r] = Add(acc[r], Mul(Mul(mw, dx), ms));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float out[kIntCh];
+    Store(out, acc[r]);
+    std::copy_n(out, valid, y + (m0 + r) * N + n0);
+  }
+}
+
+// Channels [n_begin, n_end), kIntCh at a time decoded once into codes, then every row tile over them.
+template <typename F>
+void IntChannels(const IntActs& a, const uint8_t* w, int64_t row_len, float* y, int64_t M, int64_t N,
+                 int64_t n_begin, int64_t n_end) {
+  IntCodes c;
+  c.Resize(a.K, F::kBlock);
+  for (int64_t n = n_begin; n < n_end; n += kIntCh) {
+    const int64_t valid = std::min<int64_t>(kIntCh, n_end - n);
+    if (valid < kIntCh) {  // a short last tile: the missing channels are zeros
+      std::fill(c.raw.begin(), c.raw.end(), 0), std::fill(c.d.begin(), c.d.end(), 0.0f);
+      std::fill(c.m.begin(), c.m.end(), 0.0f), std::fill(c.scales.begin(), c.scales.end(), 0);
+      std::fill(c.mins.begin(), c.mins.end(), 0);
+    }
+    for (int h = 0; h < valid; ++h) {
+      const uint8_t* row = w + (n + h) * row_len;
+      IntChannel channel{c, h};
+      for (int64_t b = 0; b < a.K / F::kBlock; ++b) {
+        _mm_prefetch(reinterpret_cast<const char*>(row + b * F::kBytes) + kIntAhead, _MM_HINT_T0);
+        F::Decode(row + b * F::kBytes, b, channel);
+      }
+    }
+    for (int64_t group = 0; group < a.K / 32; ++group) {
+      IVec v[8];
+      Interleave(c.raw.data() + group * kIntCh * 32, v);
+      for (int j = 0; j < 8; ++j) IStore(c.codes.data() + (group * 8 + j) * kIntCh * 4, v[j]);
+    }
+    int64_t m = 0;
+    for (; m + kIntRows <= M; m += kIntRows) IntTile<F, kIntRows>(a, m, c, y, N, n, valid);
+    switch (M - m) {
+      case 3: IntTile<F, 3>(a, m, c, y, N, n, valid); break;
+      case 2: IntTile<F, 2>(a, m, c, y, N, n, valid); break;
+      case 1: IntTile<F, 1>(a, m, c, y, N, n, valid); break;
+    }
+  }
+}
+
+// x [M, K] times block weights w [N, K / block * bytes] (uint8) -> y [M, N] by integer dot products.
+template <typename F>
+ffi::Error IntMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] % F::kBlock || wd[1] != xd[1] / F::kBlock * F::kBytes || wd[0] % 4)
+    return ffi::Error::InvalidArgument("int_matmul: x [M, K], w [N, K / block * block bytes], N % 4 == 0");
+  const int64_t M = xd[0], K = xd[1], N = wd[0];
+  IntActs a;
+  QuantizeRows(x.typed_data(), M, K, a);
+  // channel ranges of a multiple of kIntCh, about 4 per thread, at least 2 * kIntCh channels each
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per = std::max<int64_t>(2 * kIntCh, (N / (4 * threads) + kIntCh - 1) / kIntCh * kIntCh);
+  ParallelFor(pool, (N + per - 1) / per, [&](int64_t i) {
+    IntChannels<F>(a, w.typed_data(), wd[1], y->typed_data(), M, N, i * per, std::min(N, (i + 1) * per));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// The integer dot products' instruction set: avx512-vnni, avx-vnni or avx2.
+extern "C" const char* jaxstation_int_dot_isa() { return kIntIsa; }
+
+// Per block format, the integer matmul: IntMatmulQ4_0, IntMatmulQ4_1, ...
+#define JAXSTATION_INT_FORMAT(F)                                                                            \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(IntMatmul##F, IntMatmul<Int##F>,                                           \
+                                ffi::Ffi::Bind()                                                            \
+                                    .Ctx<ffi::ThreadPool>()                                                 \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                           \
+                                    .Arg<ffi::Buffer<ffi::U8>>()                                            \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+JAXSTATION_INT_FORMAT(Q4_0)
+JAXSTATION_INT_FORMAT(Q4_1)
+JAXSTATION_INT_FORMAT(Q5_0)
+JAXSTATION_INT_FORMAT(Q5_1)
+JAXSTATION_INT_FORMAT(Q8_0)
+JAXSTATION_INT_FORMAT(Q4_K)
+JAXSTATION_INT_FORMAT(Q5_K)
+JAXSTATION_INT_FORMAT(Q6_K)

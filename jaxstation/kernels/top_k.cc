@@ -1,0 +1,66 @@
+#include "cpu_kernels.h"
+
+namespace {
+
+// The k largest values of each row and their indices, in the order of jax.lax.top_k: descending in float32's total
+// order (+NaN highest, -NaN lowest, +0 above -0), equal values by ascending index. One pass a row: kLanes values at
+// a time are compared, as order-preserving int32 keys, with the k-th best so far; the rare one above it is inserted
+// (a later equal value ranks below, so never enters). x [M, N] -> values, ids [M, k], k <= N.
+inline int32_t OrderKey(float f) {
+  int32_t v;
+  std::memcpy(&v, &f, 4);
+  return v ^ ((v >> 31) & 0x7FFFFFFF);
+}
+
+void TopKRow(const float* x, int64_t n, int64_t k, float* values, int32_t* ids) {
+  std::vector<int32_t> keys(k);
+  int64_t count = 0;
+  const auto insert = [&](int64_t i) {
+    const int32_t key = OrderKey(x[i]);
+    int64_t at = count < k ? count++ : k - 1;
+    for (; at > 0 && keys[at - 1] < key; --at) keys[at] = keys[at - 1], ids[at] = ids[at - 1];
+    keys[at] = key, ids[at] = static_cast<int32_t>(i);
+  };
+  int64_t i = 0;
+  for (; i < n && count < k; ++i) insert(i);
+  const int32_t* bits = reinterpret_cast<const int32_t*>(x);
+  for (; i + kLanes <= n; i += kLanes) {
+#if defined(__AVX512F__)
+    const __m512i v = _mm512_loadu_si512(bits + i);
+    const __m512i key = _mm512_xor_si512(v, _mm512_and_si512(_mm512_srai_epi32(v, 31), _mm512_set1_epi32(0x7FFFFFFF)));
+    uint32_t above = _mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32(keys[k - 1]));
+#else
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + i));
+    const __m256i key = _mm256_xor_si256(v, _mm256_and_si256(_mm256_srai_epi32(v, 31), _mm256_set1_epi32(0x7FFFFFFF)));
+    uint32_t above = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(key, _mm256_set1_epi32(keys[k - 1]))));
+#endif
+    for (; above; above &= above - 1) {
+      const int64_t j = i + __builtin_ctz(above);
+      if (OrderKey(x[j]) > keys[k - 1]) insert(j);  // the bar may have risen within this vector
+    }
+  }
+  for (; i < n; ++i)
+    if (OrderKey(x[i]) > keys[k - 1]) insert(i);
+  for (int64_t j = 0; j < k; ++j) values[j] = x[ids[j]];
+}
+
+ffi::Error TopKImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> values,
+                    ffi::ResultBuffer<ffi::S32> ids) {
+  const auto xd = x.dimensions(), vd = values->dimensions();
+  if (xd.size() != 2 || vd.size() != 2 || vd[0] != xd[0] || vd[1] < 1 || vd[1] > xd[1])
+    return ffi::Error::InvalidArgument("top_k: x [M, N], values and ids [M, k], 1 <= k <= N");
+  const int64_t n = xd[1], k = vd[1];
+  ParallelFor(pool, xd[0], [&](int64_t r) {
+    TopKRow(x.typed_data() + r * n, n, k, values->typed_data() + r * k, ids->typed_data() + r * k);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TopK, TopKImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
