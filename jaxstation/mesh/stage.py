@@ -80,7 +80,7 @@ def slice_params(cfg: ModelConfig, params: Params, layers: LayerRange) -> tuple[
 def forward_step(cfg: ModelConfig, params: Params, arena: KVArena, inputs: jax.Array, positions: jax.Array,
                  lane0: jax.Array, n_blocks: jax.Array, *, block: int, attention: str) -> tuple[jax.Array, KVArena]:
     """inputs: token ids [K, Q] int32 (first station) or residuals [K, Q, d]; positions [K, Q] -> residuals.
-    attention: the decode attention (a prefill chunk always walks KV blocks)."""
+    attention: the station's decode attention, for prefill chunks too, as the local engine's `prefill_chunk` runs it."""
     x = embed_tokens(cfg, params, inputs) if inputs.dtype == jnp.int32 else inputs
     lanes = lane0 + jnp.arange(x.shape[0], dtype=jnp.int32)  # rows sit on consecutive lanes
     return run_layers(cfg, params, arena, x, positions, lanes, n_blocks, block, attention=attention)
@@ -260,11 +260,11 @@ class Stage:
         if wave == "decode":
             inputs = self._pad(inputs, lane0, np.zeros((), inputs.dtype))
             positions = self._pad(positions, lane0, np.int32(self.max_seq - 1))  # idle rows: the scratch slot
-            lane_arg, attention = 0, self.attention
+            lane_arg = 0
         else:
-            lane_arg, attention = lane0, "blocked"
+            lane_arg = lane0
         x, self.arena = forward_step(self.cfg, self.params, self.arena, inputs, positions, np.int32(lane_arg),
-                                     np.int32(n_blocks), block=self.block, attention=attention)
+                                     np.int32(n_blocks), block=self.block, attention=self.attention)
         x = np.asarray(jax.device_get(x))
         return x[lane0:lane0 + k] if wave == "decode" else x
 
