@@ -101,10 +101,12 @@ def score_step(cfg: ModelConfig, params: Params, x: jax.Array, targets: jax.Arra
 
 
 class Stage:
-    """Layers [start, stop) of `model` over `lanes` lanes of `max_seq` positions. One caller at a time."""
+    """Layers [start, stop) of `model` over `lanes` lanes of `max_seq` positions. One caller at a time. `weights`:
+    the weight format the plan loaded (`--dtype`: gguf and gguf-exact hold the same bytes and multiply them in two
+    ways), which /info reports for the host to check."""
 
     def __init__(self, model: LoadedModel, layers: LayerRange, lanes: int, max_seq: int, chunk: int,
-                 block: int, attention: str = "blocked") -> None:
+                 block: int, attention: str = "blocked", weights: str | None = None) -> None:
         total = model.cfg.num_layers
         if layers.stop > total:
             raise ValueError(f"layers {layers} reach past the model's {total} layers")
@@ -119,7 +121,7 @@ class Stage:
         self.dtype = np.dtype(self.params.dtype)
         self.layer_loop = self.params.layer_loop
         self.lanes, self.max_seq, self.chunk, self.block = lanes, max_seq, chunk, block
-        self.attention = attention
+        self.attention, self.weights = attention, weights
         self.arena = allocate_arena(self.cfg, lanes, max_seq, self.dtype, mesh=mesh_of(self.params))
 
     @property
@@ -130,7 +132,8 @@ class Stage:
         """What a host checks before it sends a wave: layers, model identity and the lane geometry."""
         return {"layers": str(self.layers), "total_layers": self.total_layers, "fingerprint": self.fingerprint,
                 "lanes": self.lanes, "max_seq": self.max_seq, "chunk": self.chunk, "block": self.block,
-                "dtype": self.dtype_name, "layer_loop": self.layer_loop, "attention": self.attention,
+                "dtype": self.dtype_name, "weights": self.weights, "layer_loop": self.layer_loop,
+                "attention": self.attention,
                 "hidden_size": self.cfg.hidden_size, "vocab_size": self.cfg.vocab_size}
 
     # ---- validation -------------------------------------------------------------------------------------------
