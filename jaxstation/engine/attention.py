@@ -7,7 +7,7 @@ or its ring, engine/arena.py), and `attend`, which picks one.
   block any row's window reaches. A ring's logical block is a contiguous run of its slots, read in the same order and
   shape as the full buffer's, so both give a row the same bits.
 - `kernel_decode_attention`: the CPU decode attention kernel (kernels/cpu_kernel.py), each row reading its own lane's
-  positions in place (around a ring, in position order); any wave width.
+  positions in place (around a ring, in position order); any wave width, and a prefill chunk's rows one by one.
 - `dense_decode_attention`: `jax.nn.dot_product_attention` ("xla" or "cudnn") over each lane's whole slab, masked to
   its length; full-width decode waves only (row r is lane r), never over a ring (layout.attention_refusal).
 """
