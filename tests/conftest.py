@@ -82,8 +82,8 @@ def engine_config(**settings: str) -> StationConfig:
 
 @pytest.fixture(scope="session")
 def default_model() -> LoadedModel:
-    """The default model as a station on this machine loads it (on CPU: its GGUF blocks as stored, which the CPU
-    kernel rebuilds into float32's exact values; unrolled). Fails, never skips, without the default model's wheel:
+    """The default model as a station on this machine loads it (on CPU: its GGUF blocks as stored, multiplied in
+    integers over 8-bit activations, dtype gguf; unrolled). Fails, never skips, without the default model's wheel:
     .ci/run installs it."""
     return load_planned(StationConfig(), station_plan(StationConfig()))
 

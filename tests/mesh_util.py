@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "test-mesh-token"
 # The mesh tests' station shape: the session engine's (conftest.ENGINE_SHAPE), so that the local references run its
 # compiled programs, and the in-process stages of the same splits read the stations' programs from the run's cache.
-# layer_loop: the shared default model (conftest) is unrolled.
-SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128, "layer_loop": "unroll"}
+# Every other setting is the station's default. A shape may name a layer_loop (a model of its own).
+SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
 
 
 class StationProcess:
@@ -43,7 +43,7 @@ class StationProcess:
         args = [sys.executable, "-m", "jaxstation", "station", "--layers", self.layers, "--port", str(self.port),
                 "--lanes", str(self.shape["lanes"]), "--max-seq", str(self.shape["max_seq"]),
                 "--prefill-chunk", str(self.shape["prefill_chunk"]), "--kv-block", str(self.shape["kv_block"]),
-                "--layer-loop", self.shape.get("layer_loop", "auto"), *self.extra]
+                *(("--layer-loop", self.shape["layer_loop"]) if "layer_loop" in self.shape else ()), *self.extra]
         self.log = tempfile.TemporaryFile()  # not a pipe: a full pipe would block the station
         self.proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
         return self

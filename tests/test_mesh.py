@@ -1,9 +1,12 @@
 """The mesh on the default model: a 3-station mesh as real processes on loopback ports, split unevenly (a 2-station
 mesh of another family is in test_families.py).
 
-Parity: the parity-gate style workload (more jobs than lanes, greedy and seeded sampling, lanes=4) gives, through
-the unchanged Scheduler on a MeshEngine (continuous with and without pipelining, and serialize-all) and through the
-host's HTTP routes, exactly the tokens of a single local station. Recovery: SIGKILL the middle station
+Every station, the host and the single station they are checked against run the default settings (the default
+model's integer products on CPU) at the suite's shape: the single station packs prompts and runs narrow waves, the
+mesh prefills one chunk at a time in full waves. Parity: the parity-gate style workload (more jobs than lanes, greedy
+and seeded sampling, lanes=4) gives, through the unchanged Scheduler on a MeshEngine (continuous with and without
+pipelining, and serialize-all) and through the host's HTTP routes, exactly the tokens and log-probabilities of the
+single station's scheduler. Recovery: SIGKILL the middle station
 mid-generation and restart it on its port: every request completes with the uninterrupted tokens; kill it for good:
 the requests in flight get a 502 naming it, the host stays up, /health names it, and after a restart new requests
 succeed.
@@ -26,11 +29,11 @@ from mesh_util import SHAPE, TOKEN, StationProcess, start_mesh
 from server_util import ServerThread, metric, wait_for
 
 from jaxstation import cli
-from jaxstation.config.plan import resolve_plan
+from jaxstation.config.plan import planned_engine, resolve_plan
 from jaxstation.config.settings import ConfigError, StationConfig
 from jaxstation.engine.engine import Engine, generate
 from jaxstation.engine.jobs import Job
-from jaxstation.engine.rows import SamplingParams
+from jaxstation.engine.rows import Sample, SamplingParams
 from jaxstation.engine.scheduler import Scheduler
 from jaxstation.group.payload import CONTENT_TYPE, DTYPES, decode, encode
 from jaxstation.mesh.client import MeshError
@@ -40,8 +43,6 @@ from jaxstation.mesh.stage import fingerprint
 from jaxstation.mesh.station import MeshStation, create_station_app
 
 SPLIT3 = ["0:7", "7:19", "19:30"]
-ENGINE_SHAPE = {"lanes": SHAPE["lanes"], "max_seq": SHAPE["max_seq"], "chunk": SHAPE["prefill_chunk"],
-                "block": SHAPE["kv_block"]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,16 +67,21 @@ def stations():
 
 
 @pytest.fixture(scope="module")
-def local(default_model):
-    """One station's engine with the mesh's programs: full waves, one prefill chunk a turn, the plan's attention."""
-    plan = resolve_plan(StationConfig(**SHAPE, layers="0:30"), default_model.cfg)
-    return Engine(default_model, **ENGINE_SHAPE, attention=plan.attention, wave_widths=plan.wave_widths)
+def local(default_model) -> Engine:
+    """A single station's engine with default settings at the mesh's shape: on CPU the default model's integer
+    products (dtype gguf), prompts in packed steps, narrow decode waves. The mesh runs none of its programs but the
+    decode attention kernel and the CPU kernels' rows."""
+    config = StationConfig(**SHAPE)
+    plan = resolve_plan(config, default_model.cfg)
+    assert (plan.dtype, plan.attention, plan.prefill_budget, plan.wave_widths) == ("gguf", "kernel", 128, (1, 2, 4))
+    return planned_engine(default_model, config, plan)
 
 
 @pytest.fixture(scope="module")
 def workload(default_model, local):
     """10 jobs for 4 lanes: prompts of 1..150 tokens (several prefill chunks), greedy and seeded sampling with
-    filters; each job's reference tokens come from a serial run on the local engine."""
+    filters; each job's reference samples (tokens and log-probabilities) come from the single station's scheduler
+    running all of them at once."""
     rng = np.random.default_rng(7)
     vocab = default_model.cfg.vocab_size
     tok = default_model.tokenizer
@@ -94,8 +100,12 @@ def workload(default_model, local):
         Spec(tuple(int(t) for t in rng.integers(0, vocab, 64)), 9, SamplingParams()),
     ]
     eos = frozenset(tok.eos_ids)  # /generate stops on them, so the Scheduler runs here do too
-    reference = [generate(local, s.prompt, s.max_new, s.sampling, eos) for s in specs]
+    reference = run_jobs(local, specs, eos, continuous=True)
     return specs, reference
+
+
+def tokens(samples: list[Sample]) -> list[int]:
+    return [s.token for s in samples]
 
 
 def host_config(procs: list[StationProcess], **kw) -> StationConfig:
@@ -131,13 +141,14 @@ def running_host(procs: list[StationProcess], model, **kw) -> Iterator[tuple[Ser
         yield server, client
 
 
-def run_jobs(engine, specs: list[Spec], eos: frozenset[int], continuous: bool) -> list[list[int]]:
+def run_jobs(engine, specs: list[Spec], eos: frozenset[int], continuous: bool) -> list[list[Sample]]:
+    """Each job's samples: its tokens with their log-probabilities and top alternatives."""
     sched = Scheduler(engine, continuous=continuous, max_queue=64, terminal_ids=frozenset())
     futures = [sched.submit(Job(tokens=list(s.prompt), max_new_tokens=s.max_new, sampling=s.sampling, stop_ids=eos))
                for s in specs]  # all queued before the decode thread starts: more jobs than lanes
     sched.start()
     try:
-        return [f.result(timeout=300).generated for f in futures]
+        return [f.result(timeout=300).samples for f in futures]
     finally:
         assert sched.drain(10)
 
@@ -163,15 +174,17 @@ def test_three_station_host_serves_the_single_station_tokens(stations, default_m
             replies = list(pool.map(lambda s: client.post("/generate", json=s.body()), specs))
         for i, (r, ref) in enumerate(zip(replies, reference, strict=True)):
             assert r.status_code == 200, r.text
-            assert r.json()["generated"] == ref, f"job {i}"
+            assert r.json()["generated"] == tokens(ref), f"job {i}"
         health = client.get("/health").json()
         assert health["status"] == "ok" and health["down"] == []
         assert [s["layers"] for s in health["stations"]] == SPLIT3
         # the OpenAI routes run unchanged on the mesh
         r = client.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 12,
-                                                 "temperature": 0})
+                                                 "temperature": 0, "logprobs": 1})
         assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == default_model.tokenizer.decode(reference[0])
+        choice = r.json()["choices"][0]
+        assert choice["text"] == default_model.tokenizer.decode(tokens(reference[0]))
+        assert choice["logprobs"]["token_logprobs"] == [s.logprob for s in reference[0]]
 
 
 def _long_specs(default_model) -> list[Spec]:
@@ -245,9 +258,10 @@ def test_stations_report_their_epoch_and_geometry(stations):
     assert h["status"] == "ok" and h["layers"] == "0:7" and len(h["epoch"]) == 16
     info = httpx.get(first.url + "/info", headers={"Authorization": f"Bearer {TOKEN}"}).json()
     assert info["epoch"] == h["epoch"] and info["auth"] is True
-    assert {k: info[k] for k in ("layers", "total_layers", "lanes", "max_seq", "chunk", "block", "dtype")} == {
+    assert {k: info[k] for k in ("layers", "total_layers", "lanes", "max_seq", "chunk", "block", "dtype",
+                                 "weights")} == {
         "layers": "0:7", "total_layers": 30, "lanes": 4, "max_seq": 512, "chunk": 32, "block": 128,
-        "dtype": "float32"}
+        "dtype": "float32", "weights": "gguf"}
 
 
 
@@ -272,7 +286,8 @@ def test_the_host_refuses_stations_of_another_shape_model_or_dtype(stations, def
     for kw, message in [({"lanes": 2}, "has lanes=4 but the host has lanes=2"),
                         ({"max_seq": 256}, "has max_seq=512 but the host has max_seq=256"),
                         ({"prefill_chunk": 64}, "has chunk=32 but the host has chunk=64"),
-                        ({"dtype": "bfloat16"}, "has dtype='float32' but the host has dtype='bfloat16'")]:
+                        ({"dtype": "bfloat16"}, "has dtype='float32' but the host has dtype='bfloat16'"),
+                        ({"dtype": "gguf-exact"}, "has weights='gguf' but the host has weights='gguf-exact'")]:
         with pytest.raises(MeshError, match=re.escape(f"station {first.url} (layers 0:7) {message}")):
             connect(stations["3"], default_model, **kw)
     tiny = tiny_model("tiny-llama3")

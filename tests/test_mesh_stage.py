@@ -1,6 +1,8 @@
 """A model split into layer-range stages computes exactly what the whole model does: the stages' chained residuals
 and their lm_head give bitwise the local engine's logits, for prefill chunks, full decode waves and lane groups (the
-pipelined shape), in float32 and in bfloat16 (whose residuals stay bfloat16 on the wire). In-process, no HTTP."""
+pipelined shape), on the default model's integer products, in float32 and in bfloat16 (whose residuals stay bfloat16
+on the wire); and the stages' prefill chunks give a prompt the bits of a single station's packed step. In-process,
+no HTTP."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from conftest import ENGINE_SHAPE as SHAPE  # the session engine's shape, so its
 from conftest import tiny_model
 
 from jaxstation.engine.engine import Engine
-from jaxstation.engine.rows import DecodeRow, SamplingParams, sampling_arrays
+from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample, SamplingParams, sampling_arrays
 from jaxstation.group.payload import DTYPES, decode, encode
 from jaxstation.mesh.stage import Stage, slice_params
 from jaxstation.model.config import LayerRange
@@ -66,6 +68,31 @@ def _check_split(engine: Engine, splits: list[str], sampling: SamplingParams) ->
 
 def test_three_uneven_stages_equal_the_whole_model_bitwise(engine):
     _check_split(engine, ["0:7", "7:19", "19:30"], SamplingParams(temperature=0.8, top_k=50, seed=3))
+
+
+def test_stage_prefill_chunks_give_a_packed_steps_bits(engine):
+    """A single station on CPU packs prompts, one row per token; a mesh feeds them one chunk at a time. Both attend
+    through the decode attention kernel, so the first token of a 45-token prompt, fed as two chunks through three
+    stages, has the packed step's log-probabilities bit for bit (on the integer products, an attention that differed
+    in its last bit would move activations' 8-bit codes)."""
+    assert engine.prefill_budget and engine.attention == "kernel"
+    assert engine.params.layers[0].wqkv.integer  # the default: dtype gguf
+    stages = _stages(engine.model, ["0:7", "7:19", "19:30"], engine.attention)
+    chunk, block, lane = SHAPE["chunk"], SHAPE["block"], 3
+    sampling = SamplingParams(temperature=0.8, top_k=50, seed=3)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, engine.cfg.vocab_size, 45)]
+    engine.begin(lane, prompt, sampling, frozenset())
+    want = engine.pack([PromptPiece(lane, prompt, 0, len(prompt), sampling)], [None] * SHAPE["lanes"])[lane]
+    for start in (0, chunk):
+        piece = prompt[start:start + chunk]
+        tokens = np.zeros((1, chunk), np.int32)
+        tokens[0, :len(piece)] = piece
+        x = _forward(stages, "prefill", tokens, (start + np.arange(chunk, dtype=np.int32))[None], lane,
+                     (start + len(piece) + block - 1) // block)
+    out = stages[-1].lm_head("prefill", x[0, len(piece) - 1][None], sampling_arrays([(sampling, 0)]), False)
+    got = Sample(int(out["tokens"][0]), float(out["logprob"][0]),
+                 tuple(zip(out["top_ids"][0].tolist(), out["top_logprobs"][0].tolist(), strict=True)))
+    assert got == want
 
 
 def test_bfloat16_stages_equal_the_whole_bfloat16_model_bitwise():

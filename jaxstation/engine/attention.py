@@ -7,7 +7,7 @@ or its ring, engine/arena.py), and `attend`, which picks one.
   block any row's window reaches. A ring's logical block is a contiguous run of its slots, read in the same order and
   shape as the full buffer's, so both give a row the same bits.
 - `kernel_decode_attention`: the CPU decode attention kernel (kernels/cpu_kernel.py), each row reading its own lane's
-  positions in place (around a ring, in position order); any wave width.
+  positions in place (around a ring, in position order); any wave width, and a prefill chunk's rows one by one.
 - `dense_decode_attention`: `jax.nn.dot_product_attention` ("xla" or "cudnn") over each lane's whole slab, masked to
   its length; full-width decode waves only (row r is lane r), never over a ring (rules.attention_refusal).
 """
@@ -103,11 +103,17 @@ def kernel_decode_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, kv
 
 def attend(cfg: ModelConfig, attention: str, q: jax.Array, positions: jax.Array, kv: LayerKV,
            layer: jax.Array | int, lanes: jax.Array, n_blocks: jax.Array, block: int) -> jax.Array:
-    """q: [rows, Q, heads, hd]; positions: [rows, Q] -> [rows, Q, heads * hd]. A prefill chunk (Q > 1) always walks
-    KV blocks; a decode wave runs `attention` ("blocked", "kernel", or a dense implementation, "xla" or "cudnn")."""
+    """q: [rows, Q, heads, hd]; positions: [rows, Q] -> [rows, Q, heads * hd]. With "kernel" every query row, a
+    decode row or each of a prefill chunk's Q rows, attends through the decode attention kernel over its own lane's
+    positions up to its own (the step wrote every row's k and v first), so a prompt position gets the same bits
+    whether a prefill chunk, a packed step or a decode wave feeds it. Otherwise a prefill chunk (Q > 1) walks KV
+    blocks and a decode wave runs `attention` ("blocked", or a dense implementation, "xla" or "cudnn")."""
     rows, nq = q.shape[:2]
-    if nq == 1 and attention == "kernel":
-        return kernel_decode_attention(cfg, q[:, 0], positions[:, 0], kv, layer, lanes)[:, None]
+    if attention == "kernel":
+        flat = q.reshape(rows * nq, *q.shape[2:])
+        row_lanes = jnp.repeat(lanes, nq)  # each query row on its row's lane
+        o = kernel_decode_attention(cfg, flat, positions.reshape(rows * nq), kv, layer, row_lanes)
+        return o.reshape(rows, nq, cfg.num_heads * cfg.head_dim)
     if nq == 1 and attention != "blocked":
         k, v = kv.read(slice(None), slice(None), q.dtype)  # [lanes, max_seq, kvh, hd]
         return dense_decode_attention(cfg, q[:, 0], positions[:, 0], k, v, attention)[:, None]

@@ -207,7 +207,8 @@ class Engine:
         self.arena, out, logits, rows = prefill_chunk(
             self.cfg, self.params, self.arena, np.int32(lane), np.int32(start), tokens, np.int32(len(piece)),
             sampling_arrays([(sampling, 0)]), targets, penalty_arrays([(sampling, 0)], self.cfg.vocab_size, [mask]),
-            self._adapters(lane), block=self.block, last=last, return_logits=True, prompt_logprobs=scored)
+            self._adapters(lane), block=self.block, last=last, return_logits=True, prompt_logprobs=scored,
+            attention=self.attention)
         logits = logits if return_logits else None
         return (read_samples(out)[0] if last else None), logits, (read_samples(rows)[:len(following)] if scored else [])
 

@@ -48,7 +48,8 @@ def run_layers(cfg: ModelConfig, params: Params, arena: KVArena, x: jax.Array, p
     """Run every layer over rows of arena `lanes`: write their k/v at `positions`, attend, MLP.
 
     x: [rows, Q, d]; positions: [rows, Q] int32 (consecutive within a row); lanes: [rows] int32 (one lane for a
-    prefill chunk). attention: the decode waves' attention (`attention.attend`). Each layer writes to and reads
+    prefill chunk). attention: the step's attention (`attention.attend`; with "kernel" a prefill chunk's rows attend
+    through the decode attention kernel too). Each layer writes to and reads
     from its kind's buffer (`KVArena.layer`: the full one, or a windowed layer's ring). adapters: [rows] int32, each
     row's LoRA slot (model/lora.py), or None where the station serves no adapters.
     """
@@ -109,13 +110,13 @@ def step_rows(cfg: ModelConfig, params: Params, arena: KVArena, positions: jax.A
     return arena, out, (logits if return_logits else None)
 
 
-@partial(jax.jit, static_argnames=("cfg", "block", "last", "return_logits", "prompt_logprobs"),
+@partial(jax.jit, static_argnames=("cfg", "block", "last", "return_logits", "prompt_logprobs", "attention"),
          donate_argnames=("arena",))
 def prefill_chunk(cfg: ModelConfig, params: Params, arena: KVArena, lane: jax.Array, start: jax.Array,
                   tokens: jax.Array, n_valid: jax.Array, sampling: SamplingArrays, targets: jax.Array | None = None,
                   penalties: PenaltyArrays | None = None, adapter: jax.Array | None = None, *, block: int, last: bool,
                   return_logits: bool = False,
-                  prompt_logprobs: bool = False
+                  prompt_logprobs: bool = False, attention: str = "blocked"
                   ) -> tuple[KVArena, SampleOut | None, jax.Array | None, SampleOut | None]:
     """Write one chunk of a lane's prompt into the arena: tokens [chunk] at positions [start, start + chunk).
 
@@ -124,14 +125,15 @@ def prefill_chunk(cfg: ModelConfig, params: Params, arena: KVArena, lane: jax.Ar
     With `prompt_logprobs`, also score every row: the log-softmax log-probability of targets [chunk] (the next prompt
     token of each row; the host ignores rows that have none) and the top TOP_LOGPROBS tokens. The [chunk, vocab]
     logits stay on the device; only [chunk] and [chunk, TOP_LOGPROBS] arrays come back. adapter: the lane's LoRA
-    slot (int32), or None where the station serves no adapters.
+    slot (int32), or None where the station serves no adapters. attention: the engine's decode attention; with
+    "kernel" each row attends as a packed step's row does, so the chunk gives its positions a packed step's bits.
     """
     chunk = tokens.shape[0]
     positions = (start + jnp.arange(chunk, dtype=jnp.int32))[None]  # [1, chunk]
     n_blocks = (start + n_valid + block - 1) // block
     x = embed_tokens(cfg, params, tokens)[None]  # [1, chunk, d]
     x, arena = run_layers(cfg, params, arena, x, positions, jnp.reshape(lane, (1,)), n_blocks, block,
-                          None if adapter is None else jnp.reshape(adapter, (1,)))
+                          None if adapter is None else jnp.reshape(adapter, (1,)), attention=attention)
     scored = None
     if prompt_logprobs:
         logprobs = log_softmax(lm_logits(cfg, params, x[0]))  # [chunk, vocab], never leaves

@@ -121,7 +121,7 @@ def check_mesh(clients: Sequence[StationClient], config: StationConfig, plan: Pl
     """Refuse a mesh that cannot serve the host's model, as the host's plan runs it, exactly: raises MeshError naming
     the station."""
     want = {"lanes": config.lanes, "max_seq": config.max_seq, "chunk": config.prefill_chunk,
-            "block": config.kv_block, "dtype": jnp.dtype(compute_dtype(plan.dtype)).name,
+            "block": config.kv_block, "dtype": jnp.dtype(compute_dtype(plan.dtype)).name, "weights": plan.dtype,
             "layer_loop": plan.layer_loop, "attention": plan.attention, "total_layers": cfg.num_layers}
     for c in clients:
         if not c.info.get("auth") and not config.insecure_mesh:

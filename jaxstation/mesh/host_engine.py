@@ -279,8 +279,8 @@ class MeshEngine:
         c = lost.station
         log.warning("%s lost (%s); waiting up to %.0f s for it", c.name, lost.reason, self.recover_s)
         info = wait_info(c, deadline, self.recover_s)
-        for key in ("layers", "fingerprint", "lanes", "max_seq", "chunk", "block", "dtype", "layer_loop", "attention",
-                    "auth"):
+        for key in ("layers", "fingerprint", "lanes", "max_seq", "chunk", "block", "dtype", "weights", "layer_loop",
+                    "attention", "auth"):
             if info.get(key) != c.info.get(key):
                 raise MeshError(f"{c.name} came back with {describe_field(info, key)}, "
                                 f"it had {describe_field(c.info, key)}")

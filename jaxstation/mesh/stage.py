@@ -80,7 +80,7 @@ def slice_params(cfg: ModelConfig, params: Params, layers: LayerRange) -> tuple[
 def forward_step(cfg: ModelConfig, params: Params, arena: KVArena, inputs: jax.Array, positions: jax.Array,
                  lane0: jax.Array, n_blocks: jax.Array, *, block: int, attention: str) -> tuple[jax.Array, KVArena]:
     """inputs: token ids [K, Q] int32 (first station) or residuals [K, Q, d]; positions [K, Q] -> residuals.
-    attention: the decode attention (a prefill chunk always walks KV blocks)."""
+    attention: the station's decode attention, for prefill chunks too, as the local engine's `prefill_chunk` runs it."""
     x = embed_tokens(cfg, params, inputs) if inputs.dtype == jnp.int32 else inputs
     lanes = lane0 + jnp.arange(x.shape[0], dtype=jnp.int32)  # rows sit on consecutive lanes
     return run_layers(cfg, params, arena, x, positions, lanes, n_blocks, block, attention=attention)
@@ -101,10 +101,12 @@ def score_step(cfg: ModelConfig, params: Params, x: jax.Array, targets: jax.Arra
 
 
 class Stage:
-    """Layers [start, stop) of `model` over `lanes` lanes of `max_seq` positions. One caller at a time."""
+    """Layers [start, stop) of `model` over `lanes` lanes of `max_seq` positions. One caller at a time. `weights`:
+    the weight format the plan loaded (`--dtype`: gguf and gguf-exact hold the same bytes and multiply them in two
+    ways), which /info reports for the host to check."""
 
     def __init__(self, model: LoadedModel, layers: LayerRange, lanes: int, max_seq: int, chunk: int,
-                 block: int, attention: str = "blocked") -> None:
+                 block: int, attention: str = "blocked", weights: str | None = None) -> None:
         total = model.cfg.num_layers
         if layers.stop > total:
             raise ValueError(f"layers {layers} reach past the model's {total} layers")
@@ -119,7 +121,7 @@ class Stage:
         self.dtype = np.dtype(self.params.dtype)
         self.layer_loop = self.params.layer_loop
         self.lanes, self.max_seq, self.chunk, self.block = lanes, max_seq, chunk, block
-        self.attention = attention
+        self.attention, self.weights = attention, weights
         self.arena = allocate_arena(self.cfg, lanes, max_seq, self.dtype, mesh=mesh_of(self.params))
 
     @property
@@ -130,7 +132,8 @@ class Stage:
         """What a host checks before it sends a wave: layers, model identity and the lane geometry."""
         return {"layers": str(self.layers), "total_layers": self.total_layers, "fingerprint": self.fingerprint,
                 "lanes": self.lanes, "max_seq": self.max_seq, "chunk": self.chunk, "block": self.block,
-                "dtype": self.dtype_name, "layer_loop": self.layer_loop, "attention": self.attention,
+                "dtype": self.dtype_name, "weights": self.weights, "layer_loop": self.layer_loop,
+                "attention": self.attention,
                 "hidden_size": self.cfg.hidden_size, "vocab_size": self.cfg.vocab_size}
 
     # ---- validation -------------------------------------------------------------------------------------------
@@ -261,11 +264,11 @@ class Stage:
         if wave == "decode":
             inputs = self._pad(inputs, lane0, np.zeros((), inputs.dtype))
             positions = self._pad(positions, lane0, np.int32(self.max_seq - 1))  # idle rows: the scratch slot
-            lane_arg, attention = 0, self.attention
+            lane_arg = 0
         else:
-            lane_arg, attention = lane0, "blocked"
+            lane_arg = lane0
         x, self.arena = forward_step(self.cfg, self.params, self.arena, inputs, positions, np.int32(lane_arg),
-                                     np.int32(n_blocks), block=self.block, attention=attention)
+                                     np.int32(n_blocks), block=self.block, attention=self.attention)
         x = np.asarray(jax.device_get(x))
         return x[lane0:lane0 + k] if wave == "decode" else x
 

@@ -84,7 +84,8 @@ class MeshStation:
             if layers.stop > model.cfg.num_layers:
                 raise ValueError(f"MOONSHINE_LAYERS={layers} reaches past the model's {model.cfg.num_layers} layers")
             check_memory(model.cfg.layers(layers.start, layers.stop), c, plan.dtype, weights_resident=True)
-            stage = Stage(model, layers, c.lanes, c.max_seq, c.prefill_chunk, c.kv_block, attention=plan.attention)
+            stage = Stage(model, layers, c.lanes, c.max_seq, c.prefill_chunk, c.kv_block, attention=plan.attention,
+                          weights=plan.dtype)
             self.model = None  # the whole model's weights go; the stage keeps its range
             t0 = time.perf_counter()
             stage.warmup()
