@@ -8,7 +8,8 @@ computed from the lane's KV, not from the prompt argument, so a request that sta
 A prefill at `start` > 0 that is not the next chunk of the lane's prompt is a prefix reuse: it is legal only if the
 lane's positions [0, start) hold prefill-written KV of exactly prompt[:start] (else an entry in `errors`).
 `lane_versions` follows the Engine's contract (a new stamp per write to the lane and on reset). A new prompt must
-follow a `begin` of its lane with that prompt.
+follow a `begin` of its lane with that prompt. `save_prefix` copies a lane's records of positions [0, n) and
+`restore_prefix` writes them into a lane, as the host tier (engine/prefix_tier.py) copies KV.
 
 Recording. `calls` lists every step in order: `("prefill", lane, start, prompt)` or `("decode", ((lane, prompt),
 ...))` with the prompts of the live rows. `errors` collects protocol violations (chunks out of order, a decode row
@@ -25,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -66,6 +68,8 @@ class _LaneState:
 
 
 class FakeEngine:
+    arena = SimpleNamespace(rings=None)  # a local arena without rings: what the host tier copies from
+
     def __init__(self, lanes: int = 2, chunk: int = 4, max_seq: int = 256, vocab: int = VOCAB,
                  step_delay: float = 0.0) -> None:
         self.lanes, self.chunk, self.max_seq, self.vocab = lanes, chunk, max_seq, vocab
@@ -162,6 +166,16 @@ class FakeEngine:
 
     def reuse_floor(self, lane: int) -> int:
         return 0
+
+    def save_prefix(self, lane: int, n: int) -> np.ndarray:
+        """[n, 2]: per position, 1 where prefill wrote it (else 0), and its token."""
+        self.calls.append(("save", lane, n))
+        return np.array([(writer == "prefill", t) for writer, t in self._state[lane].kv[:n]], np.int64)
+
+    def restore_prefix(self, lane: int, kv: np.ndarray, n: int) -> None:
+        self.calls.append(("restore", lane, n))
+        self.lane_versions.touch([lane])
+        self._state[lane] = _LaneState((), [("prefill" if p else "decode", int(t)) for p, t in kv[:n]])
 
     def reset(self) -> None:
         self.resets += 1

@@ -18,7 +18,8 @@ Backpressure. `submit` past `max_queue` queued jobs raises QueueFull (a 503 with
 ShuttingDown.
 
 Prefix reuse (engine/prefix_cache.py): `_fill` gives a job the free lane with the longest reusable prefix (of its
-adapter) and starts its prefill at the last chunk boundary at or below the match, so its tokens equal a fresh run's.
+adapter), or copies a longer one into a lane from the host tier of `prefix_cache_ram` bytes (engine/prefix_tier.py),
+and starts its prefill at the last chunk boundary at or below the match, so its tokens equal a fresh run's.
 Speculation (engine/speculative.py, engine/draft.py): where the engine verifies drafts and a turn admits no prompt
 pieces, decode rows carry drafts and run as one `verify` step; each row's accepted tokens go through `postprocess`.
 
@@ -52,6 +53,7 @@ from jaxstation.engine.constraints import ConstraintFailed
 from jaxstation.engine.jobs import Cancelled, Job, QueueFull, ShuttingDown, StepFailed, answer
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.prefix_cache import PrefixCache
+from jaxstation.engine.prefix_tier import PrefixTier
 from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample
 from jaxstation.engine.runner import Runner
 from jaxstation.engine.speculative import Speculation, accept
@@ -63,7 +65,8 @@ T = TypeVar("T")
 
 class Scheduler:
     def __init__(self, engine: Runner, *, continuous: bool, max_queue: int, terminal_ids: frozenset[int],
-                 metrics: StationMetrics | None = None, speculation: Speculation | None = None) -> None:
+                 metrics: StationMetrics | None = None, speculation: Speculation | None = None,
+                 prefix_cache_ram: int = 0) -> None:
         self.engine = engine
         self.speculation = speculation if engine.verify_rows > 1 else None
         self.continuous, self.max_queue, self.terminal_ids = continuous, max_queue, terminal_ids
@@ -73,10 +76,10 @@ class Scheduler:
         self.cond = threading.Condition()  # re-entrant; what it guards: the module's "Who owns what"
         self.waves = 0  # loop turns that ran a step; flat while idle (the decode thread's)
         self.prefill_order: deque[int] = deque()  # lanes waiting for prefill, oldest first (the decode thread's)
-        self.prefix_cache = PrefixCache(engine.lanes, engine.chunk)  # the decode thread's
+        self.prefix_cache = PrefixCache(engine.lanes, engine.chunk)  # the decode thread's, as is the tier
+        self.prefix_tier = PrefixTier(engine, self.prefix_cache, prefix_cache_ram, self.metrics)
         self._prefix_resets: list[Future] = []  # reset_prefix_cache requests for the next turn (under cond)
-        self._accepting = True  # under cond
-        self._stop = False  # under cond
+        self._accepting, self._stop = True, False  # under cond
         self._thread: threading.Thread | None = None
 
     # ---- called from request threads -------------------------------------------------------------------------
@@ -136,15 +139,15 @@ class Scheduler:
     def reset_prefix_cache(self) -> Future:
         """Forget every free lane's cached prefix (vLLM's /reset_prefix_cache): the next requests prefill in full,
         as a cold station's do. The decode thread does it between two turns, so every lane freed before the returned
-        Future answers loses its prefix, and lanes in flight are untouched. The Future answers how many entries were
-        dropped."""
+        Future answers loses its prefix, and lanes in flight are untouched; the host tier is emptied. The Future answers
+        how many entries were dropped."""
         done: Future = Future()
         with self.cond:
             if self.alive and not self._stop:
                 self._prefix_resets.append(done)
                 self.cond.notify()
             else:  # no decode thread owns the cache
-                done.set_result(self.prefix_cache.clear())
+                done.set_result(self.prefix_cache.clear() + self.prefix_tier.clear())
         return done
 
     def drain(self, timeout_s: float) -> bool:
@@ -204,7 +207,7 @@ class Scheduler:
     def _reset_prefixes(self) -> None:
         """Answer the queued reset_prefix_cache requests. Holds cond."""
         for done in self._prefix_resets:
-            answer(done, self.prefix_cache.clear())
+            answer(done, self.prefix_cache.clear() + self.prefix_tier.clear())
         self._prefix_resets.clear()
 
     def _ending(self) -> dict[int, str]:
@@ -225,12 +228,10 @@ class Scheduler:
             reuse = job.reuse_prefix and not job.prompt_logprobs
             pick = self.prefix_cache.pick(job.tokens, free, self.engine.lane_versions, reuse=reuse,
                                           adapter=job.lora_load)
+            job.cached_tokens = self.prefix_tier.admit(pick, job.tokens, job.lora_load, reuse)
             self.prefix_cache.take(pick.lane)
-            if reuse:
-                self.metrics.count_prefix_lookup(pick.matched, pick.reused)
-            job.cached_tokens = pick.reused
             draft = self.speculation.draft_length() if self.speculation else None
-            self.lanes[pick.lane] = Lane(job=job, admitted_at=now, fed=pick.reused, draft=draft)
+            self.lanes[pick.lane] = Lane(job=job, admitted_at=now, fed=job.cached_tokens, draft=draft)
             self.prefill_order.append(pick.lane)
         self.metrics.queue_depth.set(len(self.pending))
         self.metrics.busy_lanes.set(self.busy_lanes)
@@ -371,9 +372,7 @@ class Scheduler:
 
     def postprocess(self, i: int, sample: Sample) -> None:
         """Fold a lane's new token into its request; retire the request when it is done."""
-        lane = self.lanes[i]
-        job = lane.job
-        now = time.perf_counter()
+        lane, job, now = self.lanes[i], self.lanes[i].job, time.perf_counter()
         if sample.token in job.stop_ids:
             lane.stop_sample = sample
             return self._retire(i, "stop")
