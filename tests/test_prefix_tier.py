@@ -45,7 +45,9 @@ def test_the_least_recently_used_entry_goes_first_and_the_bytes_stay_bound() -> 
     tier = HostTier(capacity=20 * 10, chunk=4)  # 20 tokens
     a, b, c = [1] * 8, [2] * 8, [3] * 8
     assert tier.put(entry(a)) == tier.put(entry(b)) == 0
-    assert tier.find(a + [9], adapter=0)[1] == 8  # a is the most recent now
+    found, matched = tier.find(a + [9], adapter=0)
+    tier.used(found)  # a is the most recent now
+    assert matched == 8
     assert tier.find(b + [9], adapter=1) == (None, 0)  # another adapter's prompt reuses nothing
     assert tier.put(entry(c)) == 1  # 24 tokens: b, the least recently used, goes
     assert tier.keys() == [(0, tuple(a)), (0, tuple(c))] and tier.nbytes == 160 <= tier.capacity
@@ -79,6 +81,29 @@ def test_conversations_beyond_the_lanes_resume_from_the_tier_on_the_fake_engine(
         assert not fake.errors
         assert (saved(sched, "memory"), saved(sched, "lane")) == (32, 0)
         assert [c[0] for c in fake.calls].count("restore") == 4
+    finally:
+        assert sched.drain(10)
+
+
+def test_the_tier_evicts_the_least_recently_used_conversation_within_its_bytes() -> None:
+    fake = FakeEngine(lanes=2, chunk=4)  # an entry: 16 bytes a token (`FakeEngine.save_prefix`)
+    sched = Scheduler(fake, continuous=True, max_queue=64, terminal_ids=frozenset(), prefix_cache_ram=2 * 8 * 16)
+    value = sched.metrics.registry.get_sample_value
+    sched.start()
+    try:
+        turns = [[10 * c + i for i in range(9)] for c in range(1, 5)]  # 8 tokens cached each: two fit
+        for prompt in turns:
+            run(sched, prompt, 3)
+        cached = []
+        for prompt in turns:  # c0 is reused (and so more recent than c1), then c1 is gone: c2's spill evicted it
+            nxt = prompt + expected(prompt, 3) + [7]
+            r = run(sched, nxt, 2)
+            assert r.generated == expected(nxt, 2)
+            assert value("jaxstation_prefix_cache_memory_bytes") <= 2 * 8 * 16
+            cached.append(r.timing["cached_tokens"])
+        assert cached == [8, 0, 8, 0] and not fake.errors
+        # evicted: c1 (by c2's spill), c0 (by c3's), c3 and c2 (by c0's next turn, 12 tokens), c0's next turn (by c1's)
+        assert value("jaxstation_prefix_cache_memory_evictions_total") == 5
     finally:
         assert sched.drain(10)
 

@@ -62,7 +62,7 @@ class HostTier:
 
     def find(self, prompt: Sequence[int], adapter: int) -> tuple[TierEntry | None, int]:
         """(the entry with the longest reusable match for `prompt` of `adapter`, the prompt tokens it matches, at
-        most len(prompt) - 1); (None, 0) where no entry reuses a chunk. A found entry becomes the most recent."""
+        most len(prompt) - 1); (None, 0) where no entry reuses a chunk."""
         prompt = tuple(prompt)
         best, matched = None, 0
         for (load, tokens), entry in self._entries.items():
@@ -70,10 +70,11 @@ class HostTier:
                 n = min(common_prefix(tokens, prompt), len(prompt) - 1)
                 if n // self.chunk > matched // self.chunk:
                     best, matched = entry, n
-        if best is None:
-            return None, 0
-        self._entries.move_to_end((adapter, best.tokens))
         return best, matched
+
+    def used(self, entry: TierEntry) -> None:
+        """`entry` was reused: it becomes the most recent."""
+        self._entries.move_to_end((entry.adapter, entry.tokens))
 
     def covers(self, tokens: tuple[int, ...], adapter: int) -> bool:
         """Whether an entry of `adapter` starts with `tokens` (so holds their KV)."""
@@ -135,6 +136,8 @@ class PrefixTier:
         entry, matched = self.host.find(prompt, adapter) if reuse else (None, 0)
         reused = matched // self.host.chunk * self.host.chunk
         restore = entry is not None and reused > pick.reused
+        if restore:
+            self.host.used(entry)  # before the spill, which may evict the least recently used
         self._spill(pick.lane, pick.reused if not restore else 0)
         if restore:
             self.engine.restore_prefix(pick.lane, entry.kv, reused)
