@@ -114,10 +114,8 @@ class Engine:
         if max_loras:
             model = dataclasses.replace(model, params=with_lora(model.cfg, model.params, max_loras + 1, max_lora_rank))
         self.lane_lora = np.zeros(lanes, np.int32)  # each lane's LoRA slot, set by `begin`
-        self.model = model
-        self.cfg = model.cfg
-        self.lanes, self.max_seq, self.chunk, self.block = lanes, max_seq, chunk, block
-        self.attention = attention
+        self.model, self.cfg = model, model.cfg
+        self.lanes, self.max_seq, self.chunk, self.block, self.attention = lanes, max_seq, chunk, block, attention
         self.scratch_pos = max_seq - 1  # never holds a request's k/v: prompt + new tokens <= max_seq - 1 fed
         self.ring, self.windowed = arena_layout(self.cfg, max_seq, block, kv_windows, model.params.layer_loop,
                                                 chunk=chunk, budget=budget, verify_rows=self.verify_rows)
@@ -383,6 +381,8 @@ class Engine:
             ("prefill", lambda: self.prefill(0, prompt, 0, SamplingParams())),  # a middle chunk
             ("prefill_last", lambda: self.prefill(0, prompt, self.chunk, SamplingParams())),  # a last chunk: samples
         ]
+        if not self.windowed:  # the prefix cache's host tier (engine/prefix_tier.py) copies a chunk each way
+            steps.append(("prefix_copy", lambda: self.restore_prefix(0, self.save_prefix(0, self.chunk), self.chunk)))
         for w in self.wave_widths:
             name = "decode" if w == self.lanes else f"decode_{w}"
             steps.append((name, lambda w=w: (self._wave(sampled, w, False), self._wave(greedy, w, False),
