@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
+import jax
 import numpy as np
 
 from jaxstation.engine.prefix_cache import LaneVersions
@@ -68,7 +69,7 @@ class _LaneState:
 
 
 class FakeEngine:
-    arena = SimpleNamespace(rings=None)  # a local arena without rings: what the host tier copies from
+    arena = SimpleNamespace(rings=None, k=jax.numpy.zeros(0))  # local, one device, no ring: the host tier copies it
 
     def __init__(self, lanes: int = 2, chunk: int = 4, max_seq: int = 256, vocab: int = VOCAB,
                  step_delay: float = 0.0) -> None:

@@ -13,7 +13,8 @@ An entry is keyed as a lane's: its token ids and the LoRA adapter load that comp
 changes a KV bit (the model and its weights' dtype, the KV dtype, the arena's layout, the chunk) is fixed for the
 engine the tier belongs to: one tier per scheduler and engine. Whole-prompt entries, evicted least recently used
 while their bytes exceed the tier's capacity. An arena with rings (windowed layers keeping only their window) holds
-no whole prefix to copy, and a mesh engine's KV lives on its stations: there the tier is off (`tier_refusal`).
+no whole prefix to copy, a mesh engine's KV lives on its stations, and a split arena's copies are not checked: there
+the tier is off (`tier_refusal`).
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ def tier_refusal(engine: Runner) -> str | None:
         return "the KV lives on mesh stations"
     if engine.arena.rings is not None:
         return "windowed layers keep a ring, not a whole prefix (--kv-windows full keeps one)"
+    if len(engine.arena.k.devices()) > 1:
+        return "the arena is split over devices (--tensor-parallel), and the copies are checked on one device only"
     return None
 
 
