@@ -57,7 +57,7 @@ from jaxstation.engine.prefix_tier import PrefixTier
 from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample
 from jaxstation.engine.runner import Runner
 from jaxstation.engine.speculative import Speculation, accept
-from jaxstation.engine.turns import Lane, Plan, draft_rows, prompt_pieces
+from jaxstation.engine.turns import Lane, Plan, draft_rows, ending_lanes, prompt_pieces
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -191,7 +191,7 @@ class Scheduler:
                     self._fail_lanes(ShuttingDown("the station shut down before this request finished"))
                     return
                 self._reset_prefixes()
-                ending = self._ending()
+                ending = ending_lanes(self.lanes)
                 self._fill()
             plan = self.schedule(ending)
             try:
@@ -209,12 +209,6 @@ class Scheduler:
         for done in self._prefix_resets:
             answer(done, self.prefix_cache.clear() + self.prefix_tier.clear())
         self._prefix_resets.clear()
-
-    def _ending(self) -> dict[int, str]:
-        """Lanes whose job was cancelled ("cancel") or asked to finish early ("stop"). Holds cond."""
-        return {i: "cancel" if lane.job.cancelled or lane.job.future.cancelled() else "stop"
-                for i, lane in enumerate(self.lanes)
-                if lane is not None and (lane.job.cancelled or lane.job.future.cancelled() or lane.job.stop_requested)}
 
     def _fill(self) -> None:
         """Move pending jobs into free lanes (in serialize-all mode only when every lane is free), each into the
@@ -244,9 +238,9 @@ class Scheduler:
                 self._fail_job(self._free(i).job, Cancelled("the request was cancelled"), "cancelled")
             else:
                 self._retire(i, "stop")
-        packs = self.engine.prefill_budget > 0
+        packs, lanes = self.engine.prefill_budget > 0, self.lanes
         prefill_lane, prefill_mask = None, None
-        while prefill_lane is None and (chunked := [i for i in self.prefill_order if not packs or self._scores(i)]):
+        while prefill_lane is None and (chunked := [i for i in self.prefill_order if not packs or lanes[i].scores]):
             prefill_lane, lane = chunked[0], self.lanes[chunked[0]]
             if lane.fed + self.engine.chunk >= len(lane.job.tokens):  # its last chunk samples the first token
                 ok, prefill_mask = self._mask(prefill_lane)
@@ -267,16 +261,12 @@ class Scheduler:
         """This turn's prompt pieces for a packed step (`prompt_pieces`); a piece that ends its prompt carries the
         lane's constraint mask, and a lane whose constraint leaves no token has failed."""
         pieces = []
-        for piece in prompt_pieces(self.lanes, [i for i in self.prefill_order if not self._scores(i)],
+        for piece in prompt_pieces(self.lanes, [i for i in self.prefill_order if not self.lanes[i].scores],
                                    self.engine.chunk, budget):
             ok, mask = self._mask(piece.lane) if piece.last else (True, None)
             if ok:
                 pieces.append(dataclasses.replace(piece, mask=mask))
         return pieces
-
-    def _scores(self, i: int) -> bool:
-        """Whether lane i's next prefill scores its prompt (one chunk per turn, never packed)."""
-        return self.lanes[i].job.prompt_logprobs and not self.lanes[i].repacked
 
     def _mask(self, i: int) -> tuple[bool, np.ndarray | None]:
         """(whether lane i goes on, `Lane.next_mask`). A job its constraint leaves without a token fails here."""
