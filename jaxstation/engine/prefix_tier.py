@@ -15,6 +15,11 @@ engine the tier belongs to: one tier per scheduler and engine. Whole-prompt entr
 while their bytes exceed the tier's capacity. An arena with rings (windowed layers keeping only their window) holds
 no whole prefix to copy, a mesh engine's KV lives on its stations, and a split arena's copies are not checked: there
 the tier is off (`tier_refusal`).
+
+Failures. The copies run inside the scheduler's step (`Scheduler._loop`), after the request holds its lane, so
+whatever they raise is at worst a failed step. A failed save logs a line and keeps nothing: the request goes on. A
+failed restore drops its entry and the request prefills afresh from position 0 (the lane holds nothing it may reuse);
+were the arena lost in a donated write, the next step fails as a failed step does and the arena is rebuilt.
 """
 
 from __future__ import annotations
@@ -32,6 +37,18 @@ from jaxstation.engine.prefix_cache import Pick, PrefixCache, common_prefix
 from jaxstation.engine.runner import Runner
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """A request taking a lane (`Scheduler._fill`): the pick, the lane's cached prefix just before
+    (`PrefixCache.cached`), the request's prompt and LoRA adapter load, and whether it may reuse a prefix."""
+
+    pick: Pick
+    cached: tuple[tuple[int, ...], int] | None
+    prompt: Sequence[int]
+    adapter: int
+    reuse: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +93,11 @@ class HostTier:
     def used(self, entry: TierEntry) -> None:
         """`entry` was reused: it becomes the most recent."""
         self._entries.move_to_end((entry.adapter, entry.tokens))
+
+    def drop(self, entry: TierEntry) -> None:
+        """Forget `entry` (if still held)."""
+        if self._entries.pop((entry.adapter, entry.tokens), None) is not None:
+            self.nbytes -= entry.nbytes
 
     def covers(self, tokens: tuple[int, ...], adapter: int) -> bool:
         """Whether an entry of `adapter` starts with `tokens` (so holds their KV)."""
@@ -127,38 +149,55 @@ class PrefixTier:
         self.engine, self.cache, self.metrics = engine, cache, metrics
         self.host = HostTier(capacity, engine.chunk)
 
-    def admit(self, pick: Pick, prompt: Sequence[int], adapter: int, reuse: bool) -> int:
-        """A request of `prompt` (LoRA adapter load `adapter`) takes `pick.lane`: keep the lane's cached prefix in the
-        tier if the request will overwrite it, and restore the tier's longest match into the lane where it reaches
-        past `pick.reused`. Returns the prompt tokens the request reuses (prefill restarts there), counted on the
-        metrics when `reuse`."""
+    def admit(self, a: Admission) -> int:
+        """A request of `a.prompt` takes `a.pick.lane`: keep the lane's cached prefix in the tier if the request will
+        overwrite it, and restore the tier's longest match into the lane where it reaches past `pick.reused`. Returns
+        the prompt tokens the request reuses (prefill restarts there), counted on the metrics when `a.reuse`."""
+        pick = a.pick
         if not self.host.capacity:
-            if reuse:
+            if a.reuse:
                 self.metrics.count_prefix_lookup(pick.matched, pick.reused, "lane")
             return pick.reused
-        entry, matched = self.host.find(prompt, adapter) if reuse else (None, 0)
+        entry, matched = self.host.find(a.prompt, a.adapter) if a.reuse else (None, 0)
         reused = matched // self.host.chunk * self.host.chunk
         restore = entry is not None and reused > pick.reused
         if restore:
             self.host.used(entry)  # before the spill, which may evict the least recently used
-        self._spill(pick.lane, pick.reused if not restore else 0)
-        if restore:
-            self.engine.restore_prefix(pick.lane, entry.kv, reused)
-        if reuse:
+        self._spill(pick.lane, a.cached, pick.reused if not restore else 0)
+        if restore and not self._restore(pick.lane, entry, reused):
+            pick, restore = Pick(pick.lane, 0, 0), False  # a fresh prefill: the lane may hold part of the entry
+        if a.reuse:
             self.metrics.count_prefix_lookup(*((matched, reused, "memory") if restore else
                                                (pick.matched, pick.reused, "lane")))
         return reused if restore else pick.reused
 
-    def _spill(self, lane: int, kept: int) -> None:
-        """Copy `lane`'s cached prefix into the tier, unless the request taking it keeps all of it (`kept` tokens)
-        or the tier holds it already."""
-        cached = self.cache.cached(lane)
+    def _spill(self, lane: int, cached: tuple[tuple[int, ...], int] | None, kept: int) -> None:
+        """Copy `lane`'s `cached` prefix into the tier, unless the request taking it keeps all of it (`kept` tokens)
+        or the tier holds it already. A failed copy keeps nothing."""
         n = len(cached[0]) // self.host.chunk * self.host.chunk if cached else 0
         if n <= kept or self.host.covers(cached[0][:n], cached[1]):
             return
-        kv = self.engine.save_prefix(lane, n)
+        try:
+            kv = self.engine.save_prefix(lane, n)
+        except Exception as e:
+            log.warning("prefix cache in host memory: saving lane %d's %d tokens failed (%s: %s); not kept", lane, n,
+                        type(e).__name__, e)
+            return
         self.metrics.prefix_tier_evictions.inc(self.host.put(TierEntry(cached[0][:n], cached[1], kv)))
         self._gauges()
+
+    def _restore(self, lane: int, entry: TierEntry, n: int) -> bool:
+        """Write `entry`'s first n tokens into `lane`. False where the copy failed: the entry is dropped (it may be
+        what failed), and the lane, taken by its request, is no lane the prefix cache reuses."""
+        try:
+            self.engine.restore_prefix(lane, entry.kv, n)
+            return True
+        except Exception as e:
+            log.warning("prefix cache in host memory: restoring %d tokens into lane %d failed (%s: %s); the request "
+                        "prefills afresh", n, lane, type(e).__name__, e)
+            self.host.drop(entry)
+            self._gauges()
+            return False
 
     def clear(self) -> int:
         """Drop every entry; returns how many there were."""

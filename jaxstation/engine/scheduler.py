@@ -33,7 +33,8 @@ alike at every width), and each request samples with its own seed and counter: a
 lane, on what runs beside it, or on the mode.
 
 Failure: a step that raises fails every job in a lane (StepFailed), rebuilds the arena, drops every cached prefix and
-goes on. LoRA (docs/lora.md): a job carries its adapter's slot; `lora_slots` says which slots jobs still read.
+goes on. The host tier's copies for the jobs a turn admits run inside its step, once those jobs hold their lanes.
+LoRA (docs/lora.md): a job carries its adapter's slot; `lora_slots` says which slots jobs still read.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from jaxstation.engine.constraints import ConstraintFailed
 from jaxstation.engine.jobs import Cancelled, Job, QueueFull, ShuttingDown, StepFailed, answer
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.prefix_cache import PrefixCache
-from jaxstation.engine.prefix_tier import PrefixTier
+from jaxstation.engine.prefix_tier import Admission, PrefixTier
 from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample
 from jaxstation.engine.runner import Runner
 from jaxstation.engine.speculative import Speculation, accept
@@ -192,10 +193,10 @@ class Scheduler:
                     return
                 self._reset_prefixes()
                 ending = ending_lanes(self.lanes)
-                self._fill()
-            plan = self.schedule(ending)
-            try:
-                self._execute(plan)
+                admissions = self._fill()
+            try:  # the new jobs hold their lanes: the tier's copies fail as a step does
+                self._admit(admissions)
+                self._execute(self.schedule(ending))
             except Exception as e:  # a failed step: fail the lanes in flight, rebuild, keep serving
                 log.exception("step failed")
                 self._fail_lanes(StepFailed(f"step failed: {type(e).__name__}: {e}", cause=e))
@@ -210,10 +211,10 @@ class Scheduler:
             answer(done, self.prefix_cache.clear() + self.prefix_tier.clear())
         self._prefix_resets.clear()
 
-    def _fill(self) -> None:
+    def _fill(self) -> list[Admission]:
         """Move pending jobs into free lanes (in serialize-all mode only when every lane is free), each into the
-        lane with the longest reusable prefix. Holds cond."""
-        now = time.perf_counter()
+        lane with the longest reusable prefix; `_admit` sets what each reuses. Holds cond."""
+        now, admissions = time.perf_counter(), []
         while True:
             free = [i for i, lane in enumerate(self.lanes) if lane is None]
             if not self.pending or not free or (not self.continuous and self.busy_lanes):
@@ -222,13 +223,21 @@ class Scheduler:
             reuse = job.reuse_prefix and not job.prompt_logprobs
             pick = self.prefix_cache.pick(job.tokens, free, self.engine.lane_versions, reuse=reuse,
                                           adapter=job.lora_load)
-            job.cached_tokens = self.prefix_tier.admit(pick, job.tokens, job.lora_load, reuse)
+            admissions.append(Admission(pick, self.prefix_cache.cached(pick.lane), job.tokens, job.lora_load, reuse))
             self.prefix_cache.take(pick.lane)
             draft = self.speculation.draft_length() if self.speculation else None
-            self.lanes[pick.lane] = Lane(job=job, admitted_at=now, fed=job.cached_tokens, draft=draft)
+            self.lanes[pick.lane] = Lane(job=job, admitted_at=now, draft=draft)
             self.prefill_order.append(pick.lane)
         self.metrics.queue_depth.set(len(self.pending))
         self.metrics.busy_lanes.set(self.busy_lanes)
+        return admissions
+
+    def _admit(self, admissions: list[Admission]) -> None:
+        """Start each admitted lane at the prompt tokens it reuses, copied in from the host tier where that reaches
+        further (`PrefixTier.admit`: a failed save or restore costs reuse, not the request)."""
+        for a in admissions:
+            lane = self.lanes[a.pick.lane]
+            lane.fed = lane.job.cached_tokens = self.prefix_tier.admit(a)
 
     def schedule(self, ending: dict[int, str] | None = None) -> Plan:
         """Retire the `ending` lanes (lane -> "cancel" or "stop"), then pick this turn's prefill chunk and decode
