@@ -16,6 +16,8 @@ Recording. `calls` lists every step in order: `("prefill", lane, start, prompt)`
 whose position, token or counter disagrees with what the lane holds); tests assert it stays empty.
 
 Faults and pauses. `fail_next_prefill` / `fail_next_decode` make the next such step raise RuntimeError("boom").
+`fail_next_save` makes the next `save_prefix` raise MemoryError; `fail_next_restore` makes the next `restore_prefix`
+write the entry's first chunk into the lane, then raise RuntimeError("restore boom") (a half-written lane).
 `hold()` makes every step wait at its start until `step(n)` allows n more or `release()` lets everything run;
 `wait_blocked()` returns once the decode thread is parked at that gate. `on_step(kind)`, if set, is called from the
 decode thread at the start of each step (after the gate).
@@ -83,6 +85,8 @@ class FakeEngine:
         self.admissions: list[tuple[int, int, tuple[int, ...]]] = []  # (lane, start, prompt) of each new prompt
         self.fail_next_prefill = False
         self.fail_next_decode = False
+        self.fail_next_save = False
+        self.fail_next_restore = False
         self.on_step: Callable[[str], None] | None = None
         self._state: list[_LaneState | None] = [None] * lanes
         self._begun: list[tuple[int, ...] | None] = [None] * lanes  # the prompt `begin` announced, until it starts
@@ -171,12 +175,19 @@ class FakeEngine:
     def save_prefix(self, lane: int, n: int) -> np.ndarray:
         """[n, 2]: per position, 1 where prefill wrote it (else 0), and its token."""
         self.calls.append(("save", lane, n))
+        if self.fail_next_save:
+            self.fail_next_save = False
+            raise MemoryError("no host memory for the copy")
         return np.array([(writer == "prefill", t) for writer, t in self._state[lane].kv[:n]], np.int64)
 
     def restore_prefix(self, lane: int, kv: np.ndarray, n: int) -> None:
         self.calls.append(("restore", lane, n))
         self.lane_versions.touch([lane])
-        self._state[lane] = _LaneState((), [("prefill" if p else "decode", int(t)) for p, t in kv[:n]])
+        written = self.chunk if self.fail_next_restore else n
+        self._state[lane] = _LaneState((), [("prefill" if p else "decode", int(t)) for p, t in kv[:written]])
+        if self.fail_next_restore:
+            self.fail_next_restore = False
+            raise RuntimeError("restore boom")
 
     def reset(self) -> None:
         self.resets += 1

@@ -10,7 +10,7 @@ from fake_engine import FakeEngine, expected
 from jaxstation.config.memory import PREFIX_CACHE_RAM_CAP, prefix_cache_ram
 from jaxstation.config.settings import ConfigError, MiB, StationConfig, resolve
 from jaxstation.engine.engine import Engine
-from jaxstation.engine.jobs import Job, Result
+from jaxstation.engine.jobs import Job, Result, StepFailed
 from jaxstation.engine.prefix_tier import HostTier, TierEntry
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.engine.scheduler import Scheduler
@@ -106,6 +106,95 @@ def test_the_tier_evicts_the_least_recently_used_conversation_within_its_bytes()
         assert value("jaxstation_prefix_cache_memory_evictions_total") == 5
     finally:
         assert sched.drain(10)
+
+
+# ---- failed copies: what they cost is reuse, never a request or the decode thread --------------------------------
+
+def tiered_fake(lanes: int = 2) -> tuple[FakeEngine, Scheduler]:
+    fake = FakeEngine(lanes=lanes, chunk=4)
+    sched = Scheduler(fake, continuous=True, max_queue=64, terminal_ids=frozenset(), prefix_cache_ram=MiB)
+    sched.start()
+    return fake, sched
+
+
+def next_turn(prompt: list[int]) -> list[int]:
+    return prompt + expected(prompt, 3) + [7]
+
+
+def test_a_failed_save_keeps_nothing_and_the_request_completes(caplog: pytest.LogCaptureFixture) -> None:
+    fake, sched = tiered_fake()
+    try:
+        a, b, c = [[10 * k + i for i in range(9)] for k in (1, 2, 3)]
+        run(sched, a, 3)
+        run(sched, b, 3)
+        fake.fail_next_save = True  # c takes a's lane: a's KV is saved, and that copy raises MemoryError
+        with caplog.at_level("WARNING", logger="jaxstation.engine.prefix_tier"):
+            assert run(sched, c, 3).generated == expected(c, 3)
+        assert [r.getMessage() for r in caplog.records] == [
+            "prefix cache in host memory: saving lane 0's 8 tokens failed (MemoryError: no host memory for the "
+            "copy); not kept"]
+        assert ("save", 0, 8) in fake.calls and len(sched.prefix_tier.host) == 0
+        r = run(sched, next_turn(a), 2)  # a's KV was not kept: a fresh prefill, the same tokens
+        assert (r.generated, r.timing["cached_tokens"]) == (expected(next_turn(a), 2), 0)
+        r = run(sched, next_turn(b), 2)  # b was spilled by a's turn, and comes back from memory
+        assert (r.generated, r.timing["cached_tokens"]) == (expected(next_turn(b), 2), 8)
+        assert sched.alive and requests_ok(sched) == 5 and not fake.errors and fake.resets == 0
+    finally:
+        assert sched.drain(10)
+
+
+def test_a_failed_restore_drops_its_entry_and_the_request_prefills_afresh(caplog: pytest.LogCaptureFixture) -> None:
+    fake, sched = tiered_fake()
+    try:
+        turns = [[10 * k + i for i in range(9)] for k in range(1, 5)]  # 4 conversations on 2 lanes: 2 in memory
+        for prompt in turns:
+            run(sched, prompt, 3)
+        assert len(sched.prefix_tier.host) == 2
+        fake.fail_next_restore = True  # writes one chunk of the entry into the lane, then raises
+        first = next_turn(turns[0])
+        with caplog.at_level("WARNING", logger="jaxstation.engine.prefix_tier"):
+            r = run(sched, first, 2)
+        assert (r.generated, r.timing["cached_tokens"]) == (expected(first, 2), 0)
+        assert fake.starts_of(first) == [0] and ("restore", 0, 8) in fake.calls
+        assert [r.getMessage() for r in caplog.records] == [
+            "prefix cache in host memory: restoring 8 tokens into lane 0 failed (RuntimeError: restore boom); the "
+            "request prefills afresh"]
+        assert (0, tuple(turns[0][:8])) not in sched.prefix_tier.host.keys()  # the entry is gone
+        assert saved(sched, "memory") == 0
+        second = next_turn(turns[1])  # the next request is served, from memory
+        r = run(sched, second, 2)
+        assert (r.generated, r.timing["cached_tokens"]) == (expected(second, 2), 8)
+        again = first + [5]  # the half-written lane was never offered for reuse: first's own prefill is
+        r = run(sched, again, 2)
+        assert r.generated == expected(again, 2) and fake.starts_of(again) == [12]
+        assert sched.alive and requests_ok(sched) == 7 and not fake.errors and fake.resets == 0
+    finally:
+        assert sched.drain(10)
+
+
+def test_a_tier_that_raises_fails_its_turn_as_a_step_does_and_serving_goes_on() -> None:
+    fake, sched = tiered_fake()
+    try:
+        admit, trips = sched.prefix_tier.admit, []
+
+        def broken(a):  # the first admission raises past the tier's own handling
+            if not trips:
+                trips.append(a)
+                raise MemoryError("out of host memory")
+            return admit(a)
+
+        sched.prefix_tier.admit = broken
+        with pytest.raises(StepFailed, match="step failed: MemoryError: out of host memory"):
+            run(sched, [1, 2, 3], 3)
+        assert sched.alive and fake.resets == 1
+        assert run(sched, [4, 5, 6], 3).generated == expected([4, 5, 6], 3)
+        assert requests_ok(sched) == 1 and not fake.errors
+    finally:
+        assert sched.drain(10)
+
+
+def requests_ok(sched: Scheduler) -> float:
+    return sched.metrics.registry.get_sample_value("jaxstation_requests_total", {"outcome": "ok"}) or 0.0
 
 
 # ---- the setting ------------------------------------------------------------------------------------------------
