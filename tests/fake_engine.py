@@ -8,13 +8,16 @@ computed from the lane's KV, not from the prompt argument, so a request that sta
 A prefill at `start` > 0 that is not the next chunk of the lane's prompt is a prefix reuse: it is legal only if the
 lane's positions [0, start) hold prefill-written KV of exactly prompt[:start] (else an entry in `errors`).
 `lane_versions` follows the Engine's contract (a new stamp per write to the lane and on reset). A new prompt must
-follow a `begin` of its lane with that prompt.
+follow a `begin` of its lane with that prompt. `save_prefix` copies a lane's records of positions [0, n) and
+`restore_prefix` writes them into a lane, as the host tier (engine/prefix_tier.py) copies KV.
 
 Recording. `calls` lists every step in order: `("prefill", lane, start, prompt)` or `("decode", ((lane, prompt),
 ...))` with the prompts of the live rows. `errors` collects protocol violations (chunks out of order, a decode row
 whose position, token or counter disagrees with what the lane holds); tests assert it stays empty.
 
 Faults and pauses. `fail_next_prefill` / `fail_next_decode` make the next such step raise RuntimeError("boom").
+`fail_next_save` makes the next `save_prefix` raise MemoryError; `fail_next_restore` makes the next `restore_prefix`
+write the entry's first chunk into the lane, then raise RuntimeError("restore boom") (a half-written lane).
 `hold()` makes every step wait at its start until `step(n)` allows n more or `release()` lets everything run;
 `wait_blocked()` returns once the decode thread is parked at that gate. `on_step(kind)`, if set, is called from the
 decode thread at the start of each step (after the gate).
@@ -25,7 +28,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 
+import jax
 import numpy as np
 
 from jaxstation.engine.prefix_cache import LaneVersions
@@ -66,6 +71,8 @@ class _LaneState:
 
 
 class FakeEngine:
+    arena = SimpleNamespace(rings=None, k=jax.numpy.zeros(0))  # local, one device, no ring: the host tier copies it
+
     def __init__(self, lanes: int = 2, chunk: int = 4, max_seq: int = 256, vocab: int = VOCAB,
                  step_delay: float = 0.0) -> None:
         self.lanes, self.chunk, self.max_seq, self.vocab = lanes, chunk, max_seq, vocab
@@ -78,6 +85,8 @@ class FakeEngine:
         self.admissions: list[tuple[int, int, tuple[int, ...]]] = []  # (lane, start, prompt) of each new prompt
         self.fail_next_prefill = False
         self.fail_next_decode = False
+        self.fail_next_save = False
+        self.fail_next_restore = False
         self.on_step: Callable[[str], None] | None = None
         self._state: list[_LaneState | None] = [None] * lanes
         self._begun: list[tuple[int, ...] | None] = [None] * lanes  # the prompt `begin` announced, until it starts
@@ -162,6 +171,23 @@ class FakeEngine:
 
     def reuse_floor(self, lane: int) -> int:
         return 0
+
+    def save_prefix(self, lane: int, n: int) -> np.ndarray:
+        """[n, 2]: per position, 1 where prefill wrote it (else 0), and its token."""
+        self.calls.append(("save", lane, n))
+        if self.fail_next_save:
+            self.fail_next_save = False
+            raise MemoryError("no host memory for the copy")
+        return np.array([(writer == "prefill", t) for writer, t in self._state[lane].kv[:n]], np.int64)
+
+    def restore_prefix(self, lane: int, kv: np.ndarray, n: int) -> None:
+        self.calls.append(("restore", lane, n))
+        self.lane_versions.touch([lane])
+        written = self.chunk if self.fail_next_restore else n
+        self._state[lane] = _LaneState((), [("prefill" if p else "decode", int(t)) for p, t in kv[:written]])
+        if self.fail_next_restore:
+            self.fail_next_restore = False
+            raise RuntimeError("restore boom")
 
     def reset(self) -> None:
         self.resets += 1

@@ -90,6 +90,7 @@ def test_a_corrupt_model_file_is_one_line_on_serve(tmp_path: Path) -> None:
     (["--lanes", "0"], {}, "error: --lanes=0 must be >= 1"),
     ([], {"MOONSHINE_BATCH_LANES": "0"}, "error: MOONSHINE_BATCH_LANES=0 must be >= 1"),
     (["--port", "99999"], {}, "error: --port=99999 must be a TCP port in [0, 65535]"),
+    (["--prefix-cache-ram", "-2"], {}, "error: --prefix-cache-ram=-2 must be >= 0 MiB (0: off)"),
     (["--max-seq", "100"], {}, "error: --max-seq=100 must be a multiple of MOONSHINE_PREFILL_CHUNK=32"),
     (["--prefill-chunk", "48"], {"MOONSHINE_MAX_SEQ": "100"}, "error: MOONSHINE_MAX_SEQ=100 must be a multiple of "
                                                               "--prefill-chunk=48"),

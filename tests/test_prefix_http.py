@@ -1,6 +1,6 @@
 """Prefix reuse through the real HTTP server: `resume`, `timing.cached_tokens`, OpenAI's
-`usage.prompt_tokens_details.cached_tokens`, the /metrics counters, POST /reset_prefix_cache and the
-MOONSHINE_PREFIX_REUSE setting.
+`usage.prompt_tokens_details.cached_tokens` (also from the host-memory tier, with Anthropic's
+`cache_read_input_tokens`), the /metrics counters, POST /reset_prefix_cache and the MOONSHINE_PREFIX_REUSE setting.
 
 Two continuous stations share the default model and the usual shape (4 lanes, 512 positions, chunk 32): one with
 `prefix_reuse="resume"` (only /generate with `resume: true` reuses, so `resume: false` is a fresh run on the same
@@ -123,6 +123,35 @@ def test_openai_chat_reports_cached_tokens_and_matches_a_fresh_run(stations):
     usage = [c.usage for c in chat(auto, "When was the town library built?", stream=True,
                                    stream_options={"include_usage": True}) if c.usage is not None]
     assert usage[-1].prompt_tokens_details.cached_tokens == (hit.usage.prompt_tokens - 1) // 32 * 32
+
+
+def test_usage_counts_reuse_from_host_memory(stations):
+    """A conversation whose lane every later prompt took resumes from the host tier: OpenAI's and Anthropic's usage
+    report it as cached, and /metrics under tier="memory"."""
+    _, http, client = stations["auto"]
+    rng = np.random.default_rng(17)
+
+    def push_out() -> None:  # a fresh prompt into every lane, the least recently used first
+        for _ in range(SHAPE["lanes"]):
+            generate(http, rng.integers(3, 49152, size=40).tolist(), max_new_tokens=1)
+
+    def memory_saved() -> float:
+        return metric(http.get("/metrics").text, "jaxstation_prefix_cache_tier_saved_tokens_total", {"tier": "memory"})
+
+    system = SYSTEM + " Today is a quiet Tuesday."
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Who wrote Emma?"}]
+    client.chat.completions.create(model=MODEL, max_tokens=2, messages=messages)
+    push_out()
+    before = memory_saved()
+    hit = client.chat.completions.create(model=MODEL, max_tokens=2, messages=messages)
+    cached = hit.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and memory_saved() - before == cached
+    push_out()
+    before = memory_saved()
+    r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 2, "system": system,
+                                        "messages": [{"role": "user", "content": "Who wrote Emma?"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["cache_read_input_tokens"] == memory_saved() - before > 0
 
 
 def test_prefix_reuse_setting():

@@ -1,5 +1,5 @@
-"""Memory: what the weights and the KV arena take, what the device has free, and a start-up check that names the
-setting to lower when they do not fit."""
+"""Memory: what the weights and the KV arena take, what the device has free, a start-up check that names the
+setting to lower when they do not fit, and the bytes of the prefix cache's host tier."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jaxstation.config.settings import ConfigError, GiB, StationConfig
+from jaxstation.config.settings import ConfigError, GiB, MiB, StationConfig
 from jaxstation.engine.arena import KVArena, arena_bytes, kv_dtype_of
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.layers import compute_dtype, projection_shapes
 
 log = logging.getLogger(__name__)
 
+PREFIX_CACHE_RAM_SHARE, PREFIX_CACHE_RAM_CAP = 4, 8 * GiB  # the host tier's default: a quarter of free RAM, <= 8 GiB
 GPU_MEM_FRACTION = "0.92"  # of the card, for weights + arena + XLA's scratch; JAX's own default is 0.75
 
 
@@ -45,15 +46,37 @@ def weight_bytes(cfg: ModelConfig, dtype: str, shards: int = 1) -> int:
     return int(proj / shards + (head + embed) / vocab_shards + scales + norms)
 
 
+def free_ram() -> int | None:
+    """Bytes of host RAM available now (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def prefix_cache_ram(station: StationConfig, available: int | None = None) -> int:
+    """Bytes of the prefix cache's host tier, logged once: the setting's MiB, or by default 1/PREFIX_CACHE_RAM_SHARE of
+    the `available` host RAM (default: measured now), at most PREFIX_CACHE_RAM_CAP; 0 where prefix reuse is off."""
+    if station.prefix_reuse == "off":
+        n, why = 0, f"{station.named('prefix_reuse')}=off"
+    elif station.prefix_cache_ram is not None:
+        n, why = station.prefix_cache_ram * MiB, f"{station.named('prefix_cache_ram')}={station.prefix_cache_ram}"
+    else:
+        available = free_ram() if available is None else available
+        n = min((available or 0) // PREFIX_CACHE_RAM_SHARE, PREFIX_CACHE_RAM_CAP)
+        why = (f"1/{PREFIX_CACHE_RAM_SHARE} of the {_gib(available or 0)} of free RAM, at most "
+               f"{_gib(PREFIX_CACHE_RAM_CAP)}; set {station.named('prefix_cache_ram')} (MiB) to choose")
+    log.info("prefix cache in host memory: %d MiB (%s)", n // MiB, why)
+    return n
+
+
 def available_memory(shards: int = 1) -> tuple[int | None, str]:
     """(bytes free for the arena on each of `shards` devices, where): free host RAM on CPU, shared by this process's
     devices; the allocator's headroom on an accelerator, the least of this process's devices (of a group's, its
     share)."""
     devices = jax.local_devices()[:shards]
     if devices[0].platform == "cpu":
-        try:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError):
+        if (free := free_ram()) is None:
             return None, "cpu"
         n = len(devices)
         return free // n, "cpu (free RAM)" if n == 1 else f"each of {n} cpu devices (free RAM / {n})"

@@ -126,6 +126,9 @@ SETTINGS: tuple[_Setting, ...] = (
     _Setting("prefix_reuse", "MOONSHINE_PREFIX_REUSE", "--prefix-reuse", parse_str,
              "reuse cached prompt KV: auto (every request), resume (only /generate with resume: true) or off",
              commands=_FRONT),
+    _Setting("prefix_cache_ram", "MOONSHINE_PREFIX_CACHE_RAM", "--prefix-cache-ram", parse_int,
+             "MiB of host memory for cached prompt KV beyond the lanes, least recently used evicted (default: a "
+             "quarter of the available RAM, at most 8 GiB; 0: off)", commands=_SERVE),
     _Setting("speculative", "MOONSHINE_SPECULATIVE", "--speculative", parse_str,
              "speculative decoding: off, ngram (prompt-lookup drafts) or draft (a draft model's; --draft-model), "
              "verified in one step; the tokens are the same", commands=frozenset({"serve"})),
@@ -232,6 +235,7 @@ class StationConfig:
     kv_dtype: str = "auto"
     continuous: bool = False
     prefix_reuse: str = "auto"
+    prefix_cache_ram: int | None = None  # MiB; None: a quarter of the available RAM, at most 8 GiB
     speculative: str = "off"
     draft_model: str | None = None  # speculative=draft: the draft model's checkpoint
     draft_tokens: int = 3
@@ -287,6 +291,8 @@ class StationConfig:
                               f"{self.named('max_loras')}={self.max_loras} resident at once")
         if self.responses_store_age_s <= 0:
             raise ConfigError(f"{self.named('responses_store_age_s')}={self.responses_store_age_s} must be > 0")
+        if self.prefix_cache_ram is not None and self.prefix_cache_ram < 0:
+            raise ConfigError(f"{self.named('prefix_cache_ram')}={self.prefix_cache_ram} must be >= 0 MiB (0: off)")
         if self.prefix_reuse not in PREFIX_REUSE:
             raise ConfigError(f"{self.named('prefix_reuse')}={self.prefix_reuse!r} must be one of "
                               f"{', '.join(PREFIX_REUSE)}")

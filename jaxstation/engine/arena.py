@@ -229,3 +229,35 @@ def allocate_arena(cfg: ModelConfig, lanes: int, max_seq: int, dtype: jnp.dtype,
 
 def _placed(buffers: KVBuffers | None, mesh: Mesh) -> KVBuffers | None:
     return jax.tree_util.tree_map(lambda a: jax.device_put(a, arena_sharding(mesh, a.ndim)), buffers)
+
+
+@partial(jax.jit, static_argnums=3)
+def _read_span(buffers: KVBuffers, lane: jax.Array, start: jax.Array, span: int) -> KVBuffers:
+    """Positions [start, start + span) of `lane` in every leaf of `buffers`: [layers, span, ...] each."""
+    return jax.tree_util.tree_map(
+        lambda a: jax.lax.dynamic_slice(a, (0, lane, start) + (0,) * (a.ndim - 3), (a.shape[0], 1, span,
+                                                                                    *a.shape[3:]))[:, 0], buffers)
+
+
+@partial(jax.jit, donate_argnums=0)
+def _write_span(buffers: KVBuffers, lane: jax.Array, start: jax.Array, rows: KVBuffers) -> KVBuffers:
+    """`buffers` with `rows` ([layers, span, ...] each) written at positions [start, start + span) of `lane`."""
+    def put(a: jax.Array, r: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice(a, r[:, None].astype(a.dtype), (0, lane, start) + (0,) * (a.ndim - 3))
+    return jax.tree_util.tree_map(put, buffers, rows)
+
+
+def read_prefix(buffers: KVBuffers, lane: int, n: int, span: int) -> KVBuffers:
+    """A host (numpy) copy of positions [0, n) of `lane` in every leaf (k, v and any scales), read `span` positions
+    per call of one compiled program; n must be a multiple of span."""
+    parts = [jax.device_get(_read_span(buffers, np.int32(lane), np.int32(s), span)) for s in range(0, n, span)]
+    return jax.tree_util.tree_map(lambda *a: np.concatenate(a, axis=1), *parts)
+
+
+def write_prefix(buffers: KVBuffers, lane: int, kv: KVBuffers, n: int, span: int) -> KVBuffers:
+    """`buffers` (donated) with positions [0, n) of the host copy `kv` (`read_prefix`) written into `lane`, `span`
+    positions per call of one compiled program; n must be a multiple of span."""
+    for s in range(0, n, span):
+        rows = jax.tree_util.tree_map(lambda a, s=s: a[:, s:s + span], kv)
+        buffers = _write_span(buffers, np.int32(lane), np.int32(s), rows)
+    return buffers

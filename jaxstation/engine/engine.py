@@ -1,15 +1,13 @@
-"""The runner: owns the weights, the KV arena and the compiled steps, and speaks in host-side lanes and tokens.
-
-Only one thread may call an Engine (the scheduler's decode thread, or a caller holding the serialize lock).
-Every call runs one of a fixed set of compiled programs whose shapes depend only on the station's settings (lanes,
-chunk, block, wave widths): that is what keeps a request's tokens independent of its neighbours. A decode wave runs
-at the narrowest of the engine's `wave_widths` that holds its live lanes. Narrower widths than the arena exist only when
-every matmul runs on the CPU kernel, which computes a row alike at any width; otherwise every wave is full width.
-Prefill and decode steps always return the logits they compute, and the host drops them unless asked: one program
-per shape whether or not a caller reads logits.
-The warm-up times one greedy run of each decode and packed step after compiling it; `turn_rows` reads those times to
-keep a packed turn that carries decode rows within DECODE_WAIT of their plain wave, so running lanes keep their pace
-while prompts enter.
+"""The runner: owns the weights, the KV arena and the compiled steps, and speaks in host-side lanes and tokens. Only one
+thread may call an Engine (the scheduler's decode thread, or a caller holding the serialize lock). Every call runs one
+of a fixed set of compiled programs whose shapes depend only on the station's settings (lanes, chunk, block, wave
+widths): that is what keeps a request's tokens independent of its neighbours. A decode wave runs at the narrowest of the
+engine's `wave_widths` that holds its live lanes. Narrower widths than the arena exist only when every matmul runs on
+the CPU kernel, which computes a row alike at any width; otherwise every wave is full width. Prefill and decode steps
+always return the logits they compute, and the host drops them unless asked: one program per shape whether or not a
+caller reads logits. The warm-up times one greedy run of each decode and packed step after compiling it; `turn_rows`
+reads those times to keep a packed turn that carries decode rows within DECODE_WAIT of their plain wave, so running
+lanes keep their pace while prompts enter.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from jaxstation.engine.arena import allocate_arena, arena_layout, kv_dtype_of
+from jaxstation.engine.arena import KVBuffers, allocate_arena, arena_layout, kv_dtype_of, read_prefix, write_prefix
 from jaxstation.engine.penalties import lane_rows, start_lane
 from jaxstation.engine.prefix_cache import LaneVersions, RingHold
 from jaxstation.engine.rows import (
@@ -116,10 +114,8 @@ class Engine:
         if max_loras:
             model = dataclasses.replace(model, params=with_lora(model.cfg, model.params, max_loras + 1, max_lora_rank))
         self.lane_lora = np.zeros(lanes, np.int32)  # each lane's LoRA slot, set by `begin`
-        self.model = model
-        self.cfg = model.cfg
-        self.lanes, self.max_seq, self.chunk, self.block = lanes, max_seq, chunk, block
-        self.attention = attention
+        self.model, self.cfg = model, model.cfg
+        self.lanes, self.max_seq, self.chunk, self.block, self.attention = lanes, max_seq, chunk, block, attention
         self.scratch_pos = max_seq - 1  # never holds a request's k/v: prompt + new tokens <= max_seq - 1 fed
         self.ring, self.windowed = arena_layout(self.cfg, max_seq, block, kv_windows, model.params.layer_loop,
                                                 chunk=chunk, budget=budget, verify_rows=self.verify_rows)
@@ -145,6 +141,15 @@ class Engine:
     def reuse_floor(self, lane: int) -> int:
         """The lowest position above 0 a prefill may restart `lane` at: its rings still hold the window before it."""
         return self.ring_hold.floor(lane)
+
+    def save_prefix(self, lane: int, n: int) -> KVBuffers:
+        """A host copy of `lane`'s KV at positions [0, n), n a multiple of the chunk (no ring: `PrefixTier`)."""
+        return read_prefix(self.arena.full, lane, n, self.chunk)
+
+    def restore_prefix(self, lane: int, kv: KVBuffers, n: int) -> None:
+        """Write positions [0, n) of a host copy (`save_prefix`) into `lane`, n a multiple of the chunk."""
+        self._wrote([lane, lane], [0, n - 1])
+        self.arena = dataclasses.replace(self.arena, full=write_prefix(self.arena.full, lane, kv, n, self.chunk))
 
     def _wrote(self, lanes: Sequence[int], positions: Sequence[int]) -> None:
         """Rows at `positions` of `lanes` (one pair per row; idle rows left out) are about to write their k/v."""
@@ -377,6 +382,8 @@ class Engine:
             ("prefill", lambda: self.prefill(0, prompt, 0, SamplingParams())),  # a middle chunk
             ("prefill_last", lambda: self.prefill(0, prompt, self.chunk, SamplingParams())),  # a last chunk: samples
         ]
+        if not self.windowed:  # the prefix cache's host tier (engine/prefix_tier.py) copies a chunk each way
+            steps.append(("prefix_copy", lambda: self.restore_prefix(0, self.save_prefix(0, self.chunk), self.chunk)))
         for w in self.wave_widths:
             name = "decode" if w == self.lanes else f"decode_{w}"
             steps.append((name, lambda w=w: (self._wave(sampled, w, False), self._wave(greedy, w, False),

@@ -44,7 +44,8 @@ class Job:
     on the device; the Result carries them). `max_new_tokens` 0 is allowed with it: score the prompt, generate nothing.
     `reuse_prefix`: may start on a lane's cached KV (the tokens are the same either way); False always prefills all,
     and so does a `prompt_logprobs` job (every prompt row must be scored).
-    `cached_tokens` is set when the job takes a lane: how many prompt tokens it reuses from the lane's cached KV.
+    `cached_tokens` is set when the job takes a lane: how many prompt tokens it reuses from cached KV (the lane's, or
+    the host tier's copied into it).
     `constraint`: the grammar its output follows (engine/constraints.py), compiled before the job is submitted.
     """
 

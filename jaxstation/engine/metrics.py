@@ -31,7 +31,17 @@ class StationMetrics:
         self.prefix_hits = Counter("jaxstation_prefix_cache_hits", "Lookups that reused at least one chunk of KV",
                                    registry=r)
         self.prefix_reused_tokens = Counter("jaxstation_prefix_cache_reused_tokens",
-                                            "Prompt tokens of hits found in a lane's prefill-written KV", registry=r)
+                                            "Prompt tokens of hits found in cached prefill-written KV", registry=r)
+        self.prefix_tier_saved_tokens = Counter("jaxstation_prefix_cache_tier_saved_tokens",
+                                                "Prompt tokens not prefilled, by where their KV was cached: lane (the "
+                                                "arena) or memory (the host tier)", ["tier"], registry=r)
+        self.prefix_tier_bytes = Gauge("jaxstation_prefix_cache_memory_bytes", "Bytes of KV in the host tier",
+                                       registry=r)
+        self.prefix_tier_entries = Gauge("jaxstation_prefix_cache_memory_entries", "Prefixes in the host tier",
+                                         registry=r)
+        self.prefix_tier_evictions = Counter("jaxstation_prefix_cache_memory_evictions",
+                                             "Host tier prefixes dropped, least recently used, to stay in its bytes",
+                                             registry=r)
         self.spec_drafts = Counter("jaxstation_spec_decode_num_drafts", "Drafts verified (one per request per step)",
                                    registry=r)
         self.spec_draft_tokens = Counter("jaxstation_spec_decode_num_draft_tokens", "Tokens drafted", registry=r)
@@ -47,13 +57,15 @@ class StationMetrics:
         self.spec_draft_tokens.inc(drafted)
         self.spec_accepted_tokens.inc(accepted)
 
-    def count_prefix_lookup(self, matched: int, reused: int) -> None:
-        """A request looked for a cached prefix: `matched` prompt tokens found, `reused` of them not prefilled."""
+    def count_prefix_lookup(self, matched: int, reused: int, tier: str = "lane") -> None:
+        """A request looked for a cached prefix: `matched` prompt tokens found in `tier` (lane or memory), `reused` of
+        them not prefilled."""
         self.prefix_lookups.inc()
         if reused:
             self.prefix_hits.inc()
             self.prefix_reused_tokens.inc(matched)
             self.prefix_saved_tokens.inc(reused)
+            self.prefix_tier_saved_tokens.labels(tier).inc(reused)
 
 
 class MeshStationMetrics:

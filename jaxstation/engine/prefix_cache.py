@@ -139,6 +139,12 @@ class PrefixCache:
                 best = (key, Pick(lane, matched if reused else 0, reused))
         return best[1]
 
+    def cached(self, lane: int) -> tuple[tuple[int, ...], int] | None:
+        """The tokens and adapter load of `lane`'s entry, as `pick` left it (checked against the lane's stamp when
+        the lane was among its free lanes); None without one."""
+        entry = self._entries[lane]
+        return None if entry is None else (entry.tokens, entry.adapter)
+
     def take(self, lane: int) -> None:
         """The lane now runs a request: its cached entry no longer describes it."""
         self._entries[lane] = None

@@ -61,6 +61,13 @@ class Runner(Protocol):
     def reuse_floor(self, lane: int) -> int:
         """The lowest position above 0 a prefill may restart `lane` at, reading the KV it holds (0: any)."""
 
+    def save_prefix(self, lane: int, n: int) -> Any:
+        """(Only where `arena` is local, without rings: engine/prefix_tier.py) a host copy of `lane`'s KV at positions
+        [0, n), n a multiple of the chunk."""
+
+    def restore_prefix(self, lane: int, kv: Any, n: int) -> None:
+        """(Only as `save_prefix`) write positions [0, n) of a host copy into `lane`."""
+
     def reset(self) -> None:
         """Forget every lane's state after a failed step."""
 

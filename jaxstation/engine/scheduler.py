@@ -18,7 +18,8 @@ Backpressure. `submit` past `max_queue` queued jobs raises QueueFull (a 503 with
 ShuttingDown.
 
 Prefix reuse (engine/prefix_cache.py): `_fill` gives a job the free lane with the longest reusable prefix (of its
-adapter) and starts its prefill at the last chunk boundary at or below the match, so its tokens equal a fresh run's.
+adapter), or copies a longer one into a lane from the host tier of `prefix_cache_ram` bytes (engine/prefix_tier.py),
+and starts its prefill at the last chunk boundary at or below the match, so its tokens equal a fresh run's.
 Speculation (engine/speculative.py, engine/draft.py): where the engine verifies drafts and a turn admits no prompt
 pieces, decode rows carry drafts and run as one `verify` step; each row's accepted tokens go through `postprocess`.
 
@@ -32,7 +33,8 @@ alike at every width), and each request samples with its own seed and counter: a
 lane, on what runs beside it, or on the mode.
 
 Failure: a step that raises fails every job in a lane (StepFailed), rebuilds the arena, drops every cached prefix and
-goes on. LoRA (docs/lora.md): a job carries its adapter's slot; `lora_slots` says which slots jobs still read.
+goes on. The host tier's copies for the jobs a turn admits run inside its step, once those jobs hold their lanes.
+LoRA (docs/lora.md): a job carries its adapter's slot; `lora_slots` says which slots jobs still read.
 """
 
 from __future__ import annotations
@@ -52,10 +54,11 @@ from jaxstation.engine.constraints import ConstraintFailed
 from jaxstation.engine.jobs import Cancelled, Job, QueueFull, ShuttingDown, StepFailed, answer
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.prefix_cache import PrefixCache
+from jaxstation.engine.prefix_tier import Admission, PrefixTier
 from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample
 from jaxstation.engine.runner import Runner
 from jaxstation.engine.speculative import Speculation, accept
-from jaxstation.engine.turns import Lane, Plan, draft_rows, prompt_pieces
+from jaxstation.engine.turns import Lane, Plan, draft_rows, ending_lanes, prompt_pieces
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,7 +66,8 @@ T = TypeVar("T")
 
 class Scheduler:
     def __init__(self, engine: Runner, *, continuous: bool, max_queue: int, terminal_ids: frozenset[int],
-                 metrics: StationMetrics | None = None, speculation: Speculation | None = None) -> None:
+                 metrics: StationMetrics | None = None, speculation: Speculation | None = None,
+                 prefix_cache_ram: int = 0) -> None:
         self.engine = engine
         self.speculation = speculation if engine.verify_rows > 1 else None
         self.continuous, self.max_queue, self.terminal_ids = continuous, max_queue, terminal_ids
@@ -73,10 +77,10 @@ class Scheduler:
         self.cond = threading.Condition()  # re-entrant; what it guards: the module's "Who owns what"
         self.waves = 0  # loop turns that ran a step; flat while idle (the decode thread's)
         self.prefill_order: deque[int] = deque()  # lanes waiting for prefill, oldest first (the decode thread's)
-        self.prefix_cache = PrefixCache(engine.lanes, engine.chunk)  # the decode thread's
+        self.prefix_cache = PrefixCache(engine.lanes, engine.chunk)  # the decode thread's, as is the tier
+        self.prefix_tier = PrefixTier(engine, self.prefix_cache, prefix_cache_ram, self.metrics)
         self._prefix_resets: list[Future] = []  # reset_prefix_cache requests for the next turn (under cond)
-        self._accepting = True  # under cond
-        self._stop = False  # under cond
+        self._accepting, self._stop = True, False  # under cond
         self._thread: threading.Thread | None = None
 
     # ---- called from request threads -------------------------------------------------------------------------
@@ -136,15 +140,15 @@ class Scheduler:
     def reset_prefix_cache(self) -> Future:
         """Forget every free lane's cached prefix (vLLM's /reset_prefix_cache): the next requests prefill in full,
         as a cold station's do. The decode thread does it between two turns, so every lane freed before the returned
-        Future answers loses its prefix, and lanes in flight are untouched. The Future answers how many entries were
-        dropped."""
+        Future answers loses its prefix, and lanes in flight are untouched; the host tier is emptied. The Future answers
+        how many entries were dropped."""
         done: Future = Future()
         with self.cond:
             if self.alive and not self._stop:
                 self._prefix_resets.append(done)
                 self.cond.notify()
             else:  # no decode thread owns the cache
-                done.set_result(self.prefix_cache.clear())
+                done.set_result(self.prefix_cache.clear() + self.prefix_tier.clear())
         return done
 
     def drain(self, timeout_s: float) -> bool:
@@ -188,11 +192,11 @@ class Scheduler:
                     self._fail_lanes(ShuttingDown("the station shut down before this request finished"))
                     return
                 self._reset_prefixes()
-                ending = self._ending()
-                self._fill()
-            plan = self.schedule(ending)
-            try:
-                self._execute(plan)
+                ending = ending_lanes(self.lanes)
+                admissions = self._fill()
+            try:  # the new jobs hold their lanes: the tier's copies fail as a step does
+                self._admit(admissions)
+                self._execute(self.schedule(ending))
             except Exception as e:  # a failed step: fail the lanes in flight, rebuild, keep serving
                 log.exception("step failed")
                 self._fail_lanes(StepFailed(f"step failed: {type(e).__name__}: {e}", cause=e))
@@ -204,19 +208,13 @@ class Scheduler:
     def _reset_prefixes(self) -> None:
         """Answer the queued reset_prefix_cache requests. Holds cond."""
         for done in self._prefix_resets:
-            answer(done, self.prefix_cache.clear())
+            answer(done, self.prefix_cache.clear() + self.prefix_tier.clear())
         self._prefix_resets.clear()
 
-    def _ending(self) -> dict[int, str]:
-        """Lanes whose job was cancelled ("cancel") or asked to finish early ("stop"). Holds cond."""
-        return {i: "cancel" if lane.job.cancelled or lane.job.future.cancelled() else "stop"
-                for i, lane in enumerate(self.lanes)
-                if lane is not None and (lane.job.cancelled or lane.job.future.cancelled() or lane.job.stop_requested)}
-
-    def _fill(self) -> None:
+    def _fill(self) -> list[Admission]:
         """Move pending jobs into free lanes (in serialize-all mode only when every lane is free), each into the
-        lane with the longest reusable prefix. Holds cond."""
-        now = time.perf_counter()
+        lane with the longest reusable prefix; `_admit` sets what each reuses. Holds cond."""
+        now, admissions = time.perf_counter(), []
         while True:
             free = [i for i, lane in enumerate(self.lanes) if lane is None]
             if not self.pending or not free or (not self.continuous and self.busy_lanes):
@@ -225,15 +223,21 @@ class Scheduler:
             reuse = job.reuse_prefix and not job.prompt_logprobs
             pick = self.prefix_cache.pick(job.tokens, free, self.engine.lane_versions, reuse=reuse,
                                           adapter=job.lora_load)
+            admissions.append(Admission(pick, self.prefix_cache.cached(pick.lane), job.tokens, job.lora_load, reuse))
             self.prefix_cache.take(pick.lane)
-            if reuse:
-                self.metrics.count_prefix_lookup(pick.matched, pick.reused)
-            job.cached_tokens = pick.reused
             draft = self.speculation.draft_length() if self.speculation else None
-            self.lanes[pick.lane] = Lane(job=job, admitted_at=now, fed=pick.reused, draft=draft)
+            self.lanes[pick.lane] = Lane(job=job, admitted_at=now, draft=draft)
             self.prefill_order.append(pick.lane)
         self.metrics.queue_depth.set(len(self.pending))
         self.metrics.busy_lanes.set(self.busy_lanes)
+        return admissions
+
+    def _admit(self, admissions: list[Admission]) -> None:
+        """Start each admitted lane at the prompt tokens it reuses, copied in from the host tier where that reaches
+        further (`PrefixTier.admit`: a failed save or restore costs reuse, not the request)."""
+        for a in admissions:
+            lane = self.lanes[a.pick.lane]
+            lane.fed = lane.job.cached_tokens = self.prefix_tier.admit(a)
 
     def schedule(self, ending: dict[int, str] | None = None) -> Plan:
         """Retire the `ending` lanes (lane -> "cancel" or "stop"), then pick this turn's prefill chunk and decode
@@ -243,9 +247,9 @@ class Scheduler:
                 self._fail_job(self._free(i).job, Cancelled("the request was cancelled"), "cancelled")
             else:
                 self._retire(i, "stop")
-        packs = self.engine.prefill_budget > 0
+        packs, lanes = self.engine.prefill_budget > 0, self.lanes
         prefill_lane, prefill_mask = None, None
-        while prefill_lane is None and (chunked := [i for i in self.prefill_order if not packs or self._scores(i)]):
+        while prefill_lane is None and (chunked := [i for i in self.prefill_order if not packs or lanes[i].scores]):
             prefill_lane, lane = chunked[0], self.lanes[chunked[0]]
             if lane.fed + self.engine.chunk >= len(lane.job.tokens):  # its last chunk samples the first token
                 ok, prefill_mask = self._mask(prefill_lane)
@@ -266,16 +270,12 @@ class Scheduler:
         """This turn's prompt pieces for a packed step (`prompt_pieces`); a piece that ends its prompt carries the
         lane's constraint mask, and a lane whose constraint leaves no token has failed."""
         pieces = []
-        for piece in prompt_pieces(self.lanes, [i for i in self.prefill_order if not self._scores(i)],
+        for piece in prompt_pieces(self.lanes, [i for i in self.prefill_order if not self.lanes[i].scores],
                                    self.engine.chunk, budget):
             ok, mask = self._mask(piece.lane) if piece.last else (True, None)
             if ok:
                 pieces.append(dataclasses.replace(piece, mask=mask))
         return pieces
-
-    def _scores(self, i: int) -> bool:
-        """Whether lane i's next prefill scores its prompt (one chunk per turn, never packed)."""
-        return self.lanes[i].job.prompt_logprobs and not self.lanes[i].repacked
 
     def _mask(self, i: int) -> tuple[bool, np.ndarray | None]:
         """(whether lane i goes on, `Lane.next_mask`). A job its constraint leaves without a token fails here."""
@@ -371,9 +371,7 @@ class Scheduler:
 
     def postprocess(self, i: int, sample: Sample) -> None:
         """Fold a lane's new token into its request; retire the request when it is done."""
-        lane = self.lanes[i]
-        job = lane.job
-        now = time.perf_counter()
+        lane, job, now = self.lanes[i], self.lanes[i].job, time.perf_counter()
         if sample.token in job.stop_ids:
             lane.stop_sample = sample
             return self._retire(i, "stop")

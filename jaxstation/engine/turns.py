@@ -62,6 +62,11 @@ class Lane:
         return (self.draft is not None and self.draft.drafting and job.speculate and job.constraint is None
                 and not job.sampling.controls)
 
+    @property
+    def scores(self) -> bool:
+        """Whether its next prefill scores its prompt (one chunk per turn, never packed)."""
+        return self.job.prompt_logprobs and not self.repacked
+
     def history(self) -> list[int]:
         """The request's tokens so far: its prompt and what it has generated."""
         return [*self.job.tokens, *(s.token for s in self.samples)]
@@ -84,6 +89,14 @@ class Plan:
     decode_rows: list[DecodeRow | None]
     prefill_mask: np.ndarray | None = None  # the prefill lane's constraint mask, when its chunk samples
     pieces: list[PromptPiece] = dataclasses.field(default_factory=list)
+
+
+def ending_lanes(lanes: Sequence[Lane | None]) -> dict[int, str]:
+    """The lanes whose job was cancelled ("cancel") or asked to finish early ("stop"). The caller holds the
+    scheduler's cond."""
+    return {i: "cancel" if lane.job.cancelled or lane.job.future.cancelled() else "stop"
+            for i, lane in enumerate(lanes)
+            if lane is not None and (lane.job.cancelled or lane.job.future.cancelled() or lane.job.stop_requested)}
 
 
 def draft_rows(lanes: Sequence[Lane | None], rows: list[DecodeRow | None], verify_rows: int,

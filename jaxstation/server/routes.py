@@ -158,7 +158,7 @@ def station_endpoints(station: Station) -> list[Endpoint]:
         Endpoint("/ready", "GET", ready, "Whether the station can serve (503 while loading or draining)",
                  ReadyResponse, ErrorResponse, statuses=(), ok_statuses=(200, 503)),
         Endpoint("/reset_prefix_cache", "POST", reset_prefix_cache, "vLLM's: forget the cached prefixes of free "
-                 "lanes, so the next requests prefill in full", ResetPrefixCacheResponse, ErrorResponse,
+                 "lanes and host memory, so the next requests prefill in full", ResetPrefixCacheResponse, ErrorResponse,
                  statuses=(503,)),
         Endpoint("/metrics", "GET", metrics_route, "Prometheus metrics", None, ErrorResponse, statuses=(),
                  media_type=CONTENT_TYPE_LATEST),

@@ -1,0 +1,210 @@
+"""A host-memory tier of the exact prefix cache: prefill-written KV kept after its lane is taken by another request.
+
+A lane's cached prefix (engine/prefix_cache.py) lives only until a request with another prompt takes the lane. Just
+before that request writes the lane, `PrefixTier.admit` copies the lane's prefill-written KV at positions [0, n) (n the
+cached tokens rounded down to a chunk: a restart never lands past the last boundary) into host memory (numpy), every
+global layer's k and v and, with an int8 arena, their scales, as stored: the bits are the arena's own. A request whose
+prompt matches an entry further than any free lane's cached prefix takes its lane as usual, the entry's chunks are
+written into the lane (one compiled program per chunk copy, donated), and prefill restarts at the chunk boundary at or
+below the match, as on a lane hit: every position from there on is written by the same chunks at the same starts as a
+fresh run's, so its tokens are bit-identical.
+
+An entry is keyed as a lane's: its token ids and the LoRA adapter load that computed the KV. Everything else that
+changes a KV bit (the model and its weights' dtype, the KV dtype, the arena's layout, the chunk) is fixed for the
+engine the tier belongs to: one tier per scheduler and engine. Whole-prompt entries, evicted least recently used
+while their bytes exceed the tier's capacity. An arena with rings (windowed layers keeping only their window) holds
+no whole prefix to copy, a mesh engine's KV lives on its stations, and a split arena's copies are not checked: there
+the tier is off (`tier_refusal`).
+
+Failures. The copies run inside the scheduler's step (`Scheduler._loop`), after the request holds its lane, so
+whatever they raise is at worst a failed step. A failed save logs a line and keeps nothing: the request goes on. A
+failed restore drops its entry and the request prefills afresh from position 0 (the lane holds nothing it may reuse);
+were the arena lost in a donated write, the next step fails as a failed step does and the arena is rebuilt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import jax
+
+from jaxstation.engine.arena import KVBuffers
+from jaxstation.engine.metrics import StationMetrics
+from jaxstation.engine.prefix_cache import Pick, PrefixCache, common_prefix
+from jaxstation.engine.runner import Runner
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """A request taking a lane (`Scheduler._fill`): the pick, the lane's cached prefix just before
+    (`PrefixCache.cached`), the request's prompt and LoRA adapter load, and whether it may reuse a prefix."""
+
+    pick: Pick
+    cached: tuple[tuple[int, ...], int] | None
+    prompt: Sequence[int]
+    adapter: int
+    reuse: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class TierEntry:
+    tokens: tuple[int, ...]  # the ids whose prefill-written KV `kv` holds, a whole number of chunks
+    adapter: int  # the LoRA adapter load that computed it (0: the base model)
+    kv: KVBuffers  # numpy [global layers, len(tokens), kv_heads(, head_dim)] per leaf
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in jax.tree_util.tree_leaves(self.kv))
+
+
+class HostTier:
+    """Entries by (adapter, tokens), least recently used first, holding at most `capacity` bytes."""
+
+    def __init__(self, capacity: int, chunk: int) -> None:
+        self.capacity, self.chunk = capacity, chunk
+        self.nbytes = 0
+        self.evictions = 0
+        self._entries: OrderedDict[tuple[int, tuple[int, ...]], TierEntry] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> list[tuple[int, tuple[int, ...]]]:
+        """The entries' (adapter, tokens), least recently used first."""
+        return list(self._entries)
+
+    def find(self, prompt: Sequence[int], adapter: int) -> tuple[TierEntry | None, int]:
+        """(the entry with the longest reusable match for `prompt` of `adapter`, the prompt tokens it matches, at
+        most len(prompt) - 1); (None, 0) where no entry reuses a chunk."""
+        prompt = tuple(prompt)
+        best, matched = None, 0
+        for (load, tokens), entry in self._entries.items():
+            if load == adapter:
+                n = min(common_prefix(tokens, prompt), len(prompt) - 1)
+                if n // self.chunk > matched // self.chunk:
+                    best, matched = entry, n
+        return best, matched
+
+    def used(self, entry: TierEntry) -> None:
+        """`entry` was reused: it becomes the most recent."""
+        self._entries.move_to_end((entry.adapter, entry.tokens))
+
+    def drop(self, entry: TierEntry) -> None:
+        """Forget `entry` (if still held)."""
+        if self._entries.pop((entry.adapter, entry.tokens), None) is not None:
+            self.nbytes -= entry.nbytes
+
+    def covers(self, tokens: tuple[int, ...], adapter: int) -> bool:
+        """Whether an entry of `adapter` starts with `tokens` (so holds their KV)."""
+        return any(load == adapter and have[:len(tokens)] == tokens for load, have in self._entries)
+
+    def put(self, entry: TierEntry) -> int:
+        """Keep `entry` as the most recent, dropping the entries it covers, then the least recently used while the
+        bytes exceed the capacity; an entry larger than the capacity is not kept. Returns the evictions."""
+        if entry.nbytes > self.capacity:
+            return 0
+        for key in [k for k in self._entries if k[0] == entry.adapter and entry.tokens[:len(k[1])] == k[1]]:
+            self.nbytes -= self._entries.pop(key).nbytes
+        self._entries[(entry.adapter, entry.tokens)] = entry
+        self.nbytes += entry.nbytes
+        evicted = 0
+        while self.nbytes > self.capacity:
+            self.nbytes -= self._entries.popitem(last=False)[1].nbytes
+            evicted += 1
+        self.evictions += evicted
+        return evicted
+
+    def clear(self) -> int:
+        """Drop every entry; returns how many there were."""
+        dropped = len(self._entries)
+        self._entries.clear()
+        self.nbytes = 0
+        return dropped
+
+
+def tier_refusal(engine: Runner) -> str | None:
+    """Why `engine`'s arena cannot feed a host tier (None: it can)."""
+    if engine.arena is None:
+        return "the KV lives on mesh stations"
+    if engine.arena.rings is not None:
+        return "windowed layers keep a ring, not a whole prefix (--kv-windows full keeps one)"
+    if len(engine.arena.k.devices()) > 1:
+        return "the arena is split over devices (--tensor-parallel), and the copies are checked on one device only"
+    return None
+
+
+class PrefixTier:
+    """The scheduler's host tier over `engine`'s lanes and their `cache`, `capacity` bytes (0: off). The decode
+    thread owns it."""
+
+    def __init__(self, engine: Runner, cache: PrefixCache, capacity: int, metrics: StationMetrics) -> None:
+        if capacity and (refusal := tier_refusal(engine)):
+            log.info("prefix cache in host memory: off, since %s", refusal)
+            capacity = 0
+        self.engine, self.cache, self.metrics = engine, cache, metrics
+        self.host = HostTier(capacity, engine.chunk)
+
+    def admit(self, a: Admission) -> int:
+        """A request of `a.prompt` takes `a.pick.lane`: keep the lane's cached prefix in the tier if the request will
+        overwrite it, and restore the tier's longest match into the lane where it reaches past `pick.reused`. Returns
+        the prompt tokens the request reuses (prefill restarts there), counted on the metrics when `a.reuse`."""
+        pick = a.pick
+        if not self.host.capacity:
+            if a.reuse:
+                self.metrics.count_prefix_lookup(pick.matched, pick.reused, "lane")
+            return pick.reused
+        entry, matched = self.host.find(a.prompt, a.adapter) if a.reuse else (None, 0)
+        reused = matched // self.host.chunk * self.host.chunk
+        restore = entry is not None and reused > pick.reused
+        if restore:
+            self.host.used(entry)  # before the spill, which may evict the least recently used
+        self._spill(pick.lane, a.cached, pick.reused if not restore else 0)
+        if restore and not self._restore(pick.lane, entry, reused):
+            pick, restore = Pick(pick.lane, 0, 0), False  # a fresh prefill: the lane may hold part of the entry
+        if a.reuse:
+            self.metrics.count_prefix_lookup(*((matched, reused, "memory") if restore else
+                                               (pick.matched, pick.reused, "lane")))
+        return reused if restore else pick.reused
+
+    def _spill(self, lane: int, cached: tuple[tuple[int, ...], int] | None, kept: int) -> None:
+        """Copy `lane`'s `cached` prefix into the tier, unless the request taking it keeps all of it (`kept` tokens)
+        or the tier holds it already. A failed copy keeps nothing."""
+        n = len(cached[0]) // self.host.chunk * self.host.chunk if cached else 0
+        if n <= kept or self.host.covers(cached[0][:n], cached[1]):
+            return
+        try:
+            kv = self.engine.save_prefix(lane, n)
+        except Exception as e:
+            log.warning("prefix cache in host memory: saving lane %d's %d tokens failed (%s: %s); not kept", lane, n,
+                        type(e).__name__, e)
+            return
+        self.metrics.prefix_tier_evictions.inc(self.host.put(TierEntry(cached[0][:n], cached[1], kv)))
+        self._gauges()
+
+    def _restore(self, lane: int, entry: TierEntry, n: int) -> bool:
+        """Write `entry`'s first n tokens into `lane`. False where the copy failed: the entry is dropped (it may be
+        what failed), and the lane, taken by its request, is no lane the prefix cache reuses."""
+        try:
+            self.engine.restore_prefix(lane, entry.kv, n)
+            return True
+        except Exception as e:
+            log.warning("prefix cache in host memory: restoring %d tokens into lane %d failed (%s: %s); the request "
+                        "prefills afresh", n, lane, type(e).__name__, e)
+            self.host.drop(entry)
+            self._gauges()
+            return False
+
+    def clear(self) -> int:
+        """Drop every entry; returns how many there were."""
+        dropped = self.host.clear()
+        self._gauges()
+        return dropped
+
+    def _gauges(self) -> None:
+        self.metrics.prefix_tier_bytes.set(self.host.nbytes)
+        self.metrics.prefix_tier_entries.set(len(self.host))

@@ -1,0 +1,255 @@
+"""The prefix cache's host tier (engine/prefix_tier.py): its entries and their bound, the scheduler's use of it on the
+fake engine, its setting, and on the default model a restore that gives the bits of a fresh prefill."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fake_engine import FakeEngine, expected
+
+from jaxstation.config.memory import PREFIX_CACHE_RAM_CAP, prefix_cache_ram
+from jaxstation.config.settings import ConfigError, MiB, StationConfig, resolve
+from jaxstation.engine.engine import Engine
+from jaxstation.engine.jobs import Job, Result, StepFailed
+from jaxstation.engine.prefix_tier import HostTier, TierEntry
+from jaxstation.engine.rows import SamplingParams
+from jaxstation.engine.scheduler import Scheduler
+
+TIMEOUT = 120
+SEEDED = SamplingParams(temperature=0.9, top_k=50, seed=99)
+GREEDY = SamplingParams()
+
+
+def ids(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 49152, size=n).tolist()
+
+
+def run(sched: Scheduler, prompt: list[int], n: int, sampling: SamplingParams = GREEDY,
+        reuse: bool = True) -> Result:
+    return sched.submit(Job(tokens=prompt, max_new_tokens=n, sampling=sampling, reuse_prefix=reuse)).result(TIMEOUT)
+
+
+def saved(sched: Scheduler, tier: str) -> float:
+    """Prompt tokens not prefilled thanks to `tier` (lane or memory), as /metrics reports them."""
+    return sched.metrics.registry.get_sample_value("jaxstation_prefix_cache_tier_saved_tokens_total",
+                                                   {"tier": tier}) or 0.0
+
+
+# ---- the entries and their bound -------------------------------------------------------------------------------
+
+def entry(tokens: list[int], adapter: int = 0) -> TierEntry:
+    return TierEntry(tuple(tokens), adapter, np.zeros((len(tokens), 10), np.uint8))  # 10 bytes a token
+
+
+def test_the_least_recently_used_entry_goes_first_and_the_bytes_stay_bound() -> None:
+    tier = HostTier(capacity=20 * 10, chunk=4)  # 20 tokens
+    a, b, c = [1] * 8, [2] * 8, [3] * 8
+    assert tier.put(entry(a)) == tier.put(entry(b)) == 0
+    found, matched = tier.find(a + [9], adapter=0)
+    tier.used(found)  # a is the most recent now
+    assert matched == 8
+    assert tier.find(b + [9], adapter=1) == (None, 0)  # another adapter's prompt reuses nothing
+    assert tier.put(entry(c)) == 1  # 24 tokens: b, the least recently used, goes
+    assert tier.keys() == [(0, tuple(a)), (0, tuple(c))] and tier.nbytes == 160 <= tier.capacity
+    assert tier.put(entry([4] * 12)) == 1 and tier.keys() == [(0, tuple(c)), (0, (4,) * 12)]
+    assert tier.nbytes == 200 <= tier.capacity and tier.evictions == 2
+    assert tier.put(entry([5] * 24)) == 0 and len(tier) == 2  # larger than the whole tier: not kept
+
+
+def test_an_entry_replaces_those_it_extends_and_a_covered_one_is_not_kept() -> None:
+    tier = HostTier(capacity=1000, chunk=4)
+    tier.put(entry([1] * 4))
+    tier.put(entry([1] * 8))
+    assert tier.keys() == [(0, (1,) * 8)] and tier.nbytes == 80
+    assert tier.covers((1,) * 4, 0) and not tier.covers((1,) * 4, 7)
+
+
+# ---- the scheduler, on the fake engine -------------------------------------------------------------------------
+
+def test_conversations_beyond_the_lanes_resume_from_the_tier_on_the_fake_engine() -> None:
+    fake = FakeEngine(lanes=2, chunk=4)
+    sched = Scheduler(fake, continuous=True, max_queue=64, terminal_ids=frozenset(), prefix_cache_ram=MiB)
+    sched.start()
+    try:
+        turns = [[10 * c + i for i in range(9)] for c in range(1, 5)]  # 4 conversations on 2 lanes
+        for prompt in turns:
+            assert run(sched, prompt, 3).generated == expected(prompt, 3)
+        for prompt in turns:  # the next turn: prompt 9 tokens, 8 cached (two chunks), found in memory
+            nxt = prompt + expected(prompt, 3) + [7]
+            r = run(sched, nxt, 2)
+            assert (r.generated, r.timing["cached_tokens"]) == (expected(nxt, 2), 8)
+        assert not fake.errors
+        assert (saved(sched, "memory"), saved(sched, "lane")) == (32, 0)
+        assert [c[0] for c in fake.calls].count("restore") == 4
+    finally:
+        assert sched.drain(10)
+
+
+def test_the_tier_evicts_the_least_recently_used_conversation_within_its_bytes() -> None:
+    fake = FakeEngine(lanes=2, chunk=4)  # an entry: 16 bytes a token (`FakeEngine.save_prefix`)
+    sched = Scheduler(fake, continuous=True, max_queue=64, terminal_ids=frozenset(), prefix_cache_ram=2 * 8 * 16)
+    value = sched.metrics.registry.get_sample_value
+    sched.start()
+    try:
+        turns = [[10 * c + i for i in range(9)] for c in range(1, 5)]  # 8 tokens cached each: two fit
+        for prompt in turns:
+            run(sched, prompt, 3)
+        cached = []
+        for prompt in turns:  # c0 is reused (and so more recent than c1), then c1 is gone: c2's spill evicted it
+            nxt = prompt + expected(prompt, 3) + [7]
+            r = run(sched, nxt, 2)
+            assert r.generated == expected(nxt, 2)
+            assert value("jaxstation_prefix_cache_memory_bytes") <= 2 * 8 * 16
+            cached.append(r.timing["cached_tokens"])
+        assert cached == [8, 0, 8, 0] and not fake.errors
+        # evicted: c1 (by c2's spill), c0 (by c3's), c3 and c2 (by c0's next turn, 12 tokens), c0's next turn (by c1's)
+        assert value("jaxstation_prefix_cache_memory_evictions_total") == 5
+    finally:
+        assert sched.drain(10)
+
+
+# ---- failed copies: what they cost is reuse, never a request or the decode thread --------------------------------
+
+def tiered_fake(lanes: int = 2) -> tuple[FakeEngine, Scheduler]:
+    fake = FakeEngine(lanes=lanes, chunk=4)
+    sched = Scheduler(fake, continuous=True, max_queue=64, terminal_ids=frozenset(), prefix_cache_ram=MiB)
+    sched.start()
+    return fake, sched
+
+
+def next_turn(prompt: list[int]) -> list[int]:
+    return prompt + expected(prompt, 3) + [7]
+
+
+def test_a_failed_save_keeps_nothing_and_the_request_completes(caplog: pytest.LogCaptureFixture) -> None:
+    fake, sched = tiered_fake()
+    try:
+        a, b, c = [[10 * k + i for i in range(9)] for k in (1, 2, 3)]
+        run(sched, a, 3)
+        run(sched, b, 3)
+        fake.fail_next_save = True  # c takes a's lane: a's KV is saved, and that copy raises MemoryError
+        with caplog.at_level("WARNING", logger="jaxstation.engine.prefix_tier"):
+            assert run(sched, c, 3).generated == expected(c, 3)
+        assert [r.getMessage() for r in caplog.records] == [
+            "prefix cache in host memory: saving lane 0's 8 tokens failed (MemoryError: no host memory for the "
+            "copy); not kept"]
+        assert ("save", 0, 8) in fake.calls and len(sched.prefix_tier.host) == 0
+        r = run(sched, next_turn(a), 2)  # a's KV was not kept: a fresh prefill, the same tokens
+        assert (r.generated, r.timing["cached_tokens"]) == (expected(next_turn(a), 2), 0)
+        r = run(sched, next_turn(b), 2)  # b was spilled by a's turn, and comes back from memory
+        assert (r.generated, r.timing["cached_tokens"]) == (expected(next_turn(b), 2), 8)
+        assert sched.alive and requests_ok(sched) == 5 and not fake.errors and fake.resets == 0
+    finally:
+        assert sched.drain(10)
+
+
+def test_a_failed_restore_drops_its_entry_and_the_request_prefills_afresh(caplog: pytest.LogCaptureFixture) -> None:
+    fake, sched = tiered_fake()
+    try:
+        turns = [[10 * k + i for i in range(9)] for k in range(1, 5)]  # 4 conversations on 2 lanes: 2 in memory
+        for prompt in turns:
+            run(sched, prompt, 3)
+        assert len(sched.prefix_tier.host) == 2
+        fake.fail_next_restore = True  # writes one chunk of the entry into the lane, then raises
+        first = next_turn(turns[0])
+        with caplog.at_level("WARNING", logger="jaxstation.engine.prefix_tier"):
+            r = run(sched, first, 2)
+        assert (r.generated, r.timing["cached_tokens"]) == (expected(first, 2), 0)
+        assert fake.starts_of(first) == [0] and ("restore", 0, 8) in fake.calls
+        assert [r.getMessage() for r in caplog.records] == [
+            "prefix cache in host memory: restoring 8 tokens into lane 0 failed (RuntimeError: restore boom); the "
+            "request prefills afresh"]
+        assert (0, tuple(turns[0][:8])) not in sched.prefix_tier.host.keys()  # the entry is gone
+        assert saved(sched, "memory") == 0
+        second = next_turn(turns[1])  # the next request is served, from memory
+        r = run(sched, second, 2)
+        assert (r.generated, r.timing["cached_tokens"]) == (expected(second, 2), 8)
+        again = first + [5]  # the half-written lane was never offered for reuse: first's own prefill is
+        r = run(sched, again, 2)
+        assert r.generated == expected(again, 2) and fake.starts_of(again) == [12]
+        assert sched.alive and requests_ok(sched) == 7 and not fake.errors and fake.resets == 0
+    finally:
+        assert sched.drain(10)
+
+
+def test_a_tier_that_raises_fails_its_turn_as_a_step_does_and_serving_goes_on() -> None:
+    fake, sched = tiered_fake()
+    try:
+        admit, trips = sched.prefix_tier.admit, []
+
+        def broken(a):  # the first admission raises past the tier's own handling
+            if not trips:
+                trips.append(a)
+                raise MemoryError("out of host memory")
+            return admit(a)
+
+        sched.prefix_tier.admit = broken
+        with pytest.raises(StepFailed, match="step failed: MemoryError: out of host memory"):
+            run(sched, [1, 2, 3], 3)
+        assert sched.alive and fake.resets == 1
+        assert run(sched, [4, 5, 6], 3).generated == expected([4, 5, 6], 3)
+        assert requests_ok(sched) == 1 and not fake.errors
+    finally:
+        assert sched.drain(10)
+
+
+def requests_ok(sched: Scheduler) -> float:
+    return sched.metrics.registry.get_sample_value("jaxstation_requests_total", {"outcome": "ok"}) or 0.0
+
+
+# ---- the setting ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", ["lots", "1.5"])
+def test_a_bad_prefix_cache_ram_names_what_the_user_typed(text: str) -> None:
+    with pytest.raises(ConfigError, match=f"MOONSHINE_PREFIX_CACHE_RAM='{text}' is not an integer"):
+        resolve(None, {"MOONSHINE_PREFIX_CACHE_RAM": text})
+    with pytest.raises(ConfigError, match="MOONSHINE_PREFIX_CACHE_RAM=-3 must be >= 0"):
+        resolve(None, {"MOONSHINE_PREFIX_CACHE_RAM": "-3"})
+
+
+def test_prefix_cache_ram_defaults_to_a_quarter_of_free_ram_at_most_8_gib() -> None:
+    assert prefix_cache_ram(StationConfig(), available=4 << 30) == 1 << 30
+    assert prefix_cache_ram(StationConfig(), available=64 << 30) == PREFIX_CACHE_RAM_CAP == 8 << 30
+    assert prefix_cache_ram(StationConfig(prefix_cache_ram=0)) == 0
+    assert prefix_cache_ram(StationConfig(prefix_cache_ram=3), available=0) == 3 * MiB
+    assert prefix_cache_ram(StationConfig(prefix_reuse="off")) == 0
+    assert resolve(None, {"MOONSHINE_PREFIX_CACHE_RAM": "512"}).prefix_cache_ram == 512
+
+
+# ---- the default model ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiered(engine: Engine):
+    sched = Scheduler(engine, continuous=True, max_queue=64, terminal_ids=frozenset(), prefix_cache_ram=64 * MiB)
+    sched.start()
+    yield sched
+    assert sched.drain(10)
+
+
+def assert_same_samples(got: Result, ref: Result) -> None:
+    assert (got.generated, got.finish_reason) == (ref.generated, ref.finish_reason)
+    assert [(s.logprob, s.top) for s in got.samples] == [(s.logprob, s.top) for s in ref.samples]
+
+
+def test_a_restore_from_memory_gives_a_fresh_prefills_bits(engine: Engine, tiered: Scheduler) -> None:
+    first = ids(1, 70)
+    r1 = run(tiered, first, 4, SEEDED)
+    for i in range(engine.lanes):  # a prompt per lane, the last into first's lane: first's KV goes to memory
+        run(tiered, ids(100 + i, 40), 1)
+    target = first + r1.generated + ids(2, 9)
+    memory = saved(tiered, "memory")
+    hit = run(tiered, target, 6, SEEDED)
+    assert hit.timing["cached_tokens"] == 64 and saved(tiered, "memory") == memory + 64
+    fresh = run(tiered, target, 6, SEEDED, reuse=False)
+    assert_same_samples(hit, fresh)
+    # beside other requests: the target's lane was taken again by the fresh run; neighbours decode beside it
+    for i in range(engine.lanes):
+        run(tiered, ids(200 + i, 40), 1)
+    neighbours = [tiered.submit(Job(tokens=ids(300 + i, 30 + 20 * i), max_new_tokens=20)) for i in range(2)]
+    busy = run(tiered, target, 6, SEEDED)
+    assert busy.timing["cached_tokens"] == 64
+    assert_same_samples(busy, fresh)
+    assert all(f.result(TIMEOUT).generated for f in neighbours)
+    value = tiered.metrics.registry.get_sample_value
+    assert 0 < value("jaxstation_prefix_cache_memory_bytes") <= 64 * MiB
+    assert value("jaxstation_prefix_cache_memory_entries") >= 1
