@@ -16,9 +16,10 @@ from fake_engine import FakeEngine, expected
 
 from jaxstation.config.plan import resolve_plan
 from jaxstation.config.settings import ConfigError, StationConfig
-from jaxstation.engine.engine import Engine, generate, pack_slots, pack_widths
+from jaxstation.engine.engine import Engine, generate
 from jaxstation.engine.jobs import Job
 from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample, SamplingParams
+from jaxstation.engine.rules import pack_slots, pack_widths
 from jaxstation.engine.scheduler import Scheduler
 from jaxstation.engine.turns import Lane, prompt_pieces
 from jaxstation.model.loader import LoadedModel

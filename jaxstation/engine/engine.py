@@ -40,6 +40,8 @@ from jaxstation.engine.rules import (
     default_prefill_budget,
     default_wave_widths,
     narrow_waves,
+    pack_slots,
+    pack_widths,
     widths_refusal,
 )
 from jaxstation.engine.steps import prefill_chunk, step_rows
@@ -48,27 +50,7 @@ from jaxstation.model.layers import with_lora, write_adapter
 from jaxstation.model.loader import LoadedModel
 from jaxstation.model.sharding import mesh_of
 
-PACK_FLOOR = 16  # the narrowest packed step
-SLOT_FLOOR = 8  # the fewest sampled rows of a packed step, where it may sample more than twice as many
 DECODE_WAIT = 2.0  # a packed turn that carries decode rows takes at most about this many of their plain waves
-
-
-def pack_widths(budget: int) -> tuple[int, ...]:
-    """The row counts of packed steps under a budget of `budget` rows: halvings of the budget down to the first at or
-    below PACK_FLOOR, so that a turn of short prompts, or one kept to its decode rows' pace (`Engine.turn_rows`), runs a
-    narrow step (each width one more compiled program)."""
-    widths = [budget]
-    while widths[-1] > PACK_FLOOR and widths[-1] % 2 == 0:
-        widths.append(widths[-1] // 2)
-    return tuple(sorted(widths))
-
-
-def pack_slots(width: int, lanes: int) -> tuple[int, ...]:
-    """The sampled-row counts of a packed step of `width` rows: one row per lane at most (`min(width, lanes)`), and
-    SLOT_FLOOR too where that is more than twice as many, so that a turn that ends few prompts and decodes few lanes
-    runs the head and the sampling over few rows (each count one more compiled program)."""
-    full = min(width, lanes)
-    return (SLOT_FLOOR, full) if full > 2 * SLOT_FLOOR else (full,)
 
 
 class Engine:

@@ -79,3 +79,25 @@ def budget_refusal(budget: int, lanes: int, row_invariant: bool, attention: str)
                 f"of at least the lanes ({lanes}), got {budget} rows (matmul kernel: {row_invariant}, attention "
                 f"{attention})")
     return None
+
+
+PACK_FLOOR = 16  # the narrowest packed step
+SLOT_FLOOR = 8  # the fewest sampled rows of a packed step, where it may sample more than twice as many
+
+
+def pack_widths(budget: int) -> tuple[int, ...]:
+    """The row counts of packed steps under a budget of `budget` rows: halvings of the budget down to the first at or
+    below PACK_FLOOR, so that a turn of short prompts, or one kept to its decode rows' pace (`Engine.turn_rows`), runs a
+    narrow step (each width one more compiled program)."""
+    widths = [budget]
+    while widths[-1] > PACK_FLOOR and widths[-1] % 2 == 0:
+        widths.append(widths[-1] // 2)
+    return tuple(sorted(widths))
+
+
+def pack_slots(width: int, lanes: int) -> tuple[int, ...]:
+    """The sampled-row counts of a packed step of `width` rows: one row per lane at most (`min(width, lanes)`), and
+    SLOT_FLOOR too where that is more than twice as many, so that a turn that ends few prompts and decodes few lanes
+    runs the head and the sampling over few rows (each count one more compiled program)."""
+    full = min(width, lanes)
+    return (SLOT_FLOOR, full) if full > 2 * SLOT_FLOOR else (full,)
