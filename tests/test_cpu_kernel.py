@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import oracle_logits
 
 from jaxstation.config.plan import Plan, resolve_plan
 from jaxstation.config.settings import ConfigError, StationConfig
 from jaxstation.kernels import cpu_kernel
-from jaxstation.model.layers import forward_full
 from jaxstation.model.loader import LoadedModel, checkpoint_config, load_model
 from jaxstation.model.quant import KernelWeight, QuantWeight, kernel_weight, matmul, prepare_weight
 
@@ -144,7 +144,7 @@ def test_shapes_the_kernel_cannot_take_stay_on_xla() -> None:
 
 
 def _full_logits(model: LoadedModel, prompt: list[int]) -> np.ndarray:
-    return np.asarray(forward_full(model.cfg, model.params, jnp.asarray(prompt, jnp.int32)))
+    return np.asarray(oracle_logits(model, jnp.asarray(prompt, jnp.int32)))
 
 
 PROMPT = list(range(100, 148))

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
-from conftest import FIXTURES, prefill_all, run_wave, tiny_reference
+from conftest import FIXTURES, oracle_logits, prefill_all, run_wave, tiny_reference
 from mesh_util import TOKEN, start_mesh
 from server_util import ServerThread, wait_for
 
@@ -33,7 +33,6 @@ from jaxstation.engine.scheduler import Scheduler
 from jaxstation.mesh.host_engine import MeshEngine
 from jaxstation.mesh.stage import fingerprint
 from jaxstation.model.config import ModelConfig
-from jaxstation.model.layers import forward_full
 from jaxstation.model.loader import CheckpointError, LoadedModel, load_model
 from jaxstation.server.station import Station
 
@@ -73,7 +72,7 @@ def test_each_config_declares_its_family() -> None:
 @pytest.mark.parametrize(("fmt", "loop", "matmul"), [("gguf", "unroll", "kernel"), ("safetensors", "scan", "xla")])
 def test_logits_match_transformers(name: str, fmt: str, loop: str, matmul: str) -> None:
     model, ref = load(name, fmt, loop=loop, matmul=matmul), tiny_reference(name)
-    full = np.asarray(forward_full(model.cfg, model.params, jnp.asarray(ref["input_ids"])))
+    full = np.asarray(oracle_logits(model, jnp.asarray(ref["input_ids"])))
     err = float(np.abs(full - ref["logits"]).max())
     assert err <= TOLERANCE, f"{name} {fmt} {loop}/{matmul}: max |logit - transformers| {err}"
 

@@ -29,13 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
-from conftest import REFERENCE, run_wave, station_plan
+from conftest import REFERENCE, oracle_logits, run_wave, station_plan
 from server_util import ServerThread, wait_for
 from test_row_invariance import assert_rows_equal_at_every_width, row_invariant_parts
 from test_speculative_engine import TEXT, accepted, jobs_for, run
 
 from jaxstation.app import create_app
-from jaxstation.config.plan import Plan
+from jaxstation.config.plan import Plan, planned_engine
 from jaxstation.config.settings import StationConfig
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.jobs import Job
@@ -43,7 +43,6 @@ from jaxstation.engine.rows import SamplingParams
 from jaxstation.engine.speculative import Speculation
 from jaxstation.kernels import cpu_kernel
 from jaxstation.model.gguf_file import GGUFFile
-from jaxstation.model.layers import forward_full
 from jaxstation.model.loader import LoadedModel, load_model
 from jaxstation.model.quant import KernelWeight
 from jaxstation.server.station import Station
@@ -52,14 +51,20 @@ GREEDY = json.loads((REFERENCE / "gemma3_270m_reference.json").read_text(encodin
 STEPS = len(GREEDY[0]["greedy_ids"]) - 1
 
 
+# The station as it serves: 8 lanes, 128 positions, waves of 1, 2, 4 and 8 rows, packed admission steps and n-gram
+# drafts verified in one step. The engines below and the served station run the same compiled programs.
+STATION = {"lanes": 8, "max_seq": 128, "prefill_chunk": 32, "kv_block": 128, "speculative": "ngram"}
+
+
 @pytest.fixture(scope="module")
-def plan(gemma3_270m: Path) -> Plan:
+def config(gemma3_270m: Path) -> StationConfig:
+    return StationConfig(model=str(gemma3_270m), **STATION)
+
+
+@pytest.fixture(scope="module")
+def plan(config: StationConfig) -> Plan:
     """The CPU defaults a station plans for a GGUF model: its blocks as stored."""
-    return station_plan(StationConfig(model=str(gemma3_270m), lanes=8, max_seq=128))
-
-
-def station_engine(model: LoadedModel, plan: Plan) -> Engine:
-    return Engine(model, lanes=8, max_seq=128, chunk=32, block=128, attention=plan.attention)
+    return station_plan(config)
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +80,13 @@ def exact(gemma3_270m: Path, plan: Plan) -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def gemma_engine(gemma: LoadedModel, plan: Plan) -> Engine:
-    return station_engine(gemma, plan)
+def gemma_engine(gemma: LoadedModel, config: StationConfig, plan: Plan) -> Engine:
+    return planned_engine(gemma, config, plan)
 
 
 @pytest.fixture(scope="module")
-def exact_engine(exact: LoadedModel, plan: Plan) -> Engine:
-    return station_engine(exact, plan)
+def exact_engine(exact: LoadedModel, config: StationConfig, plan: Plan) -> Engine:
+    return planned_engine(exact, config, plan)
 
 
 def test_gguf_multiplies_in_integers(gemma3_270m: Path, plan: Plan, gemma: LoadedModel) -> None:
@@ -144,26 +149,20 @@ def test_the_logits_against_the_dequantized_models(gemma3_270m: Path, gemma: Loa
     measured 1.24 where the logits' standard deviation is 5.3."""
     dense = load_model(gemma3_270m, "float32", plan.layer_loop, plan.matmul)
     tokens = jnp.asarray(GREEDY[3]["prompt_ids"], jnp.int32)
-    want = np.asarray(forward_full(dense.cfg, dense.params, tokens))
-    got = np.asarray(forward_full(exact.cfg, exact.params, tokens))
+    want = np.asarray(oracle_logits(dense, tokens))
+    got = np.asarray(oracle_logits(exact, tokens))
     assert np.array_equal(got, want), np.abs(got - want).max()
-    got = np.asarray(forward_full(gemma.cfg, gemma.params, tokens))
+    got = np.asarray(oracle_logits(gemma, tokens))
     assert np.array_equal(got.argmax(-1), want.argmax(-1)) and 0.1 < np.abs(got - want).max() < 2
 
 
-@pytest.fixture(scope="module")
-def packed_engine(gemma: LoadedModel, plan: Plan) -> Engine:
-    """Prompts in packed steps and drafts verified in one step, as a station runs them."""
-    return Engine(gemma, lanes=4, max_seq=128, chunk=32, block=128, attention=plan.attention, prefill_budget=None,
-                  speculative=True)
-
-
-def test_packed_prompts_and_speculation_change_no_bit(gemma: LoadedModel, packed_engine: Engine) -> None:
+def test_packed_prompts_and_speculation_change_no_bit(gemma: LoadedModel, gemma_engine: Engine) -> None:
+    assert gemma_engine.pack_widths and gemma_engine.verify_rows  # prompts in packed steps, drafts verified
     prompt = gemma.tokenizer.encode(TEXT)
     prompts = [prompt, prompt[5:], prompt[9:]]
-    alone = [run(packed_engine, jobs_for([p], SamplingParams()), None)[0][0] for p in prompts]
-    together, _ = run(packed_engine, jobs_for(prompts, SamplingParams()), None)
-    spec, sched = run(packed_engine, jobs_for(prompts, SamplingParams()), Speculation(k=3))
+    alone = [run(gemma_engine, jobs_for([p], SamplingParams()), None)[0][0] for p in prompts]
+    together, _ = run(gemma_engine, jobs_for(prompts, SamplingParams()), None)
+    spec, sched = run(gemma_engine, jobs_for(prompts, SamplingParams()), Speculation(k=3))
     assert together == alone and spec == alone
     assert accepted(sched) > 0  # the verify steps ran and accepted drafts
 
@@ -188,7 +187,7 @@ def test_each_stored_layer_and_the_head_are_bit_equal_at_every_width(gemma: Load
         assert_rows_equal_at_every_width(fn, *args, what=name)
 
 
-# The station as it serves: 8 lanes, continuous batching, waves of 1, 2, 4 and 8 rows, packed admission steps.
+# The served station: continuous batching on the engines' settings (STATION).
 TARGETS = [{"prompt": "The capital of France is", "temperature": 0.0},
            {"prompt": "def fibonacci(n):", "temperature": 0.8, "seed": 7}]
 NEW_TOKENS = 64
@@ -196,8 +195,7 @@ NEW_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def served(gemma3_270m: Path, gemma: LoadedModel):
-    station = Station(StationConfig(model=str(gemma3_270m), lanes=8, max_seq=128, prefill_chunk=32, kv_block=128,
-                                    continuous=True, drain_s=5), model=gemma)
+    station = Station(StationConfig(model=str(gemma3_270m), **STATION, continuous=True, drain_s=5), model=gemma)
     with ServerThread(create_app(station)) as server, server.client(timeout=300) as http:
         wait_for(lambda: http.get("/ready").status_code == 200, 600, "the station did not turn ready", 0.2)
         assert station.plan.wave_widths == (1, 2, 4, 8) and station.plan.prefill_budget > 0

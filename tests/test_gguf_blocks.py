@@ -18,9 +18,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from conftest import oracle_logits
 
 from jaxstation.kernels import cpu_kernel
-from jaxstation.model.layers import forward_full
 from jaxstation.model.loader import LoadedModel, load_model
 from jaxstation.model.quant import (
     GGUFBlocks,
@@ -137,11 +137,11 @@ def test_the_default_model_in_its_stored_blocks_gives_float32s_logits(float32_mo
     prompt = exact.tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome. " * 3)
     for rows in (1, 8, 32):
         tokens = jnp.asarray(prompt[:rows], jnp.int32)
-        got = np.asarray(forward_full(exact.cfg, p, tokens))
-        ref = np.asarray(forward_full(float32_model.cfg, float32_model.params, tokens))
+        got = np.asarray(oracle_logits(exact, tokens))
+        ref = np.asarray(oracle_logits(float32_model, tokens))
         assert np.array_equal(got, ref), (rows, np.abs(got - ref).max())
     stacked = load_model(dtype="gguf-exact", layer_loop="scan", matmul="kernel")  # one loop over stacked blocks
     assert stacked.params.layers.wqkv.blocks == "Q4_1" and stacked.params.layers.wqkv.w.shape[0] == 30
     tokens = jnp.asarray(prompt[:8], jnp.int32)
-    assert np.array_equal(np.asarray(forward_full(stacked.cfg, stacked.params, tokens)),
-                          np.asarray(forward_full(exact.cfg, p, tokens)))
+    assert np.array_equal(np.asarray(oracle_logits(stacked, tokens)),
+                          np.asarray(oracle_logits(exact, tokens)))

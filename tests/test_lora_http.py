@@ -2,8 +2,9 @@
 /v1/models lists them, /generate takes `lora`, and the runtime load and unload routes exist behind
 --allow-runtime-lora.
 
-One continuous-batching station on the default model (4 lanes, 512 positions) with --lora-modules x=<dir>,
---max-loras 2 and --allow-runtime-lora serves the module.
+One continuous-batching station on the default model serves the module, with --lora-modules x=<dir>, --max-loras 3,
+--max-lora-rank 16 and --allow-runtime-lora: the settings of tests/test_lora.py's engine, so it runs that engine's
+compiled programs.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import anthropic
 import pytest
 from adapter_util import random_lora, write_peft
+from conftest import engine_config
 from server_util import ServerThread, wait_for
 
 from jaxstation.app import create_app
@@ -31,8 +33,8 @@ def served(default_model: LoadedModel, tmp_path_factory):
     x = write_peft(tmp / "x", random_lora(cfg, rank=16, seed=10, b_std=0.2), rank=16, alpha=32.0)
     y = write_peft(tmp / "y", random_lora(cfg, rank=8, seed=12, b_std=0.3), rank=8, alpha=16.0)
     big = write_peft(tmp / "big", random_lora(cfg, rank=32, seed=13, modules=("q",)), rank=32, alpha=32.0)
-    config = StationConfig(**SHAPE, continuous=True, drain_s=5, lora_modules=(("x", str(x)),), max_loras=2,
-                           allow_runtime_lora=True)
+    config = engine_config(continuous=True, drain_s=5, lora_modules=(("x", str(x)),), max_loras=3, max_lora_rank=16,
+                           speculative="ngram", allow_runtime_lora=True)
     station = Station(config, model=default_model)
     with ServerThread(create_app(station)) as server, server.client() as http:
         wait_for(lambda: station.load_error or http.get("/ready").status_code == 200, 900,
@@ -102,6 +104,7 @@ def test_load_and_unload_at_runtime(served):
     # taken name; no free slot; a file that does not fit: refused in OpenAI's shape, naming the field
     taken = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(paths["y"])})
     assert taken.status_code == 409 and taken.json()["error"]["param"] == "lora_name"
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "w", "lora_path": str(paths["y"])}).status_code == 200
     full = http.post("/v1/load_lora_adapter", json={"lora_name": "z", "lora_path": str(paths["y"])})
     assert full.status_code == 409 and "--max-loras" in full.json()["error"]["message"]
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "y"}).json()["status"] == "unloaded"

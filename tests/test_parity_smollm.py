@@ -11,11 +11,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import prefill_all
+from conftest import oracle_logits, prefill_all
 
 from jaxstation.engine.engine import generate
 from jaxstation.engine.rows import DecodeRow, SamplingParams
-from jaxstation.model.layers import forward_full
 
 PROMPTS = ("p0", "p1", "p2")
 ATOL = 1e-3
@@ -28,7 +27,7 @@ def prompt_logits(m, smollm_reference):
     prompts = {p: smollm_reference[f"{p}_prompt_ids"] for p in PROMPTS}
     longest = max(len(ids) for ids in prompts.values())
     padded = {p: np.pad(ids, (0, longest - len(ids))) for p, ids in prompts.items()}
-    return {p: np.asarray(forward_full(m.cfg, m.params, jnp.asarray(padded[p])))[:len(prompts[p])] for p in PROMPTS}
+    return {p: np.asarray(oracle_logits(m, jnp.asarray(padded[p])))[:len(prompts[p])] for p in PROMPTS}
 
 
 @pytest.fixture(scope="module")

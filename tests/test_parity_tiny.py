@@ -11,11 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FIXTURES, prefill_all, tiny_model, tiny_reference
+from conftest import FIXTURES, oracle_logits, prefill_all, tiny_model, tiny_reference
 
 from jaxstation.engine.engine import Engine, generate
 from jaxstation.engine.rows import DecodeRow, SamplingParams
-from jaxstation.model.layers import forward_full
 from jaxstation.model.loader import load_model
 
 NAMES = ("tiny-llama3", "tiny-mistral")
@@ -42,7 +41,7 @@ def tiny(request):
     model = tiny_model(name, weights, loop, matmul)
     assert model.params.row_invariant == (matmul == "kernel")  # every tiny shape fits the kernel
     ref = tiny_reference(name)
-    full = np.asarray(forward_full(model.cfg, model.params, jnp.asarray(ref["input_ids"])))
+    full = np.asarray(oracle_logits(model, jnp.asarray(ref["input_ids"])))
     engine = Engine(model, lanes=3, max_seq=64, chunk=8, block=16, attention=attention)
     return "-".join(request.param), model, ref, full, engine
 

@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import oracle_logits
 from server_util import ServerThread, wait_for
 
 from jaxstation.app import create_app
 from jaxstation.config.settings import StationConfig
 from jaxstation.engine.rows import SamplingParams
-from jaxstation.model.layers import forward_full
 from jaxstation.model.loader import LoadedModel
 from jaxstation.server.station import Station
 
@@ -44,7 +44,7 @@ def logsumexp(x: np.ndarray) -> float:
 
 def oracle_logprobs(model: LoadedModel, ids: list[int]) -> np.ndarray:
     """log_softmax of forward_full's logits [n, vocab]: row i is the distribution of token i + 1."""
-    return np.asarray(jax.nn.log_softmax(forward_full(model.cfg, model.params, jnp.asarray(ids)), axis=-1))
+    return np.asarray(jax.nn.log_softmax(oracle_logits(model, jnp.asarray(ids)), axis=-1))
 
 
 @pytest.fixture(scope="module")

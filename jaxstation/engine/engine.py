@@ -22,6 +22,7 @@ import numpy as np
 from jaxstation.engine.arena import KVBuffers, allocate_arena, arena_layout, kv_dtype_of, read_prefix, write_prefix
 from jaxstation.engine.penalties import lane_rows, start_lane
 from jaxstation.engine.prefix_cache import LaneVersions, RingHold
+from jaxstation.engine.prefix_tier import tier_refusal
 from jaxstation.engine.rows import (
     DecodeRow,
     PackedRows,
@@ -364,7 +365,7 @@ class Engine:
             ("prefill", lambda: self.prefill(0, prompt, 0, SamplingParams())),  # a middle chunk
             ("prefill_last", lambda: self.prefill(0, prompt, self.chunk, SamplingParams())),  # a last chunk: samples
         ]
-        if not self.windowed:  # the prefix cache's host tier (engine/prefix_tier.py) copies a chunk each way
+        if tier_refusal(self) is None:  # the prefix cache's host tier copies a chunk each way
             steps.append(("prefix_copy", lambda: self.restore_prefix(0, self.save_prefix(0, self.chunk), self.chunk)))
         for w in self.wave_widths:
             name = "decode" if w == self.lanes else f"decode_{w}"
