@@ -183,8 +183,8 @@ def stored_combinations(model: LoadedModel) -> list[int]:
 def test_each_stored_layer_and_the_head_are_bit_equal_at_every_width(gemma: LoadedModel) -> None:
     layers = stored_combinations(gemma)
     assert len(layers) >= 4  # joined and single q/k/v, Q4_K and Q6_K o and down, local and global layers
-    for name, (fn, args) in row_invariant_parts(gemma.cfg, gemma.params, layers).items():
-        assert_rows_equal_at_every_width(fn, *args, what=name)
+    for name, (fn, weights, args) in row_invariant_parts(gemma.cfg, gemma.params, layers).items():
+        assert_rows_equal_at_every_width(fn, weights, *args, what=name)
 
 
 # The served station: continuous batching on the engines' settings (STATION).

@@ -44,12 +44,14 @@ def layer_inputs(cfg: ModelConfig, rows: int, seed: int = 0) -> tuple[jax.Array,
     return jnp.asarray(x), jnp.asarray(o), jnp.asarray(positions)
 
 
-def assert_rows_equal_at_every_width(fn: Callable[..., object], *full_args: jax.Array, what: str = "") -> None:
-    """fn's outputs on the first w rows of full_args equal the first w rows of its outputs on all FULL rows."""
+def assert_rows_equal_at_every_width(fn: Callable[..., object], weights: object, *full_args: jax.Array,
+                                     what: str = "") -> None:
+    """fn(weights, *rows)'s outputs on the first w rows of full_args equal the first w rows of its outputs on all FULL
+    rows. The weights are arguments, not constants folded into each width's program."""
     fn = jax.jit(fn)
-    full = [np.asarray(a) for a in jax.tree_util.tree_leaves(fn(*full_args))]
+    full = [np.asarray(a) for a in jax.tree_util.tree_leaves(fn(weights, *full_args))]
     for width in WIDTHS:
-        part = jax.tree_util.tree_leaves(fn(*(a[:width] for a in full_args)))
+        part = jax.tree_util.tree_leaves(fn(weights, *(a[:width] for a in full_args)))
         for i, (got, want) in enumerate(zip(part, full, strict=True)):
             got = np.asarray(got)
             assert np.array_equal(got, want[:width]), \
@@ -72,13 +74,13 @@ def primitives(fn: Callable[..., object], *args: jax.Array) -> set[str]:
 
 
 def row_invariant_parts(cfg: ModelConfig, params: Params, layers: Iterable[int] | None = None
-                        ) -> dict[str, tuple[Callable[..., object], tuple]]:
-    """The pieces of a step that must not depend on the row count, with FULL rows of inputs: the layers (every one
-    unless `layers` names some) and the head."""
+                        ) -> dict[str, tuple[Callable[..., object], object, tuple]]:
+    """The pieces of a step that must not depend on the row count, as (fn, weights, FULL rows of inputs) with
+    fn(weights, *rows): the layers (every one unless `layers` names some) and the head."""
     x, o, positions = layer_inputs(cfg, FULL)
-    parts = {f"layer {i}": (lambda x, o, p, i=i: layer_rows(cfg, params.layers[i], i, x, o, p), (x, o, positions))
+    parts = {f"layer {i}": (lambda w, x, o, p, i=i: layer_rows(cfg, w, i, x, o, p), params.layers[i], (x, o, positions))
              for i in (range(len(params.layers)) if layers is None else layers)}
-    parts["head"] = (lambda h: lm_logits(cfg, params, h), (x[:, 0],))
+    parts["head"] = (lambda w, h: lm_logits(cfg, w, h), params, (x[:, 0],))
     return parts
 
 
@@ -91,20 +93,20 @@ def family(request) -> tuple[ModelConfig, Params]:
 
 def test_a_row_invariant_step_leaves_xla_no_float_reduction(family: tuple[ModelConfig, Params]) -> None:
     cfg, params = family
-    for name, (fn, args) in row_invariant_parts(cfg, params).items():
-        assert not (found := primitives(fn, *args) & XLA_REDUCTIONS), f"{name}: {found}"
+    for name, (fn, weights, args) in row_invariant_parts(cfg, params).items():
+        assert not (found := primitives(fn, weights, *args) & XLA_REDUCTIONS), f"{name}: {found}"
 
 
 def test_every_layer_and_the_head_are_bit_equal_at_every_width(family: tuple[ModelConfig, Params]) -> None:
     cfg, params = family
-    for name, (fn, args) in row_invariant_parts(cfg, params).items():
-        assert_rows_equal_at_every_width(fn, *args, what=name)
+    for name, (fn, weights, args) in row_invariant_parts(cfg, params).items():
+        assert_rows_equal_at_every_width(fn, weights, *args, what=name)
 
 
 def test_the_default_models_q4_1_layer_and_head_are_bit_equal_at_every_width(default_model: LoadedModel) -> None:
     """The default GGUF's blocks as stored (Q4_1 projections, the tied Q8_0 head) at its real shapes."""
     cfg, params = default_model.cfg, default_model.params
     assert params.row_invariant and params.layers[0].wqkv.blocks == "Q4_1"
-    for name, (fn, args) in row_invariant_parts(cfg, params, layers=[0]).items():
-        assert not (found := primitives(fn, *args) & XLA_REDUCTIONS), f"{name}: {found}"
-        assert_rows_equal_at_every_width(fn, *args, what=name)
+    for name, (fn, weights, args) in row_invariant_parts(cfg, params, layers=[0]).items():
+        assert not (found := primitives(fn, weights, *args) & XLA_REDUCTIONS), f"{name}: {found}"
+        assert_rows_equal_at_every_width(fn, weights, *args, what=name)
