@@ -73,7 +73,7 @@ class Activity:
         self._buckets: collections.deque[tuple[int, int, int]] = collections.deque()
         self.generated_tokens = self.prefilled_tokens = 0
         self.lookups = self.hits = self.reused_tokens = 0
-        self._unbucketed = (0, 0)  # tokens counted since the last snapshot: (generated, prefilled)
+        self._new_generated = self._new_prefilled = 0  # counted since the last turn, not yet in a bucket
         self._published = -PUBLISH_S
         self.snapshot = self._build([None] * lanes, 0, None)
 
@@ -81,13 +81,13 @@ class Activity:
         """A request generated one token."""
         self.metrics.generated_tokens.inc()
         self.generated_tokens += 1
-        self._unbucketed = (self._unbucketed[0] + 1, self._unbucketed[1])
+        self._new_generated += 1
 
     def prefilled(self, tokens: int) -> None:
         """A request's prompt is in its lane: `tokens` of it prefilled (the rest was reused)."""
         self.metrics.prompt_tokens.inc(tokens)
         self.prefilled_tokens += tokens
-        self._unbucketed = (self._unbucketed[0], self._unbucketed[1] + tokens)
+        self._new_prefilled += tokens
 
     def looked_up(self, reuse: bool, reused: int) -> None:
         """A request took a lane; if it may `reuse` a cached prefix, it looked for one and starts on `reused` tokens of
@@ -110,8 +110,8 @@ class Activity:
 
     def _bucket(self, now: float) -> None:
         """Add the tokens counted since the last call to the bucket of `now`; drop the buckets out of the window."""
-        number, (generated, prefilled) = int(now // BUCKET_S), self._unbucketed
-        self._unbucketed = (0, 0)
+        number, generated, prefilled = int(now // BUCKET_S), self._new_generated, self._new_prefilled
+        self._new_generated = self._new_prefilled = 0
         if not generated and not prefilled:
             return
         if self._buckets and self._buckets[-1][0] == number:
