@@ -351,22 +351,29 @@ def test_the_context_figure_moves_after_a_reply_and_a_turn_too_long_is_stopped(s
     assert page.find_element(By.ID, "prompt").get_attribute("value") == "And now say bye."
 
 
-DROP = """const file = new File([arguments[0]], arguments[1], {type: 'text/plain'});
+HAND_OVER = """const [text, name, how] = arguments;
 const data = new DataTransfer();
-data.items.add(file);
-for (const type of ['dragover', 'drop']) {
-  const event = new DragEvent(type, {dataTransfer: data, bubbles: true, cancelable: true});
-  document.querySelector('main').dispatchEvent(event);
+data.items.add(new File([text], name, {type: 'text/plain'}));
+if (how === 'paste') {
+  document.getElementById('prompt').dispatchEvent(new ClipboardEvent('paste', {clipboardData: data, bubbles: true,
+                                                                               cancelable: true}));
+} else {
+  for (const type of ['dragover', 'drop']) {
+    const event = new DragEvent(type, {dataTransfer: data, bubbles: true, cancelable: true});
+    document.querySelector('main').dispatchEvent(event);
+  }
 }"""
 
 
-def test_a_dropped_text_file_reaches_the_request_and_binary_ones_are_refused(station, page: WebDriver,
-                                                                              tmp_path) -> None:
+def test_dropped_and_pasted_files_reach_the_request_and_binary_ones_are_refused(station, page: WebDriver,
+                                                                                tmp_path) -> None:
     note = "The secret word is zebra-quartz.\n```\nfenced\n```"
-    page.execute_script(DROP, note, "notes.md")
-    wait(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#attachments .chip"), "no chip for the dropped file")
-    chip = page.find_element(By.CSS_SELECTOR, "#attachments .chip")
-    assert [chip.find_element(By.TAG_NAME, tag).text for tag in ("span", "small")] == ["notes.md", "47 B"]
+    page.execute_script(HAND_OVER, note, "notes.md", "drop")
+    page.execute_script(HAND_OVER, "print(1)", "snippet.py", "paste")
+    wait(page, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#attachments .chip")) == 2, "no chips for the files")
+    chips = page.find_elements(By.CSS_SELECTOR, "#attachments .chip")
+    assert [[chip.find_element(By.TAG_NAME, tag).text for tag in ("span", "small")] for chip in chips] == [
+        ["notes.md", "47 B"], ["snippet.py", "8 B"]]
     (tmp_path / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
     (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
     (tmp_path / "big.txt").write_text("x" * (300 * 1024))
@@ -377,12 +384,12 @@ def test_a_dropped_text_file_reaches_the_request_and_binary_ones_are_refused(sta
     assert "logo.png was not attached: it is not text (it holds NUL bytes)." in refusals
     assert "latin1.txt was not attached: it is not text (not valid UTF-8)." in refusals
     assert "big.txt was not attached: it is 300.0 KiB, over the 256.0 KiB a file may be." in refusals
-    assert len(page.find_elements(By.CSS_SELECTOR, "#attachments .chip")) == 1
+    assert len(page.find_elements(By.CSS_SELECTOR, "#attachments .chip")) == 2
     ask(page, "What is the secret word?", 8)
     finished(page)
     sent = sent_to(station, "/v1/chat/completions")[-1]["messages"][-1]["content"]
-    assert sent == "What is the secret word?\n\nnotes.md:\n````md\n" + note + "\n````"
-    assert page.find_element(By.CSS_SELECTOR, ".msg.user .chip span").text == "notes.md"
+    assert sent == f"What is the secret word?\n\nnotes.md:\n````md\n{note}\n````\n\nsnippet.py:\n```py\nprint(1)\n```"
+    assert [e.text for e in page.find_elements(By.CSS_SELECTOR, ".msg.user .chip span")] == ["notes.md", "snippet.py"]
     assert not page.find_elements(By.CSS_SELECTOR, "#attachments .chip")
 
 
