@@ -68,7 +68,7 @@ def test_openapi_lists_every_route_with_its_schemas(live) -> None:
     assert doc["openapi"].startswith("3.1")
     routes = {(path, method) for path, ops in doc["paths"].items() for method in ops}
     assert routes == {("/generate", "post"), ("/health", "get"), ("/ready", "get"), ("/metrics", "get"),
-                      ("/reset_prefix_cache", "post"),
+                      ("/reset_prefix_cache", "post"), ("/station/status", "get"),
                       ("/v1/completions", "post"), ("/v1/chat/completions", "post"), ("/v1/models", "get"),
                       ("/tokenize", "post"), ("/detokenize", "post"), ("/tokenizer_info", "get"),
                       ("/v1/responses", "post"), ("/v1/responses/{response_id}", "get"),

@@ -15,7 +15,10 @@ import time
 import pytest
 from fake_engine import FakeEngine, expected
 
+from jaxstation.engine.activity import BUCKET_S, BUCKETS, Activity, LaneView
 from jaxstation.engine.jobs import Cancelled, Job, QueueFull, ShuttingDown, StepFailed
+from jaxstation.engine.metrics import StationMetrics
+from jaxstation.engine.prefix_cache import PrefixCache
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.engine.scheduler import Scheduler
 
@@ -222,6 +225,48 @@ def test_a_reset_of_an_idle_or_unstarted_scheduler_answers_at_once(stations):
     assert sched.reset_prefix_cache().result(TIMEOUT) == 1
     assert sched.submit(Job(tokens=prompt, max_new_tokens=2)).result(TIMEOUT).timing["cached_tokens"] == 0
     assert fake.starts_of(prompt) == [0, 8, 0]
+
+
+# ---- the published snapshot ---------------------------------------------------------------------------------
+
+def test_the_snapshot_shows_each_lane_the_counts_and_the_cached_prefixes(stations):
+    """Other threads read only `activity.snapshot`, which the decode thread replaces after its turns."""
+    fake, sched = stations(lanes=2, chunk=4)
+    assert sched.activity.snapshot.lanes == (LaneView("free"), LaneView("free"))
+    prompt = list(range(1, 10))  # 9 tokens: prefill at 0, 4 and 8
+    fake.hold()
+    first = sched.submit(Job(tokens=prompt, max_new_tokens=2))
+    second = sched.submit(Job(tokens=[50, 51], max_new_tokens=3))
+    sched.start()
+    fake.step(1)  # the first turn prefills the first chunk of lane 0 and publishes
+    fake.wait_blocked()
+    snap = sched.activity.snapshot
+    assert snap.lanes == (LaneView("prefilling", 9, 4, 0), LaneView("prefilling", 2, 0, 0)) and snap.queued == 0
+    fake.release()
+    assert [first.result(TIMEOUT).generated, second.result(TIMEOUT).generated] == [expected(prompt, 2),
+                                                                                 expected([50, 51], 3)]
+    wait_for(lambda: sched.activity.snapshot.lanes == (LaneView("cached", 9), LaneView("cached", 2)))
+    snap = sched.activity.snapshot
+    assert (snap.generated_tokens, snap.prefilled_tokens, snap.prefix_lookups, snap.prefix_hits) == (5, 11, 2, 0)
+    assert sched.submit(Job(tokens=prompt, max_new_tokens=2)).result(TIMEOUT).timing["cached_tokens"] == 8
+    wait_for(lambda: sched.activity.snapshot.prefix_hits == 1)
+    snap = sched.activity.snapshot
+    assert (snap.prefix_lookups, snap.prefix_reused_tokens, snap.prefilled_tokens) == (3, 8, 12)
+
+
+def test_the_snapshot_rates_cover_the_last_complete_buckets():
+    now = [100.0]
+    activity = Activity(1, StationMetrics(), clock=lambda: now[0])
+    for _ in range(10):
+        activity.generated()
+    activity.prefilled(20)
+    activity.publish([None], 0, PrefixCache(1, 4))
+    snap = activity.snapshot
+    assert snap.rates(now[0]) == ([0.0] * BUCKETS, [0.0] * BUCKETS)  # its bucket is not over yet
+    generated, prefilled = snap.rates(now[0] + BUCKET_S)
+    assert len(generated) == BUCKETS and generated[-1] == 10 / BUCKET_S and prefilled[-1] == 20 / BUCKET_S
+    assert sum(snap.rates(now[0] + BUCKET_S * (BUCKETS + 1))[0]) == 0  # out of the window: an idle station reads 0
+    assert activity.metrics.registry.get_sample_value("jaxstation_generated_tokens_total") == 10
 
 
 # ---- cancellation -------------------------------------------------------------------------------------------

@@ -1,30 +1,42 @@
 """The chat page at `/`, driven in a real headless Chromium (the system's `chromium` and `chromium-driver`) against a
 real station on the default model: a streamed answer, the stop button cancelling the request on the station,
-conversations surviving a reload, and model output that cannot run script however hostile its markdown."""
+conversations surviving a reload, model output that cannot run script however hostile its markdown, the model picker,
+code blocks highlighted and copied, the context left, attached files, dark mode and the station panel.
+
+The station serves two names (`--served-model-name`) for the picker; it holds no LoRA slots, which would compile
+programs of their own, so the picker's listing of an adapter is checked on the page with a /v1/models list holding one
+(tests/test_lora_http.py checks that the station lists its adapters so). A recording middleware keeps the body of
+every chat and /tokenize request the station receives, so the tests read what the page sent from the station's side.
+"""
 
 from __future__ import annotations
 
 import json
 import re
 import shutil
+import time
+from typing import Any
 
 import pytest
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
-from selenium.webdriver.support.ui import WebDriverWait
+from selenium.webdriver.support.ui import Select, WebDriverWait
 from server_util import ServerThread, metric, wait_for
 from starlette.testclient import TestClient
 
 from jaxstation.app import create_app
 from jaxstation.cli import build_parser
 from jaxstation.config.settings import StationConfig, resolve
+from jaxstation.engine.jobs import Job
 from jaxstation.model.loader import LoadedModel
 from jaxstation.server.station import Station
 
 SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
 KEY = "k3y"
+NAMES = ("smollm2", "smollm2-b")
+RECORDED = ("/v1/chat/completions", "/tokenize")
 CHROMEDRIVER = "/usr/bin/chromedriver"
 HOSTILE = """# Title <script>window.__pwned = 1</script>
 <img src=x onerror="window.__pwned = 2"> and **bold <b>x</b>** and *it* and `<i>code</i>`
@@ -38,12 +50,37 @@ HOSTILE = """# Title <script>window.__pwned = 1</script>
 ```"""
 
 
+class Recorder:
+    """Pure ASGI: appends (path, body) of every request to one of RECORDED to `sent`."""
+
+    def __init__(self, app: Any, sent: list[tuple[str, bytes]]) -> None:
+        self.app, self.sent = app, sent
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] not in RECORDED:
+            return await self.app(scope, receive, send)
+        chunks: list[bytes] = []
+
+        async def recording() -> Any:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if message["type"] == "http.request" and not message.get("more_body"):
+                self.sent.append((scope["path"], b"".join(chunks)))
+            return message
+
+        await self.app(scope, recording, send)
+
+
 @pytest.fixture(scope="module")
 def station(default_model: LoadedModel):
-    st = Station(StationConfig(**SHAPE, continuous=True, drain_s=5, api_key=KEY), model=default_model)
-    with ServerThread(create_app(st)) as server, server.client() as http:
+    """The station, its server, a client, and what the page sent it (`Recorder`)."""
+    st = Station(StationConfig(**SHAPE, continuous=True, drain_s=5, api_key=KEY, served_model_name=NAMES),
+                 model=default_model)
+    app, sent = create_app(st), []
+    app.add_middleware(Recorder, sent=sent)
+    with ServerThread(app) as server, server.client() as http:
         wait_for(lambda: http.get("/ready").status_code == 200, 120, "the station did not turn ready", 0.1)
-        yield st, server, http
+        yield st, server, http, sent
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +100,7 @@ def page(station, browser: WebDriver) -> WebDriver:
     """The page, freshly loaded with empty storage, once the station reads as ready, the API key already given."""
     browser.get(f"http://127.0.0.1:{station[1].port}/")
     browser.execute_script("localStorage.clear(); localStorage.setItem('jaxstation.key', arguments[0])", KEY)
-    browser.refresh()
-    wait(browser, lambda d: d.find_element(By.ID, "send").is_enabled(), "the page did not see the station ready")
+    reload(browser)
     return browser
 
 
@@ -72,8 +108,15 @@ def wait(driver: WebDriver, predicate, message: str, timeout: float = 30) -> obj
     return WebDriverWait(driver, timeout, 0.05).until(predicate, message)
 
 
+def reload(driver: WebDriver) -> None:
+    """Reload the page and wait until it has seen the station ready (and drawn the conversation again)."""
+    driver.refresh()
+    wait(driver, lambda d: d.find_element(By.ID, "send").is_enabled(), "the page did not see the station ready")
+
+
 def ask(driver: WebDriver, text: str, max_tokens: int) -> None:
-    driver.find_element(By.CSS_SELECTOR, "#settings summary").click()
+    if driver.find_element(By.ID, "settings").get_attribute("open") is None:
+        driver.find_element(By.CSS_SELECTOR, "#settings summary").click()
     for field, value in (("temperature", "0"), ("max-tokens", str(max_tokens))):
         driver.find_element(By.ID, field).clear()
         driver.find_element(By.ID, field).send_keys(value)
@@ -92,10 +135,19 @@ def test_page_is_static_and_strict(station) -> None:
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     csp = page.headers["content-security-policy"]
     assert "default-src 'self'" in csp and "script-src 'self'" in csp and "unsafe" not in csp
-    assert "<script src=\"/web/app.js\"" in page.text and "http" not in page.text.split("<body>")[0]
-    assert http.get("/web/app.js").headers["content-type"].startswith("text/javascript")
+    assert "<script type=\"module\" src=\"/web/app.js\">" in page.text and "http" not in page.text.split("<body>")[0]
+    modules, seen = ["app.js"], set()
+    while modules:  # every module the page imports is served, as JavaScript, under the same policy
+        name = modules.pop()
+        seen.add(name)
+        reply = http.get(f"/web/{name}")
+        assert reply.headers["content-type"].startswith("text/javascript"), name
+        assert reply.headers["content-security-policy"] == csp
+        modules += [m for m in re.findall(r'from "\./([\w-]+\.js)"', reply.text) if m not in seen]
+    assert {"markdown.js", "highlight.js", "models.js", "files.js", "station.js"} <= seen
     assert http.get("/web/nothing.js").status_code == 404
     assert http.post("/v1/chat/completions", json={"messages": []}).status_code == 401  # the API keeps its key
+    assert http.get("/station/status").status_code == 401
 
 
 def test_no_web_turns_the_page_off(default_model: LoadedModel) -> None:
@@ -115,14 +167,14 @@ def test_asks_for_the_key_then_streams_an_answer_kept_across_reloads(page: WebDr
     assert re.fullmatch(r"[\d.]+ tokens/s · prompt \d+ · completion \d+", answer_meta(page))
     answer = page.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1].text
     assert answer.strip(), "the answer is empty"
-    page.refresh()
-    wait(page, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant"), "the conversation is gone")
+    reload(page)
+    assert page.find_elements(By.CSS_SELECTOR, ".msg.assistant"), "the conversation is gone"
     assert page.find_element(By.CSS_SELECTOR, "#chats li.current .title").text.startswith("What is the capital")
     assert page.find_element(By.CSS_SELECTOR, ".msg.user").text.startswith("What is the capital of France?")
 
 
 def test_stop_cancels_the_request_on_the_station(station, page: WebDriver) -> None:
-    st, _, http = station
+    st, _, http, _ = station
     cancelled = metric(http.get("/metrics", headers={"Authorization": f"Bearer {KEY}"}).text,
                        "jaxstation_requests_total", {"outcome": "cancelled"})
     ask(page, "Write a very long story about a dragon who learns to bake bread.", 400)
@@ -162,8 +214,8 @@ def test_stored_answers_show_reasoning_folded_and_tool_calls(page: WebDriver) ->
         {"role": "assistant", "content": "<think>plan <img src=x onerror=\"window.__pwned=8\"></think>" + HOSTILE,
          "reasoning": "", "tools": [{"name": "get_weather<script>", "arguments": "{\"city\": \"<b>Paris</b>\"}"}]}]}
     page.execute_script("localStorage.setItem('jaxstation.chats', arguments[0])", json.dumps([chat]))
-    page.refresh()
-    wait(page, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant details"), "no folded reasoning")
+    reload(page)
+    assert page.find_elements(By.CSS_SELECTOR, ".msg.assistant details"), "no folded reasoning"
     page.execute_script("return new Promise((done) => setTimeout(done, 300))")
     assert page.execute_script("return window.__pwned") is None
     assert no_active_content(page, "#messages")
@@ -205,3 +257,193 @@ def test_regenerate_edit_and_import(page: WebDriver, tmp_path) -> None:
     assert [m.text.split("\n")[0] for m in page.find_elements(By.CSS_SELECTOR, ".msg")] == [
         "<img src=x onerror=alert(1)>"]
     assert len(page.find_elements(By.CSS_SELECTOR, "#chats li")) == 2
+
+
+def sent_to(station, path: str) -> list[dict]:
+    """The bodies of the requests to `path` the station received, in order."""
+    return [json.loads(body) for to, body in station[3] if to == path]
+
+
+def finished(driver: WebDriver) -> None:
+    wait(driver, lambda d: "tokens/s" in answer_meta(d), "the answer did not finish")
+
+
+def test_the_picker_lists_the_models_and_each_request_carries_its_conversations(station, page: WebDriver) -> None:
+    wait(page, lambda d: len(Select(d.find_element(By.ID, "model")).options) == 2, "no models listed")
+    picker = Select(page.find_element(By.ID, "model"))
+    assert [o.text for o in picker.options] == list(NAMES)
+    picker.select_by_value("smollm2-b")
+    page.find_element(By.CSS_SELECTOR, "#settings summary").click()
+    assert [page.find_element(By.ID, f).get_attribute("value") for f in ("temperature", "top-k", "top-p", "min-p")] == [
+        "0.8", "40", "0.95", "0.05"]  # llama.cpp's web UI defaults until changed
+    page.find_element(By.CSS_SELECTOR, "#settings summary").click()
+    ask(page, "Say hi.", 4)
+    finished(page)
+    body = sent_to(station, "/v1/chat/completions")[-1]
+    assert body["model"] == "smollm2-b" and sent_to(station, "/tokenize")[-1]["model"] == "smollm2-b"
+    assert (body["temperature"], body["top_k"], body["top_p"], body["min_p"]) == (0, 40, 0.95, 0.05)
+    page.find_element(By.ID, "new-chat").click()
+    Select(page.find_element(By.ID, "model")).select_by_value("smollm2")
+    reload(page)  # the first conversation keeps its model, the new one its own
+    assert Select(page.find_element(By.ID, "model")).first_selected_option.text == "smollm2"
+    page.find_element(By.XPATH, "//button[@class='title' and text()='Say hi.']").click()
+    assert Select(page.find_element(By.ID, "model")).first_selected_option.text == "smollm2-b"
+    cards = http_models(station)
+    page.execute_script("window.jaxstation.showModels(arguments[0])", cards + [
+        {**cards[0], "id": "pirate", "root": "/adapters/pirate", "parent": cards[0]["id"]}])
+    adapters = page.find_elements(By.CSS_SELECTOR, "#model optgroup[label='LoRA adapters'] option")
+    assert [(o.get_attribute("value"), o.text) for o in adapters] == [("pirate", "pirate (LoRA adapter of smollm2)")]
+
+
+def http_models(station) -> list[dict]:
+    return station[2].get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"]
+
+
+CODE = "def square(x):\n    return x * x  # \"<b>\"\n"
+
+
+def test_code_blocks_are_highlighted_and_copied(page: WebDriver) -> None:
+    chat = {"id": "c1", "title": "code", "messages": [
+        {"role": "user", "content": "code please"},
+        {"role": "assistant", "content": f"Here:\n\n```python\n{CODE}```\n\n```text\nplain <i>x</i>\n```",
+         "reasoning": "", "tools": []}]}
+    page.execute_script("localStorage.setItem('jaxstation.chats', arguments[0])", json.dumps([chat]))
+    reload(page)
+    blocks = page.find_elements(By.CSS_SELECTOR, ".msg .code pre code")
+    assert blocks[0].text == CODE.rstrip("\n") and blocks[1].text == "plain <i>x</i>"
+    kinds = [(e.get_attribute("class"), e.text) for e in blocks[0].find_elements(By.CSS_SELECTOR, "span")]
+    assert kinds == [("tok-keyword", "def"), ("tok-function", "square"), ("tok-keyword", "return"),
+                     ("tok-comment", '# "<b>"')]
+    assert not blocks[1].find_elements(By.CSS_SELECTOR, "span") and no_active_content(page, "#messages")
+    origin = page.current_url.rstrip("/")
+    page.execute_cdp_cmd("Browser.grantPermissions", {"origin": origin, "permissions": [
+        "clipboardReadWrite", "clipboardSanitizedWrite"]})
+    copies = page.find_elements(By.CSS_SELECTOR, ".msg .code .copy")
+    copies[0].click()
+    wait(page, lambda d: copies[0].text == "Copied", "the copy button did not say it copied")
+    assert clipboard(page) == CODE.rstrip("\n")
+    page.execute_script("Object.defineProperty(navigator, 'clipboard', {value: undefined})")  # plain HTTP elsewhere
+    copies[1].click()
+    wait(page, lambda d: copies[1].text == "Copied", "the copy command did not copy")
+    reload(page)
+    assert clipboard(page) == "plain <i>x</i>"
+
+
+def clipboard(driver: WebDriver) -> str:
+    return driver.execute_async_script("navigator.clipboard.readText().then(arguments[0], (e) => arguments[0]("
+                                       "'refused: ' + e))")
+
+
+def test_the_context_figure_moves_after_a_reply_and_a_turn_too_long_is_stopped(station, page: WebDriver) -> None:
+    context = page.find_element(By.ID, "context-text")
+    assert context.text == f"0 / {SHAPE['max_seq']} tokens"
+    ask(page, "Say hi.", 8)
+    finished(page)
+    prompt, completion = map(int, re.findall(r"prompt (\d+) · completion (\d+)", answer_meta(page))[0])
+    assert context.text == f"{prompt + completion} / {SHAPE['max_seq']} tokens"
+    asked = len(sent_to(station, "/v1/chat/completions"))
+    ask(page, "And now say bye.", SHAPE["max_seq"] - prompt)
+    notice = wait(page, lambda d: d.find_element(By.ID, "notice").is_displayed() and d.find_element(By.ID, "notice"),
+                  "no notice of a turn that does not fit")
+    assert notice.text.startswith("This turn does not fit: its prompt is ") and "context holds 512" in notice.text
+    assert len(sent_to(station, "/v1/chat/completions")) == asked
+    assert len(page.find_elements(By.CSS_SELECTOR, ".msg")) == 2
+    assert page.find_element(By.ID, "prompt").get_attribute("value") == "And now say bye."
+
+
+HAND_OVER = """const [text, name, how] = arguments;
+const data = new DataTransfer();
+data.items.add(new File([text], name, {type: 'text/plain'}));
+if (how === 'paste') {
+  document.getElementById('prompt').dispatchEvent(new ClipboardEvent('paste', {clipboardData: data, bubbles: true,
+                                                                               cancelable: true}));
+} else {
+  for (const type of ['dragover', 'drop']) {
+    const event = new DragEvent(type, {dataTransfer: data, bubbles: true, cancelable: true});
+    document.querySelector('main').dispatchEvent(event);
+  }
+}"""
+
+
+def test_dropped_and_pasted_files_reach_the_request_and_binary_ones_are_refused(station, page: WebDriver,
+                                                                                tmp_path) -> None:
+    note = "The secret word is zebra-quartz.\n```\nfenced\n```"
+    page.execute_script(HAND_OVER, note, "notes.md", "drop")
+    page.execute_script(HAND_OVER, "print(1)", "snippet.py", "paste")
+    wait(page, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#attachments .chip")) == 2, "no chips for the files")
+    chips = page.find_elements(By.CSS_SELECTOR, "#attachments .chip")
+    assert [[chip.find_element(By.TAG_NAME, tag).text for tag in ("span", "small")] for chip in chips] == [
+        ["notes.md", "47 B"], ["snippet.py", "8 B"]]
+    (tmp_path / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    (tmp_path / "big.txt").write_text("x" * (300 * 1024))
+    page.find_element(By.ID, "attach").send_keys("\n".join(str(tmp_path / n) for n in ("logo.png", "latin1.txt",
+                                                                                      "big.txt")))
+    wait(page, lambda d: "big.txt" in d.find_element(By.ID, "notice").text, "no refusal of the big file")
+    refusals = page.find_element(By.ID, "notice").text
+    assert "logo.png was not attached: it is not text (it holds NUL bytes)." in refusals
+    assert "latin1.txt was not attached: it is not text (not valid UTF-8)." in refusals
+    assert "big.txt was not attached: it is 300.0 KiB, over the 256.0 KiB a file may be." in refusals
+    assert len(page.find_elements(By.CSS_SELECTOR, "#attachments .chip")) == 2
+    ask(page, "What is the secret word?", 8)
+    finished(page)
+    sent = sent_to(station, "/v1/chat/completions")[-1]["messages"][-1]["content"]
+    assert sent == f"What is the secret word?\n\nnotes.md:\n````md\n{note}\n````\n\nsnippet.py:\n```py\nprint(1)\n```"
+    assert [e.text for e in page.find_elements(By.CSS_SELECTOR, ".msg.user .chip span")] == ["notes.md", "snippet.py"]
+    assert not page.find_elements(By.CSS_SELECTOR, "#attachments .chip")
+
+
+def colours(driver: WebDriver) -> tuple[str, str]:
+    return tuple(driver.execute_script("const s = getComputedStyle(document.body); return [s.backgroundColor, "
+                                       "getComputedStyle(document.querySelector('main')).color]"))
+
+
+def test_dark_mode_follows_the_system_and_the_toggle_is_kept(page: WebDriver) -> None:
+    light = colours(page)
+    assert light == ("rgb(247, 247, 248)", "rgb(31, 35, 40)")
+    try:
+        page.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme",
+                                                                          "value": "dark"}]})
+        dark = colours(page)
+        assert dark == ("rgb(21, 23, 27)", "rgb(230, 232, 235)")
+        toggle = page.find_element(By.ID, "theme")
+        assert toggle.text == "Theme: auto"
+        toggle.click()
+        assert toggle.text == "Theme: dark" and colours(page) == dark
+        toggle.click()
+        assert toggle.text == "Theme: light" and colours(page) == light  # the toggle beats the system
+        reload(page)
+        assert page.find_element(By.ID, "theme").text == "Theme: light" and colours(page) == light
+    finally:
+        page.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": []})
+
+
+def busy(driver: WebDriver) -> int:
+    return len(driver.find_elements(By.CSS_SELECTOR, "#lanes li[data-state='prefilling'], "
+                                                     "#lanes li[data-state='decoding']"))
+
+
+def test_the_station_panel_shows_the_lanes_busy_then_free(station, page: WebDriver) -> None:
+    st, _, http, _ = station
+    page.find_element(By.ID, "station-toggle").click()
+    wait(page, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#lanes li")) == SHAPE["lanes"], "no lanes shown")
+    assert busy(page) == 0
+    tokens = st.model.tokenizer.encode("Count from one to a thousand, one number per line:")
+    jobs = [Job(tokens=tokens + [i], max_new_tokens=SHAPE["max_seq"] - len(tokens) - 1) for i in range(4)]
+    for job in jobs:
+        st.scheduler.submit(job)
+    try:
+        wait(page, lambda d: busy(d) == 4, "the panel did not show four busy lanes")
+        assert page.find_element(By.ID, "lanes-summary").text == "4 of 4 busy"
+    finally:
+        for job in jobs:
+            st.scheduler.cancel(job)
+    wait(page, lambda d: busy(d) == 0, "the panel did not show the lanes free again")
+    assert page.find_element(By.ID, "queue").text.startswith("0 waiting")
+    status = http.get("/station/status", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert status["status"] == "ready" and len(status["lanes"]) == 4 and status["generated_tokens"] > 0
+    assert {lane["state"] for lane in status["lanes"]} <= {"free", "cached"}
+    assert len(status["throughput"]["generated"]) == 60
+    waves = st.scheduler.waves
+    time.sleep(1.5)  # the panel polls each second; the decode thread, idle, runs no turn for it
+    assert st.scheduler.waves == waves

@@ -13,9 +13,9 @@ Who owns what (docs/design.md has the map). `cond`, a re-entrant lock, guards `p
 The decode thread alone owns the engine, the prefix cache, `prefill_order` and each `Lane`'s progress; other threads
 set flags under `cond` (`cancel`, which also drops a queued job, and `finish_early`), queue a Future it answers between
 turns (`reset_prefix_cache`) or wait on `cond` (`drain`). `jobs.answer` leaves a Future its caller cancelled as is.
+What it is doing, other threads read from the snapshot it publishes after its turns (`activity.snapshot`).
 
-Backpressure. `submit` past `max_queue` queued jobs raises QueueFull (a 503 with Retry-After); once `drain` starts,
-ShuttingDown.
+Backpressure. `submit` past `max_queue` queued jobs raises QueueFull (a 503 with Retry-After); draining, ShuttingDown.
 
 Prefix reuse (engine/prefix_cache.py): `_fill` gives a job the free lane with the longest reusable prefix (of its
 adapter), or copies a longer one into a lane from the host tier of `prefix_cache_ram` bytes (engine/prefix_tier.py),
@@ -50,6 +50,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from jaxstation.engine.activity import Activity
 from jaxstation.engine.constraints import ConstraintFailed
 from jaxstation.engine.jobs import Cancelled, Job, QueueFull, ShuttingDown, StepFailed, answer
 from jaxstation.engine.metrics import StationMetrics
@@ -68,8 +69,7 @@ class Scheduler:
     def __init__(self, engine: Runner, *, continuous: bool, max_queue: int, terminal_ids: frozenset[int],
                  metrics: StationMetrics | None = None, speculation: Speculation | None = None,
                  prefix_cache_ram: int = 0) -> None:
-        self.engine = engine
-        self.speculation = speculation if engine.verify_rows > 1 else None
+        self.engine, self.speculation = engine, (speculation if engine.verify_rows > 1 else None)
         self.continuous, self.max_queue, self.terminal_ids = continuous, max_queue, terminal_ids
         self.metrics = metrics or StationMetrics()
         self.lanes: list[Lane | None] = [None] * engine.lanes  # written under cond
@@ -79,6 +79,7 @@ class Scheduler:
         self.prefill_order: deque[int] = deque()  # lanes waiting for prefill, oldest first (the decode thread's)
         self.prefix_cache = PrefixCache(engine.lanes, engine.chunk)  # the decode thread's, as is the tier
         self.prefix_tier = PrefixTier(engine, self.prefix_cache, prefix_cache_ram, self.metrics)
+        self.activity = Activity(engine.lanes, self.metrics)  # the decode thread's; its `snapshot`, anyone's
         self._prefix_resets: list[Future] = []  # reset_prefix_cache requests for the next turn (under cond)
         self._accepting, self._stop = True, False  # under cond
         self._thread: threading.Thread | None = None
@@ -203,6 +204,7 @@ class Scheduler:
                 self.engine.reset()
                 self.prefix_cache.clear()
             with self.cond:
+                self.activity.publish(self.lanes, len(self.pending), self.prefix_cache)
                 self.cond.notify_all()  # wake a drain waiting for the last job
 
     def _reset_prefixes(self) -> None:
@@ -238,6 +240,7 @@ class Scheduler:
         for a in admissions:
             lane = self.lanes[a.pick.lane]
             lane.fed = lane.job.cached_tokens = self.prefix_tier.admit(a)
+            self.activity.looked_up(a.reuse, lane.fed)
 
     def schedule(self, ending: dict[int, str] | None = None) -> Plan:
         """Retire the `ending` lanes (lane -> "cancel" or "stop"), then pick this turn's prefill chunk and decode
@@ -330,7 +333,7 @@ class Scheduler:
         lane.fed = min(lane.fed + self.engine.chunk, len(job.tokens))
         if sample is None:
             return
-        self.metrics.prompt_tokens.inc(len(job.tokens) - job.cached_tokens)
+        self.activity.prefilled(len(job.tokens) - job.cached_tokens)
         if job.max_new_tokens == 0:  # scoring only
             self._retire(i, "length")
         elif self.engine.prefill_budget:  # generate from a packed prefill, as the same request unscored does
@@ -350,7 +353,7 @@ class Scheduler:
             if p.last:
                 self.prefill_order.remove(p.lane)
                 if not lane.repacked:  # a scored prompt was counted when it was scored
-                    self.metrics.prompt_tokens.inc(len(lane.job.tokens) - lane.job.cached_tokens)
+                    self.activity.prefilled(len(lane.job.tokens) - lane.job.cached_tokens)
         return samples
 
     def _verified(self, rows: list[DecodeRow | None], runs: list[list[Sample] | None]) -> None:
@@ -382,7 +385,7 @@ class Scheduler:
         else:
             self.metrics.itl.observe(now - lane.last_token_at)
         lane.last_token_at = now
-        self.metrics.generated_tokens.inc()
+        self.activity.generated()
         if job.on_token is not None:
             try:
                 job.on_token(sample)
@@ -428,9 +431,8 @@ class Scheduler:
         self._fail_job(self._free(i).job, error)
 
     def _fail_lanes(self, error: Exception) -> None:
-        for i, lane in enumerate(self.lanes):
-            if lane is not None:
-                self._fail(i, error)
+        for i in [i for i, lane in enumerate(self.lanes) if lane is not None]:
+            self._fail(i, error)
 
     def _fail_pending(self, error: Exception) -> None:
         """Fail every queued job. Holds cond."""

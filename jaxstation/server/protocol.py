@@ -1,4 +1,5 @@
-"""The station's own API as types: `/generate`, `/health` and `/ready`, with the error shape they answer in.
+"""The station's own API as types: `/generate`, `/health`, `/ready` and `/station/status`, with the error shape they
+answer in.
 
 Validation comes from these models (strict: no string for a number, no bool for an integer; unknown fields are
 refused by name). What a type cannot say, `parse_generate` checks by hand: a token id below the vocabulary size,
@@ -174,6 +175,41 @@ class ReadyResponse(BaseModel):
 
 class ResetPrefixCacheResponse(BaseModel):
     cleared: int = Field(description="cached prefixes dropped")
+
+
+class LaneStatus(BaseModel):
+    state: Literal["free", "cached", "prefilling", "decoding"] = Field(description="cached: free, and holding the "
+                                                                       "KV of a prefix a request may reuse")
+    prompt_tokens: int = Field(description="the request's prompt; a cached lane's: the prefix's")
+    fed: int = Field(description="prompt tokens in the lane's KV (prefilled or reused)")
+    generated: int = Field(description="tokens the request has generated")
+
+
+class ThroughputStatus(BaseModel):
+    bucket_s: int = Field(description="seconds per bucket")
+    generated: list[float] = Field(description="tokens generated per second in each of the last complete buckets, "
+                                               "oldest first")
+    prefilled: list[float] = Field(description="prompt tokens prefilled per second, likewise")
+
+
+class PrefixCacheStatus(BaseModel):
+    lookups: int = Field(description="requests that looked for a cached prefix")
+    hits: int = Field(description="lookups that reused at least one chunk of KV")
+    reused_tokens: int = Field(description="prompt tokens not prefilled thanks to a hit")
+
+
+class StationStatusResponse(BaseModel):
+    """What the station is doing, as its decode thread last published it (engine/activity.py)."""
+
+    status: Literal["ready", "loading", "draining", "failed"] = Field(description="as /ready says")
+    at: float | None = Field(description="Unix time of the snapshot; null before the scheduler starts")
+    lanes: list[LaneStatus]
+    queued: int = Field(description="requests waiting for a lane")
+    max_queue: int
+    generated_tokens: int = Field(description="since the station started")
+    prompt_tokens: int = Field(description="prompt tokens prefilled since the station started")
+    throughput: ThroughputStatus
+    prefix_cache: PrefixCacheStatus
 
 
 class LoadLoraAdapterRequest(Strict):

@@ -1,17 +1,20 @@
 """The station's own routes, and the app that serves them with whatever face sits above (the OpenAI API).
 
 `POST /generate` validates its body (`server.protocol`), submits one `Job` and awaits its Future; a client that
-disconnects meanwhile cancels its job. `/health` answers at once, `/ready` only when the station can serve, and
-`/metrics` in Prometheus' text format. With an API key set, every route but /health and /ready needs it.
-Errors, 401 and unmatched routes included, answer in OpenAI's shape under `/v1/` and on vLLM's tokenizer routes,
-and in the station's elsewhere.
+disconnects meanwhile cancels its job. `/health` answers at once, `/ready` only when the station can serve,
+`/metrics` in Prometheus' text format, and `/station/status` what the lanes and the queue hold now, from the snapshot
+the decode thread publishes (so polling it costs the decode thread nothing). With an API key set, every route but
+/health and /ready needs it. Errors, 401 and unmatched routes included, answer in OpenAI's shape under `/v1/` and on
+vLLM's tokenizer routes, and in the station's elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import secrets
+import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -25,6 +28,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxstation import __version__
+from jaxstation.engine.activity import BUCKET_S, BUCKETS
 from jaxstation.engine.jobs import Job, Result
 from jaxstation.server.access_log import AccessLogMiddleware
 from jaxstation.server.errors import OPENAI_PATHS, StationError, error_response
@@ -36,8 +40,12 @@ from jaxstation.server.protocol import (
     GenerateRequest,
     GenerateResponse,
     HealthResponse,
+    LaneStatus,
+    PrefixCacheStatus,
     ReadyResponse,
     ResetPrefixCacheResponse,
+    StationStatusResponse,
+    ThroughputStatus,
     parse_generate,
 )
 from jaxstation.server.station import Station
@@ -85,8 +93,35 @@ def rejected(station: Station, request: Request, error: Exception, invalid: int)
     return f.response(request.url.path)
 
 
+def readiness(station: Station) -> str:
+    """What /ready says: ready, loading, draining or failed."""
+    scheduler = station.scheduler
+    if station.ready.is_set() and not station.draining and scheduler is not None and scheduler.alive:
+        return "ready"
+    return "draining" if station.draining else ("failed" if station.load_error else "loading")
+
+
+def station_status(station: Station) -> StationStatusResponse:
+    """The station's state from its decode thread's last snapshot; no lanes before the scheduler starts."""
+    snap = station.scheduler.activity.snapshot if station.scheduler is not None else None
+    if snap is None:
+        zeros = [0.0] * BUCKETS
+        return StationStatusResponse(
+            status=readiness(station), at=None, lanes=[], queued=0, max_queue=station.config.max_queue,
+            generated_tokens=0, prompt_tokens=0, prefix_cache=PrefixCacheStatus(lookups=0, hits=0, reused_tokens=0),
+            throughput=ThroughputStatus(bucket_s=BUCKET_S, generated=zeros, prefilled=zeros))
+    generated, prefilled = snap.rates(time.monotonic())
+    return StationStatusResponse(
+        status=readiness(station), at=snap.at, lanes=[LaneStatus(**dataclasses.asdict(lane)) for lane in snap.lanes],
+        queued=snap.queued, max_queue=station.config.max_queue, generated_tokens=snap.generated_tokens,
+        prompt_tokens=snap.prefilled_tokens, throughput=ThroughputStatus(bucket_s=BUCKET_S, generated=generated,
+                                                                         prefilled=prefilled),
+        prefix_cache=PrefixCacheStatus(lookups=snap.prefix_lookups, hits=snap.prefix_hits,
+                                       reused_tokens=snap.prefix_reused_tokens))
+
+
 def station_endpoints(station: Station) -> list[Endpoint]:
-    """/generate, /health, /ready, /reset_prefix_cache and /metrics on `station`."""
+    """/generate, /health, /ready, /reset_prefix_cache, /metrics and /station/status on `station`."""
 
     async def submit(request: Request) -> tuple[Job, Future]:
         scheduler = check_ready(station)
@@ -134,11 +169,11 @@ def station_endpoints(station: Station) -> list[Endpoint]:
         return JSONResponse(reply.model_dump(exclude_none=True), status)
 
     async def ready(request: Request) -> Response:
-        scheduler = station.scheduler
-        if station.ready.is_set() and not station.draining and scheduler is not None and scheduler.alive:
-            return JSONResponse(ReadyResponse(status="ready").model_dump())
-        status = "draining" if station.draining else ("failed" if station.load_error else "loading")
-        return JSONResponse(ReadyResponse(status=status).model_dump(), 503)
+        status = readiness(station)
+        return JSONResponse(ReadyResponse(status=status).model_dump(), 200 if status == "ready" else 503)
+
+    async def status(request: Request) -> Response:
+        return JSONResponse(station_status(station).model_dump())
 
     async def reset_prefix_cache(request: Request) -> Response:
         try:
@@ -162,6 +197,8 @@ def station_endpoints(station: Station) -> list[Endpoint]:
                  statuses=(503,)),
         Endpoint("/metrics", "GET", metrics_route, "Prometheus metrics", None, ErrorResponse, statuses=(),
                  media_type=CONTENT_TYPE_LATEST),
+        Endpoint("/station/status", "GET", status, "Each lane's state, the queue, tokens per second, prefix-cache "
+                 "hits: the decode thread's last snapshot", StationStatusResponse, ErrorResponse, statuses=()),
     ]
 
 

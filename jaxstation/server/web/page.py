@@ -1,9 +1,10 @@
 """The chat page: static HTML, CSS and JS shipped in the package and served at `/` and `/web/<file>`.
 
-The page talks to the station only through the public API (`/v1/chat/completions`, `/ready`), so it needs nothing
-the API does not already offer. Its files are read once, at import, and served with a Content-Security-Policy that
-allows scripts, styles and connections to this origin only, and no inline script: model output rendered by the page
-cannot run code even if the page's renderer had a bug.
+The page talks to the station only through the public API (`/v1/chat/completions`, `/v1/models`, `/tokenize`,
+`/station/status`, `/ready`), so it needs nothing the API does not already offer. Its files (HTML, a style sheet and
+ES modules, no build step) are read once, at import, and served with a Content-Security-Policy that allows scripts,
+styles and connections to this origin only, and no inline script: model output rendered by the page cannot run code
+even if the page's renderer had a bug.
 """
 
 from __future__ import annotations
@@ -55,5 +56,5 @@ async def _asset(request: Request) -> Response:
 
 
 def web_routes() -> list[Route]:
-    """`GET /` (the page) and `GET /web/<file>` (its script and style sheet)."""
+    """`GET /` (the page) and `GET /web/<file>` (its modules and style sheet)."""
     return [Route("/", _index, methods=["GET"]), Route("/web/{name}", _asset, methods=["GET"])]

@@ -1,134 +1,24 @@
-// The chat page. Model output is only ever put into the page as text nodes (textContent) by the tiny markdown
-// renderer below; links are made only for http(s) URLs. Conversations, settings and the API key live in
-// localStorage; the key is sent as an Authorization header, never in a URL.
-"use strict";
+// The chat page: conversations, sending and streaming, and the page's start. Each other concern is a module of its
+// own: markdown.js (rendering answers as DOM nodes, never HTML), code.js and highlight.js (code blocks), api.js (the
+// key and the station's API), models.js (the picker), context.js (the context left), files.js (attached files),
+// settings.js, theme.js and station.js (the live panel). Conversations live in localStorage.
 
-const STORE = { chats: "jaxstation.chats", settings: "jaxstation.settings", key: "jaxstation.key" };
-const $ = (id) => document.getElementById(id);
+import { $, button, element, notice, read } from "./dom.js";
+import { api, errorText, forgetKey, readEvents } from "./api.js";
+import { renderMarkdown, splitThinking } from "./markdown.js";
+import { highlight, languageOf } from "./highlight.js";
+import { contextOf, loadModels, pickedModel, showModel, showModels } from "./models.js";
+import { chatTokens, showContext, wontFit } from "./context.js";
+import { clearFiles, fileChips, waitingFiles, wireFiles, withFiles } from "./files.js";
+import { settings, wireSettings } from "./settings.js";
+import { wireTheme } from "./theme.js";
+import { wireStation } from "./station.js";
 
-// ---- markdown -> DOM nodes, never HTML ----
-
-const INLINE = /(`+)([\s\S]*?[^`])\1(?!`)|\*\*([\s\S]+?)\*\*|__([\s\S]+?)__|\*([^*\s](?:[^*]*[^*\s])?)\*|_([^_\s](?:[^_]*[^_\s])?)_|\[([^\]\n]+)\]\(([^)\s]+)\)/g;
-
-function safeUrl(text) {
-  try {
-    const url = new URL(text);
-    return url.protocol === "http:" || url.protocol === "https:" ? url.href : null;
-  } catch {
-    return null;
-  }
-}
-
-function element(tag, ...children) {
-  const node = document.createElement(tag);
-  for (const child of children) node.append(child);
-  return node;
-}
-
-function inline(text) {
-  const out = [];
-  let last = 0;
-  for (const m of text.matchAll(INLINE)) {
-    if (m.index > last) out.push(text.slice(last, m.index));
-    last = m.index + m[0].length;
-    if (m[1]) out.push(element("code", m[2]));
-    else if (m[3] !== undefined || m[4] !== undefined) out.push(element("strong", ...inline(m[3] ?? m[4])));
-    else if (m[5] !== undefined || m[6] !== undefined) out.push(element("em", ...inline(m[5] ?? m[6])));
-    else out.push(link(m[7], m[8], m[0]));
-  }
-  if (last < text.length) out.push(text.slice(last));
-  return out;
-}
-
-function link(label, target, source) {
-  const href = safeUrl(target);
-  if (!href) return source;
-  const a = element("a", ...inline(label));
-  a.href = href;
-  a.rel = "noopener noreferrer nofollow";
-  a.target = "_blank";
-  return a;
-}
-
-function lines(texts) {
-  const out = [];
-  texts.forEach((t, i) => {
-    if (i) out.push(document.createElement("br"));
-    out.push(...inline(t));
-  });
-  return out;
-}
-
-const FENCE = /^\s*(```|~~~)\s*([\w+.#-]*)/;
-const ITEM = /^\s*([-*+]|\d+[.)])\s+(.*)$/;
-const HEADING = /^(#{1,6})\s+(.*)$/;
-
-function codeBlock(rows, i, out) {
-  const [, fence, lang] = rows[i].match(FENCE);
-  const body = [];
-  for (i += 1; i < rows.length && !rows[i].trim().startsWith(fence); i += 1) body.push(rows[i]);
-  const code = element("code", body.join("\n"));
-  if (lang) code.className = "language-" + lang;
-  out.append(element("pre", code));
-  return i + 1;
-}
-
-function list(rows, i, out) {
-  const ordered = /\d/.test(rows[i].match(ITEM)[1]);
-  const node = document.createElement(ordered ? "ol" : "ul");
-  for (; i < rows.length && ITEM.test(rows[i]); i += 1) node.append(element("li", ...inline(rows[i].match(ITEM)[2])));
-  out.append(node);
-  return i;
-}
-
-function paragraph(rows, i, out) {
-  const body = [];
-  for (; i < rows.length && rows[i].trim() && !FENCE.test(rows[i]) && !ITEM.test(rows[i]); i += 1) body.push(rows[i]);
-  out.append(element("p", ...lines(body)));
-  return i;
-}
-
-function renderMarkdown(text) {
-  const out = document.createDocumentFragment();
-  const rows = String(text).replace(/\r\n?/g, "\n").split("\n");
-  let i = 0;
-  while (i < rows.length) {
-    const heading = rows[i].match(HEADING);
-    if (!rows[i].trim()) i += 1;
-    else if (FENCE.test(rows[i])) i = codeBlock(rows, i, out);
-    else if (ITEM.test(rows[i])) i = list(rows, i, out);
-    else if (heading) {
-      out.append(element("h" + Math.min(heading[1].length + 2, 6), ...inline(heading[2])));
-      i += 1;
-    } else i = paragraph(rows, i, out);
-  }
-  return out;
-}
-
-// Without a reasoning parser on the station, the thinking arrives inline as <think>...</think>.
-function splitThinking(content) {
-  const start = content.indexOf("<think>");
-  if (start < 0) return { reasoning: "", answer: content };
-  const end = content.indexOf("</think>", start);
-  const reasoning = content.slice(start + 7, end < 0 ? undefined : end);
-  const answer = content.slice(0, start) + (end < 0 ? "" : content.slice(end + 8));
-  return { reasoning: reasoning.trim(), answer: answer.trim() };
-}
-
-// ---- storage ----
-
-function read(key, fallback) {
-  try {
-    return JSON.parse(localStorage.getItem(key)) ?? fallback;
-  } catch {
-    return fallback;
-  }
-}
-
-const state = { chats: read(STORE.chats, []), current: null, controller: null, ready: false };
+const CHATS = "jaxstation.chats";
+const state = { chats: read(CHATS, []), current: null, controller: null, ready: false };
 
 function save() {
-  localStorage.setItem(STORE.chats, JSON.stringify(state.chats));
+  localStorage.setItem(CHATS, JSON.stringify(state.chats));
 }
 
 function newId() {
@@ -145,43 +35,14 @@ function currentChat() {
   return chat;
 }
 
-// ---- the station's API ----
-
-async function askKey() {
-  const dialog = $("key-dialog");
-  $("key").value = "";
-  dialog.showModal();
-  await new Promise((resolve) => dialog.addEventListener("close", resolve, { once: true }));
-  localStorage.setItem(STORE.key, $("key").value.trim());
-}
-
-async function api(path, body, signal) {
-  for (let attempt = 0; ; attempt += 1) {
-    const headers = { "Content-Type": "application/json" };
-    const key = localStorage.getItem(STORE.key);
-    if (key) headers.Authorization = "Bearer " + key;
-    const res = await fetch(path, { method: "POST", headers, body: JSON.stringify(body), signal });
-    if (res.status !== 401 || attempt > 0) return res;
-    await askKey();
-  }
-}
-
-function settings() {
-  const number = (id, parse) => ($(id).value.trim() === "" ? undefined : parse($(id).value));
-  return {
-    system: $("system").value,
-    temperature: number("temperature", parseFloat),
-    max_tokens: number("max-tokens", (v) => parseInt(v, 10)),
-    seed: number("seed", (v) => parseInt(v, 10)),
-  };
-}
+// ---- the request and its stream ----
 
 function requestBody(chat) {
-  const s = settings();
-  const messages = chat.messages.filter((m) => !m.error).map((m) => ({ role: m.role, content: m.content }));
-  if (s.system.trim()) messages.unshift({ role: "system", content: s.system });
-  return { messages, stream: true, stream_options: { include_usage: true }, temperature: s.temperature,
-           max_tokens: s.max_tokens, seed: s.seed };
+  const { system, ...sampling } = settings();
+  const messages = chat.messages.filter((m) => !m.error)
+    .map((m) => ({ role: m.role, content: m.role === "user" ? withFiles(m.content, m.files) : m.content }));
+  if (system.trim()) messages.unshift({ role: "system", content: system });
+  return { model: chat.model, messages, stream: true, stream_options: { include_usage: true }, ...sampling };
 }
 
 function applyDelta(reply, delta) {
@@ -194,92 +55,62 @@ function applyDelta(reply, delta) {
   }
 }
 
-function applyEvent(reply, data, timing) {
+function applyEvent(reply, data) {
   if (data === "[DONE]") return;
   const chunk = JSON.parse(data);
   if (chunk.error) reply.error = chunk.error.message ?? JSON.stringify(chunk.error);
-  for (const choice of chunk.choices ?? []) {
-    timing.first ??= performance.now();
-    applyDelta(reply, choice.delta ?? {});
-  }
+  for (const choice of chunk.choices ?? []) applyDelta(reply, choice.delta ?? {});
   if (chunk.usage) reply.usage = chunk.usage;
 }
 
-async function readEvents(res, reply, timing, onChange) {
-  const reader = res.body.pipeThrough(new TextDecoderStream()).getReader();
-  let buffer = "";
-  for (;;) {
-    const { value, done } = await reader.read();
-    if (done) return;
-    buffer = (buffer + value).replace(/\r\n/g, "\n");
-    for (let end = buffer.indexOf("\n\n"); end >= 0; end = buffer.indexOf("\n\n")) {
-      const event = buffer.slice(0, end);
-      buffer = buffer.slice(end + 2);
-      const data = event.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trim()).join("\n");
-      if (data) applyEvent(reply, data, timing);
-    }
-    onChange();
-  }
-}
-
-async function errorText(res) {
-  try {
-    const body = await res.json();
-    return body.error?.message ?? body.message ?? res.statusText;
-  } catch {
-    return res.status + " " + res.statusText;
-  }
-}
-
-function finishStats(reply, timing) {
-  const seconds = (performance.now() - timing.start) / 1000;
-  if (reply.usage) reply.stats = { seconds, ...reply.usage };
-}
-
-async function generate() {
+// Stream the answer to `body` (default: the chat as it stands) into a new assistant turn.
+async function generate(body) {
   const chat = currentChat();
-  const body = requestBody(chat);
+  const request = body ?? requestBody(chat);
   const reply = { role: "assistant", content: "", reasoning: "", tools: [] };
   chat.messages.push(reply);
   state.controller = new AbortController();
-  setBusy(true);
+  setBusy();
   const node = renderChat();
-  const update = () => fillAssistant(node, reply, chat.messages.length - 1, true);
-  const timing = { start: performance.now(), first: null };
+  const start = performance.now();
   try {
-    const res = await api("/v1/chat/completions", body, state.controller.signal);
-    if (res.ok) await readEvents(res, reply, timing, update);
-    else reply.error = await errorText(res);
+    const res = await api("/v1/chat/completions", request, state.controller.signal);
+    if (res.ok) {
+      await readEvents(res, (data) => applyEvent(reply, data),
+                       () => fillAssistant(node, reply, chat.messages.length - 1, true));
+    } else reply.error = await errorText(res);
   } catch (e) {
     if (e.name === "AbortError") reply.stopped = true;
     else reply.error = String(e.message ?? e);
   } finally {
     state.controller = null;
-    finishStats(reply, timing);
-    setBusy(false);
+    if (reply.usage) reply.stats = { seconds: (performance.now() - start) / 1000, ...reply.usage };
+    setBusy();
     save();
     renderChat();
   }
 }
 
-async function send(text) {
+// Send `text` (and `files`) as the chat's next turn, unless it would not fit the model's context: then say so and
+// return false, the conversation unchanged.
+async function send(text, files) {
   const chat = currentChat();
-  if (!chat.messages.length && chat.title === "New chat") chat.title = text.slice(0, 40);
-  chat.messages.push({ role: "user", content: text });
+  chat.model = pickedModel();
+  const message = { role: "user", content: text, ...(files.length ? { files } : {}) };
+  const body = requestBody({ ...chat, messages: [...chat.messages, message] });
+  setBusy(true);
+  const refusal = await wontFit(body, contextOf(chat.model));
+  setBusy();
+  notice(refusal);
+  if (refusal) return false;
+  if (!chat.messages.length && chat.title === "New chat") chat.title = (text || files[0].name).slice(0, 40);
+  chat.messages.push(message);
   save();
-  renderList();
-  await generate();
+  generate(body);
+  return true;
 }
 
 // ---- rendering ----
-
-function button(label, onClick, className) {
-  const b = element("button", label);
-  b.type = "button";
-  if (className) b.className = className;
-  b.addEventListener("click", onClick);
-  return b;
-}
 
 function statsText(reply) {
   if (reply.stopped) return "stopped";
@@ -312,8 +143,7 @@ function fillAssistant(node, reply, index, streaming) {
 function meta(text, index) {
   const bar = element("div", element("span", text));
   bar.className = "meta";
-  const chat = currentChat();
-  if (index === chat.messages.length - 1) bar.append(button("Regenerate", () => regenerate(index)));
+  if (index === currentChat().messages.length - 1) bar.append(button("Regenerate", () => regenerate(index)));
   return bar;
 }
 
@@ -325,6 +155,7 @@ function regenerate(index) {
 
 function fillUser(node, message, index) {
   node.replaceChildren(message.content);
+  if (message.files?.length) node.append(fileChips(message.files));
   const bar = element("div");
   bar.className = "meta";
   bar.append(button("Edit", () => editUser(node, message, index)));
@@ -335,9 +166,10 @@ function editUser(node, message, index) {
   if (state.controller) return;
   const area = element("textarea", message.content);
   area.rows = 4;
-  const resend = () => {
-    currentChat().messages.splice(index);
-    send(area.value);
+  const resend = async () => {
+    const chat = currentChat();
+    const kept = chat.messages.splice(index);
+    if (!(await send(area.value, message.files ?? []))) chat.messages.push(...kept);
   };
   node.replaceChildren(area, button("Send", resend), button("Cancel", renderChat));
   area.focus();
@@ -356,6 +188,7 @@ function renderChat() {
     box.append(last);
   });
   box.scrollTop = box.scrollHeight;
+  showContext(chatTokens(chat), contextOf(showModel(chat.model)));
   renderList();
   return last;
 }
@@ -377,6 +210,7 @@ function renderList() {
 function select(id) {
   if (state.controller) return;
   state.current = id;
+  notice("");
   renderChat();
 }
 
@@ -401,10 +235,11 @@ function remove(id) {
   renderChat();
 }
 
-function setBusy(busy) {
-  $("send").hidden = busy;
-  $("stop").hidden = !busy;
-  $("send").disabled = !state.ready;
+// Send turns into Stop while an answer streams, and is off while a turn is being checked or the station loads.
+function setBusy(checking = false) {
+  $("send").hidden = state.controller !== null;
+  $("stop").hidden = state.controller === null;
+  $("send").disabled = checking || !state.ready;
 }
 
 // ---- import and export ----
@@ -416,11 +251,16 @@ function exportChats() {
   setTimeout(() => URL.revokeObjectURL(a.href), 1000);
 }
 
+function cleanFile(f) {
+  return { name: String(f?.name ?? "file"), size: Number(f?.size) || 0, text: String(f?.text ?? "") };
+}
+
 function cleanMessage(m) {
   const role = ["user", "assistant"].includes(m?.role) ? m.role : null;
   if (!role) return null;
   const message = { role, content: String(m.content ?? "") };
   if (role === "assistant") Object.assign(message, { reasoning: String(m.reasoning ?? ""), tools: [] });
+  if (role === "user" && Array.isArray(m.files)) message.files = m.files.map(cleanFile);
   return message;
 }
 
@@ -428,6 +268,7 @@ function importChats(text) {
   const given = JSON.parse(text);
   const chats = (Array.isArray(given) ? given : [given]).filter((c) => Array.isArray(c?.messages)).map((c) => ({
     id: newId(), title: String(c.title ?? "Imported chat"), messages: c.messages.map(cleanMessage).filter(Boolean),
+    ...(typeof c.model === "string" ? { model: c.model } : {}),
   }));
   state.chats.unshift(...chats);
   if (chats.length) state.current = chats[0].id;
@@ -435,19 +276,7 @@ function importChats(text) {
   renderChat();
 }
 
-// ---- settings and start-up ----
-
-const SETTING_FIELDS = ["system", "temperature", "max-tokens", "seed"];
-
-function loadSettings() {
-  const saved = read(STORE.settings, {});
-  for (const id of SETTING_FIELDS) {
-    $(id).value = saved[id] ?? "";
-    $(id).addEventListener("change", () => {
-      localStorage.setItem(STORE.settings, JSON.stringify(Object.fromEntries(SETTING_FIELDS.map((f) => [f, $(f).value]))));
-    });
-  }
-}
+// ---- start-up ----
 
 async function waitReady() {
   const status = $("status");
@@ -467,17 +296,22 @@ async function waitReady() {
     await new Promise((r) => setTimeout(r, 1000));
   }
   status.hidden = true;
+  await loadModels();
   state.ready = true;
-  setBusy(false);
+  setBusy();
+  renderChat();
 }
 
 function wire() {
-  $("composer").addEventListener("submit", (e) => {
+  $("composer").addEventListener("submit", async (e) => {
     e.preventDefault();
     const text = $("prompt").value;
-    if (!text.trim() || state.controller || !state.ready) return;
-    $("prompt").value = "";
-    send(text);
+    const files = waitingFiles();
+    if ((!text.trim() && !files.length) || state.controller || $("send").disabled) return;
+    if (await send(text, files)) {
+      $("prompt").value = "";
+      clearFiles();
+    }
   });
   $("prompt").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey) {
@@ -487,23 +321,32 @@ function wire() {
   });
   $("stop").addEventListener("click", () => state.controller?.abort());
   $("new-chat").addEventListener("click", () => select(null));
+  $("model").addEventListener("change", () => {
+    const chat = currentChat();
+    chat.model = pickedModel();
+    save();
+    showContext(chatTokens(chat), contextOf(chat.model));
+  });
   $("export").addEventListener("click", exportChats);
   $("import").addEventListener("change", async (e) => {
     const file = e.target.files[0];
     if (file) importChats(await file.text());
     e.target.value = "";
   });
-  $("forget-key").addEventListener("click", () => localStorage.removeItem(STORE.key));
+  $("forget-key").addEventListener("click", forgetKey);
 }
 
 function start() {
   state.current = state.chats[0]?.id ?? null;
   wire();
-  loadSettings();
-  setBusy(false);
+  wireFiles();
+  wireSettings();
+  wireTheme();
+  wireStation();
+  setBusy();
   renderChat();
   waitReady();
 }
 
-window.jaxstation = { renderMarkdown, splitThinking };
+window.jaxstation = { renderMarkdown, splitThinking, highlight, languageOf, showModels };
 start();
