@@ -182,6 +182,17 @@ def int8_engine(int8_kernel_model: LoadedModel) -> Engine:
     return planned_engine(int8_kernel_model, config, station_plan(config))
 
 
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium for the modules that drive the chat page (tests/browser_util.py); selenium is imported only
+    where one is started."""
+    from browser_util import chromium
+
+    driver = chromium()
+    yield driver
+    driver.quit()
+
+
 @pytest.fixture(scope="session")
 def grammars(default_model: LoadedModel) -> Grammars:
     """Constraint compiling for the default model's tokenizer, as its station builds it."""

@@ -1,10 +1,11 @@
 """LoRA adapters over HTTP: `model` selects an adapter on every route (the official `openai` and `anthropic` SDKs),
 /v1/models lists them, /generate takes `lora`, and the runtime load and unload routes exist behind
---allow-runtime-lora.
+--allow-runtime-lora. The chat page's picker, in headless Chromium (tests/browser_util.py), lists the adapters with
+their parent and sends the picked one's name as the request's `model`.
 
 One continuous-batching station on the default model serves the module, with --lora-modules x=<dir>, --max-loras 3,
 --max-lora-rank 16 and --allow-runtime-lora: the settings of tests/test_lora.py's engine, so it runs that engine's
-compiled programs.
+compiled programs. A recording middleware (tests/browser_util.py) keeps the chat and /tokenize requests it receives.
 """
 
 from __future__ import annotations
@@ -12,7 +13,11 @@ from __future__ import annotations
 import anthropic
 import pytest
 from adapter_util import random_lora, write_peft
+from browser_util import Recorder, answer_meta, ask, finished, open_page, sent_to, wait
 from conftest import engine_config
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.ui import Select
 from server_util import ServerThread, wait_for
 
 from jaxstation.app import create_app
@@ -36,11 +41,13 @@ def served(default_model: LoadedModel, tmp_path_factory):
     config = engine_config(continuous=True, drain_s=5, lora_modules=(("x", str(x)),), max_loras=3, max_lora_rank=16,
                            speculative="ngram", allow_runtime_lora=True)
     station = Station(config, model=default_model)
-    with ServerThread(create_app(station)) as server, server.client() as http:
+    app, sent = create_app(station), []
+    app.add_middleware(Recorder, sent=sent)
+    with ServerThread(app) as server, server.client() as http:
         wait_for(lambda: station.load_error or http.get("/ready").status_code == 200, 900,
                  "the station did not turn ready", 0.1)
         assert station.load_error is None
-        yield station, server, http, {"x": x, "y": y, "big": big}
+        yield station, server, http, {"x": x, "y": y, "big": big}, sent
 
 
 def openai_client(server: ServerThread):
@@ -60,14 +67,34 @@ def chat(server: ServerThread, model: str) -> str:
 
 
 def test_models_lists_adapters_with_their_parent(served):
-    _, _, http, paths = served
+    _, _, http, paths, _ = served
     cards = {c["id"]: c for c in http.get("/v1/models").json()["data"]}
     assert cards[MODEL].get("parent") is None
     assert cards["x"]["parent"] == MODEL and cards["x"]["root"] == str(paths["x"])
 
 
+def test_the_chat_page_picks_an_adapter(served, browser: WebDriver):
+    """The page's picker lists the model, then adapter x under its parent; picked, x goes out as the turn's `model`
+    (and its /tokenize's), and the station's answer streams in. The station has no API key: the page asks for none."""
+    _, server, _, _, sent = served
+    page = open_page(browser, server.port)
+    adapters = "#model optgroup[label='LoRA adapters'] option"
+    wait(page, lambda d: d.find_elements(By.CSS_SELECTOR, adapters), "no adapter listed")
+    picker = Select(page.find_element(By.ID, "model"))
+    assert [(o.get_attribute("value"), o.text) for o in picker.options] == [
+        (MODEL, MODEL), ("x", f"x (LoRA adapter of {MODEL})")]
+    picker.select_by_value("x")
+    ask(page, ASK, NEW)
+    finished(page)
+    body = sent_to(sent, "/v1/chat/completions")[-1]
+    assert body["model"] == "x" and sent_to(sent, "/tokenize")[-1]["model"] == "x"
+    assert body["messages"] == [{"role": "user", "content": ASK}] and body["max_tokens"] == NEW
+    assert answer_meta(page).endswith(f"completion {NEW}")
+    assert page.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1].text.strip(), "the answer is empty"
+
+
 def test_model_selects_the_adapter_on_every_route(served):
-    station, server, http, _ = served
+    station, server, http, *_ = served
     base, adapted = completion(server, MODEL), completion(server, "x")
     assert adapted != base
     assert completion(server, "claude-haiku-4-5") == base  # any other name runs the base model, as before
@@ -88,14 +115,14 @@ def test_model_selects_the_adapter_on_every_route(served):
 
 
 def test_generate_unknown_lora_is_404(served):
-    _, _, http, _ = served
+    _, _, http, *_ = served
     reply = http.post("/generate", json={"tokens": [1, 2, 3], "max_new_tokens": 2, "lora": "nope"})
     assert reply.status_code == 404
     assert reply.json()["error"]["field"] == "lora" and "'nope'" in reply.json()["error"]["message"]
 
 
 def test_load_and_unload_at_runtime(served):
-    _, server, http, paths = served
+    _, server, http, paths, _ = served
     assert http.post("/v1/load_lora_adapter", json={"lora_name": "y", "lora_path": str(paths["y"])}).json() == {
         "lora_name": "y", "status": "loaded"}
     assert "y" in {c["id"] for c in http.get("/v1/models").json()["data"]}
@@ -133,7 +160,7 @@ def test_runtime_routes_need_the_flag(tmp_path):
 
 
 def test_prefix_reuse_never_crosses_adapters(served):
-    _, _, http, _ = served
+    _, _, http, *_ = served
     prompt = list(range(1000, 1040))  # 40 tokens: one 32-token chunk to reuse
 
     def cached(lora: str | None) -> int:

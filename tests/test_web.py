@@ -4,25 +4,22 @@ conversations surviving a reload, model output that cannot run script however ho
 code blocks highlighted and copied, the context left, attached files, dark mode and the station panel.
 
 The station serves two names (`--served-model-name`) for the picker; it holds no LoRA slots, which would compile
-programs of their own, so the picker's listing of an adapter is checked on the page with a /v1/models list holding one
-(tests/test_lora_http.py checks that the station lists its adapters so). A recording middleware keeps the body of
-every chat and /tokenize request the station receives, so the tests read what the page sent from the station's side.
+programs of their own: tests/test_lora_http.py picks an adapter on the page against its LoRA station. A recording
+middleware (tests/browser_util.py) keeps the body of every chat and /tokenize request the station receives, so the tests
+read what the page sent from the station's side.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
 import time
-from typing import Any
 
 import pytest
-from selenium import webdriver
-from selenium.webdriver.chrome.service import Service
+from browser_util import Recorder, answer_meta, ask, finished, open_page, reload, sent_to, wait
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
-from selenium.webdriver.support.ui import Select, WebDriverWait
+from selenium.webdriver.support.ui import Select
 from server_util import ServerThread, metric, wait_for
 from starlette.testclient import TestClient
 
@@ -36,8 +33,6 @@ from jaxstation.server.station import Station
 SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
 KEY = "k3y"
 NAMES = ("smollm2", "smollm2-b")
-RECORDED = ("/v1/chat/completions", "/tokenize")
-CHROMEDRIVER = "/usr/bin/chromedriver"
 HOSTILE = """# Title <script>window.__pwned = 1</script>
 <img src=x onerror="window.__pwned = 2"> and **bold <b>x</b>** and *it* and `<i>code</i>`
 [click](javascript:window.__pwned=3) [data](data:text/html,<script>window.__pwned=4</script>) [ok](https://example.com/a)
@@ -48,27 +43,6 @@ HOSTILE = """# Title <script>window.__pwned = 1</script>
 ```html
 <script>window.__pwned = 6</script>
 ```"""
-
-
-class Recorder:
-    """Pure ASGI: appends (path, body) of every request to one of RECORDED to `sent`."""
-
-    def __init__(self, app: Any, sent: list[tuple[str, bytes]]) -> None:
-        self.app, self.sent = app, sent
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] not in RECORDED:
-            return await self.app(scope, receive, send)
-        chunks: list[bytes] = []
-
-        async def recording() -> Any:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if message["type"] == "http.request" and not message.get("more_body"):
-                self.sent.append((scope["path"], b"".join(chunks)))
-            return message
-
-        await self.app(scope, recording, send)
 
 
 @pytest.fixture(scope="module")
@@ -83,50 +57,10 @@ def station(default_model: LoadedModel):
         yield st, server, http, sent
 
 
-@pytest.fixture(scope="module")
-def browser() -> WebDriver:
-    assert shutil.which("chromium") and shutil.which(CHROMEDRIVER), "install Debian's chromium and chromium-driver"
-    options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium")
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1200,800"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
-    yield driver
-    driver.quit()
-
-
 @pytest.fixture
 def page(station, browser: WebDriver) -> WebDriver:
     """The page, freshly loaded with empty storage, once the station reads as ready, the API key already given."""
-    browser.get(f"http://127.0.0.1:{station[1].port}/")
-    browser.execute_script("localStorage.clear(); localStorage.setItem('jaxstation.key', arguments[0])", KEY)
-    reload(browser)
-    return browser
-
-
-def wait(driver: WebDriver, predicate, message: str, timeout: float = 30) -> object:
-    return WebDriverWait(driver, timeout, 0.05).until(predicate, message)
-
-
-def reload(driver: WebDriver) -> None:
-    """Reload the page and wait until it has seen the station ready (and drawn the conversation again)."""
-    driver.refresh()
-    wait(driver, lambda d: d.find_element(By.ID, "send").is_enabled(), "the page did not see the station ready")
-
-
-def ask(driver: WebDriver, text: str, max_tokens: int) -> None:
-    if driver.find_element(By.ID, "settings").get_attribute("open") is None:
-        driver.find_element(By.CSS_SELECTOR, "#settings summary").click()
-    for field, value in (("temperature", "0"), ("max-tokens", str(max_tokens))):
-        driver.find_element(By.ID, field).clear()
-        driver.find_element(By.ID, field).send_keys(value)
-    driver.find_element(By.ID, "prompt").send_keys(text)
-    driver.find_element(By.ID, "send").click()
-
-
-def answer_meta(driver: WebDriver) -> str:
-    metas = driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta span")
-    return metas[-1].text if metas else ""
+    return open_page(browser, station[1].port, KEY)
 
 
 def test_page_is_static_and_strict(station) -> None:
@@ -259,15 +193,6 @@ def test_regenerate_edit_and_import(page: WebDriver, tmp_path) -> None:
     assert len(page.find_elements(By.CSS_SELECTOR, "#chats li")) == 2
 
 
-def sent_to(station, path: str) -> list[dict]:
-    """The bodies of the requests to `path` the station received, in order."""
-    return [json.loads(body) for to, body in station[3] if to == path]
-
-
-def finished(driver: WebDriver) -> None:
-    wait(driver, lambda d: "tokens/s" in answer_meta(d), "the answer did not finish")
-
-
 def test_the_picker_lists_the_models_and_each_request_carries_its_conversations(station, page: WebDriver) -> None:
     wait(page, lambda d: len(Select(d.find_element(By.ID, "model")).options) == 2, "no models listed")
     picker = Select(page.find_element(By.ID, "model"))
@@ -279,8 +204,8 @@ def test_the_picker_lists_the_models_and_each_request_carries_its_conversations(
     page.find_element(By.CSS_SELECTOR, "#settings summary").click()
     ask(page, "Say hi.", 4)
     finished(page)
-    body = sent_to(station, "/v1/chat/completions")[-1]
-    assert body["model"] == "smollm2-b" and sent_to(station, "/tokenize")[-1]["model"] == "smollm2-b"
+    body = sent_to(station[3], "/v1/chat/completions")[-1]
+    assert body["model"] == "smollm2-b" and sent_to(station[3], "/tokenize")[-1]["model"] == "smollm2-b"
     assert (body["temperature"], body["top_k"], body["top_p"], body["min_p"]) == (0, 40, 0.95, 0.05)
     page.find_element(By.ID, "new-chat").click()
     Select(page.find_element(By.ID, "model")).select_by_value("smollm2")
@@ -288,15 +213,6 @@ def test_the_picker_lists_the_models_and_each_request_carries_its_conversations(
     assert Select(page.find_element(By.ID, "model")).first_selected_option.text == "smollm2"
     page.find_element(By.XPATH, "//button[@class='title' and text()='Say hi.']").click()
     assert Select(page.find_element(By.ID, "model")).first_selected_option.text == "smollm2-b"
-    cards = http_models(station)
-    page.execute_script("window.jaxstation.showModels(arguments[0])", cards + [
-        {**cards[0], "id": "pirate", "root": "/adapters/pirate", "parent": cards[0]["id"]}])
-    adapters = page.find_elements(By.CSS_SELECTOR, "#model optgroup[label='LoRA adapters'] option")
-    assert [(o.get_attribute("value"), o.text) for o in adapters] == [("pirate", "pirate (LoRA adapter of smollm2)")]
-
-
-def http_models(station) -> list[dict]:
-    return station[2].get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"]
 
 
 CODE = "def square(x):\n    return x * x  # \"<b>\"\n"
@@ -341,12 +257,12 @@ def test_the_context_figure_moves_after_a_reply_and_a_turn_too_long_is_stopped(s
     finished(page)
     prompt, completion = map(int, re.findall(r"prompt (\d+) · completion (\d+)", answer_meta(page))[0])
     assert context.text == f"{prompt + completion} / {SHAPE['max_seq']} tokens"
-    asked = len(sent_to(station, "/v1/chat/completions"))
+    asked = len(sent_to(station[3], "/v1/chat/completions"))
     ask(page, "And now say bye.", SHAPE["max_seq"] - prompt)
     notice = wait(page, lambda d: d.find_element(By.ID, "notice").is_displayed() and d.find_element(By.ID, "notice"),
                   "no notice of a turn that does not fit")
     assert notice.text.startswith("This turn does not fit: its prompt is ") and "context holds 512" in notice.text
-    assert len(sent_to(station, "/v1/chat/completions")) == asked
+    assert len(sent_to(station[3], "/v1/chat/completions")) == asked
     assert len(page.find_elements(By.CSS_SELECTOR, ".msg")) == 2
     assert page.find_element(By.ID, "prompt").get_attribute("value") == "And now say bye."
 
@@ -387,7 +303,7 @@ def test_dropped_and_pasted_files_reach_the_request_and_binary_ones_are_refused(
     assert len(page.find_elements(By.CSS_SELECTOR, "#attachments .chip")) == 2
     ask(page, "What is the secret word?", 8)
     finished(page)
-    sent = sent_to(station, "/v1/chat/completions")[-1]["messages"][-1]["content"]
+    sent = sent_to(station[3], "/v1/chat/completions")[-1]["messages"][-1]["content"]
     assert sent == f"What is the secret word?\n\nnotes.md:\n````md\n{note}\n````\n\nsnippet.py:\n```py\nprint(1)\n```"
     assert [e.text for e in page.find_elements(By.CSS_SELECTOR, ".msg.user .chip span")] == ["notes.md", "snippet.py"]
     assert not page.find_elements(By.CSS_SELECTOR, "#attachments .chip")

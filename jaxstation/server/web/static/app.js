@@ -7,7 +7,7 @@ import { $, button, element, notice, read } from "./dom.js";
 import { api, errorText, forgetKey, readEvents } from "./api.js";
 import { renderMarkdown, splitThinking } from "./markdown.js";
 import { highlight, languageOf } from "./highlight.js";
-import { contextOf, loadModels, pickedModel, showModel, showModels } from "./models.js";
+import { contextOf, loadModels, pickedModel, showModel } from "./models.js";
 import { chatTokens, showContext, wontFit } from "./context.js";
 import { clearFiles, fileChips, waitingFiles, wireFiles, withFiles } from "./files.js";
 import { settings, wireSettings } from "./settings.js";
@@ -348,5 +348,5 @@ function start() {
   waitReady();
 }
 
-window.jaxstation = { renderMarkdown, splitThinking, highlight, languageOf, showModels };
+window.jaxstation = { renderMarkdown, splitThinking, highlight, languageOf };
 start();

@@ -13,7 +13,7 @@ function label(card) {
 }
 
 // Fill the picker with `list` (the `data` of /v1/models).
-export function showModels(list) {
+function showModels(list) {
   cards.clear();
   for (const card of list) cards.set(card.id, card);
   const option = (card) => Object.assign(element("option", label(card)), { value: card.id });
