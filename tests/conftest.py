@@ -51,7 +51,15 @@ SLOW_FIRST = ("test_gemma3_270m.py", "test_speculative_draft.py", "test_wave_wid
               "test_prefix_reuse.py", "test_gguf_blocks.py", "test_server.py", "test_cpu_kernel.py")
 
 
+# LLVM's optional passes (loop unrolling, vectorization: no float reassociation without fast-math, so no bit changes)
+# take 40% of a 30-layer program's compile; the suite compiles without them, here and in the stations it starts.
+# tests/test_compile_flags.py checks a station's programs give the same bits with them.
+FAST_COMPILE_FLAG = "--xla_llvm_disable_expensive_passes=true"
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if FAST_COMPILE_FLAG not in os.environ.get("XLA_FLAGS", ""):  # read when JAX starts its CPU backend: not yet
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG}".strip()
     if hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller made the run's cache
         cache = os.environ[COMPILE_CACHE_ENV]
     else:

@@ -1,6 +1,7 @@
 """The parity gate: continuous batching on the real default model gives every job exactly its serial tokens.
 
-16 jobs go into a 4-lane Scheduler at once (lanes are reused). They mix prompt lengths from 1 to over 300 tokens
+16 jobs go into a 4-lane Scheduler at once (lanes are reused), on the engine a station builds (packed admission
+steps, the decode attention kernel; conftest's `engine`). They mix prompt lengths from 1 to over 300 tokens
 (real text and random ids), max_new_tokens 1..24, greedy and seeded temperature sampling (some with top_k / top_p),
 penalties, logit biases, allowed_token_ids and min_tokens (greedy and sampled), the model's EOS plus an explicit
 stop id found by a serial greedy run, and terminal_prosody. Each job's tokens and
@@ -22,7 +23,6 @@ from jaxstation.engine.rows import SamplingParams
 from jaxstation.engine.scheduler import Scheduler
 
 LANES = 4
-SHAPE = {"lanes": LANES, "max_seq": 512, "chunk": 32, "block": 128}
 STORY = ("The old lighthouse keeper climbed the spiral stairs every evening to light the lamp. Ships passed far out at "
          "sea, and their sailors never knew his name, but they trusted the beam that swept across the dark water. "
          "One winter night a storm broke the glass, and he held a lantern in the window until dawn. ")
@@ -42,10 +42,10 @@ class Spec:
 
 
 class RecordingEngine:
-    """Forwards to an Engine, logging which lane each prompt was prefilled in and how many lanes each wave held.
+    """Forwards to an Engine, logging which lane each prompt was prefilled in and how many lanes each step decoded.
 
-    A prefill that is not the next chunk of the lane's previous one starts a prompt (at 0, or on a reused prefix).
-    """
+    A prompt piece that is not the next piece of the lane's previous one starts a prompt (at 0, or on a reused
+    prefix)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -56,11 +56,13 @@ class RecordingEngine:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def prefill(self, lane, prompt, start, sampling, return_logits=False, mask=None):
-        if self._next.get(lane) != (tuple(prompt), start):
-            self.admissions.append((lane, tuple(prompt)))
-        self._next[lane] = (tuple(prompt), start + self.engine.chunk)
-        return self.engine.prefill(lane, prompt, start, sampling, return_logits, mask)
+    def pack(self, pieces, rows, sampled=None):
+        for p in pieces:
+            if self._next.get(p.lane) != (tuple(p.prompt), p.start):
+                self.admissions.append((p.lane, tuple(p.prompt)))
+            self._next[p.lane] = (tuple(p.prompt), p.start + p.length)
+        self.wave_sizes.append(sum(r is not None for r in rows))
+        return self.engine.pack(pieces, rows, sampled)
 
     def decode(self, rows, return_logits=False):
         self.wave_sizes.append(sum(r is not None for r in rows))
@@ -87,10 +89,10 @@ def truncate_at_terminal(tokens: list[int], terminal_ids: frozenset[int]) -> lis
 
 
 @pytest.fixture(scope="module")
-def gate(default_model):
-    model = default_model
+def gate(engine: Engine):
+    model = engine.model
     tok = model.tokenizer
-    engine = Engine(model, **SHAPE)
+    assert (engine.lanes, engine.prefill_budget > 0) == (LANES, True)
     eos = frozenset(tok.eos_ids)
     rng = np.random.default_rng(1234)
     vocab = model.cfg.vocab_size
