@@ -6,6 +6,7 @@ others in any position. And a request's sampling parameters as the faces build t
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 
 import jax
@@ -138,6 +139,18 @@ def test_the_kernel_keeps_and_draws_as_the_reference() -> None:
     rng = np.random.default_rng(5)
     check_kernel_rows(random_rows(rng, 40, 4096) + tie_rows(rng))
     check_kernel_rows(wide_rows(rng))
+
+
+def sampled_rows() -> str:
+    """A digest of the kernel's tokens and cut-offs on random, tied and Gemma-sized rows: the same on every
+    instruction set the kernels build for (tests/test_gguf_blocks.py)."""
+    rng = np.random.default_rng(9)
+    digest = hashlib.sha256()
+    for cases in (random_rows(rng, 40, 4096) + tie_rows(rng), wide_rows(rng)):
+        out = kernel(jnp.asarray(np.stack([x for x, _ in cases])), arrays([p for _, p in cases]))
+        for a in out:
+            digest.update(np.asarray(a).tobytes())
+    return digest.hexdigest()[:16]
 
 
 def test_the_jax_path_draws_as_the_reference() -> None:
