@@ -69,8 +69,8 @@ def exclusive_mass(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def tie_rows(rng: np.random.Generator, vocab: int = 4096) -> list[tuple[np.ndarray, SamplingParams]]:
     """Rows whose cut falls on ties and near-ties: equal values and float neighbours at the k-th value; top_p the
-    float32 just above and just below the mass before a position, and inside a run of ties; a value at the min-p bound
-    and its neighbours."""
+    float32 just above and just below the mass before a position, inside a run of ties, and between -0 and +0; a value
+    at the min-p bound and its neighbours."""
     base = (rng.standard_normal(vocab) * 2).astype(np.float32)
     rows = []
     for k in (5, 40):
@@ -87,6 +87,10 @@ def tie_rows(rng: np.random.Generator, vocab: int = 4096) -> list[tuple[np.ndarr
     x[order[20:23]] = x[order[20]]  # a run of three ties at positions 20-22: top_p between them keeps all three
     _, exclusive = exclusive_mass(x)
     rows.append((x, SamplingParams(temperature=1.0, top_p=float((exclusive[20] + exclusive[22]) / 2), seed=3)))
+    x = np.minimum(base - base.max(), np.float32(-0.5))
+    x[0], x[8] = -0.0, 0.0  # the max twice, -0 first: +0 and -0 are one value
+    _, exclusive = exclusive_mass(x)
+    rows.append((x, SamplingParams(temperature=1.0, top_p=float(exclusive[1] * 1.5), seed=5)))
     for min_p in (0.05, 0.3):
         bound = float(base.max()) + math.log(float(np.float32(min_p)))
         x = base.copy()

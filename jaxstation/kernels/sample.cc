@@ -362,7 +362,7 @@ float Scale(const float* logits, int64_t n, float temperature, float* x, int64_t
   }
   const float nan = Value(INT32_MIN);
   for (; i < n_pad; ++i) x[i] = nan;
-  return max;
+  return max + 0.0f;  // a zero max as +0, whose key is above -0's
 }
 
 // One sampled row's token; *kept_from is its cut (it keeps x >= cut).
