@@ -1,6 +1,6 @@
 """The CPU levers side by side, in one process with interleaved repetitions (so the ratios hold on a busy machine):
 weights float32 or int8, the layer walk scan or unroll, the matmul (XLA's dot or the CPU kernel), and the sampling
-filter (top-p by a vocabulary sort, as before, or by bisection, as now) at 1, 8 and 32 lanes. Each decode runs a
+filter (top-p by a vocabulary sort, or by bisection, as the JAX path does) at 1, 8 and 32 lanes. Each decode runs a
 full-width wave of `lanes` rows. XLA flags need a process of their own: run it again with XLA_FLAGS set and --name.
 
 Usage:

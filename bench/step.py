@@ -11,6 +11,16 @@ Usage:
   python -m bench.step --model gemma-3-270m.gguf --lanes 1 8 --live 4095 --max-seq 4096 --kv-windows full
   JAX_NUM_CPU_DEVICES=4 python -m bench.step --shape qwen3-0.6b --dtype float32 --tensor-parallel 1 2 4 --lanes 1 8
 
+With --temperature (and --top-p, --top-k, --min-p), every lane samples with those settings, a seed and its step's
+counter, and each row also times the greedy wave, the two interleaved (greedy, sampled, greedy, ...) on one engine;
+ms_per_step is then the sampled wave's, greedy_ms_per_step the greedy one's. --baseline-sampling names another
+tree's jaxstation/engine/sampling.py whose `sample` the same step is also compiled with, its sampled wave timed third
+in each round (baseline_ms_per_step):
+  python -m bench.step --model gemma-3-270m.gguf --lanes 1 8 --live 512 --max-seq 1024 --temperature 0.8 --top-p 0.95
+  git show main:jaxstation/engine/sampling.py > /tmp/main_sampling.py
+  python -m bench.step --model gemma-3-270m.gguf --lanes 1 8 --live 512 --temperature 0.8 --top-p 0.95 \
+      --baseline-sampling /tmp/main_sampling.py
+
 With --lora, one decode step of 8 rows, each on its own rank-16 LoRA adapter on every projection (docs/lora.md),
 against the same step of an engine without adapters, the two interleaved in one process (A, B, A, B, ...) so that
 whatever else runs on the machine weighs on both alike; reports the ratio of their medians:
@@ -22,12 +32,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import statistics
+import types
 
 import jax
 import numpy as np
 
 from bench.common import add_model_args, bench_model, copy_bandwidth, read_bandwidth, summary, timed, write_result
+from jaxstation.engine import engine as engine_module
+from jaxstation.engine import penalties, steps
 from jaxstation.engine.arena import arena_bytes
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import DecodeRow, SamplingParams
@@ -51,6 +65,11 @@ def main() -> None:
     ap.add_argument("--name", default="step", help="result file name")
     ap.add_argument("--lora", action="store_true", help="8 rows over 8 rank-16 adapters against the base step")
     ap.add_argument("--num-layers", type=int, default=None, help="--shape: keep only this many of its layers")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sample every lane (default: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--baseline-sampling", default=None, help="another sampling.py to time the sampled wave with")
     args = ap.parse_args()
     if args.lora:
         lora_main(args)
@@ -95,9 +114,8 @@ def sweep(args, model, engine_kw: dict, n: int, bandwidth: float) -> list[dict]:
                         kv_dtype=args.kv_dtype, **engine_kw)
         engine.warmup()
         for live in args.live:
-            wave = [DecodeRow(1, live - 1, SamplingParams(), 0)] * lanes
-            engine.decode(wave)
-            s = summary([timed(lambda e=engine, w=wave: e.decode(w)) for _ in range(args.reps)])
+            greedy, times, baseline = time_waves(args, engine, lanes, live)
+            s = summary(times)
             ms = 1e3 * s["median"]
             kv = arena_bytes(model.cfg, lanes, live, engine.kv_dtype, engine.ring, engine.windowed) // n  # live k, v
             row = {"tensor_parallel": n, "lanes": lanes, "live": live, "ms_per_step": ms,
@@ -105,11 +123,74 @@ def sweep(args, model, engine_kw: dict, n: int, bandwidth: float) -> list[dict]:
                    "weight_bytes_per_device": weights, "kv_bytes_per_device": kv, "arena_bytes": engine.arena.nbytes,
                    "weight_gb_per_s": weights / s["median"] / 1e9, "floor_ms": floor_ms,
                    "fraction_of_roofline": floor_ms / ms}
+            if greedy:
+                row.update(greedy_ms_per_step=1e3 * statistics.median(greedy), sampled_over_greedy=statistics.median(
+                    [b / a for a, b in zip(greedy, times, strict=True)]))
+            if baseline:
+                row.update(baseline_ms_per_step=1e3 * statistics.median(baseline),
+                           baseline_over_greedy=statistics.median([b / a for a, b in zip(greedy, baseline,
+                                                                                         strict=True)]))
             rows.append(row)
             print(f"tp {n} lanes {lanes:2d} live {live:5d}: {ms:7.1f} ms/step  {row['tokens_per_s']:7.1f} tok/s  "
-                  f"{(weights + kv) / 1e6:6.0f} MB a device  ({100 * row['fraction_of_roofline']:.0f}% of roofline)")
+                  f"{(weights + kv) / 1e6:6.0f} MB a device  ({100 * row['fraction_of_roofline']:.0f}% of roofline)"
+                  + (f"  greedy {row['greedy_ms_per_step']:.1f} ms, sampled/greedy {row['sampled_over_greedy']:.3f}"
+                     if greedy else "")
+                  + (f"  baseline {row['baseline_ms_per_step']:.1f} ms, baseline/greedy "
+                     f"{row['baseline_over_greedy']:.3f}" if baseline else ""))
         del engine
     return rows
+
+
+def baseline_step(path: str):
+    """`steps.step_rows`, jitted anew with the `sample` of the sampling module at `path` (through `choose` and
+    `sample_penalized`)."""
+    spec = importlib.util.spec_from_file_location("baseline_sampling", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    penalized = penalties.sample_penalized
+    scope = dict(vars(steps), sample=module.sample, sample_penalized=types.FunctionType(
+        penalized.__code__, dict(vars(penalties), sample=module.sample), penalized.__name__, penalized.__defaults__))
+    scope["choose"] = types.FunctionType(steps.choose.__code__, scope, "choose")
+    raw = steps.step_rows.__wrapped__
+    fn = types.FunctionType(raw.__code__, scope, raw.__name__, raw.__defaults__, raw.__closure__)
+    fn.__kwdefaults__ = raw.__kwdefaults__
+    return jax.jit(fn, static_argnames=("cfg", "block", "attention", "return_logits"), donate_argnames=("arena",))
+
+
+def time_waves(args, engine: Engine, lanes: int, live: int) -> tuple[list[float], list[float], list[float]]:
+    """Seconds per full decode wave, args.reps times: (greedy waves, the waves asked for, the baseline's sampled
+    waves). With --temperature greedy and sampled waves alternate; without, the first list is empty; the last is
+    empty without --baseline-sampling."""
+    sampled = args.temperature > 0
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            seed=7) if sampled else SamplingParams()
+
+    def wave(sampling: SamplingParams, counter: int) -> list[DecodeRow]:
+        return [DecodeRow(1, live - 1, sampling, counter)] * lanes
+
+    ours = engine_module.step_rows
+    theirs = baseline_step(args.baseline_sampling) if args.baseline_sampling and sampled else None
+
+    def baseline_decode(rows: list[DecodeRow]) -> None:
+        engine_module.step_rows = theirs
+        try:
+            engine.decode(rows)
+        finally:
+            engine_module.step_rows = ours
+
+    engine.decode(wave(params, 0))
+    engine.decode(wave(SamplingParams(), 0))
+    if theirs:
+        baseline_decode(wave(params, 0))
+    greedy, times, baseline = [], [], []
+    for rep in range(args.reps):
+        plain, asked = wave(SamplingParams(), rep), wave(params, rep)
+        if sampled:
+            greedy.append(timed(lambda w=plain: engine.decode(w)))
+        times.append(timed(lambda w=asked: engine.decode(w)))
+        if theirs:
+            baseline.append(timed(lambda w=asked: baseline_decode(w)))
+    return greedy, times, baseline
 
 
 LORA_ROWS, LORA_RANK = 8, 16

@@ -13,11 +13,18 @@ Usage:
   python -m bench.throughput --url https://canary---svc.a.run.app --ks 1 8 --reps 1   # a running station (burst)
   python -m bench.throughput --shape mistral-7b --ks 1 8 32   # random weights at a real shape, scheduler only
   python -m bench.throughput --mesh --ks 1 4 8  # also 1, 2, 3 mesh stations, pipelining off/on (bench/mesh.py)
+
+With --temperature (and --top-p, --top-k, --min-p), the direct runs sample (request i seeded with i) and each
+repetition also runs the same requests greedy, the two alternating on one station; `direct` is then the sampled
+runs', `direct.greedy` the greedy ones', and the targets hold the median over repetitions of their tokens/s ratio
+at each K:
+  python -m bench.throughput --model gemma-3-270m.gguf --ks 8 --no-http --temperature 0.8 --top-p 0.95
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import re
@@ -39,6 +46,7 @@ from bench.workload import (
     station_cmd,
     station_generate,
 )
+from jaxstation.engine.rows import SamplingParams
 
 
 def seq_len(prompt_len: int, new: int, chunk: int, block: int) -> int:
@@ -66,11 +74,13 @@ def direct(args, model, prompts) -> dict:
             run(k, min(8, args.new_tokens))  # warm-up: not measured
         return stations[lanes]
 
-    def run(k: int, new: int) -> dict:
+    def run(k: int, new: int, sampling: SamplingParams | None = None) -> dict:
         sched, timer = station(k)
         timer.reset()
         waves0 = sched.waves
-        jobs = [Job(tokens=prompts[i], max_new_tokens=new, stop_ids=frozenset(), reuse_prefix=False) for i in range(k)]
+        jobs = [Job(tokens=prompts[i], max_new_tokens=new, stop_ids=frozenset(), reuse_prefix=False,
+                    sampling=dataclasses.replace(sampling, seed=i) if sampling else SamplingParams())
+                for i in range(k)]
         t0 = time.perf_counter()
         futures = [sched.submit(j) for j in jobs]
         results = [f.result() for f in futures]
@@ -83,17 +93,22 @@ def direct(args, model, prompts) -> dict:
                 "mean_busy": timer.mean_busy(), "decode_waves": len(timer.decode_s),
                 "decode_ms_median": 1e3 * med_spread(timer.decode_s)["median"], "short_requests": short}
 
-    reps: dict[int, list[dict]] = {k: [] for k in args.ks}
+    asked = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
+    kinds = {"greedy": None, "sampled": asked} if args.temperature > 0 else {"greedy": None}
+    reps: dict[str, dict[int, list[dict]]] = {kind: {k: [] for k in args.ks} for kind in kinds}
     for rep in range(args.reps):
         for k in args.ks:
-            r = run(k, args.new_tokens)
-            reps[k].append(r)
-            print(f"direct rep {rep} K={k:2d}: {r['tokens_per_s']:7.1f} tok/s  wall {r['wall_s']:6.2f}s  "
-                  f"busy {r['mean_busy']:.2f}  overhead {100 * r['overhead_frac']:.1f}%"
-                  + (f"  SHORT {r['short_requests']}" if r["short_requests"] else ""))
+            for kind, sampling in kinds.items():
+                r = run(k, args.new_tokens, sampling)
+                reps[kind][k].append(r)
+                print(f"direct rep {rep} K={k:2d} {kind}: {r['tokens_per_s']:7.1f} tok/s  wall {r['wall_s']:6.2f}s  "
+                      f"busy {r['mean_busy']:.2f}  overhead {100 * r['overhead_frac']:.1f}%"
+                      + (f"  SHORT {r['short_requests']}" if r["short_requests"] else ""))
     for sched, _ in stations.values():
         sched.drain(5)
-    return summarize(args, reps, max_seq=max_seq)
+    if args.temperature > 0:
+        return summarize(args, reps["sampled"], max_seq=max_seq, greedy=summarize(args, reps["greedy"]))
+    return summarize(args, reps["greedy"], max_seq=max_seq)
 
 
 def summarize(args, reps: dict[int, list[dict]], **extra) -> dict:
@@ -218,6 +233,10 @@ def main() -> None:
     ap.add_argument("--mesh", action="store_true", help="also meshes of --mesh-stations station processes "
                                                          "(implies --no-http); writes throughput_mesh-*.json")
     ap.add_argument("--mesh-stations", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3])
+    ap.add_argument("--temperature", type=float, default=0.0, help="direct: sample, against greedy runs")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--min-p", type=float, default=0.0)
     args = ap.parse_args()
     if args.url:
         args.no_direct, args.no_http = True, False
@@ -251,6 +270,11 @@ def main() -> None:
             targets[f"{name}_k8_over_k1"] = rows[8]["ratio_to_first"]
         if name == "direct" and args.overhead_k in rows and rows[args.overhead_k].get("overhead_frac"):
             targets[f"direct_overhead_frac_k{args.overhead_k}"] = rows[args.overhead_k]["overhead_frac"]["median"]
+    if "greedy" in out["direct"]:
+        for row, greedy in zip(out["direct"]["rows"], out["direct"]["greedy"]["rows"], strict=True):
+            pairs = [s["tokens_per_s"] / g["tokens_per_s"] for s, g in zip(row["runs"], greedy["runs"], strict=True)]
+            targets[f"direct_k{row['k']}_sampled_over_greedy"] = float(np.median(pairs))  # each rep's pair
+        print_table("direct (Scheduler), greedy", out["direct"]["greedy"])
     out["targets"] = targets
     print_table("direct (Scheduler)", out["direct"])
     print_table("HTTP /generate", out["http"])

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 
-import jax
 import jax.numpy as jnp
 import jsonschema
 import numpy as np
 import pytest
+from sampling_reference import reference_draw
 
 from jaxstation.engine.constraints import (
     ConstraintError,
@@ -78,7 +78,7 @@ def test_a_mask_acts_on_its_row_only():
 def constrained_run(engine, grammars, lane: int, prompt: list[int], sp: SamplingParams, spec: ConstraintSpec,
                     steps: int) -> tuple[list[int], bool]:
     """Greedy or seeded run of `spec` on `lane`, each token checked against the numpy reference: the argmax of the
-    model's logits with -inf outside the grammar's mask (scaled and with the step's Gumbel noise, when sampled).
+    model's logits with -inf outside the grammar's mask, or its seeded draw from them when sampled.
     Returns the tokens and whether the grammar ended."""
     constraint = grammars.compile(spec)
     vocab = engine.cfg.vocab_size
@@ -101,11 +101,8 @@ def constrained_run(engine, grammars, lane: int, prompt: list[int], sp: Sampling
         tokens.append(samples[lane].token)
         logits.append(np.asarray(lg)[lane])
     for step, (token, lg, m) in enumerate(zip(tokens, logits, masks, strict=True)):
-        x = np.where(numpy_unpack(m, vocab), lg, -np.inf)
-        if sp.temperature > 0:  # seeded Gumbel-max, as engine/sampling.py draws it
-            key = jax.random.fold_in(jax.random.PRNGKey(np.uint32(sp.seed)), np.int32(step))
-            x = x / np.float32(sp.temperature) + np.asarray(jax.random.gumbel(key, (vocab,), np.float32))
-        assert token == int(np.argmax(x)), f"step {step}"
+        x = np.where(numpy_unpack(m, vocab), lg, -np.inf).astype(np.float32)
+        assert token == reference_draw(x, sp, step), f"step {step}"
     return tokens, constraint.finished
 
 

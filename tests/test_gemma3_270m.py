@@ -10,8 +10,8 @@ are those of the same model dequantized to float32, bit for bit.
 
 As a station runs it: a layer of every stored combination and the 262,144-row head give each row the same bits at
 every wave and packed width; and a station with continuous batching, narrow waves and packed admission gives a greedy
-and a seeded request the same tokens and log-probabilities, over 64 tokens, alone and beside 1, 3 and 7 others,
-through its scheduler and over HTTP with the openai client.
+and a seeded top-p request the same tokens and log-probabilities, over 64 tokens, alone and beside 1, 3 and 7 others
+(some of them top-k and min-p), through its scheduler and over HTTP with the openai client.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def test_each_stored_layer_and_the_head_are_bit_equal_at_every_width(gemma: Load
 
 # The served station: continuous batching on the engines' settings (STATION).
 TARGETS = [{"prompt": "The capital of France is", "temperature": 0.0},
-           {"prompt": "def fibonacci(n):", "temperature": 0.8, "seed": 7}]
+           {"prompt": "def fibonacci(n):", "temperature": 0.8, "top_p": 0.95, "seed": 7}]
 NEW_TOKENS = 64
 
 
@@ -206,7 +206,8 @@ def neighbours(n: int, rng: np.random.Generator) -> list[dict]:
     """n requests that arrive while the targets decode and leave before them: packed admission steps and every
     wave width in between."""
     return [{"prompt": " ".join(rng.choice(["Once", "upon", "a", "time", "the", "river", "sang", "42"], 12)),
-             "temperature": 0.7, "seed": i, "max_tokens": int(rng.integers(4, 48)), "delay": float(rng.uniform(0, 1))}
+             "temperature": 0.7, "seed": i, "max_tokens": int(rng.integers(4, 48)), "delay": float(rng.uniform(0, 1)),
+             **({"top_k": 40, "min_p": 0.05} if i % 2 else {})}
             for i in range(n)]
 
 
@@ -228,7 +229,9 @@ def test_through_the_scheduler_alone_and_beside_others(served, exact: LoadedMode
 
     def ask(request: dict) -> tuple:
         time.sleep(request.get("delay", 0))
-        sampling = SamplingParams(temperature=request["temperature"], seed=request.get("seed", 0))
+        sampling = SamplingParams(temperature=request["temperature"], top_p=request.get("top_p", 1.0),
+                                  top_k=request.get("top_k", 0), min_p=request.get("min_p", 0.0),
+                                  seed=request.get("seed", 0))
         job = Job(exact.tokenizer.encode(request["prompt"]), request.get("max_tokens", NEW_TOKENS), sampling)
         result = station.scheduler.submit(job).result(timeout=300)
         assert len(result.samples) == job.max_new_tokens
@@ -246,8 +249,8 @@ def test_over_http_alone_and_beside_others(served) -> None:
         time.sleep(request.get("delay", 0))
         reply = client.completions.create(
             model="gemma", prompt=request["prompt"], max_tokens=request.get("max_tokens", NEW_TOKENS),
-            temperature=request["temperature"], seed=request.get("seed"), logprobs=2,
-            extra_body={"ignore_eos": True})
+            temperature=request["temperature"], top_p=request.get("top_p", 1.0), seed=request.get("seed"), logprobs=2,
+            extra_body={"ignore_eos": True, "top_k": request.get("top_k", -1), "min_p": request.get("min_p", 0.0)})
         choice = reply.choices[0]
         assert reply.usage.completion_tokens == request.get("max_tokens", NEW_TOKENS)
         return choice.text, choice.logprobs.token_logprobs, choice.logprobs.top_logprobs

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from conftest import oracle_logits
+from test_sampling import sampled_rows
 
 from jaxstation.kernels import cpu_kernel
 from jaxstation.model.loader import LoadedModel, load_model
@@ -75,8 +76,8 @@ def test_every_block_format_gives_the_float32_kernels_bits() -> None:
 
 
 def test_the_avx2_variant_gives_the_same_bits() -> None:
-    """The kernels built without AVX-512 (8-lane vectors, two steps a block of 32): the same property, and the
-    same top-k. On a CPU with
+    """The kernels built without AVX-512 (8-lane vectors, two steps a block of 32): the same property, the same
+    top-k, and the sampling kernel's tokens and cut-offs, bit for bit. On a CPU with
     AVX-512 this is the variant an AVX2-only machine builds; on an AVX2 machine it is the native one."""
     script = textwrap.dedent("""
         import sys
@@ -84,9 +85,11 @@ def test_the_avx2_variant_gives_the_same_bits() -> None:
         from jaxstation.kernels import cpu_kernel
         from test_cpu_kernel import check_top_k
         from test_gguf_blocks import check_formats_bitwise
+        from test_sampling import sampled_rows
         assert cpu_kernel.vector_lanes() == 8, cpu_kernel.vector_lanes()
         check_formats_bitwise()
         check_top_k()
+        print("sampled", sampled_rows())
         print("avx2 ok")
     """)
     env = {**os.environ, cpu_kernel.ISA_ENV: "avx2", "JAX_PLATFORMS": "cpu",
@@ -94,6 +97,7 @@ def test_the_avx2_variant_gives_the_same_bits() -> None:
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and "avx2 ok" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert f"sampled {sampled_rows()}" in done.stdout
 
 
 def test_a_projection_stored_in_several_formats_joins_its_parts() -> None:

@@ -12,10 +12,10 @@ and after a prefix-cache hit through the scheduler (tests/test_scheduler_parity.
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 from conftest import prefill_all, run_wave
+from sampling_reference import reference_draw
 
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.jobs import Job
@@ -60,12 +60,7 @@ def reference_logits(logits: np.ndarray, prompt: list[int], generated: list[int]
 
 def reference_token(logits: np.ndarray, prompt: list[int], generated: list[int], sp: SamplingParams,
                     held: frozenset[int]) -> int:
-    x = reference_logits(logits, prompt, generated, sp, held)
-    if sp.temperature == 0:
-        return int(np.argmax(x))
-    key = jax.random.fold_in(jax.random.PRNGKey(np.uint32(sp.seed)), np.int32(len(generated)))
-    gumbel = np.asarray(jax.random.gumbel(key, (len(x),), np.float32))
-    return int(np.argmax(x / np.float32(sp.temperature) + gumbel))
+    return reference_draw(reference_logits(logits, prompt, generated, sp, held).astype(np.float32), sp, len(generated))
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

@@ -58,6 +58,7 @@ TARGETS = {"int8": ("jaxstation_rowwise_matmul_s8", "RowwiseMatmulS8"),
            "attention": ("jaxstation_decode_attention", "DecodeAttention"),
            "rms_norm": ("jaxstation_rms_norm", "RmsNorm"),
            "top_k": ("jaxstation_top_k", "TopK"),
+           "sample": ("jaxstation_sample", "Sample"),
            **{f"matmul_{f}": (f"jaxstation_rowwise_matmul_{f.lower()}", f"RowwiseMatmul{f}") for f in BLOCK_FORMATS},
            **{f"int_{f}": (f"jaxstation_int_matmul_{f.lower()}", f"IntMatmul{f}") for f in BLOCK_FORMATS},
            **{f"rows_{f}": (f"jaxstation_block_rows_{f.lower()}", f"BlockRows{f}") for f in BLOCK_FORMATS}}
@@ -209,6 +210,19 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     out = (jax.ShapeDtypeStruct((rows.shape[0], k), jnp.float32), jax.ShapeDtypeStruct((rows.shape[0], k), jnp.int32))
     values, ids = jax.ffi.ffi_call(TARGETS["top_k"][0], out)(rows)
     return values.reshape(*x.shape[:-1], k), ids.reshape(*x.shape[:-1], k)
+
+
+def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
+           bits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One token per row of logits [rows, vocab] float32 (sample.cc): temperature, top-k, top-p and min-p, then an
+    inverse-CDF draw with the uniform the row's bits [rows, 2] uint32 give. temperature, top_p, min_p: [rows] float32,
+    top_k: [rows] int32. -> (tokens [rows] int32, cuts [rows] float32: the row kept logits / temperature >= cut); a
+    row with temperature <= 0 gets token 0."""
+    require()
+    out = (jax.ShapeDtypeStruct(temperature.shape, jnp.int32), jax.ShapeDtypeStruct(temperature.shape, jnp.float32))
+    return jax.ffi.ffi_call(TARGETS["sample"][0], out)(
+        logits.astype(jnp.float32), temperature.astype(jnp.float32), top_k.astype(jnp.int32),
+        top_p.astype(jnp.float32), min_p.astype(jnp.float32), bits.astype(jnp.uint32))
 
 
 def fits(in_features: int, out_features: int) -> bool:

@@ -4,7 +4,7 @@ XLA's CPU backend picks how to vectorize a reduce from the whole shape, so `jnp.
 for a 1-row array and in another for a 16-row one: the last bits differ. A decode wave that may run at several widths
 (jaxstation/engine/engine.py) needs every float reduction of a row to be the same at every width. Max, min, argmax and
 integer counts are exact in any order; float sums go through `row_sum`, which spells the order out as elementwise adds
-of halves, which XLA does not reorder.
+of halves, which XLA does not reorder, and running sums through `row_cumsum`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,16 @@ def row_sum(x: jax.Array, axis: int = -1) -> jax.Array:
         half = x.shape[axis] // 2
         x = jax.lax.slice_in_dim(x, 0, half, axis=axis) + jax.lax.slice_in_dim(x, half, 2 * half, axis=axis)
     return jnp.squeeze(x, axis)
+
+
+def row_cumsum(x: jax.Array) -> jax.Array:
+    """Running sums over the last axis by doubling shifts (Hillis and Steele), elementwise adds only: [..., n] ->
+    [..., n]."""
+    shift = 1
+    while shift < x.shape[-1]:
+        x = x + jnp.pad(x[..., :-shift], [(0, 0)] * (x.ndim - 1) + [(shift, 0)])
+        shift *= 2
+    return x
 
 
 def log_softmax(x: jax.Array) -> jax.Array:
