@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 from browser_util import Recorder, answer_meta, ask, finished, open_page, reload, sent_to, wait
 from selenium.webdriver.common.by import By
@@ -26,7 +29,6 @@ from starlette.testclient import TestClient
 from jaxstation.app import create_app
 from jaxstation.cli import build_parser
 from jaxstation.config.settings import StationConfig, resolve
-from jaxstation.engine.jobs import Job
 from jaxstation.model.loader import LoadedModel
 from jaxstation.server.station import Station
 
@@ -339,21 +341,34 @@ def busy(driver: WebDriver) -> int:
                                                      "#lanes li[data-state='decoding']"))
 
 
+def stream_until(http, i: int, started: threading.Event, stop: threading.Event) -> None:
+    """A streamed completion of many tokens over HTTP, read until `stop`; leaving the stream cancels it."""
+    body = {"model": NAMES[0], "prompt": f"Count from one to a thousand, one number per line ({i}):",
+            "max_tokens": 400, "stream": True}
+    with httpx.Client(base_url=str(http.base_url), timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as c, \
+            c.stream("POST", "/v1/completions", json=body) as reply:
+        for _ in reply.iter_lines():
+            started.set()
+            if stop.is_set():
+                return
+
+
 def test_the_station_panel_shows_the_lanes_busy_then_free(station, page: WebDriver) -> None:
     st, _, http, _ = station
     page.find_element(By.ID, "station-toggle").click()
     wait(page, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#lanes li")) == SHAPE["lanes"], "no lanes shown")
     assert busy(page) == 0
-    tokens = st.model.tokenizer.encode("Count from one to a thousand, one number per line:")
-    jobs = [Job(tokens=tokens + [i], max_new_tokens=SHAPE["max_seq"] - len(tokens) - 1) for i in range(4)]
-    for job in jobs:
-        st.scheduler.submit(job)
-    try:
-        wait(page, lambda d: busy(d) == 4, "the panel did not show four busy lanes")
-        assert page.find_element(By.ID, "lanes-summary").text == "4 of 4 busy"
-    finally:
-        for job in jobs:
-            st.scheduler.cancel(job)
+    started, stop = [threading.Event() for _ in range(4)], threading.Event()
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(stream_until, http, i, started[i], stop) for i in range(4)]
+        try:
+            wait(page, lambda d: busy(d) == 4, "the panel did not show four busy lanes")
+            assert page.find_element(By.ID, "lanes-summary").text == "4 of 4 busy"
+            assert all(e.is_set() for e in started)
+        finally:
+            stop.set()
+        for s in streams:
+            s.result(timeout=60)
     wait(page, lambda d: busy(d) == 0, "the panel did not show the lanes free again")
     assert page.find_element(By.ID, "queue").text.startswith("0 waiting")
     status = http.get("/station/status", headers={"Authorization": f"Bearer {KEY}"}).json()
