@@ -13,6 +13,7 @@ import shutil
 from typing import Any
 
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
@@ -58,7 +59,9 @@ def sent_to(sent: list[tuple[str, bytes]], path: str) -> list[dict]:
 
 
 def wait(driver: WebDriver, predicate, message: str, timeout: float = 30) -> object:
-    return WebDriverWait(driver, timeout, 0.05).until(predicate, message)
+    # the page redraws a message as it streams: an element read between its removal and its redraw is stale
+    return WebDriverWait(driver, timeout, 0.05, ignored_exceptions=(StaleElementReferenceException,)).until(
+        predicate, message)
 
 
 def open_page(driver: WebDriver, port: int, key: str | None = None) -> WebDriver:
