@@ -342,9 +342,10 @@ def busy(driver: WebDriver) -> int:
 
 
 def stream_until(http, i: int, started: threading.Event, stop: threading.Event) -> None:
-    """A streamed completion of many tokens over HTTP, read until `stop`; leaving the stream cancels it."""
+    """A streamed completion of many tokens over HTTP, read until `stop`; leaving the stream cancels it. The completion
+    samples at temperature 1, so EOS is ignored: a stream that ended early would leave its lane free too soon."""
     body = {"model": NAMES[0], "prompt": f"Count from one to a thousand, one number per line ({i}):",
-            "max_tokens": 400, "stream": True}
+            "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=str(http.base_url), timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as c, \
             c.stream("POST", "/v1/completions", json=body) as reply:
         for _ in reply.iter_lines():
