@@ -145,6 +145,12 @@ class PrefixCache:
         entry = self._entries[lane]
         return None if entry is None else (entry.tokens, entry.adapter)
 
+    def held(self, versions: Sequence[int] | LaneVersions) -> list[tuple[int, tuple[int, ...], int]]:
+        """(lane, tokens, adapter load) of every entry that still describes its lane's KV (`versions`: the engine's
+        current lane stamps)."""
+        return [(lane, e.tokens, e.adapter) for lane, e in enumerate(self._entries)
+                if e is not None and e.version == versions[lane]]
+
     def take(self, lane: int) -> None:
         """The lane now runs a request: its cached entry no longer describes it."""
         self._entries[lane] = None

@@ -16,6 +16,11 @@ while their bytes exceed the tier's capacity. An arena with rings (windowed laye
 no whole prefix to copy, a mesh engine's KV lives on its stations, and a split arena's copies are not checked: there
 the tier is off (`tier_refusal`).
 
+A disk tier (engine/prefix_disk.py, `--prefix-cache-dir`) may lie under it: each base-model entry the tier keeps is
+also queued for a file, a clean stop writes the lanes' cached prefixes too (`persist`), and a prompt that a file
+matches further than memory and the free lanes do has the file loaded into the tier and restored from there. It is off
+wherever the host tier is.
+
 Failures. The copies run inside the scheduler's step (`Scheduler._loop`), after the request holds its lane, so
 whatever they raise is at worst a failed step. A failed save logs a line and keeps nothing: the request goes on. A
 failed restore drops its entry and the request prefills afresh from position 0 (the lane holds nothing it may reuse);
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -34,6 +40,7 @@ import jax
 from jaxstation.engine.arena import KVBuffers
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.prefix_cache import Pick, PrefixCache, common_prefix
+from jaxstation.engine.prefix_disk import DiskTier
 from jaxstation.engine.runner import Runner
 
 log = logging.getLogger(__name__)
@@ -91,8 +98,9 @@ class HostTier:
         return best, matched
 
     def used(self, entry: TierEntry) -> None:
-        """`entry` was reused: it becomes the most recent."""
-        self._entries.move_to_end((entry.adapter, entry.tokens))
+        """`entry` was reused: it becomes the most recent (if held)."""
+        if (entry.adapter, entry.tokens) in self._entries:
+            self._entries.move_to_end((entry.adapter, entry.tokens))
 
     def drop(self, entry: TierEntry) -> None:
         """Forget `entry` (if still held)."""
@@ -139,15 +147,23 @@ def tier_refusal(engine: Runner) -> str | None:
 
 
 class PrefixTier:
-    """The scheduler's host tier over `engine`'s lanes and their `cache`, `capacity` bytes (0: off). The decode
-    thread owns it."""
+    """The scheduler's host tier over `engine`'s lanes and their `cache`, `capacity` bytes (0: off), over `disk`
+    (None: none). The decode thread owns it; `close` stops the disk tier's writer."""
 
-    def __init__(self, engine: Runner, cache: PrefixCache, capacity: int, metrics: StationMetrics) -> None:
-        if capacity and (refusal := tier_refusal(engine)):
+    def __init__(self, engine: Runner, cache: PrefixCache, capacity: int, metrics: StationMetrics,
+                 disk: DiskTier | None = None) -> None:
+        refusal = tier_refusal(engine) if capacity or disk is not None else None
+        if capacity and refusal:
             log.info("prefix cache in host memory: off, since %s", refusal)
             capacity = 0
+        if disk is not None and not capacity:
+            log.info("prefix cache on disk: off, since %s", refusal or "the host memory tier is off")
+            disk.close()
         self.engine, self.cache, self.metrics = engine, cache, metrics
         self.host = HostTier(capacity, engine.chunk)
+        self.disk = disk if disk is not None and capacity and disk.on else None
+        if self.disk is not None:
+            self.disk.attach(metrics)
 
     def admit(self, a: Admission) -> int:
         """A request of `a.prompt` takes `a.pick.lane`: keep the lane's cached prefix in the tier if the request will
@@ -160,6 +176,10 @@ class PrefixTier:
             return pick.reused
         entry, matched = self.host.find(a.prompt, a.adapter) if a.reuse else (None, 0)
         reused = matched // self.host.chunk * self.host.chunk
+        tier = "memory"
+        if a.reuse and self.disk is not None and (loaded := self._from_disk(a, max(reused, pick.reused))):
+            entry, matched, tier = loaded
+            reused = matched // self.host.chunk * self.host.chunk
         restore = entry is not None and reused > pick.reused
         if restore:
             self.host.used(entry)  # before the spill, which may evict the least recently used
@@ -167,9 +187,44 @@ class PrefixTier:
         if restore and not self._restore(pick.lane, entry, reused):
             pick, restore = Pick(pick.lane, 0, 0), False  # a fresh prefill: the lane may hold part of the entry
         if a.reuse:
-            self.metrics.count_prefix_lookup(*((matched, reused, "memory") if restore else
+            self.metrics.count_prefix_lookup(*((matched, reused, tier) if restore else
                                                (pick.matched, pick.reused, "lane")))
         return reused if restore else pick.reused
+
+    def _from_disk(self, a: Admission, beat: int) -> tuple[TierEntry, int, str] | None:
+        """(the disk tier's entry for `a.prompt`, now in memory too, the tokens it matches, "disk") where it reuses
+        more than `beat` tokens; None otherwise, or where its file failed to load (logged)."""
+        found, matched = self.disk.find(a.prompt, a.adapter, self.host.chunk)
+        if found is None or matched // self.host.chunk * self.host.chunk <= beat:
+            return None
+        t0 = time.perf_counter()
+        loaded = self.disk.load(found)
+        if loaded is None:
+            return None
+        self.metrics.prefix_disk_load.observe(time.perf_counter() - t0)
+        entry = TierEntry(loaded.tokens, loaded.adapter, loaded.kv)
+        self.metrics.prefix_tier_evictions.inc(self.host.put(entry))
+        self._gauges()
+        return entry, matched, "disk"
+
+    def persist(self) -> None:
+        """Queue the free lanes' cached prefixes (of the base model) for the disk tier, as at a clean stop."""
+        if self.disk is None:
+            return
+        for lane, tokens, adapter in self.cache.held(self.engine.lane_versions):
+            n = len(tokens) // self.host.chunk * self.host.chunk
+            if adapter or not n or self.disk.covers(tokens[:n], adapter):
+                continue
+            try:
+                self.disk.put(tokens[:n], adapter, self.engine.save_prefix(lane, n))
+            except Exception as e:
+                log.warning("prefix cache on disk: saving lane %d's %d tokens failed (%s: %s)", lane, n,
+                            type(e).__name__, e)
+
+    def close(self) -> None:
+        """Write what the disk tier has queued and stop its writer."""
+        if self.disk is not None:
+            self.disk.close()
 
     def _spill(self, lane: int, cached: tuple[tuple[int, ...], int] | None, kept: int) -> None:
         """Copy `lane`'s `cached` prefix into the tier, unless the request taking it keeps all of it (`kept` tokens)
@@ -184,6 +239,8 @@ class PrefixTier:
                         type(e).__name__, e)
             return
         self.metrics.prefix_tier_evictions.inc(self.host.put(TierEntry(cached[0][:n], cached[1], kv)))
+        if self.disk is not None and not cached[1]:  # a LoRA load's number means nothing to another process
+            self.disk.put(cached[0][:n], cached[1], kv)
         self._gauges()
 
     def _restore(self, lane: int, entry: TierEntry, n: int) -> bool:

@@ -1,0 +1,339 @@
+"""A disk tier under the prefix cache's host tier (engine/prefix_tier.py): entries as files that outlive the process.
+
+With `--prefix-cache-dir`, every entry the host tier keeps for the base model (adapter 0: a LoRA adapter's load
+number names another adapter in another process) is also written to a file in that directory, and the lanes' cached
+prefixes are written at a clean stop (`Scheduler.drain`). A station started later over the same directory reads the
+files' headers and reuses their KV as the host tier's: a request whose prompt matches a file's tokens further than
+memory and the lanes do has the file loaded into the host tier and restored into its lane, bit for bit what its own
+prefill would have written.
+
+A file is `<magic><header length, 8 bytes little-endian><JSON header><arrays>`. The header holds the token ids, the
+adapter, the fingerprint (`engine_fingerprint`: a hash of the weights' bytes, the weights' dtype, the KV dtype, the
+arena's per-position layout and the prefill chunk: whatever else changes a KV bit or a restart's boundary), each
+array's name, dtype and shape, and the sha256 of the arrays' bytes. At start the directory's headers are read into
+an index (`DiskTier.find` looks there, in memory); a file of another fingerprint, with a header that does not parse or
+of the wrong size is skipped with one log line, and one whose arrays fail the checksum when loaded is skipped and
+dropped from the index: never loaded, never fatal. An unreadable directory turns the tier off with one line.
+
+Writes run on a writer thread of their own (`put` only queues the host copy the decode thread already holds; a full
+queue drops the write): each goes to a temporary file in the same directory, is fsynced and renamed over its name
+(os.replace), so a process killed at any moment leaves complete files and at worst a temporary one, which the index
+never reads. `close` writes what is queued and stops the thread. The files' bytes stay within `capacity`: after
+each write the least recently used (by mtime; a load touches its file) go first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxstation.engine.arena import KVBuffers
+from jaxstation.engine.metrics import StationMetrics
+from jaxstation.engine.prefix_cache import common_prefix
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"JXPREFIX1\n"
+SUFFIX = ".kv"
+MAX_HEADER = 64 << 20  # a header's bytes at most (its tokens, as JSON)
+QUEUE = 64  # writes waiting at most; past them a write is dropped
+
+
+def engine_fingerprint(engine: Any) -> dict[str, Any]:
+    """What fixes a KV bit of `engine`'s arena besides the tokens and the adapter: a sha256 of the base weights'
+    bytes (read once; LoRA stacks left out), the weights' dtype, the KV dtype, the global layers' per-position
+    buffer shapes and dtypes, and the prefill chunk."""
+    t0, digest = time.perf_counter(), hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(engine.model.params):
+        name = jax.tree_util.keystr(path)
+        if "lora" in name.lower() or not hasattr(leaf, "shape"):
+            continue
+        array = np.asarray(leaf)
+        digest.update(f"{name}:{array.dtype}:{array.shape};".encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    full = engine.arena.full
+    layout = {f.name: [str(b.dtype), b.shape[0], *b.shape[3:]] for f in dataclasses.fields(full)
+              if (b := getattr(full, f.name)) is not None}
+    fingerprint = {"weights": digest.hexdigest(), "dtype": str(engine.model.params.dtype),
+                   "kv_dtype": str(engine.kv_dtype), "layout": layout, "chunk": engine.chunk}
+    log.info("prefix cache on disk: the weights' fingerprint %s took %.1f s", fingerprint["weights"][:12],
+             time.perf_counter() - t0)
+    return fingerprint
+
+
+def _arrays(kv: Any) -> dict[str, np.ndarray]:
+    """A host copy's arrays by name: a KVBuffers' fields (those present), or one array."""
+    if isinstance(kv, KVBuffers):
+        return {f.name: np.asarray(a) for f in dataclasses.fields(kv) if (a := getattr(kv, f.name)) is not None}
+    return {"array": np.asarray(kv)}
+
+
+def _from_arrays(arrays: dict[str, np.ndarray]) -> Any:
+    return arrays["array"] if set(arrays) == {"array"} else KVBuffers(**arrays)
+
+
+@dataclasses.dataclass
+class DiskEntry:
+    path: Path
+    tokens: tuple[int, ...]
+    adapter: int
+    nbytes: int  # the file's
+    mtime: float
+    arrays: list[tuple[str, str, tuple[int, ...]]]  # name, dtype, shape
+    offset: int  # where the arrays start
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    tokens: tuple[int, ...]
+    adapter: int
+    kv: Any
+
+
+class DiskTier:
+    """The files of `directory` written for `fingerprint`, at most `capacity` bytes of them."""
+
+    def __init__(self, directory: str | os.PathLike, capacity: int, fingerprint: dict[str, Any],
+                 metrics: StationMetrics | None = None) -> None:
+        self.directory, self.capacity, self.metrics = Path(directory), capacity, metrics
+        self.fingerprint = json.loads(json.dumps(fingerprint))  # as a header reads back
+        self.key = hashlib.sha256(json.dumps(self.fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+        self.evictions = self.dropped = 0
+        self._lock = threading.Lock()  # guards the index (the decode thread's lookups, the writer's writes)
+        self._index: dict[tuple[int, tuple[int, ...]], DiskEntry] = {}
+        self._queue: queue.Queue = queue.Queue(QUEUE)
+        self._writer: threading.Thread | None = None
+        self._serial = 0
+        self.on = self._scan()
+        if self.on:
+            self._evict()
+            self._gauges()
+            self._writer = threading.Thread(target=self._write_loop, name="jaxstation-prefix-disk", daemon=True)
+            self._writer.start()
+
+    # ---- the index -------------------------------------------------------------------------------------------
+    def _scan(self) -> bool:
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            names = sorted(p for p in self.directory.iterdir() if p.name.endswith(SUFFIX) and
+                           not p.name.startswith("."))
+            probe = self.directory / f".probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            log.warning("prefix cache on disk: off, since %s is not a writable directory (%s: %s)", self.directory,
+                        type(e).__name__, e)
+            return False
+        for path in names:
+            entry = self._read_header(path)
+            if entry is not None:
+                self._index[(entry.adapter, entry.tokens)] = entry
+        log.info("prefix cache on disk: %d entries, %d MiB in %s (at most %d MiB)", len(self._index),
+                 self.nbytes >> 20, self.directory, self.capacity >> 20)
+        return True
+
+    def _read_header(self, path: Path) -> DiskEntry | None:
+        """The entry `path` holds, or None (logged) where it is not one of this tier's complete files."""
+        try:
+            with path.open("rb") as f:
+                if f.read(len(MAGIC)) != MAGIC:
+                    raise ValueError("not a prefix cache file")
+                (length,) = struct.unpack("<Q", f.read(8))
+                if length > MAX_HEADER:
+                    raise ValueError(f"a header of {length} bytes")
+                raw = f.read(length)
+                if len(raw) != length:
+                    raise ValueError("truncated header")
+                header = json.loads(raw)
+            stat = path.stat()
+            offset = len(MAGIC) + 8 + length
+            arrays = [(name, dtype, tuple(shape)) for name, dtype, shape in header["arrays"]]
+            if header["fingerprint"] != self.fingerprint:
+                log.info("prefix cache on disk: skipping %s, written for another model or settings", path.name)
+                return None
+            if stat.st_size != offset + header["bytes"]:
+                raise ValueError(f"{stat.st_size} bytes, not {offset + header['bytes']}: truncated")
+            return DiskEntry(path, tuple(int(t) for t in header["tokens"]), int(header["adapter"]), stat.st_size,
+                             stat.st_mtime, arrays, offset, header["sha256"])
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+            log.warning("prefix cache on disk: skipping %s (%s: %s)", path.name, type(e).__name__, e)
+            return None
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(e.nbytes for e in self._index.values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def find(self, prompt: Sequence[int], adapter: int, chunk: int) -> tuple[DiskEntry | None, int]:
+        """(the entry with the longest reusable match for `prompt` of `adapter`, the prompt tokens it matches, at
+        most len(prompt) - 1); (None, 0) where none reuses a chunk."""
+        prompt, best, matched = tuple(prompt), None, 0
+        with self._lock:
+            for (load, tokens), entry in self._index.items():
+                if load == adapter:
+                    n = min(common_prefix(tokens, prompt), len(prompt) - 1)
+                    if n // chunk > matched // chunk:
+                        best, matched = entry, n
+        return best, matched
+
+    def covers(self, tokens: tuple[int, ...], adapter: int) -> bool:
+        """Whether a file (or a queued write) of `adapter` starts with `tokens`."""
+        with self._lock:
+            return any(load == adapter and have[:len(tokens)] == tokens for load, have in self._index)
+
+    def load(self, entry: DiskEntry) -> Loaded | None:
+        """`entry`'s KV, its file touched (the most recently used now); None (logged, the entry forgotten) where the
+        file is gone, short or fails its checksum."""
+        try:
+            with entry.path.open("rb") as f:
+                f.seek(entry.offset)
+                payload = f.read()
+            if len(payload) != entry.nbytes - entry.offset:
+                raise ValueError("truncated")
+            if hashlib.sha256(payload).hexdigest() != entry.sha256:
+                raise ValueError("the checksum does not match: corrupt")
+            arrays, at = {}, 0
+            for name, dtype, shape in entry.arrays:
+                dt = jnp.dtype(dtype)
+                count = int(np.prod(shape, dtype=np.int64))
+                arrays[name] = np.frombuffer(payload, dt, count, at).reshape(shape)
+                at += count * dt.itemsize
+            os.utime(entry.path)
+            entry.mtime = time.time()
+            return Loaded(entry.tokens, entry.adapter, _from_arrays(arrays))
+        except (OSError, ValueError, TypeError) as e:
+            log.warning("prefix cache on disk: skipping %s (%s: %s)", entry.path.name, type(e).__name__, e)
+            with self._lock:
+                if self._index.get((entry.adapter, entry.tokens)) is entry:
+                    del self._index[(entry.adapter, entry.tokens)]
+            self._gauges()
+            return None
+
+    # ---- writes ----------------------------------------------------------------------------------------------
+    def put(self, tokens: tuple[int, ...], adapter: int, kv: Any) -> bool:
+        """Queue a write of `kv` (a host copy no one writes to) for `tokens` of `adapter`; False where the tier is
+        off or the queue full (dropped)."""
+        if not self.on:
+            return False
+        try:
+            self._queue.put_nowait((tokens, adapter, kv))
+            return True
+        except queue.Full:
+            self.dropped += 1
+            return False
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer. Idempotent."""
+        if self._writer is not None:
+            self._queue.put(None)
+            self._writer.join()
+            self._writer = None
+        self.on = False
+
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                self._write(*item)
+            except Exception as e:  # a full disk, a directory gone: the entry stays in memory only
+                log.warning("prefix cache on disk: writing %d tokens failed (%s: %s)", len(item[0]),
+                            type(e).__name__, e)
+
+    def _write(self, tokens: tuple[int, ...], adapter: int, kv: Any) -> None:
+        if self.covers(tokens, adapter):
+            return
+        arrays = _arrays(kv)
+        blobs = [np.ascontiguousarray(a).tobytes() for a in arrays.values()]
+        digest = hashlib.sha256()
+        for blob in blobs:
+            digest.update(blob)
+        header = json.dumps({"fingerprint": self.fingerprint, "adapter": adapter, "tokens": list(tokens),
+                             "arrays": [[n, a.dtype.name, list(a.shape)] for n, a in arrays.items()],
+                             "bytes": sum(map(len, blobs)), "sha256": digest.hexdigest()}).encode()
+        size = len(MAGIC) + 8 + len(header) + sum(map(len, blobs))
+        if size > self.capacity:
+            return
+        name = f"{self.key}-{adapter}-{hashlib.sha256(repr(tokens).encode()).hexdigest()[:24]}{SUFFIX}"
+        path = self.directory / name
+        self._serial += 1
+        tmp = self.directory / f".{name}.{os.getpid()}.{self._serial}.tmp"
+        try:
+            with tmp.open("wb") as f:
+                f.write(MAGIC)
+                f.write(struct.pack("<Q", len(header)))
+                f.write(header)
+                for blob in blobs:
+                    f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(self.directory)
+        entry = DiskEntry(path, tokens, adapter, size, path.stat().st_mtime, [(n, a.dtype.name, a.shape)
+                          for n, a in arrays.items()], size - sum(map(len, blobs)), digest.hexdigest())
+        with self._lock:
+            covered = [k for k in self._index if k[0] == adapter and tokens[:len(k[1])] == k[1] and k[1] != tokens]
+            gone = [self._index.pop(k).path for k in covered]
+            self._index[(adapter, tokens)] = entry
+        for old in gone:
+            old.unlink(missing_ok=True)
+        self._evict()
+        self._gauges()
+
+    def _evict(self) -> None:
+        """Delete the least recently used files (by mtime) while the bytes exceed the capacity."""
+        while True:
+            with self._lock:
+                if sum(e.nbytes for e in self._index.values()) <= self.capacity or not self._index:
+                    return
+                key = min(self._index, key=lambda k: self._index[k].mtime)
+                victim = self._index.pop(key)
+            victim.path.unlink(missing_ok=True)
+            self.evictions += 1
+            if self.metrics is not None:
+                self.metrics.prefix_disk_evictions.inc()
+
+    def attach(self, metrics: StationMetrics) -> None:
+        """Report on `metrics` from now on (the station's, given by the tier above)."""
+        self.metrics = metrics
+        self._gauges()
+
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            with self._lock:
+                self.metrics.prefix_disk_bytes.set(sum(e.nbytes for e in self._index.values()))
+                self.metrics.prefix_disk_entries.set(len(self._index))
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in `directory` durable (where the platform allows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

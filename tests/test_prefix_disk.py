@@ -1,0 +1,172 @@
+"""The prefix cache's disk tier (engine/prefix_disk.py): a restarted scheduler reuses what the last one wrote, files
+of other settings, truncated, corrupt or half-written are skipped, an unusable directory is not fatal, the bytes stay
+bound; and on the default model a restart's reuse gives a fresh prefill's bits."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fake_engine import FakeEngine, expected
+from test_prefix_tier import GREEDY, SEEDED, TIMEOUT, assert_same_samples, ids, run, saved
+
+from jaxstation.config.settings import ConfigError, MiB, resolve
+from jaxstation.engine.engine import Engine
+from jaxstation.engine.prefix_disk import DiskTier, engine_fingerprint
+from jaxstation.engine.scheduler import Scheduler
+
+FAKE = {"model": "fake", "chunk": 4}
+LOGGER = "jaxstation.engine.prefix_disk"
+
+
+def station(directory: Path, fingerprint: dict = FAKE, capacity: int = MiB) -> tuple[FakeEngine, Scheduler]:
+    """A fresh fake engine and scheduler over the disk tier in `directory`, as a restarted process has."""
+    fake = FakeEngine(lanes=2, chunk=4)
+    sched = Scheduler(fake, continuous=True, max_queue=64, terminal_ids=frozenset(), prefix_cache_ram=MiB,
+                      prefix_cache_disk=DiskTier(directory, capacity, fingerprint))
+    sched.start()
+    return fake, sched
+
+
+def next_turn(prompt: list[int]) -> list[int]:
+    return prompt + expected(prompt, 3) + [7]
+
+
+CONVERSATIONS = [[10 * c + i for i in range(9)] for c in range(1, 4)]  # 8 tokens cached each, 16 bytes a token
+
+
+def first_run(directory: Path) -> None:
+    """Three conversations on two lanes, then a clean stop: one spilled (written then), two written at the stop."""
+    _, sched = station(directory)
+    for prompt in CONVERSATIONS:
+        run(sched, prompt, 3)
+    assert sched.drain(10)
+    assert len(list(directory.glob("*.kv"))) == 3
+
+
+def test_a_restarted_scheduler_resumes_every_conversation_from_disk(tmp_path: Path) -> None:
+    first_run(tmp_path)
+    fake, sched = station(tmp_path)
+    try:
+        for prompt in CONVERSATIONS:
+            r = run(sched, next_turn(prompt), 2)
+            assert (r.generated, r.timing["cached_tokens"]) == (expected(next_turn(prompt), 2), 8)
+        assert saved(sched, "disk") == 24 and not fake.errors
+        value = sched.metrics.registry.get_sample_value
+        assert value("jaxstation_prefix_cache_disk_load_seconds_count") == 3
+        assert value("jaxstation_prefix_cache_disk_entries") >= 3
+    finally:
+        assert sched.drain(10)
+
+
+def test_files_of_other_settings_truncated_or_corrupt_are_skipped(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    first_run(tmp_path)
+    with caplog.at_level("INFO", logger=LOGGER):
+        other = DiskTier(tmp_path, MiB, {**FAKE, "chunk": 8})
+    assert len(other) == 0 and sum("written for another model or settings" in r.getMessage()
+                                   for r in caplog.records) == 3
+    other.close()
+    files = sorted(tmp_path.glob("*.kv"))
+    data = files[0].read_bytes()
+    files[0].write_bytes(data[:-5])  # truncated
+    data = bytearray(files[1].read_bytes())
+    data[-3] ^= 0xFF  # one flipped bit pattern in the arrays: the checksum fails at load
+    files[1].write_bytes(bytes(data))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=LOGGER):
+        fake, sched = station(tmp_path)
+        try:
+            cached = []
+            for prompt in CONVERSATIONS:
+                r = run(sched, next_turn(prompt), 2)
+                assert r.generated == expected(next_turn(prompt), 2)
+                cached.append(r.timing["cached_tokens"])
+            assert sorted(cached) == [0, 0, 8] and not fake.errors
+        finally:
+            assert sched.drain(10)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert f"skipping {files[0].name} (ValueError:" in messages[0] and "truncated" in messages[0]
+    assert f"skipping {files[1].name} (ValueError: the checksum does not match: corrupt)" in messages[1]
+
+
+def test_a_half_written_temporary_file_is_ignored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    first_run(tmp_path)
+    whole = sorted(tmp_path.glob("*.kv"))[0]
+    (tmp_path / f".{whole.name}.123.1.tmp").write_bytes(whole.read_bytes()[:40])  # a writer killed mid-write
+    with caplog.at_level("WARNING", logger=LOGGER):
+        tier = DiskTier(tmp_path, MiB, FAKE)
+    assert len(tier) == 3 and not caplog.records
+    tier.close()
+
+
+def test_an_unusable_directory_turns_the_disk_tier_off(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_bytes(b"not a directory")
+    with caplog.at_level("WARNING", logger=LOGGER):
+        fake, sched = station(blocked)
+    try:
+        assert [r.getMessage().startswith("prefix cache on disk: off, since") for r in caplog.records] == [True]
+        assert sched.prefix_tier.disk is None
+        for prompt in CONVERSATIONS:
+            assert run(sched, prompt, 3).generated == expected(prompt, 3)
+        assert not fake.errors
+    finally:
+        assert sched.drain(10)
+
+
+def test_the_least_recently_used_files_go_first_within_the_bytes(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, MiB, FAKE)
+    for k in range(3):
+        tier.put(tuple(range(10 * k, 10 * k + 8)), 0, np.full((8, 2), k, np.int64))
+    tier.close()
+    files = {e.tokens[0]: e for e in DiskTier(tmp_path, MiB, FAKE)._index.values()}
+    size = files[10].nbytes + files[20].nbytes  # room for two
+    for k, entry in files.items():  # written in order, a second apart
+        os.utime(entry.path, (1000 + k, 1000 + k))
+    tier = DiskTier(tmp_path, size, FAKE)  # the oldest (0) goes at start
+    assert sorted(e.tokens[0] for e in tier._index.values()) == [10, 20] and tier.evictions == 1
+    found, matched = tier.find(list(range(10, 18)) + [5], 0, 4)
+    assert matched == 8 and (tier.load(found).kv == 1).all()  # touched: 10 is the most recent now
+    tier.put(tuple(range(30, 38)), 0, np.full((8, 2), 3, np.int64))
+    tier.close()
+    assert sorted(e.tokens[0] for e in tier._index.values()) == [10, 30] and tier.nbytes <= size
+    assert len(list(tmp_path.glob("*.kv"))) == 2
+
+
+def test_the_disk_settings() -> None:
+    c = resolve(None, {"MOONSHINE_PREFIX_CACHE_DIR": "/cache", "MOONSHINE_PREFIX_CACHE_DISK_MB": "64"})
+    assert (c.prefix_cache_dir, c.prefix_cache_disk_mb) == ("/cache", 64)
+    with pytest.raises(ConfigError, match="MOONSHINE_PREFIX_CACHE_DISK_MB=0 must be >= 1"):
+        resolve(None, {"MOONSHINE_PREFIX_CACHE_DISK_MB": "0"})
+
+
+# ---- the default model ------------------------------------------------------------------------------------------
+
+def test_a_restart_reuses_the_disk_tier_with_a_fresh_prefills_bits(engine: Engine, tmp_path: Path) -> None:
+    fingerprint = engine_fingerprint(engine)
+    sched = Scheduler(engine, continuous=True, max_queue=64, terminal_ids=frozenset(), prefix_cache_ram=64 * MiB,
+                      prefix_cache_disk=DiskTier(tmp_path, 64 * MiB, fingerprint))
+    sched.start()
+    first = ids(1, 70)
+    try:
+        r1 = run(sched, first, 4, SEEDED)
+    finally:
+        assert sched.drain(10)  # the clean stop writes first's lane
+    assert len(list(tmp_path.glob("*.kv"))) == 1
+    engine.reset()  # a fresh arena, as a new process has
+    sched = Scheduler(engine, continuous=True, max_queue=64, terminal_ids=frozenset(), prefix_cache_ram=64 * MiB,
+                      prefix_cache_disk=DiskTier(tmp_path, 64 * MiB, engine_fingerprint(engine)))
+    sched.start()
+    try:
+        target = first + r1.generated + ids(2, 9)
+        hit = run(sched, target, 6, SEEDED)
+        assert hit.timing["cached_tokens"] == 64 and saved(sched, "disk") == 64
+        fresh = run(sched, target, 6, SEEDED, reuse=False)
+        assert_same_samples(hit, fresh)
+        assert run(sched, ids(3, 20), 1, GREEDY).generated
+    finally:
+        assert sched.drain(TIMEOUT)
