@@ -61,6 +61,18 @@ def test_a_restarted_scheduler_resumes_every_conversation_from_disk(tmp_path: Pa
         assert sched.drain(10)
 
 
+def test_reset_prefix_cache_deletes_the_files(tmp_path: Path) -> None:
+    first_run(tmp_path)
+    fake, sched = station(tmp_path)
+    try:
+        assert sched.reset_prefix_cache().result(TIMEOUT) == 3 and not list(tmp_path.glob("*.kv"))
+        r = run(sched, next_turn(CONVERSATIONS[0]), 2)
+        assert (r.generated, r.timing["cached_tokens"]) == (expected(next_turn(CONVERSATIONS[0]), 2), 0)
+    finally:
+        assert sched.drain(10)
+    assert len(list(tmp_path.glob("*.kv"))) == 1  # the clean stop wrote the lane
+
+
 def test_files_of_other_settings_truncated_or_corrupt_are_skipped(tmp_path: Path,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     first_run(tmp_path)

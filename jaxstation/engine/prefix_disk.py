@@ -18,7 +18,8 @@ dropped from the index: never loaded, never fatal. An unreadable directory turns
 Writes run on a writer thread of their own (`put` only queues the host copy the decode thread already holds; a full
 queue drops the write): each goes to a temporary file in the same directory, is fsynced and renamed over its name
 (os.replace), so a process killed at any moment leaves complete files and at worst a temporary one, which the index
-never reads. `close` writes what is queued and stops the thread. The files' bytes stay within `capacity`: after
+never reads. `close` writes what is queued and stops the thread; `clear` (the scheduler's reset_prefix_cache)
+deletes this tier's files and drops the writes queued before it. The files' bytes stay within `capacity`: after
 each write the least recently used (by mtime; a load touches its file) go first.
 """
 
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"JXPREFIX1\n"
 SUFFIX = ".kv"
 MAX_HEADER = 64 << 20  # a header's bytes at most (its tokens, as JSON)
-QUEUE = 64  # writes waiting at most; past them a write is dropped
+QUEUE, QUEUE_BYTES = 64, 1 << 30  # writes waiting at most, and their bytes (but one); past them a write is dropped
 
 
 def engine_fingerprint(engine: Any) -> dict[str, Any]:
@@ -119,6 +120,8 @@ class DiskTier:
         self._queue: queue.Queue = queue.Queue(QUEUE)
         self._writer: threading.Thread | None = None
         self._serial = 0
+        self._generation = 0  # `clear` moves it on: writes queued before are dropped (under the lock)
+        self._pending = 0  # bytes queued (under the lock)
         self.on = self._scan()
         if self.on:
             self._evict()
@@ -234,12 +237,32 @@ class DiskTier:
         off or the queue full (dropped)."""
         if not self.on:
             return False
-        try:
-            self._queue.put_nowait((tokens, adapter, kv))
-            return True
-        except queue.Full:
-            self.dropped += 1
-            return False
+        nbytes = sum(a.nbytes for a in _arrays(kv).values())
+        with self._lock:
+            if self._pending and self._pending + nbytes > QUEUE_BYTES:
+                self.dropped += 1
+                return False
+            try:
+                self._queue.put_nowait((self._generation, tokens, adapter, kv))
+            except queue.Full:
+                self.dropped += 1
+                return False
+            self._pending += nbytes
+        return True
+
+    def clear(self) -> int:
+        """Forget and delete every file of this tier, and drop the writes queued so far; returns how many files. A
+        closed tier keeps its files (they are the next process's)."""
+        if not self.on:
+            return 0
+        with self._lock:
+            self._generation += 1
+            gone = list(self._index.values())
+            self._index.clear()
+        for entry in gone:
+            entry.path.unlink(missing_ok=True)
+        self._gauges()
+        return len(gone)
 
     def close(self) -> None:
         """Write what is queued, then stop the writer. Idempotent."""
@@ -254,11 +277,14 @@ class DiskTier:
             try:
                 self._write(*item)
             except Exception as e:  # a full disk, a directory gone: the entry stays in memory only
-                log.warning("prefix cache on disk: writing %d tokens failed (%s: %s)", len(item[0]),
+                log.warning("prefix cache on disk: writing %d tokens failed (%s: %s)", len(item[1]),
                             type(e).__name__, e)
+            finally:
+                with self._lock:
+                    self._pending -= sum(a.nbytes for a in _arrays(item[3]).values())
 
-    def _write(self, tokens: tuple[int, ...], adapter: int, kv: Any) -> None:
-        if self.covers(tokens, adapter):
+    def _write(self, generation: int, tokens: tuple[int, ...], adapter: int, kv: Any) -> None:
+        if generation != self._generation or self.covers(tokens, adapter):
             return
         arrays = _arrays(kv)
         blobs = [np.ascontiguousarray(a).tobytes() for a in arrays.values()]
@@ -292,9 +318,12 @@ class DiskTier:
         entry = DiskEntry(path, tokens, adapter, size, path.stat().st_mtime, [(n, a.dtype.name, a.shape)
                           for n, a in arrays.items()], size - sum(map(len, blobs)), digest.hexdigest())
         with self._lock:
-            covered = [k for k in self._index if k[0] == adapter and tokens[:len(k[1])] == k[1] and k[1] != tokens]
-            gone = [self._index.pop(k).path for k in covered]
-            self._index[(adapter, tokens)] = entry
+            if generation != self._generation:  # cleared while it was written
+                gone = [path]
+            else:
+                covered = [k for k in self._index if k[0] == adapter and tokens[:len(k[1])] == k[1] and k[1] != tokens]
+                gone = [self._index.pop(k).path for k in covered]
+                self._index[(adapter, tokens)] = entry
         for old in gone:
             old.unlink(missing_ok=True)
         self._evict()

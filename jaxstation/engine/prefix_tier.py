@@ -257,8 +257,8 @@ class PrefixTier:
             return False
 
     def clear(self) -> int:
-        """Drop every entry; returns how many there were."""
-        dropped = self.host.clear()
+        """Drop every entry, in memory and on disk; returns how many there were."""
+        dropped = self.host.clear() + (self.disk.clear() if self.disk is not None else 0)
         self._gauges()
         return dropped
 

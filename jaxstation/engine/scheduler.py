@@ -143,8 +143,8 @@ class Scheduler:
     def reset_prefix_cache(self) -> Future:
         """Forget every free lane's cached prefix (vLLM's /reset_prefix_cache): the next requests prefill in full,
         as a cold station's do. The decode thread does it between two turns, so every lane freed before the returned
-        Future answers loses its prefix, and lanes in flight are untouched; the host tier is emptied. The Future answers
-        how many entries were dropped."""
+        Future answers loses its prefix, and lanes in flight are untouched; the host tier is emptied and the disk tier's
+        files deleted. The Future answers how many entries were dropped."""
         done: Future = Future()
         with self.cond:
             if self.alive and not self._stop:
