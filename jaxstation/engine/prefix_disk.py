@@ -55,25 +55,36 @@ QUEUE, QUEUE_BYTES = 64, 1 << 30  # writes waiting at most, and their bytes (but
 
 
 def engine_fingerprint(engine: Any) -> dict[str, Any]:
-    """What fixes a KV bit of `engine`'s arena besides the tokens and the adapter: a sha256 of the base weights'
-    bytes (read once; LoRA stacks left out), the weights' dtype, the KV dtype, the global layers' per-position
-    buffer shapes and dtypes, and the prefill chunk."""
+    """What fixes a KV bit of `engine`'s arena besides the tokens and the adapter: a sha256 of the base weights
+    (their tree, whose static fields name how each projection multiplies, and every array's bytes, read once; LoRA
+    stacks left out), the weights' dtype, the KV dtype, the global layers' per-position buffer shapes and dtypes, the
+    prefill chunk, the KV block, the attention, the packed-step budget, the device kind and the jax version."""
     t0, digest = time.perf_counter(), hashlib.sha256()
-    for path, leaf in jax.tree_util.tree_leaves_with_path(engine.model.params):
-        name = jax.tree_util.keystr(path)
-        if "lora" in name.lower() or not hasattr(leaf, "shape"):
-            continue
+    params = _base(engine.model.params)
+    digest.update(str(jax.tree_util.tree_structure(params)).encode())
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         array = np.asarray(leaf)
-        digest.update(f"{name}:{array.dtype}:{array.shape};".encode())
+        digest.update(f"{jax.tree_util.keystr(path)}:{array.dtype}:{array.shape};".encode())
         digest.update(np.ascontiguousarray(array).tobytes())
     full = engine.arena.full
     layout = {f.name: [str(b.dtype), b.shape[0], *b.shape[3:]] for f in dataclasses.fields(full)
               if (b := getattr(full, f.name)) is not None}
     fingerprint = {"weights": digest.hexdigest(), "dtype": str(engine.model.params.dtype),
-                   "kv_dtype": str(engine.kv_dtype), "layout": layout, "chunk": engine.chunk}
+                   "kv_dtype": str(engine.kv_dtype), "layout": layout, "chunk": engine.chunk, "block": engine.block,
+                   "attention": engine.attention, "budget": engine.prefill_budget,
+                   "device": engine.arena.k.devices().pop().device_kind, "jax": jax.__version__}
     log.info("prefix cache on disk: the weights' fingerprint %s took %.1f s", fingerprint["weights"][:12],
              time.perf_counter() - t0)
     return fingerprint
+
+
+def _base(params: Any) -> Any:
+    """`params` without LoRA stacks (which hold whatever adapters are loaded)."""
+    def strip(layer: Any) -> Any:
+        return dataclasses.replace(layer, lora=None) if getattr(layer, "lora", None) is not None else layer
+
+    layers = tuple(map(strip, params.layers)) if isinstance(params.layers, tuple) else strip(params.layers)
+    return dataclasses.replace(params, layers=layers)
 
 
 def _arrays(kv: Any) -> dict[str, np.ndarray]:
