@@ -17,7 +17,7 @@ from jaxstation.engine.engine import Engine
 from jaxstation.engine.prefix_disk import DiskTier, engine_fingerprint
 from jaxstation.engine.scheduler import Scheduler
 
-FAKE = {"model": "fake", "chunk": 4}
+FAKE = {"weights": "fake", "dtype": "float32", "kv_dtype": "float32", "chunk": 4}
 LOGGER = "jaxstation.engine.prefix_disk"
 
 
@@ -76,11 +76,13 @@ def test_reset_prefix_cache_deletes_the_files(tmp_path: Path) -> None:
 def test_files_of_other_settings_truncated_or_corrupt_are_skipped(tmp_path: Path,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     first_run(tmp_path)
-    with caplog.at_level("INFO", logger=LOGGER):
-        other = DiskTier(tmp_path, MiB, {**FAKE, "chunk": 8})
-    assert len(other) == 0 and sum("written for another model or settings" in r.getMessage()
-                                   for r in caplog.records) == 3
-    other.close()
+    for change in ({"weights": "other"}, {"dtype": "bfloat16"}, {"kv_dtype": "int8"}, {"chunk": 8}):
+        caplog.clear()
+        with caplog.at_level("INFO", logger=LOGGER):
+            other = DiskTier(tmp_path, MiB, {**FAKE, **change})
+        assert len(other) == 0 and sum("written for another model or settings" in r.getMessage()
+                                       for r in caplog.records) == 3
+        other.close()
     files = sorted(tmp_path.glob("*.kv"))
     data = files[0].read_bytes()
     files[0].write_bytes(data[:-5])  # truncated
@@ -112,6 +114,7 @@ def test_a_half_written_temporary_file_is_ignored(tmp_path: Path, caplog: pytest
     with caplog.at_level("WARNING", logger=LOGGER):
         tier = DiskTier(tmp_path, MiB, FAKE)
     assert len(tier) == 3 and not caplog.records
+    assert all(tier.load(e) is not None for e in list(tier._index.values()))  # the complete files load
     tier.close()
 
 
