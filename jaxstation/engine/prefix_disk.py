@@ -8,8 +8,8 @@ memory and the lanes do has the file loaded into the host tier and restored into
 prefill would have written.
 
 A file is `<magic><header length, 8 bytes little-endian><JSON header><arrays>`. The header holds the token ids, the
-adapter, the fingerprint (`engine_fingerprint`: a hash of the weights' bytes, the weights' dtype, the KV dtype, the
-arena's per-position layout and the prefill chunk: whatever else changes a KV bit or a restart's boundary), each
+adapter, the fingerprint (`engine_fingerprint`: a hash of the weights, the weights' dtype, the KV dtype, the
+arena's per-position layout, the prefill chunk and the rest of what may change a KV bit or a restart's boundary), each
 array's name, dtype and shape, and the sha256 of the arrays' bytes. At start the directory's headers are read into
 an index (`DiskTier.find` looks there, in memory); a file of another fingerprint, with a header that does not parse or
 of the wrong size is skipped with one log line, and one whose arrays fail the checksum when loaded is skipped and
