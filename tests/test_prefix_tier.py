@@ -45,10 +45,10 @@ def test_the_least_recently_used_entry_goes_first_and_the_bytes_stay_bound() -> 
     tier = HostTier(capacity=20 * 10, chunk=4)  # 20 tokens
     a, b, c = [1] * 8, [2] * 8, [3] * 8
     assert tier.put(entry(a)) == tier.put(entry(b)) == 0
-    found, matched = tier.find(a + [9], adapter=0)
+    found, matched, _ = tier.find(a + [9], adapter=0)
     tier.used(found)  # a is the most recent now
     assert matched == 8
-    assert tier.find(b + [9], adapter=1) == (None, 0)  # another adapter's prompt reuses nothing
+    assert tier.find(b + [9], adapter=1) == (None, 0, 0)  # another adapter's prompt reuses nothing
     assert tier.put(entry(c)) == 1  # 24 tokens: b, the least recently used, goes
     assert tier.keys() == [(0, tuple(a)), (0, tuple(c))] and tier.nbytes == 160 <= tier.capacity
     assert tier.put(entry([4] * 12)) == 1 and tier.keys() == [(0, tuple(c)), (0, (4,) * 12)]

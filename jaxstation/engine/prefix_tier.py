@@ -56,10 +56,27 @@ class TierEntry:
     tokens: tuple[int, ...]  # the ids whose prefill-written KV `kv` holds, a whole number of chunks
     adapter: int  # the LoRA adapter load that computed it (0: the base model)
     kv: KVBuffers  # numpy [global layers, len(tokens), kv_heads(, head_dim)] per leaf
+    # with rings, the restart points: (n, the windowed layers' ring content of the window before n, as
+    # `Engine.save_window` copies it), n ascending; None without rings (every chunk boundary is a restart point)
+    windows: tuple[tuple[int, KVBuffers], ...] | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in jax.tree_util.tree_leaves(self.kv))
+        return sum(a.nbytes for a in jax.tree_util.tree_leaves((self.kv, [w for _, w in self.windows or ()])))
+
+    def restart(self, matched: int, chunk: int) -> int:
+        """The furthest restart point at or below `matched` tokens (0: none)."""
+        if self.windows is None:
+            return matched // chunk * chunk
+        return max((n for n, _ in self.windows if n <= matched), default=0)
+
+    def window(self, n: int) -> KVBuffers | None:
+        """The ring content for a restart at n (None without rings)."""
+        return None if self.windows is None else dict(self.windows)[n]
+
+    def restarts(self) -> tuple[int, ...] | None:
+        """The restart points with rings (None without: every chunk boundary)."""
+        return None if self.windows is None else tuple(n for n, _ in self.windows)
 
 
 class HostTier:
@@ -78,17 +95,17 @@ class HostTier:
         """The entries' (adapter, tokens), least recently used first."""
         return list(self._entries)
 
-    def find(self, prompt: Sequence[int], adapter: int) -> tuple[TierEntry | None, int]:
-        """(the entry with the longest reusable match for `prompt` of `adapter`, the prompt tokens it matches, at
-        most len(prompt) - 1); (None, 0) where no entry reuses a chunk."""
+    def find(self, prompt: Sequence[int], adapter: int) -> tuple[TierEntry | None, int, int]:
+        """(the entry with the furthest restart point for `prompt` of `adapter`, the prompt tokens it matches (at
+        most len(prompt) - 1), that restart point: `TierEntry.restart`); (None, 0, 0) where no entry has one."""
         prompt = tuple(prompt)
-        best, matched = None, 0
+        best, matched, reused = None, 0, 0
         for (load, tokens), entry in self._entries.items():
             if load == adapter:
                 n = min(common_prefix(tokens, prompt), len(prompt) - 1)
-                if n // self.chunk > matched // self.chunk:
-                    best, matched = entry, n
-        return best, matched
+                if (restart := entry.restart(n, self.chunk)) > reused:
+                    best, matched, reused = entry, n, restart
+        return best, matched, reused
 
     def used(self, entry: TierEntry) -> None:
         """`entry` was reused: it becomes the most recent."""
@@ -99,16 +116,28 @@ class HostTier:
         if self._entries.pop((entry.adapter, entry.tokens), None) is not None:
             self.nbytes -= entry.nbytes
 
+    def covering(self, tokens: tuple[int, ...], adapter: int) -> TierEntry | None:
+        """An entry of `adapter` that starts with `tokens` (so holds their KV), if any."""
+        return next((e for (load, have), e in self._entries.items()
+                     if load == adapter and have[:len(tokens)] == tokens), None)
+
     def covers(self, tokens: tuple[int, ...], adapter: int) -> bool:
         """Whether an entry of `adapter` starts with `tokens` (so holds their KV)."""
-        return any(load == adapter and have[:len(tokens)] == tokens for load, have in self._entries)
+        return self.covering(tokens, adapter) is not None
 
     def put(self, entry: TierEntry) -> int:
-        """Keep `entry` as the most recent, dropping the entries it covers, then the least recently used while the
-        bytes exceed the capacity; an entry larger than the capacity is not kept. Returns the evictions."""
+        """Keep `entry` as the most recent, dropping the entries it covers (with rings, it takes over their restart
+        points), then the least recently used while the bytes exceed the capacity; an entry larger than the capacity
+        is not kept. Returns the evictions."""
+        covered = [k for k in self._entries if k[0] == entry.adapter and entry.tokens[:len(k[1])] == k[1]]
+        if entry.windows is not None:
+            windows = dict(entry.windows)
+            for key in covered:
+                windows = {**dict(self._entries[key].windows or ()), **windows}
+            entry = dataclasses.replace(entry, windows=tuple(sorted(windows.items(), key=lambda w: w[0])))
         if entry.nbytes > self.capacity:
             return 0
-        for key in [k for k in self._entries if k[0] == entry.adapter and entry.tokens[:len(k[1])] == k[1]]:
+        for key in covered:
             self.nbytes -= self._entries.pop(key).nbytes
         self._entries[(entry.adapter, entry.tokens)] = entry
         self.nbytes += entry.nbytes
@@ -131,8 +160,6 @@ def tier_refusal(engine: Runner) -> str | None:
     """Why `engine`'s arena cannot feed a host tier (None: it can)."""
     if engine.arena is None:
         return "the KV lives on mesh stations"
-    if engine.arena.rings is not None:
-        return "windowed layers keep a ring, not a whole prefix (--kv-windows full keeps one)"
     if len(engine.arena.k.devices()) > 1:
         return "the arena is split over devices (--tensor-parallel), and the copies are checked on one device only"
     return None
@@ -148,18 +175,33 @@ class PrefixTier:
             capacity = 0
         self.engine, self.cache, self.metrics = engine, cache, metrics
         self.host = HostTier(capacity, engine.chunk)
+        self.rings = engine.arena.rings is not None if capacity else False
+        self._windows: dict[int, tuple[tuple[int, ...], int, KVBuffers]] = {}  # lane -> its prompt's window copy
+
+    def prefilled(self, lane: int, tokens: Sequence[int], adapter: int) -> None:
+        """`lane` has just prefilled `tokens` with `adapter` and decodes next: with rings, copy the window before
+        their last chunk boundary n while the rings still hold it, kept for the lane's spill (`admit`) as the
+        entry's restart point at n. A failed copy keeps none: the lane's prefix is not kept in the tier."""
+        if not self.rings or (n := len(tokens) // self.host.chunk * self.host.chunk) == 0:
+            return
+        self._windows.pop(lane, None)
+        try:
+            self._windows[lane] = (tuple(tokens[:n]), adapter, self.engine.save_window(lane, n))
+        except Exception as e:
+            log.warning("prefix cache in host memory: saving lane %d's window before %d failed (%s: %s); not kept",
+                        lane, n, type(e).__name__, e)
 
     def admit(self, a: Admission) -> int:
         """A request of `a.prompt` takes `a.pick.lane`: keep the lane's cached prefix in the tier if the request will
-        overwrite it, and restore the tier's longest match into the lane where it reaches past `pick.reused`. Returns
-        the prompt tokens the request reuses (prefill restarts there), counted on the metrics when `a.reuse`."""
+        overwrite it, and restore the tier's furthest restart point into the lane where it reaches past `pick.reused`.
+        Returns the prompt tokens the request reuses (prefill restarts there), counted on the metrics when
+        `a.reuse`."""
         pick = a.pick
         if not self.host.capacity:
             if a.reuse:
                 self.metrics.count_prefix_lookup(pick.matched, pick.reused, "lane")
             return pick.reused
-        entry, matched = self.host.find(a.prompt, a.adapter) if a.reuse else (None, 0)
-        reused = matched // self.host.chunk * self.host.chunk
+        entry, matched, reused = self.host.find(a.prompt, a.adapter) if a.reuse else (None, 0, 0)
         restore = entry is not None and reused > pick.reused
         if restore:
             self.host.used(entry)  # before the spill, which may evict the least recently used
@@ -173,9 +215,22 @@ class PrefixTier:
 
     def _spill(self, lane: int, cached: tuple[tuple[int, ...], int] | None, kept: int) -> None:
         """Copy `lane`'s `cached` prefix into the tier, unless the request taking it keeps all of it (`kept` tokens)
-        or the tier holds it already. A failed copy keeps nothing."""
+        or the tier holds it already. With rings, only with the window its prompt's prefill left (`prefilled`), as
+        the entry's restart point; an entry that holds the tokens but not that restart point gains it. A failed copy
+        keeps nothing."""
+        window = self._windows.pop(lane, None)
         n = len(cached[0]) // self.host.chunk * self.host.chunk if cached else 0
-        if n <= kept or self.host.covers(cached[0][:n], cached[1]):
+        if n <= kept:
+            return
+        tokens = cached[0][:n]
+        if self.rings:
+            if window is None or window[:2] != (tokens, cached[1]):
+                return  # the window before n is no longer in the rings: no restart point
+            if (cover := self.host.covering(tokens, cached[1])) is not None:
+                if n not in cover.restarts():
+                    self._put(dataclasses.replace(cover, windows=(*cover.windows, (n, window[2]))))
+                return
+        elif self.host.covers(tokens, cached[1]):
             return
         try:
             kv = self.engine.save_prefix(lane, n)
@@ -183,14 +238,21 @@ class PrefixTier:
             log.warning("prefix cache in host memory: saving lane %d's %d tokens failed (%s: %s); not kept", lane, n,
                         type(e).__name__, e)
             return
-        self.metrics.prefix_tier_evictions.inc(self.host.put(TierEntry(cached[0][:n], cached[1], kv)))
+        self._put(TierEntry(tokens, cached[1], kv, ((n, window[2]),) if self.rings else None))
+
+    def _put(self, entry: TierEntry) -> None:
+        self.metrics.prefix_tier_evictions.inc(self.host.put(entry))
         self._gauges()
 
     def _restore(self, lane: int, entry: TierEntry, n: int) -> bool:
-        """Write `entry`'s first n tokens into `lane`. False where the copy failed: the entry is dropped (it may be
-        what failed), and the lane, taken by its request, is no lane the prefix cache reuses."""
+        """Write `entry`'s first n tokens (and with rings its window before n) into `lane`. False where the copy
+        failed: the entry is dropped (it may be what failed), and the lane, taken by its request, is no lane the
+        prefix cache reuses."""
         try:
-            self.engine.restore_prefix(lane, entry.kv, n)
+            if (window := entry.window(n)) is None:
+                self.engine.restore_prefix(lane, entry.kv, n)
+            else:
+                self.engine.restore_prefix(lane, entry.kv, n, window)
             return True
         except Exception as e:
             log.warning("prefix cache in host memory: restoring %d tokens into lane %d failed (%s: %s); the request "

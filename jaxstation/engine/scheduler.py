@@ -340,6 +340,7 @@ class Scheduler:
             lane.fed, lane.repacked = 0, True
         else:
             self.prefill_order.remove(i)
+            self.prefix_tier.prefilled(i, job.tokens, job.lora_load)
             self.postprocess(i, sample)
 
     def _pack(self, plan: Plan) -> list[Sample | None]:
@@ -354,6 +355,8 @@ class Scheduler:
                 self.prefill_order.remove(p.lane)
                 if not lane.repacked:  # a scored prompt was counted when it was scored
                     self.activity.prefilled(len(lane.job.tokens) - lane.job.cached_tokens)
+                if not lane.job.prompt_logprobs:  # a scored prompt's KV is not reused
+                    self.prefix_tier.prefilled(p.lane, lane.job.tokens, lane.job.lora_load)
         return samples
 
     def _verified(self, rows: list[DecodeRow | None], runs: list[list[Sample] | None]) -> None:
