@@ -151,6 +151,38 @@ def test_prefix_reuse_on_a_ring_is_exact_while_the_ring_holds_the_window(engines
     np.testing.assert_array_equal(np.asarray(reused[1]), np.asarray(fresh[1]))
 
 
+def test_a_window_copy_restores_the_rings_bits_where_a_restart_at_its_boundary_reads_them(
+        engines: tuple[Engine, Engine]) -> None:
+    """Lane 0 prefills 25 tokens; its global layers' positions [0, 24) and the window before 24 (positions 17..23,
+    slots 17..23 of the 32-slot ring) are copied to the host. Restored into lane 3, which held a longer prompt: lane 3
+    holds lane 0's bits there, may restart at 24 and no lower, and the prefill from 24 gives a fresh prefill's bits
+    on the full arena."""
+    ring, full = engines
+    vocab = ring.cfg.vocab_size
+    prompt = _prompt(60, 25, vocab)
+    prefill_all(ring, 0, prompt, SEEDED)
+    slots = np.arange(17, 24) % ring.ring
+    then = [np.asarray(a[:, 0]) for a in (ring.arena.rings.k, ring.arena.rings.v, ring.arena.k, ring.arena.v)]
+    kv, window = ring.save_prefix(0, 24), ring.save_window(0, 24)
+    assert window.k.shape == (sum(ring.windowed), 7, ring.cfg.num_kv_heads, ring.cfg.head_dim)
+    run_wave(ring, {3: (_prompt(61, 40, vocab), SEEDED)}, steps=5)
+    with pytest.raises(ValueError, match="restarts only from a copy of its window"):
+        ring.restore_prefix(3, kv, 24)
+    ring.restore_prefix(3, kv, 24, window)
+    now = [np.asarray(a[:, 3]) for a in (ring.arena.rings.k, ring.arena.rings.v, ring.arena.k, ring.arena.v)]
+    for a, b in zip(now[:2], then[:2], strict=True):
+        np.testing.assert_array_equal(a[:, slots], b[:, slots])
+    for a, b in zip(now[2:], then[2:], strict=True):
+        np.testing.assert_array_equal(a[:, :24], b[:, :24])
+    assert ring.reuse_floor(3) == 24
+    target = prompt + _prompt(62, 10, vocab)
+    ring.begin(3, target, SEEDED, frozenset())
+    reused = [ring.prefill(3, target, start, SEEDED, return_logits=True) for start in (24, 32)][-1]
+    fresh = prefill_all(full, 2, target, SEEDED, return_logits=True)
+    assert reused[0] == fresh[0]
+    np.testing.assert_array_equal(np.asarray(reused[1]), np.asarray(fresh[1]))
+
+
 def _turn(sched: Scheduler, prompt: list[int], n: int, sampling: SamplingParams, reuse: bool = True) -> Job:
     job = Job(tokens=prompt, max_new_tokens=n, sampling=sampling, reuse_prefix=reuse)
     sched.submit(job)

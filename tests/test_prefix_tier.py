@@ -64,6 +64,29 @@ def test_an_entry_replaces_those_it_extends_and_a_covered_one_is_not_kept() -> N
     assert tier.covers((1,) * 4, 0) and not tier.covers((1,) * 4, 7)
 
 
+def windowed(tokens: list[int], *restarts: int) -> TierEntry:
+    """An entry with rings: 10 bytes a token, 3 a window copy."""
+    windows = tuple((n, np.zeros(3, np.uint8)) for n in restarts)
+    return TierEntry(tuple(tokens), 0, np.zeros((len(tokens), 10), np.uint8), windows)
+
+
+def test_with_rings_an_entry_restarts_only_at_its_windows_and_takes_over_those_it_extends() -> None:
+    """An entry with rings restarts at the furthest of its windows at or below the match, not at any chunk boundary;
+    an entry that extends another keeps the other's windows (a turn's prompt end stays a restart point)."""
+    tier = HostTier(capacity=1000, chunk=4)
+    first = [1] * 8
+    tier.put(windowed(first, 8))
+    assert tier.find(first + [2] * 5, adapter=0)[1:] == (8, 8)
+    second = first + [2] * 8
+    tier.put(windowed(second, 16))
+    assert tier.keys() == [(0, tuple(second))] and tier.nbytes == 16 * 10 + 2 * 3
+    found, matched, reused = tier.find(first + [2] * 6 + [5] * 3, adapter=0)  # matches 14: restarts at 8
+    assert (found.tokens, matched, reused, found.restarts()) == (tuple(second), 14, 8, (8, 16))
+    assert tier.find(second + [5], adapter=0)[1:] == (16, 16)
+    assert tier.find([1] * 7, adapter=0) == (None, 0, 0)  # matches 6, below the first window
+    assert tier.find([1] * 6 + [3] * 4, adapter=0) == (None, 0, 0)
+
+
 # ---- the scheduler, on the fake engine -------------------------------------------------------------------------
 
 def test_conversations_beyond_the_lanes_resume_from_the_tier_on_the_fake_engine() -> None:
