@@ -3,18 +3,27 @@
 A lane's cached prefix (engine/prefix_cache.py) lives only until a request with another prompt takes the lane. Just
 before that request writes the lane, `PrefixTier.admit` copies the lane's prefill-written KV at positions [0, n) (n the
 cached tokens rounded down to a chunk: a restart never lands past the last boundary) into host memory (numpy), every
-global layer's k and v and, with an int8 arena, their scales, as stored: the bits are the arena's own. A request whose
-prompt matches an entry further than any free lane's cached prefix takes its lane as usual, the entry's chunks are
+global layer's k and v and, with an int8 arena, their scales, as stored: the bits are the arena's own. A request
+whose prompt matches an entry further than any free lane's cached prefix takes its lane as usual, the entry's chunks are
 written into the lane (one compiled program per chunk copy, donated), and prefill restarts at the chunk boundary at or
 below the match, as on a lane hit: every position from there on is written by the same chunks at the same starts as a
 fresh run's, so its tokens are bit-identical.
 
+Rings. Where windowed layers keep a ring of their window (engine/arena.py), a restart at n reads the window before n
+in those layers, which the lane's decode overwrites once it went about `ring - window` positions past its prompt. So
+as a prompt's prefill ends, before the lane's first decode row, `prefilled` copies the ring slots of the window before
+its last chunk boundary n (`Engine.save_window`, the arena's bits), and the lane's spill keeps it beside the global
+layers' [0, n) as the entry's restart point at n. A restore writes the global part and the window back into the slots
+the ring keeps those positions at for a restart at n; a window is of no use at another boundary, so an entry restarts
+only at its restart points (`TierEntry.restart`), and an entry that extends another takes over the other's: one entry
+per conversation holds a restart point at each turn's prompt end, and the lookup takes the furthest at or below the
+match. A prefix whose window was not copied is not kept.
+
 An entry is keyed as a lane's: its token ids and the LoRA adapter load that computed the KV. Everything else that
 changes a KV bit (the model and its weights' dtype, the KV dtype, the arena's layout, the chunk) is fixed for the
 engine the tier belongs to: one tier per scheduler and engine. Whole-prompt entries, evicted least recently used
-while their bytes exceed the tier's capacity. An arena with rings (windowed layers keeping only their window) holds
-no whole prefix to copy, a mesh engine's KV lives on its stations, and a split arena's copies are not checked: there
-the tier is off (`tier_refusal`).
+while their bytes exceed the tier's capacity. A mesh engine's KV lives on its stations, and a split arena's copies are
+not checked: there the tier is off (`tier_refusal`).
 
 Failures. The copies run inside the scheduler's step (`Scheduler._loop`), after the request holds its lane, so
 whatever they raise is at worst a failed step. A failed save logs a line and keeps nothing: the request goes on. A

@@ -19,7 +19,8 @@ Backpressure. `submit` past `max_queue` queued jobs raises QueueFull (a 503 with
 
 Prefix reuse (engine/prefix_cache.py): `_fill` gives a job the free lane with the longest reusable prefix (of its
 adapter), or copies a longer one into a lane from the host tier of `prefix_cache_ram` bytes (engine/prefix_tier.py),
-and starts its prefill at the last chunk boundary at or below the match, so its tokens equal a fresh run's.
+and starts its prefill at the last chunk boundary at or below the match (with rings, at a restart point the tier
+copied as a prompt's prefill ended: `PrefixTier.prefilled`), so its tokens equal a fresh run's.
 Speculation (engine/speculative.py, engine/draft.py): where the engine verifies drafts and a turn admits no prompt
 pieces, decode rows carry drafts and run as one `verify` step; each row's accepted tokens go through `postprocess`.
 
