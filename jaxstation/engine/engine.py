@@ -139,12 +139,14 @@ class Engine:
         return read_prefix(self.arena.full, lane, n, self.chunk)
 
     def save_window(self, lane: int, n: int) -> KVBuffers | None:
-        """A host copy of what `lane`'s rings hold of the window before position n (positions [n - window + 1, n)),
-        which a restart at n reads; None without rings. Only while the rings still hold it (`reuse_floor`): at the
-        end of a prompt's prefill, n its last chunk boundary."""
+        """A host copy of what `lane`'s rings hold of the window before position n (positions
+        [max(0, n - window + 1), n)), which a restart at n reads; None without rings. Only while the rings still hold
+        it (`reuse_floor`): at the end of a prompt's prefill, n its last chunk boundary."""
         if self.arena.rings is None:
             return None
-        return read_window(self.arena.rings, lane, n, self.cfg.sliding_window - 1)
+        count = self.cfg.sliding_window - 1
+        copy = read_window(self.arena.rings, lane, n, count)  # one program: count positions, some below 0 if n < count
+        return jax.tree_util.tree_map(lambda a: a[:, max(0, count - n):].copy(), copy)
 
     def restore_prefix(self, lane: int, kv: KVBuffers, n: int, window: KVBuffers | None = None) -> None:
         """Write positions [0, n) of a host copy (`save_prefix`) into `lane`, n a multiple of the chunk, and with
@@ -154,7 +156,10 @@ class Engine:
             raise ValueError("a lane with rings restarts only from a copy of its window")
         self._wrote([lane, lane], [0, n - 1])
         self.arena = dataclasses.replace(self.arena, full=write_prefix(self.arena.full, lane, kv, n, self.chunk))
-        if window is not None:
+        if window is not None:  # padded back to the program's count: the slots of positions below 0 get zeros
+            count = self.cfg.sliding_window - 1
+            window = jax.tree_util.tree_map(
+                lambda a: np.pad(a, [(0, 0), (count - a.shape[1], 0)] + [(0, 0)] * (a.ndim - 2)), window)
             self.arena = dataclasses.replace(self.arena, rings=write_window(self.arena.rings, lane, n, window))
             self.ring_hold.restored(lane, n)
 
