@@ -3,6 +3,9 @@ fake engine, its setting, and on the default model a restore that gives the bits
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import jax
 import numpy as np
 import pytest
 from fake_engine import FakeEngine, expected
@@ -127,6 +130,61 @@ def test_the_tier_evicts_the_least_recently_used_conversation_within_its_bytes()
         assert cached == [8, 0, 8, 0] and not fake.errors
         # evicted: c1 (by c2's spill), c0 (by c3's), c3 and c2 (by c0's next turn, 12 tokens), c0's next turn (by c1's)
         assert value("jaxstation_prefix_cache_memory_evictions_total") == 5
+    finally:
+        assert sched.drain(10)
+
+
+class RingedFake(FakeEngine):
+    """The fake engine with rings: `save_window` copies the lane's records of the 3 positions before n (a window of
+    4), and `restore_prefix` needs one taken at the same n. `fail_next_window` makes the next copy raise."""
+
+    arena = SimpleNamespace(rings=(), k=jax.numpy.zeros(0))
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.fail_next_window = False
+
+    def save_window(self, lane: int, n: int) -> np.ndarray:
+        self.calls.append(("window", lane, n))
+        if self.fail_next_window:
+            self.fail_next_window = False
+            raise MemoryError("no host memory for the window")
+        return self.save_prefix(lane, n)[n - 3:]
+
+    def restore_prefix(self, lane: int, kv: np.ndarray, n: int, window: np.ndarray | None = None) -> None:
+        if window is None or not np.array_equal(window, kv[n - 3:n]):
+            self.errors.append(f"lane {lane} restored at {n} without the window before it")
+        super().restore_prefix(lane, kv, n)
+
+
+def test_with_rings_a_next_turn_restarts_at_the_previous_prompts_end_and_only_there(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Rings on the fake engine: each prompt's window is copied as its prefill ends; a next turn after its lane was
+    taken restarts at the previous prompt's last boundary (8), a prompt that leaves it at 6 restarts nowhere (no
+    window at 4), and a prompt whose window copy failed is not kept."""
+    fake = RingedFake(lanes=2, chunk=4)
+    sched = Scheduler(fake, continuous=True, max_queue=64, terminal_ids=frozenset(), prefix_cache_ram=MiB)
+    sched.start()
+    try:
+        a, b, c = [[10 * k + i for i in range(9)] for k in (1, 2, 3)]
+        run(sched, a, 3)
+        fake.fail_next_window = True
+        with caplog.at_level("WARNING", logger="jaxstation.engine.prefix_tier"):
+            run(sched, b, 3)
+        assert [r.getMessage() for r in caplog.records] == [
+            "prefix cache in host memory: saving lane 1's window before 8 failed (MemoryError: no host memory for "
+            "the window); not kept"]
+        run(sched, c, 3)  # takes a's lane: a goes to memory with its window
+        run(sched, [5] * 9, 3)  # takes b's lane: b has no window, and is not kept
+        assert sched.prefix_tier.host.keys() == [(0, tuple(a[:8]))]
+        assert [c for c in fake.calls if c[0] == "window"] == [("window", lane, 8) for lane in (0, 1, 0, 1)]
+        r = run(sched, a[:6] + [1] * 5, 2)  # matches 6: no restart point at or below it
+        assert r.timing["cached_tokens"] == 0
+        r = run(sched, next_turn(b), 2)
+        assert (r.generated, r.timing["cached_tokens"]) == (expected(next_turn(b), 2), 0)
+        r = run(sched, next_turn(a), 2)
+        assert (r.generated, r.timing["cached_tokens"]) == (expected(next_turn(a), 2), 8)
+        assert not fake.errors and saved(sched, "memory") == 8
     finally:
         assert sched.drain(10)
 
