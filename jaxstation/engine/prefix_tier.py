@@ -17,7 +17,8 @@ layers' [0, n) as the entry's restart point at n. A restore writes the global pa
 the ring keeps those positions at for a restart at n; a window is of no use at another boundary, so an entry restarts
 only at its restart points (`TierEntry.restart`), and an entry that extends another takes over the other's: one entry
 per conversation holds a restart point at each turn's prompt end, and the lookup takes the furthest at or below the
-match. A prefix whose window was not copied is not kept.
+match. A prefix whose window was not copied is not kept. A lane's window copy waits in `PrefixTier` until the lane
+is taken, outside the tier's capacity: at most one per lane.
 
 An entry is keyed as a lane's: its token ids and the LoRA adapter load that computed the KV. Everything else that
 changes a KV bit (the model and its weights' dtype, the KV dtype, the arena's layout, the chunk) is fixed for the
