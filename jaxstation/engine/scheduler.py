@@ -20,7 +20,8 @@ Backpressure. `submit` past `max_queue` queued jobs raises QueueFull (a 503 with
 Prefix reuse (engine/prefix_cache.py): `_fill` gives a job the free lane with the longest reusable prefix (of its
 adapter), or copies a longer one into a lane from the host tier of `prefix_cache_ram` bytes (engine/prefix_tier.py)
 or from its disk tier (engine/prefix_disk.py: a clean stop, `drain`, writes the lanes' prefixes there), and starts
-its prefill at the last chunk boundary at or below the match, so its tokens equal a fresh run's.
+its prefill at the last chunk boundary at or below the match (with rings, at a restart point the tier copied as a
+prompt's prefill ended: `PrefixTier.prefilled`), so its tokens equal a fresh run's.
 Speculation (engine/speculative.py, engine/draft.py): where the engine verifies drafts and a turn admits no prompt
 pieces, decode rows carry drafts and run as one `verify` step; each row's accepted tokens go through `postprocess`.
 
@@ -351,6 +352,7 @@ class Scheduler:
             lane.fed, lane.repacked = 0, True
         else:
             self.prefill_order.remove(i)
+            self.prefix_tier.prefilled(i, job.tokens, job.lora_load)
             self.postprocess(i, sample)
 
     def _pack(self, plan: Plan) -> list[Sample | None]:
@@ -365,6 +367,8 @@ class Scheduler:
                 self.prefill_order.remove(p.lane)
                 if not lane.repacked:  # a scored prompt was counted when it was scored
                     self.activity.prefilled(len(lane.job.tokens) - lane.job.cached_tokens)
+                if not lane.job.prompt_logprobs:  # a scored prompt's KV is not reused
+                    self.prefix_tier.prefilled(p.lane, lane.job.tokens, lane.job.lora_load)
         return samples
 
     def _verified(self, rows: list[DecodeRow | None], runs: list[list[Sample] | None]) -> None:
