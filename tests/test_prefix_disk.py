@@ -1,6 +1,7 @@
 """The prefix cache's disk tier (engine/prefix_disk.py): a restarted scheduler reuses what the last one wrote, files
 of other settings, truncated, corrupt or half-written are skipped, an unusable directory is not fatal, the bytes stay
-bound; and on the default model a restart's reuse gives a fresh prefill's bits."""
+bound, ring entries keep their restart points; and on the default model, and with rings on tiny Gemma 3, a restart's
+reuse gives a fresh prefill's bits."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fake_engine import FakeEngine, expected
+from test_kv_windows import _engine, _prompt
 from test_prefix_tier import GREEDY, SEEDED, TIMEOUT, assert_same_samples, ids, run, saved
 
 from jaxstation.config.settings import ConfigError, MiB, resolve
+from jaxstation.engine.arena import KVBuffers
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.prefix_disk import DiskTier, engine_fingerprint
 from jaxstation.engine.scheduler import Scheduler
@@ -144,12 +147,43 @@ def test_the_least_recently_used_files_go_first_within_the_bytes(tmp_path: Path)
         os.utime(entry.path, (1000 + k, 1000 + k))
     tier = DiskTier(tmp_path, size, FAKE)  # the oldest (0) goes at start
     assert sorted(e.tokens[0] for e in tier._index.values()) == [10, 20] and tier.evictions == 1
-    found, matched = tier.find(list(range(10, 18)) + [5], 0, 4)
-    assert matched == 8 and (tier.load(found).kv == 1).all()  # touched: 10 is the most recent now
+    found, matched, reused = tier.find(list(range(10, 18)) + [5], 0, 4)
+    assert matched == reused == 8 and (tier.load(found).kv == 1).all()  # touched: 10 is the most recent now
     tier.put(tuple(range(30, 38)), 0, np.full((8, 2), 3, np.int64))
     tier.close()
     assert sorted(e.tokens[0] for e in tier._index.values()) == [10, 30] and tier.nbytes <= size
     assert len(list(tmp_path.glob("*.kv"))) == 2
+
+
+def _kv(n: int, fill: int) -> KVBuffers:
+    return KVBuffers(np.full((1, n, 2), fill, np.float32), np.full((1, n, 2), -fill, np.float32))
+
+
+def test_ring_files_keep_their_restart_points_and_restart_only_there(tmp_path: Path) -> None:
+    """With rings a file holds its restart points and their windows and restarts at the furthest at or below the
+    match; a file that extends another replaces it only where it holds every restart point of the other."""
+    tier = DiskTier(tmp_path, MiB, FAKE)
+    first, second = tuple(range(100, 108)), tuple(range(100, 116))
+    tier.put(first, 0, _kv(8, 1), ((8, _kv(3, 8)),))
+    tier.put(second[:12] + (7, 7, 7, 7), 0, _kv(16, 2), ((16, _kv(3, 16)),))  # extends first, without its point
+    tier.close()
+    tier = DiskTier(tmp_path, MiB, FAKE)
+    assert sorted(e.restarts for e in tier._index.values()) == [(8,), (16,)]  # first was not replaced
+    found, matched, reused = tier.find(list(second[:12]) + [1, 2], 0, 4)
+    assert (matched, reused, found.tokens) == (8, 8, first)  # the other file matches 12, but restarts only at 16
+    loaded = tier.load(found)
+    assert loaded.windows[0][0] == 8 and (loaded.windows[0][1].k == 8).all() and (loaded.windows[0][1].v == -8).all()
+    assert (loaded.kv.k == 1).all()
+    assert tier.covers(first, 0, (8,)) and not tier.covers(first, 0, (4, 8))
+    tier.put(second, 0, _kv(16, 3), ((8, _kv(3, 8)), (16, _kv(3, 16))))  # holds first's point: replaces it
+    tier.close()
+    tier = DiskTier(tmp_path, MiB, FAKE)
+    assert sorted((e.tokens[-1], e.restarts) for e in tier._index.values()) == [(7, (16,)), (115, (8, 16))]
+    found, matched, reused = tier.find(list(second) + [1], 0, 4)
+    assert (found.tokens, reused) == (second, 16)
+    loaded = tier.load(found)
+    assert [n for n, _ in loaded.windows] == [8, 16] and (loaded.windows[1][1].k == 16).all()
+    assert tier.find(list(second[:7]) + [1], 0, 4)[0] is None  # below every restart point
 
 
 def test_the_disk_settings() -> None:
@@ -183,5 +217,40 @@ def test_a_restart_reuses_the_disk_tier_with_a_fresh_prefills_bits(engine: Engin
         fresh = run(sched, target, 6, SEEDED, reuse=False)
         assert_same_samples(hit, fresh)
         assert run(sched, ids(3, 20), 1, GREEDY).generated
+    finally:
+        assert sched.drain(TIMEOUT)
+
+
+def test_a_restart_reuses_a_ring_entry_from_disk_with_a_fresh_prefills_bits(tmp_path: Path) -> None:
+    """Tiny Gemma 3 with rings (a 32-slot ring): a 25-token prompt and a 30-token reply, which overwrites the window
+    before 24 in the ring, then a clean stop writes the lane's prefix with its restart point at 24 (the window copied
+    as the prompt's prefill ended). A fresh engine over the directory restores it for the next turn and restarts at
+    24: its tokens and logprobs equal a fresh prefill's. The ring's fingerprint differs from the full arena's, so its
+    files are never loaded there."""
+    ring = _engine("tiny-gemma3", "ring")
+    vocab = ring.cfg.vocab_size
+    fingerprint = engine_fingerprint(ring)
+    full = engine_fingerprint(_engine("tiny-gemma3", "full"))
+    assert fingerprint["layout"]["window"] == ring.cfg.sliding_window and "rings" not in full["layout"]
+    assert fingerprint != full
+    sched = Scheduler(ring, continuous=True, max_queue=16, terminal_ids=frozenset(), prefix_cache_ram=MiB,
+                      prefix_cache_disk=DiskTier(tmp_path, 16 * MiB, fingerprint))
+    sched.start()
+    first = _prompt(20, 25, vocab)
+    try:
+        reply = run(sched, first, 30)
+    finally:
+        assert sched.drain(10)
+    assert [e.restarts for e in DiskTier(tmp_path, 16 * MiB, fingerprint)._index.values()] == [(24,)]
+    assert not DiskTier(tmp_path, 16 * MiB, full)._index
+    again = _engine("tiny-gemma3", "ring")  # a new process's engine
+    sched = Scheduler(again, continuous=True, max_queue=16, terminal_ids=frozenset(), prefix_cache_ram=MiB,
+                      prefix_cache_disk=DiskTier(tmp_path, 16 * MiB, engine_fingerprint(again)))
+    sched.start()
+    try:
+        target = first + reply.generated + _prompt(21, 3, vocab)
+        hit = run(sched, target, 4, SEEDED)
+        assert hit.timing["cached_tokens"] == 24 and saved(sched, "disk") == 24
+        assert_same_samples(hit, run(sched, target, 4, SEEDED, reuse=False))
     finally:
         assert sched.drain(TIMEOUT)

@@ -9,11 +9,16 @@ prefill would have written.
 
 A file is `<magic><header length, 8 bytes little-endian><JSON header><arrays>`. The header holds the token ids, the
 adapter, the fingerprint (`engine_fingerprint`: a hash of the weights, the weights' dtype, the KV dtype, the
-arena's per-position layout, the prefill chunk and the rest of what may change a KV bit or a restart's boundary), each
-array's name, dtype and shape, and the sha256 of the arrays' bytes. At start the directory's headers are read into
-an index (`DiskTier.find` looks there, in memory); a file of another fingerprint, with a header that does not parse or
-of the wrong size is skipped with one log line, and one whose arrays fail the checksum when loaded is skipped and
-dropped from the index: never loaded, never fatal. An unreadable directory turns the tier off with one line.
+arena's per-position layout, its rings' layout and window, the prefill chunk and the rest of what may change a KV bit
+or a restart's boundary), the restart points (with rings; null without), each array's name, dtype and shape, and the
+sha256 of the arrays' bytes. The arrays are the global layers' KV at [0, n) and, with rings, each restart point's
+window (`TierEntry.windows`, named `window<n>.<leaf>`): a file restarts at its restart points only, as its host tier
+entry does, and a file replaces another it extends only where it holds all of the other's restart points.
+
+At start the directory's headers are read into an index (`DiskTier.find` looks there, in memory); a file of another
+fingerprint, with a header that does not parse or of the wrong size is skipped with one log line, and one whose
+arrays fail the checksum when loaded is skipped and dropped from the index: never loaded, never fatal. An unreadable
+directory turns the tier off with one line.
 
 Writes run on a writer thread of their own (`put` only queues the host copy the decode thread already holds; a full
 queue drops the write): each goes to a temporary file in the same directory, is fsynced and renamed over its name
@@ -48,7 +53,7 @@ from jaxstation.engine.prefix_cache import common_prefix
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"JXPREFIX1\n"
+MAGIC = b"JXPREFIX2\n"  # the format: 2 holds restart points and their windows (rings)
 SUFFIX = ".kv"
 MAX_HEADER = 64 << 20  # a header's bytes at most (its tokens, as JSON)
 QUEUE, QUEUE_BYTES = 64, 1 << 30  # writes waiting at most, and their bytes (but one); past them a write is dropped
@@ -57,8 +62,9 @@ QUEUE, QUEUE_BYTES = 64, 1 << 30  # writes waiting at most, and their bytes (but
 def engine_fingerprint(engine: Any) -> dict[str, Any]:
     """What fixes a KV bit of `engine`'s arena besides the tokens and the adapter: a sha256 of the base weights
     (their tree, whose static fields name how each projection multiplies, and every array's bytes, read once; LoRA
-    stacks left out), the weights' dtype, the KV dtype, the global layers' per-position buffer shapes and dtypes, the
-    prefill chunk, the KV block, the attention, the packed-step budget, the device kind and the jax version."""
+    stacks left out), the weights' dtype, the KV dtype, the global layers' per-position buffer shapes and dtypes, with
+    rings their buffers' shapes and dtypes, which layers are windowed and the window, the prefill chunk, the KV block,
+    the attention, the packed-step budget, the device kind and the jax version."""
     t0, digest = time.perf_counter(), hashlib.sha256()
     params = _base(engine.model.params)
     digest.update(str(jax.tree_util.tree_structure(params)).encode())
@@ -69,6 +75,11 @@ def engine_fingerprint(engine: Any) -> dict[str, Any]:
     full = engine.arena.full
     layout = {f.name: [str(b.dtype), b.shape[0], *b.shape[3:]] for f in dataclasses.fields(full)
               if (b := getattr(full, f.name)) is not None}
+    if (rings := engine.arena.rings) is not None:  # a window copy's slots and shapes: [layers, ring + 1, ...]
+        layout["rings"] = {f.name: [str(b.dtype), b.shape[0], *b.shape[2:]] for f in dataclasses.fields(rings)
+                           if (b := getattr(rings, f.name)) is not None}
+        layout["windowed"] = list(engine.arena.windowed)
+        layout["window"] = engine.cfg.sliding_window
     fingerprint = {"weights": digest.hexdigest(), "dtype": str(engine.model.params.dtype),
                    "kv_dtype": str(engine.kv_dtype), "layout": layout, "chunk": engine.chunk, "block": engine.block,
                    "attention": engine.attention, "budget": engine.prefill_budget,
@@ -87,15 +98,36 @@ def _base(params: Any) -> Any:
     return dataclasses.replace(params, layers=layers)
 
 
-def _arrays(kv: Any) -> dict[str, np.ndarray]:
+Windows = tuple[tuple[int, Any], ...] | None  # restart points and their windows, as `TierEntry.windows`
+
+
+def _leaves(kv: Any, prefix: str = "") -> dict[str, np.ndarray]:
     """A host copy's arrays by name: a KVBuffers' fields (those present), or one array."""
     if isinstance(kv, KVBuffers):
-        return {f.name: np.asarray(a) for f in dataclasses.fields(kv) if (a := getattr(kv, f.name)) is not None}
-    return {"array": np.asarray(kv)}
+        return {prefix + f.name: np.asarray(a) for f in dataclasses.fields(kv)
+                if (a := getattr(kv, f.name)) is not None}
+    return {prefix + "array": np.asarray(kv)}
 
 
-def _from_arrays(arrays: dict[str, np.ndarray]) -> Any:
+def _arrays(kv: Any, windows: Windows = None) -> dict[str, np.ndarray]:
+    """An entry's arrays by name: the global layers' KV's, then each restart point's window's (`window<n>.<leaf>`)."""
+    arrays = _leaves(kv)
+    for n, window in windows or ():
+        arrays.update(_leaves(window, f"window{n}."))
+    return arrays
+
+
+def _from_leaves(arrays: dict[str, np.ndarray]) -> Any:
     return arrays["array"] if set(arrays) == {"array"} else KVBuffers(**arrays)
+
+
+def _from_arrays(arrays: dict[str, np.ndarray], restarts: tuple[int, ...] | None) -> tuple[Any, Windows]:
+    """(the global layers' KV, the windows) of a file's arrays (`_arrays`)."""
+    kv = _from_leaves({name: a for name, a in arrays.items() if not name.startswith("window")})
+    if restarts is None:
+        return kv, None
+    return kv, tuple((n, _from_leaves({name.split(".", 1)[1]: a for name, a in arrays.items()
+                                       if name.startswith(f"window{n}.")})) for n in restarts)
 
 
 @dataclasses.dataclass
@@ -108,6 +140,13 @@ class DiskEntry:
     arrays: list[tuple[str, str, tuple[int, ...]]]  # name, dtype, shape
     offset: int  # where the arrays start
     sha256: str
+    restarts: tuple[int, ...] | None = None  # with rings, the restart points, ascending; None: every chunk boundary
+
+    def restart(self, matched: int, chunk: int) -> int:
+        """The furthest restart point at or below `matched` tokens (0: none), as `TierEntry.restart`."""
+        if self.restarts is None:
+            return matched // chunk * chunk
+        return max((n for n in self.restarts if n <= matched), default=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +154,7 @@ class Loaded:
     tokens: tuple[int, ...]
     adapter: int
     kv: Any
+    windows: Windows = None
 
 
 class DiskTier:
@@ -182,8 +222,9 @@ class DiskTier:
                 return None
             if stat.st_size != offset + header["bytes"]:
                 raise ValueError(f"{stat.st_size} bytes, not {offset + header['bytes']}: truncated")
+            restarts = None if header["restarts"] is None else tuple(sorted(int(n) for n in header["restarts"]))
             return DiskEntry(path, tuple(int(t) for t in header["tokens"]), int(header["adapter"]), stat.st_size,
-                             stat.st_mtime, arrays, offset, header["sha256"])
+                             stat.st_mtime, arrays, offset, header["sha256"], restarts)
         except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
             log.warning("prefix cache on disk: skipping %s (%s: %s)", path.name, type(e).__name__, e)
             return None
@@ -197,22 +238,24 @@ class DiskTier:
         with self._lock:
             return len(self._index)
 
-    def find(self, prompt: Sequence[int], adapter: int, chunk: int) -> tuple[DiskEntry | None, int]:
-        """(the entry with the longest reusable match for `prompt` of `adapter`, the prompt tokens it matches, at
-        most len(prompt) - 1); (None, 0) where none reuses a chunk."""
-        prompt, best, matched = tuple(prompt), None, 0
+    def find(self, prompt: Sequence[int], adapter: int, chunk: int) -> tuple[DiskEntry | None, int, int]:
+        """(the entry with the furthest restart point for `prompt` of `adapter`, the prompt tokens it matches (at most
+        len(prompt) - 1), that restart point: `DiskEntry.restart`); (None, 0, 0) where none has one."""
+        prompt, best, matched, reused = tuple(prompt), None, 0, 0
         with self._lock:
             for (load, tokens), entry in self._index.items():
                 if load == adapter:
                     n = min(common_prefix(tokens, prompt), len(prompt) - 1)
-                    if n // chunk > matched // chunk:
-                        best, matched = entry, n
-        return best, matched
+                    if (restart := entry.restart(n, chunk)) > reused:
+                        best, matched, reused = entry, n, restart
+        return best, matched, reused
 
-    def covers(self, tokens: tuple[int, ...], adapter: int) -> bool:
-        """Whether a file (or a queued write) of `adapter` starts with `tokens`."""
+    def covers(self, tokens: tuple[int, ...], adapter: int, restarts: tuple[int, ...] | None = None) -> bool:
+        """Whether a file of `adapter` starts with `tokens` (so holds their KV) and, with rings, holds every one of
+        `restarts`."""
         with self._lock:
-            return any(load == adapter and have[:len(tokens)] == tokens for load, have in self._index)
+            return any(load == adapter and have[:len(tokens)] == tokens and _holds(entry.restarts, restarts)
+                       for (load, have), entry in self._index.items())
 
     def load(self, entry: DiskEntry) -> Loaded | None:
         """`entry`'s KV, its file touched (the most recently used now); None (logged, the entry forgotten) where the
@@ -225,7 +268,7 @@ class DiskTier:
                 raise ValueError("truncated")
             if hashlib.sha256(payload).hexdigest() != entry.sha256:
                 raise ValueError("the checksum does not match: corrupt")
-            arrays, at = {}, 0
+            arrays, at = {}, 0  # views of the payload: read-only, as a host copy is to the tier
             for name, dtype, shape in entry.arrays:
                 dt = jnp.dtype(dtype)
                 count = int(np.prod(shape, dtype=np.int64))
@@ -233,7 +276,7 @@ class DiskTier:
                 at += count * dt.itemsize
             os.utime(entry.path)
             entry.mtime = time.time()
-            return Loaded(entry.tokens, entry.adapter, _from_arrays(arrays))
+            return Loaded(entry.tokens, entry.adapter, *_from_arrays(arrays, entry.restarts))
         except (OSError, ValueError, TypeError) as e:
             log.warning("prefix cache on disk: skipping %s (%s: %s)", entry.path.name, type(e).__name__, e)
             with self._lock:
@@ -243,18 +286,18 @@ class DiskTier:
             return None
 
     # ---- writes ----------------------------------------------------------------------------------------------
-    def put(self, tokens: tuple[int, ...], adapter: int, kv: Any) -> bool:
-        """Queue a write of `kv` (a host copy no one writes to) for `tokens` of `adapter`; False where the tier is
-        off or the queue full (dropped)."""
+    def put(self, tokens: tuple[int, ...], adapter: int, kv: Any, windows: Windows = None) -> bool:
+        """Queue a write of `kv` (a host copy no one writes to) for `tokens` of `adapter`, with rings with its restart
+        points' `windows`; False where the tier is off or the queue full (dropped)."""
         if not self.on:
             return False
-        nbytes = sum(a.nbytes for a in _arrays(kv).values())
+        nbytes = sum(a.nbytes for a in _arrays(kv, windows).values())
         with self._lock:
             if self._pending and self._pending + nbytes > QUEUE_BYTES:
                 self.dropped += 1
                 return False
             try:
-                self._queue.put_nowait((self._generation, tokens, adapter, kv))
+                self._queue.put_nowait((self._generation, tokens, adapter, kv, windows))
             except queue.Full:
                 self.dropped += 1
                 return False
@@ -292,17 +335,19 @@ class DiskTier:
                             type(e).__name__, e)
             finally:
                 with self._lock:
-                    self._pending -= sum(a.nbytes for a in _arrays(item[3]).values())
+                    self._pending -= sum(a.nbytes for a in _arrays(item[3], item[4]).values())
 
-    def _write(self, generation: int, tokens: tuple[int, ...], adapter: int, kv: Any) -> None:
-        if generation != self._generation or self.covers(tokens, adapter):
+    def _write(self, generation: int, tokens: tuple[int, ...], adapter: int, kv: Any, windows: Windows) -> None:
+        restarts = None if windows is None else tuple(n for n, _ in windows)
+        if generation != self._generation or self.covers(tokens, adapter, restarts):
             return
-        arrays = _arrays(kv)
+        arrays = _arrays(kv, windows)
         blobs = [np.ascontiguousarray(a).tobytes() for a in arrays.values()]
         digest = hashlib.sha256()
         for blob in blobs:
             digest.update(blob)
         header = json.dumps({"fingerprint": self.fingerprint, "adapter": adapter, "tokens": list(tokens),
+                             "restarts": None if restarts is None else list(restarts),
                              "arrays": [[n, a.dtype.name, list(a.shape)] for n, a in arrays.items()],
                              "bytes": sum(map(len, blobs)), "sha256": digest.hexdigest()}).encode()
         size = len(MAGIC) + 8 + len(header) + sum(map(len, blobs))
@@ -327,12 +372,13 @@ class DiskTier:
             raise
         _fsync_dir(self.directory)
         entry = DiskEntry(path, tokens, adapter, size, path.stat().st_mtime, [(n, a.dtype.name, a.shape)
-                          for n, a in arrays.items()], size - sum(map(len, blobs)), digest.hexdigest())
+                          for n, a in arrays.items()], size - sum(map(len, blobs)), digest.hexdigest(), restarts)
         with self._lock:
             if generation != self._generation:  # cleared while it was written
                 gone = [path]
             else:
-                covered = [k for k in self._index if k[0] == adapter and tokens[:len(k[1])] == k[1] and k[1] != tokens]
+                covered = [k for k, e in self._index.items() if k[0] == adapter and tokens[:len(k[1])] == k[1] and
+                           k[1] != tokens and _holds(restarts, e.restarts)]
                 gone = [self._index.pop(k).path for k in covered]
                 self._index[(adapter, tokens)] = entry
         for old in gone:
@@ -363,6 +409,11 @@ class DiskTier:
             with self._lock:
                 self.metrics.prefix_disk_bytes.set(sum(e.nbytes for e in self._index.values()))
                 self.metrics.prefix_disk_entries.set(len(self._index))
+
+
+def _holds(have: tuple[int, ...] | None, want: tuple[int, ...] | None) -> bool:
+    """Whether restart points `have` include `want` (None: every chunk boundary, without rings)."""
+    return have is None or want is not None and set(want) <= set(have)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -28,8 +28,9 @@ not checked: there the tier is off (`tier_refusal`).
 
 A disk tier (engine/prefix_disk.py, `--prefix-cache-dir`) may lie under it: each base-model entry the tier keeps is
 also queued for a file, a clean stop writes the lanes' cached prefixes too (`persist`), and a prompt that a file
-matches further than memory and the free lanes do has the file loaded into the tier and restored from there. It is
-off wherever the host tier is.
+matches further than memory and the free lanes do has the file loaded into the tier and restored from there. With
+rings a file holds the entry's restart points and their windows too, and a lookup there takes the furthest restart
+point as here. It is off wherever the host tier is.
 
 Failures. The copies run inside the scheduler's step (`Scheduler._loop`), after the request holds its lane, so
 whatever they raise is at worst a failed step. A failed save logs a line and keeps nothing: the request goes on. A
@@ -134,6 +135,15 @@ class HostTier:
         if self._entries.pop((entry.adapter, entry.tokens), None) is not None:
             self.nbytes -= entry.nbytes
 
+    def get(self, tokens: tuple[int, ...], adapter: int) -> TierEntry | None:
+        """The entry of exactly `tokens` and `adapter`, if held."""
+        return self._entries.get((adapter, tokens))
+
+    def restarts_under(self, tokens: tuple[int, ...], adapter: int) -> dict[int, KVBuffers]:
+        """With rings, the restart points (n: window) of the entries of `adapter` that `tokens` extends."""
+        return {n: w for (load, have), e in self._entries.items() if load == adapter and tokens[:len(have)] == have
+                for n, w in e.windows or ()}
+
     def covering(self, tokens: tuple[int, ...], adapter: int) -> TierEntry | None:
         """An entry of `adapter` that starts with `tokens` (so holds their KV), if any."""
         return next((e for (load, have), e in self._entries.items()
@@ -149,9 +159,7 @@ class HostTier:
         is not kept. Returns the evictions."""
         covered = [k for k in self._entries if k[0] == entry.adapter and entry.tokens[:len(k[1])] == k[1]]
         if entry.windows is not None:
-            windows = dict(entry.windows)
-            for key in covered:
-                windows = {**dict(self._entries[key].windows or ()), **windows}
+            windows = {**self.restarts_under(entry.tokens, entry.adapter), **dict(entry.windows)}
             entry = dataclasses.replace(entry, windows=tuple(sorted(windows.items(), key=lambda w: w[0])))
         if entry.nbytes > self.capacity:
             return 0
@@ -243,11 +251,10 @@ class PrefixTier:
         return reused if restore else pick.reused
 
     def _from_disk(self, a: Admission, beat: int) -> tuple[TierEntry, int, int, str] | None:
-        """(the disk tier's entry for `a.prompt`, now in memory too, the tokens it matches, the chunk boundary at or
-        below them, "disk") where it reuses more than `beat` tokens; None otherwise, or where its file failed to load
+        """(the disk tier's entry for `a.prompt`, now in memory too, the tokens it matches, its restart point for
+        them, "disk") where it restarts past `beat` tokens; None otherwise, or where its file failed to load
         (logged)."""
-        found, matched = self.disk.find(a.prompt, a.adapter, self.host.chunk)
-        reused = matched // self.host.chunk * self.host.chunk
+        found, matched, reused = self.disk.find(a.prompt, a.adapter, self.host.chunk)
         if found is None or reused <= beat:
             return None
         t0 = time.perf_counter()
@@ -255,21 +262,31 @@ class PrefixTier:
         if loaded is None:
             return None
         self.metrics.prefix_disk_load.observe(time.perf_counter() - t0)
-        entry = TierEntry(loaded.tokens, loaded.adapter, loaded.kv)
+        entry = TierEntry(loaded.tokens, loaded.adapter, loaded.kv, loaded.windows)
         self.metrics.prefix_tier_evictions.inc(self.host.put(entry))
         self._gauges()
         return entry, matched, reused, "disk"
 
     def persist(self) -> None:
-        """Queue the free lanes' cached prefixes (of the base model) for the disk tier, as at a clean stop."""
+        """Queue the free lanes' cached prefixes (of the base model) for the disk tier, as at a clean stop. With
+        rings, only a prefix whose window its prompt's prefill left (`prefilled`), with the restart points of the
+        entries in memory it extends."""
         if self.disk is None:
             return
         for lane, tokens, adapter in self.cache.held(self.engine.lane_versions):
             n = len(tokens) // self.host.chunk * self.host.chunk
-            if adapter or not n or self.disk.covers(tokens[:n], adapter):
+            if adapter or not n:
+                continue
+            tokens, windows = tuple(tokens[:n]), None
+            if self.rings:
+                window = self._windows.get(lane)
+                if window is None or window[:2] != (tokens, adapter):
+                    continue
+                windows = tuple(sorted({**self.host.restarts_under(tokens, adapter), n: window[2]}.items()))
+            if self.disk.covers(tokens, adapter, None if windows is None else tuple(w for w, _ in windows)):
                 continue
             try:
-                self.disk.put(tokens[:n], adapter, self.engine.save_prefix(lane, n))
+                self.disk.put(tokens, adapter, self.engine.save_prefix(lane, n), windows)
             except Exception as e:
                 log.warning("prefix cache on disk: saving lane %d's %d tokens failed (%s: %s)", lane, n,
                             type(e).__name__, e)
@@ -307,11 +324,12 @@ class PrefixTier:
         self._put(TierEntry(tokens, cached[1], kv, ((n, window[2]),) if self.rings else None))
 
     def _put(self, entry: TierEntry) -> None:
-        """Keep `entry` in memory and, of the base model, queue it for the disk tier. A LoRA load's number means
-        nothing to another process."""
+        """Keep `entry` in memory and, of the base model, queue it for the disk tier (as kept: with rings, with the
+        restart points it took over). A LoRA load's number means nothing to another process."""
         self.metrics.prefix_tier_evictions.inc(self.host.put(entry))
         if self.disk is not None and not entry.adapter:
-            self.disk.put(entry.tokens, entry.adapter, entry.kv)
+            kept = self.host.get(entry.tokens, entry.adapter) or entry
+            self.disk.put(kept.tokens, kept.adapter, kept.kv, kept.windows)
         self._gauges()
 
     def _restore(self, lane: int, entry: TierEntry, n: int) -> bool:
