@@ -19,11 +19,13 @@ from conftest import FIXTURES, prefill_all, run_wave, station_plan
 
 from jaxstation.config.memory import check_memory, weight_bytes
 from jaxstation.config.plan import auto_max_seq
-from jaxstation.config.settings import ConfigError, GiB, StationConfig
+from jaxstation.config.settings import ConfigError, GiB, MiB, StationConfig
 from jaxstation.engine.arena import arena_bytes, arena_layout
 from jaxstation.engine.engine import Engine, generate
+from jaxstation.engine.jobs import Job, Result
 from jaxstation.engine.prefix_cache import PrefixCache, RingHold
 from jaxstation.engine.rows import DecodeRow, PromptPiece, SamplingParams
+from jaxstation.engine.scheduler import Scheduler
 from jaxstation.model.loader import load_model
 from jaxstation.model.shapes import ARCHITECTURES
 
@@ -147,6 +149,90 @@ def test_prefix_reuse_on_a_ring_is_exact_while_the_ring_holds_the_window(engines
     fresh = prefill_all(full, 2, prompt, SEEDED, return_logits=True)
     assert reused[0] == fresh[0]
     np.testing.assert_array_equal(np.asarray(reused[1]), np.asarray(fresh[1]))
+
+
+def test_a_window_copy_restores_the_rings_bits_where_a_restart_at_its_boundary_reads_them(
+        engines: tuple[Engine, Engine]) -> None:
+    """Lane 0 prefills 25 tokens; its global layers' positions [0, 24) and the window before 24 (positions 17..23,
+    slots 17..23 of the 32-slot ring) are copied to the host. Restored into lane 3, which held a longer prompt: lane 3
+    holds lane 0's bits there, may restart at 24 and no lower, and the prefill from 24 gives a fresh prefill's bits
+    on the full arena."""
+    ring, full = engines
+    vocab = ring.cfg.vocab_size
+    prompt = _prompt(60, 25, vocab)
+    prefill_all(ring, 0, prompt, SEEDED)
+    slots = np.arange(17, 24) % ring.ring
+    then = [np.asarray(a[:, 0]) for a in (ring.arena.rings.k, ring.arena.rings.v, ring.arena.k, ring.arena.v)]
+    kv, window = ring.save_prefix(0, 24), ring.save_window(0, 24)
+    assert window.k.shape == (sum(ring.windowed), 7, ring.cfg.num_kv_heads, ring.cfg.head_dim)
+    run_wave(ring, {3: (_prompt(61, 40, vocab), SEEDED)}, steps=5)
+    with pytest.raises(ValueError, match="restarts only from a copy of its window"):
+        ring.restore_prefix(3, kv, 24)
+    ring.restore_prefix(3, kv, 24, window)
+    now = [np.asarray(a[:, 3]) for a in (ring.arena.rings.k, ring.arena.rings.v, ring.arena.k, ring.arena.v)]
+    for a, b in zip(now[:2], then[:2], strict=True):
+        np.testing.assert_array_equal(a[:, slots], b[:, slots])
+    for a, b in zip(now[2:], then[2:], strict=True):
+        np.testing.assert_array_equal(a[:, :24], b[:, :24])
+    assert ring.reuse_floor(3) == 24
+    target = prompt + _prompt(62, 10, vocab)
+    ring.begin(3, target, SEEDED, frozenset())
+    reused = [ring.prefill(3, target, start, SEEDED, return_logits=True) for start in (24, 32)][-1]
+    fresh = prefill_all(full, 2, target, SEEDED, return_logits=True)
+    assert reused[0] == fresh[0]
+    np.testing.assert_array_equal(np.asarray(reused[1]), np.asarray(fresh[1]))
+
+
+def _turn(sched: Scheduler, prompt: list[int], n: int, sampling: SamplingParams, reuse: bool = True) -> Job:
+    job = Job(tokens=prompt, max_new_tokens=n, sampling=sampling, reuse_prefix=reuse)
+    sched.submit(job)
+    return job
+
+
+def _same_result(got: Result, ref: Result) -> None:
+    assert (got.generated, got.finish_reason) == (ref.generated, ref.finish_reason)
+    assert [(s.logprob, s.top) for s in got.samples] == [(s.logprob, s.top) for s in ref.samples]
+
+
+def test_a_next_turn_past_the_ring_hold_restarts_from_the_host_tier(engines: tuple[Engine, Engine],
+                                                                    request: pytest.FixtureRequest) -> None:
+    """A 25-token first turn and a 30-token reply (decode overwrites the window before 24 in the 32-slot ring), then
+    four other prompts take every lane: the next turn (first + reply + 3 tokens) restores the tier's entry (the global
+    layers' 24 positions and the window before 24, saved as the first prompt's prefill ended) and restarts at 24. Its
+    tokens and logprobs, greedy alone and seeded beside a neighbour decoding in another lane, equal a fresh prefill's
+    on a fresh engine (a ring engine of the same settings, its tier off)."""
+    ring, _ = engines
+    vocab = ring.cfg.vocab_size
+    sched = Scheduler(ring, continuous=True, max_queue=16, terminal_ids=frozenset(), prefix_cache_ram=MiB)
+    fresh = Scheduler(_engine(request.node.callspec.params["engines"], "ring"), continuous=True, max_queue=16,
+                      terminal_ids=frozenset())
+    sched.start()
+    fresh.start()
+    try:
+        first = _prompt(20, 25, vocab)
+        reply = _turn(sched, first, 30, SamplingParams()).future.result(60)
+        assert len(reply.generated) == 30
+        for i in range(ring.lanes):
+            _turn(sched, _prompt(30 + i, 12, vocab), 1, SamplingParams()).future.result(60)
+        memory = sched.metrics.registry.get_sample_value
+        for turn, (sampling, beside) in enumerate(((SamplingParams(), False), (SEEDED, True))):
+            # the second target is another next turn: the tier's entry of the first target (its restart points 24,
+            # taken over from the first turn's entry, and 56) restarts it at 24, the furthest at or below its match
+            target = first + reply.generated + _prompt(21 + turn, 3, vocab)
+            before = memory("jaxstation_prefix_cache_tier_saved_tokens_total", {"tier": "memory"}) or 0
+            neighbour = _turn(sched, _prompt(40, 20, vocab), 30, SamplingParams()) if beside else None
+            hit = _turn(sched, target, 4, sampling)
+            got = hit.future.result(60)
+            ref = _turn(fresh, target, 4, sampling, reuse=False).future.result(60)
+            assert hit.cached_tokens == 24
+            assert memory("jaxstation_prefix_cache_tier_saved_tokens_total", {"tier": "memory"}) == before + 24
+            _same_result(got, ref)
+            if neighbour is not None:
+                assert len(neighbour.future.result(60).generated) == 30
+            for i in range(ring.lanes):  # the target's lane goes to others: the next restore is from the tier again
+                _turn(sched, _prompt(50 + i, 12, vocab), 1, SamplingParams()).future.result(60)
+    finally:
+        assert sched.drain(10) and fresh.drain(10)
 
 
 GEMMA3_270M = dataclasses.replace(ARCHITECTURES["gemma-3-4b"], vocab_size=262144, hidden_size=640,

@@ -3,6 +3,9 @@ fake engine, its setting, and on the default model a restore that gives the bits
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import jax
 import numpy as np
 import pytest
 from fake_engine import FakeEngine, expected
@@ -45,10 +48,10 @@ def test_the_least_recently_used_entry_goes_first_and_the_bytes_stay_bound() -> 
     tier = HostTier(capacity=20 * 10, chunk=4)  # 20 tokens
     a, b, c = [1] * 8, [2] * 8, [3] * 8
     assert tier.put(entry(a)) == tier.put(entry(b)) == 0
-    found, matched = tier.find(a + [9], adapter=0)
+    found, matched, _ = tier.find(a + [9], adapter=0)
     tier.used(found)  # a is the most recent now
     assert matched == 8
-    assert tier.find(b + [9], adapter=1) == (None, 0)  # another adapter's prompt reuses nothing
+    assert tier.find(b + [9], adapter=1) == (None, 0, 0)  # another adapter's prompt reuses nothing
     assert tier.put(entry(c)) == 1  # 24 tokens: b, the least recently used, goes
     assert tier.keys() == [(0, tuple(a)), (0, tuple(c))] and tier.nbytes == 160 <= tier.capacity
     assert tier.put(entry([4] * 12)) == 1 and tier.keys() == [(0, tuple(c)), (0, (4,) * 12)]
@@ -62,6 +65,29 @@ def test_an_entry_replaces_those_it_extends_and_a_covered_one_is_not_kept() -> N
     tier.put(entry([1] * 8))
     assert tier.keys() == [(0, (1,) * 8)] and tier.nbytes == 80
     assert tier.covers((1,) * 4, 0) and not tier.covers((1,) * 4, 7)
+
+
+def windowed(tokens: list[int], *restarts: int) -> TierEntry:
+    """An entry with rings: 10 bytes a token, 3 a window copy."""
+    windows = tuple((n, np.zeros(3, np.uint8)) for n in restarts)
+    return TierEntry(tuple(tokens), 0, np.zeros((len(tokens), 10), np.uint8), windows)
+
+
+def test_with_rings_an_entry_restarts_only_at_its_windows_and_takes_over_those_it_extends() -> None:
+    """An entry with rings restarts at the furthest of its windows at or below the match, not at any chunk boundary;
+    an entry that extends another keeps the other's windows (a turn's prompt end stays a restart point)."""
+    tier = HostTier(capacity=1000, chunk=4)
+    first = [1] * 8
+    tier.put(windowed(first, 8))
+    assert tier.find(first + [2] * 5, adapter=0)[1:] == (8, 8)
+    second = first + [2] * 8
+    tier.put(windowed(second, 16))
+    assert tier.keys() == [(0, tuple(second))] and tier.nbytes == 16 * 10 + 2 * 3
+    found, matched, reused = tier.find(first + [2] * 6 + [5] * 3, adapter=0)  # matches 14: restarts at 8
+    assert (found.tokens, matched, reused, found.restarts()) == (tuple(second), 14, 8, (8, 16))
+    assert tier.find(second + [5], adapter=0)[1:] == (16, 16)
+    assert tier.find([1] * 7, adapter=0) == (None, 0, 0)  # matches 6, below the first window
+    assert tier.find([1] * 6 + [3] * 4, adapter=0) == (None, 0, 0)
 
 
 # ---- the scheduler, on the fake engine -------------------------------------------------------------------------
@@ -104,6 +130,61 @@ def test_the_tier_evicts_the_least_recently_used_conversation_within_its_bytes()
         assert cached == [8, 0, 8, 0] and not fake.errors
         # evicted: c1 (by c2's spill), c0 (by c3's), c3 and c2 (by c0's next turn, 12 tokens), c0's next turn (by c1's)
         assert value("jaxstation_prefix_cache_memory_evictions_total") == 5
+    finally:
+        assert sched.drain(10)
+
+
+class RingedFake(FakeEngine):
+    """The fake engine with rings: `save_window` copies the lane's records of the 3 positions before n (a window of
+    4), and `restore_prefix` needs one taken at the same n. `fail_next_window` makes the next copy raise."""
+
+    arena = SimpleNamespace(rings=(), k=jax.numpy.zeros(0))
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.fail_next_window = False
+
+    def save_window(self, lane: int, n: int) -> np.ndarray:
+        self.calls.append(("window", lane, n))
+        if self.fail_next_window:
+            self.fail_next_window = False
+            raise MemoryError("no host memory for the window")
+        return self.save_prefix(lane, n)[n - 3:]
+
+    def restore_prefix(self, lane: int, kv: np.ndarray, n: int, window: np.ndarray | None = None) -> None:
+        if window is None or not np.array_equal(window, kv[n - 3:n]):
+            self.errors.append(f"lane {lane} restored at {n} without the window before it")
+        super().restore_prefix(lane, kv, n)
+
+
+def test_with_rings_a_next_turn_restarts_at_the_previous_prompts_end_and_only_there(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Rings on the fake engine: each prompt's window is copied as its prefill ends; a next turn after its lane was
+    taken restarts at the previous prompt's last boundary (8), a prompt that leaves it at 6 restarts nowhere (no
+    window at 4), and a prompt whose window copy failed is not kept."""
+    fake = RingedFake(lanes=2, chunk=4)
+    sched = Scheduler(fake, continuous=True, max_queue=64, terminal_ids=frozenset(), prefix_cache_ram=MiB)
+    sched.start()
+    try:
+        a, b, c = [[10 * k + i for i in range(9)] for k in (1, 2, 3)]
+        run(sched, a, 3)
+        fake.fail_next_window = True
+        with caplog.at_level("WARNING", logger="jaxstation.engine.prefix_tier"):
+            run(sched, b, 3)
+        assert [r.getMessage() for r in caplog.records] == [
+            "prefix cache in host memory: saving lane 1's window before 8 failed (MemoryError: no host memory for "
+            "the window); not kept"]
+        run(sched, c, 3)  # takes a's lane: a goes to memory with its window
+        run(sched, [5] * 9, 3)  # takes b's lane: b has no window, and is not kept
+        assert sched.prefix_tier.host.keys() == [(0, tuple(a[:8]))]
+        assert [c for c in fake.calls if c[0] == "window"] == [("window", lane, 8) for lane in (0, 1, 0, 1)]
+        r = run(sched, a[:6] + [1] * 5, 2)  # matches 6: no restart point at or below it
+        assert r.timing["cached_tokens"] == 0
+        r = run(sched, next_turn(b), 2)
+        assert (r.generated, r.timing["cached_tokens"]) == (expected(next_turn(b), 2), 0)
+        r = run(sched, next_turn(a), 2)
+        assert (r.generated, r.timing["cached_tokens"]) == (expected(next_turn(a), 2), 8)
+        assert not fake.errors and saved(sched, "memory") == 8
     finally:
         assert sched.drain(10)
 

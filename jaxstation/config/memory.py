@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxstation.config.settings import ConfigError, GiB, MiB, StationConfig
 from jaxstation.engine.arena import KVArena, arena_bytes, kv_dtype_of
+from jaxstation.engine.prefix_disk import DiskTier, engine_fingerprint
+from jaxstation.engine.prefix_tier import tier_refusal
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.layers import compute_dtype, projection_shapes
 
 log = logging.getLogger(__name__)
 
 PREFIX_CACHE_RAM_SHARE, PREFIX_CACHE_RAM_CAP = 4, 8 * GiB  # the host tier's default: a quarter of free RAM, <= 8 GiB
+PREFIX_CACHE_DISK_DEFAULT = 4 * GiB  # the disk tier's bytes unless set
 GPU_MEM_FRACTION = "0.92"  # of the card, for weights + arena + XLA's scratch; JAX's own default is 0.75
 
 
@@ -68,6 +72,24 @@ def prefix_cache_ram(station: StationConfig, available: int | None = None) -> in
                f"{_gib(PREFIX_CACHE_RAM_CAP)}; set {station.named('prefix_cache_ram')} (MiB) to choose")
     log.info("prefix cache in host memory: %d MiB (%s)", n // MiB, why)
     return n
+
+
+def prefix_cache_disk(station: StationConfig, engine: Any, ram: int) -> DiskTier | None:
+    """The prefix cache's disk tier in `station.prefix_cache_dir` (None: none, or off where the host tier of `ram`
+    bytes is, logged), its bytes logged once; the weights' fingerprint is read here, once."""
+    if not station.prefix_cache_dir:
+        return None
+    if refusal := (tier_refusal(engine) or (None if ram else "the host memory tier is off")):
+        log.info("prefix cache on disk: off, since %s", refusal)
+        return None
+    if station.prefix_cache_disk_mb is not None:
+        n = station.prefix_cache_disk_mb * MiB
+        why = f"{station.named('prefix_cache_disk_mb')}={station.prefix_cache_disk_mb}"
+    else:
+        n = PREFIX_CACHE_DISK_DEFAULT
+        why = f"the default; set {station.named('prefix_cache_disk_mb')} (MiB) to choose"
+    log.info("prefix cache on disk: %d MiB in %s (%s)", n // MiB, station.prefix_cache_dir, why)
+    return DiskTier(station.prefix_cache_dir, n, engine_fingerprint(engine))
 
 
 def available_memory(shards: int = 1) -> tuple[int | None, str]:

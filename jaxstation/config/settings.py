@@ -129,6 +129,11 @@ SETTINGS: tuple[_Setting, ...] = (
     _Setting("prefix_cache_ram", "MOONSHINE_PREFIX_CACHE_RAM", "--prefix-cache-ram", parse_int,
              "MiB of host memory for cached prompt KV beyond the lanes, least recently used evicted (default: a "
              "quarter of the available RAM, at most 8 GiB; 0: off)", commands=_SERVE),
+    _Setting("prefix_cache_dir", "MOONSHINE_PREFIX_CACHE_DIR", "--prefix-cache-dir", parse_str,
+             "directory for the prefix cache's disk tier: the host tier's entries are written there and a station "
+             "restarted over it reuses them (default: none)", commands=_SERVE),
+    _Setting("prefix_cache_disk_mb", "MOONSHINE_PREFIX_CACHE_DISK_MB", "--prefix-cache-disk-mb", parse_int,
+             "MiB of files in --prefix-cache-dir, least recently used deleted (default: 4096)", commands=_SERVE),
     _Setting("speculative", "MOONSHINE_SPECULATIVE", "--speculative", parse_str,
              "speculative decoding: off, ngram (prompt-lookup drafts) or draft (a draft model's; --draft-model), "
              "verified in one step; the tokens are the same", commands=frozenset({"serve"})),
@@ -236,6 +241,8 @@ class StationConfig:
     continuous: bool = False
     prefix_reuse: str = "auto"
     prefix_cache_ram: int | None = None  # MiB; None: a quarter of the available RAM, at most 8 GiB
+    prefix_cache_dir: str | None = None  # the disk tier's directory; None: no disk tier
+    prefix_cache_disk_mb: int | None = None  # MiB; None: PREFIX_CACHE_DISK_DEFAULT
     speculative: str = "off"
     draft_model: str | None = None  # speculative=draft: the draft model's checkpoint
     draft_tokens: int = 3
@@ -293,6 +300,8 @@ class StationConfig:
             raise ConfigError(f"{self.named('responses_store_age_s')}={self.responses_store_age_s} must be > 0")
         if self.prefix_cache_ram is not None and self.prefix_cache_ram < 0:
             raise ConfigError(f"{self.named('prefix_cache_ram')}={self.prefix_cache_ram} must be >= 0 MiB (0: off)")
+        if self.prefix_cache_disk_mb is not None and self.prefix_cache_disk_mb < 1:
+            raise ConfigError(f"{self.named('prefix_cache_disk_mb')}={self.prefix_cache_disk_mb} must be >= 1 MiB")
         if self.prefix_reuse not in PREFIX_REUSE:
             raise ConfigError(f"{self.named('prefix_reuse')}={self.prefix_reuse!r} must be one of "
                               f"{', '.join(PREFIX_REUSE)}")

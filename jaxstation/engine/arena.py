@@ -261,3 +261,31 @@ def write_prefix(buffers: KVBuffers, lane: int, kv: KVBuffers, n: int, span: int
         rows = jax.tree_util.tree_map(lambda a, s=s: a[:, s:s + span], kv)
         buffers = _write_span(buffers, np.int32(lane), np.int32(s), rows)
     return buffers
+
+
+@partial(jax.jit, static_argnums=3)
+def _read_window(rings: KVBuffers, lane: jax.Array, end: jax.Array, count: int) -> KVBuffers:
+    """The ring slots of positions [end - count, end) of `lane` in every leaf: [layers, count, ...] each."""
+    slots = (end - count + jnp.arange(count, dtype=jnp.int32)) % (rings.k.shape[2] - 1)
+    return jax.tree_util.tree_map(lambda a: a[:, lane, slots], rings)
+
+
+@partial(jax.jit, donate_argnums=0)
+def _write_window(rings: KVBuffers, lane: jax.Array, end: jax.Array, rows: KVBuffers) -> KVBuffers:
+    """`rings` with `rows` ([layers, count, ...] each) written at the ring slots of positions [end - count, end)."""
+    count = rows.k.shape[1]
+    slots = (end - count + jnp.arange(count, dtype=jnp.int32)) % (rings.k.shape[2] - 1)
+    return jax.tree_util.tree_map(lambda a, r: a.at[:, lane, slots].set(r.astype(a.dtype)), rings, rows)
+
+
+def read_window(rings: KVBuffers, lane: int, end: int, count: int) -> KVBuffers:
+    """A host (numpy) copy of the ring slots that hold positions [end - count, end) of `lane` (every leaf), in
+    position order, as stored: one compiled program. Slots of positions below 0 come along as they are (a restart at
+    `end` never reads them)."""
+    return jax.device_get(_read_window(rings, np.int32(lane), np.int32(end), count))
+
+
+def write_window(rings: KVBuffers, lane: int, end: int, window: KVBuffers) -> KVBuffers:
+    """`rings` (donated) with a host copy (`read_window`) written back into the slots of its positions, which are
+    where the ring keeps them for a restart at `end` (slot = position mod ring)."""
+    return _write_window(rings, np.int32(lane), np.int32(end), window)

@@ -19,7 +19,16 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from jaxstation.engine.arena import KVBuffers, allocate_arena, arena_layout, kv_dtype_of, read_prefix, write_prefix
+from jaxstation.engine.arena import (
+    KVBuffers,
+    allocate_arena,
+    arena_layout,
+    kv_dtype_of,
+    read_prefix,
+    read_window,
+    write_prefix,
+    write_window,
+)
 from jaxstation.engine.penalties import lane_rows, start_lane
 from jaxstation.engine.prefix_cache import LaneVersions, RingHold
 from jaxstation.engine.prefix_tier import tier_refusal
@@ -126,13 +135,33 @@ class Engine:
         return self.ring_hold.floor(lane)
 
     def save_prefix(self, lane: int, n: int) -> KVBuffers:
-        """A host copy of `lane`'s KV at positions [0, n), n a multiple of the chunk (no ring: `PrefixTier`)."""
+        """A host copy of `lane`'s global layers' KV at positions [0, n), n a multiple of the chunk (`PrefixTier`)."""
         return read_prefix(self.arena.full, lane, n, self.chunk)
 
-    def restore_prefix(self, lane: int, kv: KVBuffers, n: int) -> None:
-        """Write positions [0, n) of a host copy (`save_prefix`) into `lane`, n a multiple of the chunk."""
+    def save_window(self, lane: int, n: int) -> KVBuffers | None:
+        """A host copy of what `lane`'s rings hold of the window before position n (positions
+        [max(0, n - window + 1), n)), which a restart at n reads; None without rings. Only while the rings still hold
+        it (`reuse_floor`): at the end of a prompt's prefill, n its last chunk boundary."""
+        if self.arena.rings is None:
+            return None
+        count = self.cfg.sliding_window - 1
+        copy = read_window(self.arena.rings, lane, n, count)  # one program: count positions, some below 0 if n < count
+        return jax.tree_util.tree_map(lambda a: a[:, max(0, count - n):].copy(), copy)
+
+    def restore_prefix(self, lane: int, kv: KVBuffers, n: int, window: KVBuffers | None = None) -> None:
+        """Write positions [0, n) of a host copy (`save_prefix`) into `lane`, n a multiple of the chunk, and with
+        rings the window before n (`save_window` at the same n) into the slots where the rings keep it: the lane
+        may restart at n, and at no lower boundary."""
+        if self.arena.rings is not None and window is None:
+            raise ValueError("a lane with rings restarts only from a copy of its window")
         self._wrote([lane, lane], [0, n - 1])
         self.arena = dataclasses.replace(self.arena, full=write_prefix(self.arena.full, lane, kv, n, self.chunk))
+        if window is not None:  # padded back to the program's count: the slots of positions below 0 get zeros
+            count = self.cfg.sliding_window - 1
+            window = jax.tree_util.tree_map(
+                lambda a: np.pad(a, [(0, 0), (count - a.shape[1], 0)] + [(0, 0)] * (a.ndim - 2)), window)
+            self.arena = dataclasses.replace(self.arena, rings=write_window(self.arena.rings, lane, n, window))
+            self.ring_hold.restored(lane, n)
 
     def _wrote(self, lanes: Sequence[int], positions: Sequence[int]) -> None:
         """Rows at `positions` of `lanes` (one pair per row; idle rows left out) are about to write their k/v."""
@@ -366,7 +395,8 @@ class Engine:
             ("prefill_last", lambda: self.prefill(0, prompt, self.chunk, SamplingParams())),  # a last chunk: samples
         ]
         if tier_refusal(self) is None:  # the prefix cache's host tier copies a chunk each way
-            steps.append(("prefix_copy", lambda: self.restore_prefix(0, self.save_prefix(0, self.chunk), self.chunk)))
+            steps.append(("prefix_copy", lambda: self.restore_prefix(0, self.save_prefix(0, self.chunk), self.chunk,
+                                                                     self.save_window(0, self.chunk))))
         for w in self.wave_widths:
             name = "decode" if w == self.lanes else f"decode_{w}"
             steps.append((name, lambda w=w: (self._wave(sampled, w, False), self._wave(greedy, w, False),

@@ -34,7 +34,8 @@ class StationMetrics:
                                             "Prompt tokens of hits found in cached prefill-written KV", registry=r)
         self.prefix_tier_saved_tokens = Counter("jaxstation_prefix_cache_tier_saved_tokens",
                                                 "Prompt tokens not prefilled, by where their KV was cached: lane (the "
-                                                "arena) or memory (the host tier)", ["tier"], registry=r)
+                                                "arena), memory (the host tier) or disk (the disk tier)", ["tier"],
+                                                registry=r)
         self.prefix_tier_bytes = Gauge("jaxstation_prefix_cache_memory_bytes", "Bytes of KV in the host tier",
                                        registry=r)
         self.prefix_tier_entries = Gauge("jaxstation_prefix_cache_memory_entries", "Prefixes in the host tier",
@@ -42,6 +43,15 @@ class StationMetrics:
         self.prefix_tier_evictions = Counter("jaxstation_prefix_cache_memory_evictions",
                                              "Host tier prefixes dropped, least recently used, to stay in its bytes",
                                              registry=r)
+        self.prefix_disk_bytes = Gauge("jaxstation_prefix_cache_disk_bytes", "Bytes of prefix files in the disk tier "
+                                       "(--prefix-cache-dir)", registry=r)
+        self.prefix_disk_entries = Gauge("jaxstation_prefix_cache_disk_entries", "Prefixes in the disk tier",
+                                         registry=r)
+        self.prefix_disk_evictions = Counter("jaxstation_prefix_cache_disk_evictions",
+                                             "Disk tier files deleted, least recently used, to stay in its bytes",
+                                             registry=r)
+        self.prefix_disk_load = Histogram("jaxstation_prefix_cache_disk_load_seconds", "Reading and checking a "
+                                          "disk tier file into the host tier", registry=r, buckets=LATENCY_BUCKETS)
         self.spec_drafts = Counter("jaxstation_spec_decode_num_drafts", "Drafts verified (one per request per step)",
                                    registry=r)
         self.spec_draft_tokens = Counter("jaxstation_spec_decode_num_draft_tokens", "Tokens drafted", registry=r)
@@ -58,8 +68,8 @@ class StationMetrics:
         self.spec_accepted_tokens.inc(accepted)
 
     def count_prefix_lookup(self, matched: int, reused: int, tier: str = "lane") -> None:
-        """A request looked for a cached prefix: `matched` prompt tokens found in `tier` (lane or memory), `reused` of
-        them not prefilled."""
+        """A request looked for a cached prefix: `matched` prompt tokens found in `tier` (lane, memory or disk),
+        `reused` of them not prefilled."""
         self.prefix_lookups.inc()
         if reused:
             self.prefix_hits.inc()

@@ -89,6 +89,12 @@ class RingHold:
             low = first  # what lay before `first` is not known to continue into the new positions
         self._low[lane], self._high[lane] = max(low, last - self.ring + 1), last
 
+    def restored(self, lane: int, n: int) -> None:
+        """The window before n was copied into `lane`'s rings (a host tier's restore): they hold positions
+        [n - window + 1, n), and nothing else of the lane's content."""
+        if self.ring:
+            self._low[lane], self._high[lane] = max(0, n - self.window + 1), n - 1
+
     def floor(self, lane: int) -> int:
         """The lowest position above 0 a prefill may restart `lane` at (0: any)."""
         low = self._low[lane]
@@ -144,6 +150,12 @@ class PrefixCache:
         the lane was among its free lanes); None without one."""
         entry = self._entries[lane]
         return None if entry is None else (entry.tokens, entry.adapter)
+
+    def held(self, versions: Sequence[int] | LaneVersions) -> list[tuple[int, tuple[int, ...], int]]:
+        """(lane, tokens, adapter load) of every entry that still describes its lane's KV (`versions`: the engine's
+        current lane stamps)."""
+        return [(lane, e.tokens, e.adapter) for lane, e in enumerate(self._entries)
+                if e is not None and e.version == versions[lane]]
 
     def take(self, lane: int) -> None:
         """The lane now runs a request: its cached entry no longer describes it."""

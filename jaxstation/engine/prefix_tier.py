@@ -3,18 +3,34 @@
 A lane's cached prefix (engine/prefix_cache.py) lives only until a request with another prompt takes the lane. Just
 before that request writes the lane, `PrefixTier.admit` copies the lane's prefill-written KV at positions [0, n) (n the
 cached tokens rounded down to a chunk: a restart never lands past the last boundary) into host memory (numpy), every
-global layer's k and v and, with an int8 arena, their scales, as stored: the bits are the arena's own. A request whose
-prompt matches an entry further than any free lane's cached prefix takes its lane as usual, the entry's chunks are
+global layer's k and v and, with an int8 arena, their scales, as stored: the bits are the arena's own. A request
+whose prompt matches an entry further than any free lane's cached prefix takes its lane as usual, the entry's chunks are
 written into the lane (one compiled program per chunk copy, donated), and prefill restarts at the chunk boundary at or
 below the match, as on a lane hit: every position from there on is written by the same chunks at the same starts as a
 fresh run's, so its tokens are bit-identical.
 
+Rings. Where windowed layers keep a ring of their window (engine/arena.py), a restart at n reads the window before n
+in those layers, which the lane's decode overwrites once it went about `ring - window` positions past its prompt. So
+as a prompt's prefill ends, before the lane's first decode row, `prefilled` copies the ring slots of the window before
+its last chunk boundary n (`Engine.save_window`, the arena's bits), and the lane's spill keeps it beside the global
+layers' [0, n) as the entry's restart point at n. A restore writes the global part and the window back into the slots
+the ring keeps those positions at for a restart at n; a window is of no use at another boundary, so an entry restarts
+only at its restart points (`TierEntry.restart`), and an entry that extends another takes over the other's: one entry
+per conversation holds a restart point at each turn's prompt end, and the lookup takes the furthest at or below the
+match. A prefix whose window was not copied is not kept. A lane's window copy waits in `PrefixTier` until the lane
+is taken, outside the tier's capacity: at most one per lane.
+
 An entry is keyed as a lane's: its token ids and the LoRA adapter load that computed the KV. Everything else that
 changes a KV bit (the model and its weights' dtype, the KV dtype, the arena's layout, the chunk) is fixed for the
 engine the tier belongs to: one tier per scheduler and engine. Whole-prompt entries, evicted least recently used
-while their bytes exceed the tier's capacity. An arena with rings (windowed layers keeping only their window) holds
-no whole prefix to copy, a mesh engine's KV lives on its stations, and a split arena's copies are not checked: there
-the tier is off (`tier_refusal`).
+while their bytes exceed the tier's capacity. A mesh engine's KV lives on its stations, and a split arena's copies are
+not checked: there the tier is off (`tier_refusal`).
+
+A disk tier (engine/prefix_disk.py, `--prefix-cache-dir`) may lie under it: each base-model entry the tier keeps is
+also queued for a file, a clean stop writes the lanes' cached prefixes too (`persist`), and a prompt that a file
+matches further than memory and the free lanes do has the file loaded into the tier and restored from there. With
+rings a file holds the entry's restart points and their windows too, and a lookup there takes the furthest restart
+point as here. It is off wherever the host tier is.
 
 Failures. The copies run inside the scheduler's step (`Scheduler._loop`), after the request holds its lane, so
 whatever they raise is at worst a failed step. A failed save logs a line and keeps nothing: the request goes on. A
@@ -26,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -34,6 +51,7 @@ import jax
 from jaxstation.engine.arena import KVBuffers
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.prefix_cache import Pick, PrefixCache, common_prefix
+from jaxstation.engine.prefix_disk import DiskTier
 from jaxstation.engine.runner import Runner
 
 log = logging.getLogger(__name__)
@@ -56,10 +74,27 @@ class TierEntry:
     tokens: tuple[int, ...]  # the ids whose prefill-written KV `kv` holds, a whole number of chunks
     adapter: int  # the LoRA adapter load that computed it (0: the base model)
     kv: KVBuffers  # numpy [global layers, len(tokens), kv_heads(, head_dim)] per leaf
+    # with rings, the restart points: (n, the windowed layers' ring content of the window before n, as
+    # `Engine.save_window` copies it), n ascending; None without rings (every chunk boundary is a restart point)
+    windows: tuple[tuple[int, KVBuffers], ...] | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in jax.tree_util.tree_leaves(self.kv))
+        return sum(a.nbytes for a in jax.tree_util.tree_leaves((self.kv, [w for _, w in self.windows or ()])))
+
+    def restart(self, matched: int, chunk: int) -> int:
+        """The furthest restart point at or below `matched` tokens (0: none)."""
+        if self.windows is None:
+            return matched // chunk * chunk
+        return max((n for n, _ in self.windows if n <= matched), default=0)
+
+    def window(self, n: int) -> KVBuffers | None:
+        """The ring content for a restart at n (None without rings)."""
+        return None if self.windows is None else dict(self.windows)[n]
+
+    def restarts(self) -> tuple[int, ...] | None:
+        """The restart points with rings (None without: every chunk boundary)."""
+        return None if self.windows is None else tuple(n for n, _ in self.windows)
 
 
 class HostTier:
@@ -78,37 +113,57 @@ class HostTier:
         """The entries' (adapter, tokens), least recently used first."""
         return list(self._entries)
 
-    def find(self, prompt: Sequence[int], adapter: int) -> tuple[TierEntry | None, int]:
-        """(the entry with the longest reusable match for `prompt` of `adapter`, the prompt tokens it matches, at
-        most len(prompt) - 1); (None, 0) where no entry reuses a chunk."""
+    def find(self, prompt: Sequence[int], adapter: int) -> tuple[TierEntry | None, int, int]:
+        """(the entry with the furthest restart point for `prompt` of `adapter`, the prompt tokens it matches (at
+        most len(prompt) - 1), that restart point: `TierEntry.restart`); (None, 0, 0) where no entry has one."""
         prompt = tuple(prompt)
-        best, matched = None, 0
+        best, matched, reused = None, 0, 0
         for (load, tokens), entry in self._entries.items():
             if load == adapter:
                 n = min(common_prefix(tokens, prompt), len(prompt) - 1)
-                if n // self.chunk > matched // self.chunk:
-                    best, matched = entry, n
-        return best, matched
+                if (restart := entry.restart(n, self.chunk)) > reused:
+                    best, matched, reused = entry, n, restart
+        return best, matched, reused
 
     def used(self, entry: TierEntry) -> None:
-        """`entry` was reused: it becomes the most recent."""
-        self._entries.move_to_end((entry.adapter, entry.tokens))
+        """`entry` was reused: it becomes the most recent (if held)."""
+        if (entry.adapter, entry.tokens) in self._entries:
+            self._entries.move_to_end((entry.adapter, entry.tokens))
 
     def drop(self, entry: TierEntry) -> None:
         """Forget `entry` (if still held)."""
         if self._entries.pop((entry.adapter, entry.tokens), None) is not None:
             self.nbytes -= entry.nbytes
 
+    def get(self, tokens: tuple[int, ...], adapter: int) -> TierEntry | None:
+        """The entry of exactly `tokens` and `adapter`, if held."""
+        return self._entries.get((adapter, tokens))
+
+    def restarts_under(self, tokens: tuple[int, ...], adapter: int) -> dict[int, KVBuffers]:
+        """With rings, the restart points (n: window) of the entries of `adapter` that `tokens` extends."""
+        return {n: w for (load, have), e in self._entries.items() if load == adapter and tokens[:len(have)] == have
+                for n, w in e.windows or ()}
+
+    def covering(self, tokens: tuple[int, ...], adapter: int) -> TierEntry | None:
+        """An entry of `adapter` that starts with `tokens` (so holds their KV), if any."""
+        return next((e for (load, have), e in self._entries.items()
+                     if load == adapter and have[:len(tokens)] == tokens), None)
+
     def covers(self, tokens: tuple[int, ...], adapter: int) -> bool:
         """Whether an entry of `adapter` starts with `tokens` (so holds their KV)."""
-        return any(load == adapter and have[:len(tokens)] == tokens for load, have in self._entries)
+        return self.covering(tokens, adapter) is not None
 
     def put(self, entry: TierEntry) -> int:
-        """Keep `entry` as the most recent, dropping the entries it covers, then the least recently used while the
-        bytes exceed the capacity; an entry larger than the capacity is not kept. Returns the evictions."""
+        """Keep `entry` as the most recent, dropping the entries it covers (with rings, it takes over their restart
+        points), then the least recently used while the bytes exceed the capacity; an entry larger than the capacity
+        is not kept. Returns the evictions."""
+        covered = [k for k in self._entries if k[0] == entry.adapter and entry.tokens[:len(k[1])] == k[1]]
+        if entry.windows is not None:
+            windows = {**self.restarts_under(entry.tokens, entry.adapter), **dict(entry.windows)}
+            entry = dataclasses.replace(entry, windows=tuple(sorted(windows.items(), key=lambda w: w[0])))
         if entry.nbytes > self.capacity:
             return 0
-        for key in [k for k in self._entries if k[0] == entry.adapter and entry.tokens[:len(k[1])] == k[1]]:
+        for key in covered:
             self.nbytes -= self._entries.pop(key).nbytes
         self._entries[(entry.adapter, entry.tokens)] = entry
         self.nbytes += entry.nbytes
@@ -131,35 +186,59 @@ def tier_refusal(engine: Runner) -> str | None:
     """Why `engine`'s arena cannot feed a host tier (None: it can)."""
     if engine.arena is None:
         return "the KV lives on mesh stations"
-    if engine.arena.rings is not None:
-        return "windowed layers keep a ring, not a whole prefix (--kv-windows full keeps one)"
     if len(engine.arena.k.devices()) > 1:
         return "the arena is split over devices (--tensor-parallel), and the copies are checked on one device only"
     return None
 
 
 class PrefixTier:
-    """The scheduler's host tier over `engine`'s lanes and their `cache`, `capacity` bytes (0: off). The decode
-    thread owns it."""
+    """The scheduler's host tier over `engine`'s lanes and their `cache`, `capacity` bytes (0: off), over `disk`
+    (None: none). The decode thread owns it; `close` stops the disk tier's writer."""
 
-    def __init__(self, engine: Runner, cache: PrefixCache, capacity: int, metrics: StationMetrics) -> None:
-        if capacity and (refusal := tier_refusal(engine)):
+    def __init__(self, engine: Runner, cache: PrefixCache, capacity: int, metrics: StationMetrics,
+                 disk: DiskTier | None = None) -> None:
+        refusal = tier_refusal(engine) if capacity or disk is not None else None
+        if capacity and refusal:
             log.info("prefix cache in host memory: off, since %s", refusal)
             capacity = 0
+        if disk is not None and not capacity:
+            log.info("prefix cache on disk: off, since %s", refusal or "the host memory tier is off")
+            disk.close()
         self.engine, self.cache, self.metrics = engine, cache, metrics
         self.host = HostTier(capacity, engine.chunk)
+        self.disk = disk if disk is not None and capacity and disk.on else None
+        if self.disk is not None:
+            self.disk.attach(metrics)
+        self.rings = engine.arena.rings is not None if capacity else False
+        self._windows: dict[int, tuple[tuple[int, ...], int, KVBuffers]] = {}  # lane -> its prompt's window copy
+
+    def prefilled(self, lane: int, tokens: Sequence[int], adapter: int) -> None:
+        """`lane` has just prefilled `tokens` with `adapter` and decodes next: with rings, copy the window before
+        their last chunk boundary n while the rings still hold it, kept for the lane's spill (`admit`) as the
+        entry's restart point at n. A failed copy keeps none: the lane's prefix is not kept in the tier."""
+        if not self.rings or (n := len(tokens) // self.host.chunk * self.host.chunk) == 0:
+            return
+        self._windows.pop(lane, None)
+        try:
+            self._windows[lane] = (tuple(tokens[:n]), adapter, self.engine.save_window(lane, n))
+        except Exception as e:
+            log.warning("prefix cache in host memory: saving lane %d's window before %d failed (%s: %s); not kept",
+                        lane, n, type(e).__name__, e)
 
     def admit(self, a: Admission) -> int:
         """A request of `a.prompt` takes `a.pick.lane`: keep the lane's cached prefix in the tier if the request will
-        overwrite it, and restore the tier's longest match into the lane where it reaches past `pick.reused`. Returns
-        the prompt tokens the request reuses (prefill restarts there), counted on the metrics when `a.reuse`."""
+        overwrite it, and restore the tier's furthest restart point into the lane where it reaches past `pick.reused`.
+        Returns the prompt tokens the request reuses (prefill restarts there), counted on the metrics when
+        `a.reuse`."""
         pick = a.pick
         if not self.host.capacity:
             if a.reuse:
                 self.metrics.count_prefix_lookup(pick.matched, pick.reused, "lane")
             return pick.reused
-        entry, matched = self.host.find(a.prompt, a.adapter) if a.reuse else (None, 0)
-        reused = matched // self.host.chunk * self.host.chunk
+        entry, matched, reused = self.host.find(a.prompt, a.adapter) if a.reuse else (None, 0, 0)
+        tier = "memory"
+        if a.reuse and self.disk is not None and (loaded := self._from_disk(a, max(reused, pick.reused))):
+            entry, matched, reused, tier = loaded
         restore = entry is not None and reused > pick.reused
         if restore:
             self.host.used(entry)  # before the spill, which may evict the least recently used
@@ -167,15 +246,74 @@ class PrefixTier:
         if restore and not self._restore(pick.lane, entry, reused):
             pick, restore = Pick(pick.lane, 0, 0), False  # a fresh prefill: the lane may hold part of the entry
         if a.reuse:
-            self.metrics.count_prefix_lookup(*((matched, reused, "memory") if restore else
+            self.metrics.count_prefix_lookup(*((matched, reused, tier) if restore else
                                                (pick.matched, pick.reused, "lane")))
         return reused if restore else pick.reused
 
+    def _from_disk(self, a: Admission, beat: int) -> tuple[TierEntry, int, int, str] | None:
+        """(the disk tier's entry for `a.prompt`, now in memory too, the tokens it matches, its restart point for
+        them, "disk") where it restarts past `beat` tokens; None otherwise, or where its file failed to load
+        (logged)."""
+        found, matched, reused = self.disk.find(a.prompt, a.adapter, self.host.chunk)
+        if found is None or reused <= beat:
+            return None
+        t0 = time.perf_counter()
+        loaded = self.disk.load(found)
+        if loaded is None:
+            return None
+        self.metrics.prefix_disk_load.observe(time.perf_counter() - t0)
+        entry = TierEntry(loaded.tokens, loaded.adapter, loaded.kv, loaded.windows)
+        self.metrics.prefix_tier_evictions.inc(self.host.put(entry))
+        self._gauges()
+        return entry, matched, reused, "disk"
+
+    def persist(self) -> None:
+        """Queue the free lanes' cached prefixes (of the base model) for the disk tier, as at a clean stop. With
+        rings, only a prefix whose window its prompt's prefill left (`prefilled`), with the restart points of the
+        entries in memory it extends."""
+        if self.disk is None:
+            return
+        for lane, tokens, adapter in self.cache.held(self.engine.lane_versions):
+            n = len(tokens) // self.host.chunk * self.host.chunk
+            if adapter or not n:
+                continue
+            tokens, windows = tuple(tokens[:n]), None
+            if self.rings:
+                window = self._windows.get(lane)
+                if window is None or window[:2] != (tokens, adapter):
+                    continue
+                windows = tuple(sorted({**self.host.restarts_under(tokens, adapter), n: window[2]}.items()))
+            if self.disk.covers(tokens, adapter, None if windows is None else tuple(w for w, _ in windows)):
+                continue
+            try:
+                self.disk.put(tokens, adapter, self.engine.save_prefix(lane, n), windows)
+            except Exception as e:
+                log.warning("prefix cache on disk: saving lane %d's %d tokens failed (%s: %s)", lane, n,
+                            type(e).__name__, e)
+
+    def close(self) -> None:
+        """Write what the disk tier has queued and stop its writer."""
+        if self.disk is not None:
+            self.disk.close()
+
     def _spill(self, lane: int, cached: tuple[tuple[int, ...], int] | None, kept: int) -> None:
         """Copy `lane`'s `cached` prefix into the tier, unless the request taking it keeps all of it (`kept` tokens)
-        or the tier holds it already. A failed copy keeps nothing."""
+        or the tier holds it already. With rings, only with the window its prompt's prefill left (`prefilled`), as
+        the entry's restart point; an entry that holds the tokens but not that restart point gains it. A failed copy
+        keeps nothing."""
+        window = self._windows.pop(lane, None)
         n = len(cached[0]) // self.host.chunk * self.host.chunk if cached else 0
-        if n <= kept or self.host.covers(cached[0][:n], cached[1]):
+        if n <= kept:
+            return
+        tokens = cached[0][:n]
+        if self.rings:
+            if window is None or window[:2] != (tokens, cached[1]):
+                return  # the window before n is no longer in the rings: no restart point
+            if (cover := self.host.covering(tokens, cached[1])) is not None:
+                if n not in cover.restarts():
+                    self._put(dataclasses.replace(cover, windows=(*cover.windows, (n, window[2]))))
+                return
+        elif self.host.covers(tokens, cached[1]):
             return
         try:
             kv = self.engine.save_prefix(lane, n)
@@ -183,14 +321,26 @@ class PrefixTier:
             log.warning("prefix cache in host memory: saving lane %d's %d tokens failed (%s: %s); not kept", lane, n,
                         type(e).__name__, e)
             return
-        self.metrics.prefix_tier_evictions.inc(self.host.put(TierEntry(cached[0][:n], cached[1], kv)))
+        self._put(TierEntry(tokens, cached[1], kv, ((n, window[2]),) if self.rings else None))
+
+    def _put(self, entry: TierEntry) -> None:
+        """Keep `entry` in memory and, of the base model, queue it for the disk tier (as kept: with rings, with the
+        restart points it took over). A LoRA load's number means nothing to another process."""
+        self.metrics.prefix_tier_evictions.inc(self.host.put(entry))
+        if self.disk is not None and not entry.adapter:
+            kept = self.host.get(entry.tokens, entry.adapter) or entry
+            self.disk.put(kept.tokens, kept.adapter, kept.kv, kept.windows)
         self._gauges()
 
     def _restore(self, lane: int, entry: TierEntry, n: int) -> bool:
-        """Write `entry`'s first n tokens into `lane`. False where the copy failed: the entry is dropped (it may be
-        what failed), and the lane, taken by its request, is no lane the prefix cache reuses."""
+        """Write `entry`'s first n tokens (and with rings its window before n) into `lane`. False where the copy
+        failed: the entry is dropped (it may be what failed), and the lane, taken by its request, is no lane the
+        prefix cache reuses."""
         try:
-            self.engine.restore_prefix(lane, entry.kv, n)
+            if (window := entry.window(n)) is None:
+                self.engine.restore_prefix(lane, entry.kv, n)
+            else:
+                self.engine.restore_prefix(lane, entry.kv, n, window)
             return True
         except Exception as e:
             log.warning("prefix cache in host memory: restoring %d tokens into lane %d failed (%s: %s); the request "
@@ -200,8 +350,8 @@ class PrefixTier:
             return False
 
     def clear(self) -> int:
-        """Drop every entry; returns how many there were."""
-        dropped = self.host.clear()
+        """Drop every entry, in memory and on disk; returns how many there were."""
+        dropped = self.host.clear() + (self.disk.clear() if self.disk is not None else 0)
         self._gauges()
         return dropped
 

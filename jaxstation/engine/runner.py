@@ -62,11 +62,16 @@ class Runner(Protocol):
         """The lowest position above 0 a prefill may restart `lane` at, reading the KV it holds (0: any)."""
 
     def save_prefix(self, lane: int, n: int) -> Any:
-        """(Only where `arena` is local, without rings: engine/prefix_tier.py) a host copy of `lane`'s KV at positions
-        [0, n), n a multiple of the chunk."""
+        """(Only where `arena` is local on one device: engine/prefix_tier.py) a host copy of `lane`'s global layers'
+        KV at positions [0, n), n a multiple of the chunk."""
 
-    def restore_prefix(self, lane: int, kv: Any, n: int) -> None:
-        """(Only as `save_prefix`) write positions [0, n) of a host copy into `lane`."""
+    def save_window(self, lane: int, n: int) -> Any:
+        """(Only as `save_prefix`, and where `arena.rings` is not None) a host copy of what `lane`'s rings hold of the
+        window before position n, while they still hold it."""
+
+    def restore_prefix(self, lane: int, kv: Any, n: int, window: Any = None) -> None:
+        """(Only as `save_prefix`) write positions [0, n) of a host copy into `lane`, and with rings the window before
+        n (`save_window` at n): the lane may restart at n."""
 
     def reset(self) -> None:
         """Forget every lane's state after a failed step."""

@@ -18,8 +18,10 @@ What it is doing, other threads read from the snapshot it publishes after its tu
 Backpressure. `submit` past `max_queue` queued jobs raises QueueFull (a 503 with Retry-After); draining, ShuttingDown.
 
 Prefix reuse (engine/prefix_cache.py): `_fill` gives a job the free lane with the longest reusable prefix (of its
-adapter), or copies a longer one into a lane from the host tier of `prefix_cache_ram` bytes (engine/prefix_tier.py),
-and starts its prefill at the last chunk boundary at or below the match, so its tokens equal a fresh run's.
+adapter), or copies a longer one into a lane from the host tier of `prefix_cache_ram` bytes (engine/prefix_tier.py)
+or from its disk tier (engine/prefix_disk.py: a clean stop, `drain`, writes the lanes' prefixes there), and starts
+its prefill at the last chunk boundary at or below the match (with rings, at a restart point the tier copied as a
+prompt's prefill ended: `PrefixTier.prefilled`), so its tokens equal a fresh run's.
 Speculation (engine/speculative.py, engine/draft.py): where the engine verifies drafts and a turn admits no prompt
 pieces, decode rows carry drafts and run as one `verify` step; each row's accepted tokens go through `postprocess`.
 
@@ -55,6 +57,7 @@ from jaxstation.engine.constraints import ConstraintFailed
 from jaxstation.engine.jobs import Cancelled, Job, QueueFull, ShuttingDown, StepFailed, answer
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.prefix_cache import PrefixCache
+from jaxstation.engine.prefix_disk import DiskTier
 from jaxstation.engine.prefix_tier import Admission, PrefixTier
 from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample
 from jaxstation.engine.runner import Runner
@@ -68,7 +71,7 @@ T = TypeVar("T")
 class Scheduler:
     def __init__(self, engine: Runner, *, continuous: bool, max_queue: int, terminal_ids: frozenset[int],
                  metrics: StationMetrics | None = None, speculation: Speculation | None = None,
-                 prefix_cache_ram: int = 0) -> None:
+                 prefix_cache_ram: int = 0, prefix_cache_disk: DiskTier | None = None) -> None:
         self.engine, self.speculation = engine, (speculation if engine.verify_rows > 1 else None)
         self.continuous, self.max_queue, self.terminal_ids = continuous, max_queue, terminal_ids
         self.metrics = metrics or StationMetrics()
@@ -78,7 +81,7 @@ class Scheduler:
         self.waves = 0  # loop turns that ran a step; flat while idle (the decode thread's)
         self.prefill_order: deque[int] = deque()  # lanes waiting for prefill, oldest first (the decode thread's)
         self.prefix_cache = PrefixCache(engine.lanes, engine.chunk)  # the decode thread's, as is the tier
-        self.prefix_tier = PrefixTier(engine, self.prefix_cache, prefix_cache_ram, self.metrics)
+        self.prefix_tier = PrefixTier(engine, self.prefix_cache, prefix_cache_ram, self.metrics, prefix_cache_disk)
         self.activity = Activity(engine.lanes, self.metrics)  # the decode thread's; its `snapshot`, anyone's
         self._prefix_resets: list[Future] = []  # reset_prefix_cache requests for the next turn (under cond)
         self._accepting, self._stop = True, False  # under cond
@@ -141,8 +144,8 @@ class Scheduler:
     def reset_prefix_cache(self) -> Future:
         """Forget every free lane's cached prefix (vLLM's /reset_prefix_cache): the next requests prefill in full,
         as a cold station's do. The decode thread does it between two turns, so every lane freed before the returned
-        Future answers loses its prefix, and lanes in flight are untouched; the host tier is emptied. The Future answers
-        how many entries were dropped."""
+        Future answers loses its prefix, and lanes in flight are untouched; the host tier is emptied and the disk tier's
+        files deleted. The Future answers how many entries were dropped."""
         done: Future = Future()
         with self.cond:
             if self.alive and not self._stop:
@@ -172,6 +175,7 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout=max(5.0, timeout_s))
         self._fail_all(ShuttingDown("the station shut down before this request finished"))  # a thread stuck in a step
+        self.prefix_tier.close()  # the disk tier's queued writes land before the process exits
         return clean
 
     # ---- the decode thread ------------------------------------------------------------------------------------
@@ -191,6 +195,7 @@ class Scheduler:
                 if self._stop:
                     self._reset_prefixes()
                     self._fail_lanes(ShuttingDown("the station shut down before this request finished"))
+                    self._persist()
                     return
                 self._reset_prefixes()
                 ending = ending_lanes(self.lanes)
@@ -206,6 +211,13 @@ class Scheduler:
             with self.cond:
                 self.activity.publish(self.lanes, len(self.pending), self.prefix_cache)
                 self.cond.notify_all()  # wake a drain waiting for the last job
+
+    def _persist(self) -> None:
+        """On the way out: the lanes' cached prefixes go to the disk tier (where there is one)."""
+        try:
+            self.prefix_tier.persist()
+        except Exception:
+            log.exception("writing the lanes' prefixes to disk failed")
 
     def _reset_prefixes(self) -> None:
         """Answer the queued reset_prefix_cache requests. Holds cond."""
@@ -340,6 +352,7 @@ class Scheduler:
             lane.fed, lane.repacked = 0, True
         else:
             self.prefill_order.remove(i)
+            self.prefix_tier.prefilled(i, job.tokens, job.lora_load)
             self.postprocess(i, sample)
 
     def _pack(self, plan: Plan) -> list[Sample | None]:
@@ -354,6 +367,8 @@ class Scheduler:
                 self.prefill_order.remove(p.lane)
                 if not lane.repacked:  # a scored prompt was counted when it was scored
                     self.activity.prefilled(len(lane.job.tokens) - lane.job.cached_tokens)
+                if not lane.job.prompt_logprobs:  # a scored prompt's KV is not reused
+                    self.prefix_tier.prefilled(p.lane, lane.job.tokens, lane.job.lora_load)
         return samples
 
     def _verified(self, rows: list[DecodeRow | None], runs: list[list[Sample] | None]) -> None:

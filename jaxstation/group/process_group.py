@@ -53,9 +53,10 @@ LOST_S = 10.0  # a peer silent this long is lost
 CONNECT_S = 300.0  # how long the leader waits for every follower to connect (they load and compile first)
 CALLS = ("begin", "prefill", "prefill_scored", "decode", "verify", "pack", "reset")  # what runs a step
 # run no step for a request: each process warms up alone; LoRA adapters (written by write_lora) are refused on a
-# model split over devices, so a group never holds one; and the prefix cache's host tier (save_prefix,
+# model split over devices, so a group never holds one; and the prefix cache's host tier (save_prefix, save_window,
 # restore_prefix) is off where the arena is split (engine/prefix_tier.py, tier_refusal)
-LOCAL = ("turn_rows", "reuse_floor", "warmup_steps", "warmup", "write_lora", "save_prefix", "restore_prefix")
+LOCAL = ("turn_rows", "reuse_floor", "warmup_steps", "warmup", "write_lora", "save_prefix", "save_window",
+         "restore_prefix")
 _ROWS = {t.__name__: t for t in (DecodeRow, SamplingParams, PromptPiece)}  # what a step call may build
 
 

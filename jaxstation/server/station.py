@@ -18,7 +18,7 @@ import jax
 
 from jaxstation.config.coldstart import CompileCount, StartupClock, enable_compile_cache
 from jaxstation.config.draft import load_draft, speculation
-from jaxstation.config.memory import arena_summary, check_memory, prefix_cache_ram
+from jaxstation.config.memory import arena_summary, check_memory, prefix_cache_disk, prefix_cache_ram
 from jaxstation.config.plan import Plan, load_planned, planned_arena, planned_engine, startup_plan
 from jaxstation.config.settings import StationConfig
 from jaxstation.engine.constraints import Constraint, ConstraintError, ConstraintSpec, Grammars
@@ -113,12 +113,15 @@ class Station:
             self.metrics.startup_programs.labels("cache").set(cached)
             log.info("start-up programs: %d compiled, %d read from the persistent compilation cache", compiled, cached)
             tok = self.model.tokenizer
+            ram = prefix_cache_ram(c)
             scheduler = Scheduler(self.engine, continuous=c.continuous, max_queue=c.max_queue,
                                   terminal_ids=tok.terminal_ids if tok is not None else frozenset(),
                                   metrics=self.metrics, speculation=speculation(c, self.plan, draft),
-                                  prefix_cache_ram=prefix_cache_ram(c))
+                                  prefix_cache_ram=ram,
+                                  prefix_cache_disk=prefix_cache_disk(c, self.engine, ram))
             with self._lock:
                 if self._stopped:  # shut down while loading
+                    scheduler.prefix_tier.close()
                     return
                 scheduler.start()
                 self.scheduler = scheduler
