@@ -1,5 +1,5 @@
 """Driving the chat page in a real headless Chromium (Debian's `chromium` and `chromium-driver`, through `selenium`),
-for the tests that open it against a real station: tests/test_web.py, and tests/test_lora_http.py's LoRA station.
+for the tests that open it against a real station: tests/test_web.py, and tests/test_lora.py's LoRA station.
 conftest.py's `browser` fixture starts the browser with `chromium`.
 
 `Recorder` is a middleware that keeps the body of every chat and /tokenize request the station receives, so a test

@@ -41,11 +41,10 @@ COMPILE_CACHE_ENV = "MOONSHINE_COMPILE_CACHE_DIR"
 _CACHE_KEY = pytest.StashKey[str]()
 
 
-# The modules that take longest, started first so that `pytest -n 2` (.ci/run) keeps both workers busy to the end;
-# test_lora.py before test_lora_http.py, whose station runs its engine's programs.
+# The modules that take longest, started first so that `pytest -n 2` (.ci/run) keeps both workers busy to the end.
 SLOW_FIRST = ("test_gemma3_270m.py", "test_speculative_draft.py", "test_wave_widths.py", "test_mesh.py",
               "test_tensor_parallel.py", "test_kv_windows.py", "test_openapi_fuzz.py", "test_families.py",
-              "test_lora.py", "test_cloudrun.py", "test_lora_http.py", "test_row_invariance.py",
+              "test_lora.py", "test_cloudrun.py", "test_row_invariance.py",
               "test_prompt_logprobs.py", "test_cli.py", "test_openai_api.py", "test_mesh_stage.py",
               "test_scheduler_parity.py", "test_packed_admission.py", "test_parity_tiny.py", "test_layouts.py",
               "test_prefix_reuse.py", "test_gguf_blocks.py", "test_server.py", "test_cpu_kernel.py")

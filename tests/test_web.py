@@ -4,7 +4,7 @@ conversations surviving a reload, model output that cannot run script however ho
 code blocks highlighted and copied, the context left, attached files, dark mode and the station panel.
 
 The station serves two names (`--served-model-name`) for the picker; it holds no LoRA slots, which would compile
-programs of their own: tests/test_lora_http.py picks an adapter on the page against its LoRA station. A recording
+programs of their own: tests/test_lora.py picks an adapter on the page against its LoRA station. A recording
 middleware (tests/browser_util.py) keeps the body of every chat and /tokenize request the station receives, so the tests
 read what the page sent from the station's side.
 """
