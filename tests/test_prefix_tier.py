@@ -349,9 +349,10 @@ def tiny_gemma3():
 
 
 def small_engine(model, kv_dtype: str = "auto", max_loras: int = 0) -> Engine:
-    """Tiny Gemma 3 (a ring of its windowed layers' window), two lanes, 8-token chunks: small programs."""
+    """Tiny Gemma 3 (a ring of its windowed layers' window), two lanes, 8-token chunks, one decode wave width: few
+    and small programs."""
     return Engine(model, lanes=2, max_seq=64, chunk=8, block=16, attention="blocked", prefill_budget=16,
-                  kv_dtype=kv_dtype, max_loras=max_loras, max_lora_rank=4)
+                  wave_widths=(2,), kv_dtype=kv_dtype, max_loras=max_loras, max_lora_rank=4)
 
 
 def small_ids(seed: int, n: int, vocab: int) -> list[int]:
