@@ -1,12 +1,12 @@
 """Agent replay: many two-turn conversations on few lanes, and how much of each next turn the prefix cache's tiers
 spare.
 
-`--conversations` conversations share a station of `--lanes` lanes, built in process as `jaxstation serve` builds
-it (the station's plan for `--model`, its engine, a Scheduler with the host tier at the station's default size,
-`--prefix-cache-ram`). Turn 1 of every conversation is its own `--doc`-token document and a `--question`-token
-question (random English through the model's tokenizer); every turn 1 is submitted at once, then every turn 2: turn
-1's prompt, its greedy reply (`--reply` tokens) and a new question. With more conversations than lanes, most turns 2
-find their lane taken and resume from the host tier.
+`--conversations` conversations share a station of `--lanes` lanes, built in process as `jaxstation serve` builds it
+(the station's plan for `--model`, its engine, a Scheduler with the host tier at the station's default size,
+`--prefix-cache-ram`; no disk tier and no speculative decoding). Turn 1 of every conversation is its own
+`--doc`-token document and a `--question`-token question (random English through the model's tokenizer); every turn
+1 is submitted at once, then every turn 2: turn 1's prompt, its greedy reply (`--reply` tokens) and a new question.
+With more conversations than lanes, most turns 2 find their lane taken and resume from the host tier.
 
 Per turn: each conversation's prompt tokens and the prompt tokens prefilled (its job's `cached_tokens` reused, the
 rest prefilled), and after every turn the host tier's bytes and entries (`/metrics`' gauges) and the process's
