@@ -1,5 +1,6 @@
 """The prefix cache's host tier (engine/prefix_tier.py): its entries and their bound, the scheduler's use of it on the
-fake engine, its setting, and on the default model a restore that gives the bits of a fresh prefill."""
+fake engine, its setting, on the default model a restore that gives the bits of a fresh prefill, and on a tiny model
+the same with int8 and bfloat16 KV and under a LoRA adapter (whose entries no other adapter or the base restores)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
+from adapter_util import random_lora, write_peft
+from conftest import FIXTURES
 from fake_engine import FakeEngine, expected
 
 from jaxstation.config.memory import PREFIX_CACHE_RAM_CAP, prefix_cache_ram
@@ -17,6 +20,8 @@ from jaxstation.engine.jobs import Job, Result, StepFailed
 from jaxstation.engine.prefix_tier import HostTier, TierEntry
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.engine.scheduler import Scheduler
+from jaxstation.model.loader import load_model
+from jaxstation.server.adapters import Adapters
 
 TIMEOUT = 120
 SEEDED = SamplingParams(temperature=0.9, top_k=50, seed=99)
@@ -334,3 +339,98 @@ def test_a_restore_from_memory_gives_a_fresh_prefills_bits(engine: Engine, tiere
     value = tiered.metrics.registry.get_sample_value
     assert 0 < value("jaxstation_prefix_cache_memory_bytes") <= 64 * MiB
     assert value("jaxstation_prefix_cache_memory_entries") >= 1
+
+
+# ---- a tiny model: the smaller KV dtypes and a LoRA adapter -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_gemma3():
+    return load_model(str(FIXTURES / "tiny-gemma3"), "float32", "unroll", "kernel")
+
+
+def small_engine(model, kv_dtype: str = "auto", max_loras: int = 0) -> Engine:
+    """Tiny Gemma 3 (a ring of its windowed layers' window), two lanes, 8-token chunks, one decode wave width: few
+    and small programs."""
+    return Engine(model, lanes=2, max_seq=64, chunk=8, block=16, attention="blocked", prefill_budget=16,
+                  wave_widths=(2,), kv_dtype=kv_dtype, max_loras=max_loras, max_lora_rank=4)
+
+
+def small_ids(seed: int, n: int, vocab: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, vocab, n).tolist()
+
+
+def turn(sched: Scheduler, prompt: list[int], n: int, sampling: SamplingParams = GREEDY, reuse: bool = True,
+         adapter=None) -> Job:
+    lora = {"lora": adapter.slot, "lora_load": adapter.load} if adapter is not None else {}
+    job = Job(tokens=prompt, max_new_tokens=n, sampling=sampling, reuse_prefix=reuse, **lora)
+    sched.submit(job)
+    return job
+
+
+def take_the_lanes(sched: Scheduler, engine: Engine, seed: int) -> None:
+    for i in range(engine.lanes):  # other prompts take every lane: the next hit can come from the tier only
+        turn(sched, small_ids(seed + i, 12, engine.cfg.vocab_size), 1).future.result(TIMEOUT)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "bfloat16"])
+def test_a_restore_with_a_smaller_kv_dtype_gives_a_fresh_prefills_bits(tiny_gemma3, kv_dtype: str) -> None:
+    """The tier keeps an int8 arena's k, v and scales, a bfloat16 one's k and v, as stored: a next turn restored from
+    it (restart at 24, the first prompt's last chunk boundary) gives a fresh prefill's tokens and logprobs, alone and
+    beside a request decoding in the other lane."""
+    engine = small_engine(tiny_gemma3, kv_dtype)
+    vocab = engine.cfg.vocab_size
+    sched = Scheduler(engine, continuous=True, max_queue=16, terminal_ids=frozenset(), prefix_cache_ram=MiB)
+    sched.start()
+    try:
+        first = small_ids(1, 25, vocab)
+        reply = turn(sched, first, 4, SEEDED).future.result(TIMEOUT)
+        take_the_lanes(sched, engine, 10)
+        for beside in (False, True):
+            target = first + reply.generated + small_ids(2 + beside, 3, vocab)
+            memory = saved(sched, "memory")
+            neighbour = turn(sched, small_ids(40, 20, vocab), 8) if beside else None
+            hit = turn(sched, target, 6, SEEDED)
+            got = hit.future.result(TIMEOUT)
+            assert hit.cached_tokens == 24 and saved(sched, "memory") == memory + 24
+            assert_same_samples(got, turn(sched, target, 6, SEEDED, reuse=False).future.result(TIMEOUT))
+            if neighbour is not None:
+                assert len(neighbour.future.result(TIMEOUT).generated) == 8
+            take_the_lanes(sched, engine, 20)
+        assert sched.metrics.registry.get_sample_value("jaxstation_prefix_cache_memory_entries") >= 1
+    finally:
+        assert sched.drain(10)
+
+
+def test_an_entry_under_an_adapter_restores_for_that_adapter_only(tiny_gemma3, tmp_path) -> None:
+    """An entry is keyed on the adapter load that computed its KV: a next turn under adapter X restores it and gives
+    a fresh prefill's bits under X; the same prompt under adapter Y or the base model restores nothing."""
+    engine = small_engine(tiny_gemma3, max_loras=2)
+    cfg, vocab = engine.cfg, engine.cfg.vocab_size
+    adapters = Adapters(engine, in_use=set)
+    x = adapters.load("x", str(write_peft(tmp_path / "x", random_lora(cfg, rank=4, seed=1, b_std=0.3), rank=4,
+                                          alpha=8.0)))
+    y = adapters.load("y", str(write_peft(tmp_path / "y", random_lora(cfg, rank=4, seed=2, b_std=0.3), rank=4,
+                                          alpha=8.0)))
+    sched = Scheduler(engine, continuous=True, max_queue=16, terminal_ids=frozenset(), prefix_cache_ram=MiB)
+    sched.start()
+    try:
+        first = small_ids(1, 25, vocab)
+        reply = turn(sched, first, 4, SEEDED, adapter=x).future.result(TIMEOUT)
+        target = first + reply.generated + small_ids(2, 3, vocab)
+        for other in (y, None):  # neither restores X's entry: each prefills from position 0
+            take_the_lanes(sched, engine, 10)
+            memory = saved(sched, "memory")
+            job = turn(sched, target, 2, adapter=other)
+            job.future.result(TIMEOUT)
+            assert job.cached_tokens == 0 and saved(sched, "memory") == memory
+        take_the_lanes(sched, engine, 20)
+        memory = saved(sched, "memory")
+        hit = turn(sched, target, 6, SEEDED, adapter=x)
+        got = hit.future.result(TIMEOUT)
+        assert hit.cached_tokens == 24 and saved(sched, "memory") == memory + 24
+        fresh = turn(sched, target, 6, SEEDED, reuse=False, adapter=x).future.result(TIMEOUT)
+        assert_same_samples(got, fresh)
+        base = turn(sched, target, 6, SEEDED, reuse=False).future.result(TIMEOUT)
+        assert [s.logprob for s in base.samples] != [s.logprob for s in got.samples]  # X changes the bits
+    finally:
+        assert sched.drain(10)
