@@ -280,13 +280,10 @@ class StationConfig:
         for field, choices in (("dtype", DTYPES), ("attention", ATTENTION_CHOICES),
                                ("layer_loop", LAYER_LOOP_CHOICES), ("matmul", MATMUL_CHOICES),
                                ("reasoning_parser", REASONING_PARSERS), ("kv_windows", KV_WINDOWS),
-                               ("kv_dtype", KV_DTYPES)):
+                               ("kv_dtype", KV_DTYPES), ("speculative", SPECULATIVE), ("prefix_reuse", PREFIX_REUSE)):
             value = getattr(self, field)
             if value is not None and value not in choices:
                 raise ConfigError(f"{self.named(field)}={value!r} must be one of {', '.join(choices)}")
-        if self.speculative not in SPECULATIVE:
-            raise ConfigError(f"{self.named('speculative')}={self.speculative!r} must be one of "
-                              f"{', '.join(SPECULATIVE)}")
         if (self.speculative == "draft") != (self.draft_model is not None):
             raise ConfigError(f"{self.named('speculative')}=draft and {self.named('draft_model')} go together (here: "
                               f"{self.speculative} and {self.draft_model or 'no draft model'})")
@@ -302,9 +299,6 @@ class StationConfig:
             raise ConfigError(f"{self.named('prefix_cache_ram')}={self.prefix_cache_ram} must be >= 0 MiB (0: off)")
         if self.prefix_cache_disk_mb is not None and self.prefix_cache_disk_mb < 1:
             raise ConfigError(f"{self.named('prefix_cache_disk_mb')}={self.prefix_cache_disk_mb} must be >= 1 MiB")
-        if self.prefix_reuse not in PREFIX_REUSE:
-            raise ConfigError(f"{self.named('prefix_reuse')}={self.prefix_reuse!r} must be one of "
-                              f"{', '.join(PREFIX_REUSE)}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"{self.named('port')}={self.port} must be a TCP port in [0, 65535]")
         for field in ("lanes", "max_seq", "prefill_chunk", "kv_block", "max_queue", "max_body_bytes",

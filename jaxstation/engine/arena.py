@@ -279,13 +279,25 @@ def _write_window(rings: KVBuffers, lane: jax.Array, end: jax.Array, rows: KVBuf
 
 
 def read_window(rings: KVBuffers, lane: int, end: int, count: int) -> KVBuffers:
-    """A host (numpy) copy of the ring slots that hold positions [end - count, end) of `lane` (every leaf), in
-    position order, as stored: one compiled program. Slots of positions below 0 come along as they are (a restart at
-    `end` never reads them)."""
-    return jax.device_get(_read_window(rings, np.int32(lane), np.int32(end), count))
+    """A host (numpy) copy of the ring slots that hold positions [max(0, end - count), end) of `lane` (every leaf),
+    in position order, as stored: one compiled program of `count` positions, those below 0 cut off after it."""
+    copy = jax.device_get(_read_window(rings, np.int32(lane), np.int32(end), count))
+    return jax.tree_util.tree_map(lambda a: a[:, max(0, count - end):].copy(), copy)
 
 
-def write_window(rings: KVBuffers, lane: int, end: int, window: KVBuffers) -> KVBuffers:
-    """`rings` (donated) with a host copy (`read_window`) written back into the slots of its positions, which are
-    where the ring keeps them for a restart at `end` (slot = position mod ring)."""
+def write_window(rings: KVBuffers, lane: int, end: int, window: KVBuffers, count: int) -> KVBuffers:
+    """`rings` (donated) with a host copy (`read_window` of `count`) written back into the slots of its positions,
+    which are where the ring keeps them for a restart at `end` (slot = position mod ring). The copy is padded back to
+    `count` positions (one program): the slots of positions below 0 get zeros, which a restart at `end` never reads."""
+    window = jax.tree_util.tree_map(lambda a: np.pad(a, [(0, 0), (count - a.shape[1], 0)] + [(0, 0)] * (a.ndim - 2)),
+                                    window)
     return _write_window(rings, np.int32(lane), np.int32(end), window)
+
+
+def restore_lane(arena: KVArena, lane: int, kv: KVBuffers, n: int, span: int, window: KVBuffers | None = None,
+                 count: int = 0) -> KVArena:
+    """`arena` (donated) with host copies written back into `lane`: its global layers' KV at [0, n) (`read_prefix`)
+    and, given `window`, its rings' window before n (`read_window` of `count`)."""
+    full = write_prefix(arena.full, lane, kv, n, span)
+    rings = arena.rings if window is None else write_window(arena.rings, lane, n, window, count)
+    return dataclasses.replace(arena, full=full, rings=rings)

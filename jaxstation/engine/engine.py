@@ -26,8 +26,7 @@ from jaxstation.engine.arena import (
     kv_dtype_of,
     read_prefix,
     read_window,
-    write_prefix,
-    write_window,
+    restore_lane,
 )
 from jaxstation.engine.penalties import lane_rows, start_lane
 from jaxstation.engine.prefix_cache import LaneVersions, RingHold
@@ -64,8 +63,7 @@ DECODE_WAIT = 2.0  # a packed turn that carries decode rows takes at most about 
 
 
 class Engine:
-    """Lanes over one KV arena. `begin` gives a lane a request's token state, `prefill` fills the lane chunk by
-    chunk and `decode` advances every live lane by one."""
+    """Lanes over one KV arena: `begin` sets a lane's token state, `prefill` fills it, `decode` advances the lanes."""
 
     token_controls = True  # penalties, logit_bias and min_tokens are applied (from the arena's token state)
 
@@ -76,8 +74,8 @@ class Engine:
         """wave_widths: the decode wave widths (default: `rules.default_wave_widths`). prefill_budget: rows per
         packed admission step (`pack`; 0: prompts enter one `prefill` chunk at a time; None:
         `rules.default_prefill_budget`). speculative: verify drafted tokens (`verify`; where waves may run narrow).
-        kv_windows: "ring" keeps only a windowed layer's window (engine/arena.py), "full" every position.
-        kv_dtype: the arena's dtype (`arena.KV_DTYPES`; the decode attention kernel reads float32 only).
+        kv_windows: "ring" keeps only a windowed layer's window (engine/arena.py), "full" every position. kv_dtype:
+        the arena's dtype (`arena.KV_DTYPES`; the decode attention kernel reads float32 only).
         max_loras, max_lora_rank: the LoRA adapters resident at once and their highest rank (model/lora.py): slots
         1..max_loras of stacks allocated here, slot 0 the base; 0 serves none and the steps carry no adapters.
         A station passes its plan's (config/plan.py), resolved by the same rules."""
@@ -130,8 +128,7 @@ class Engine:
         self.arena = allocate_arena(self.cfg, self.lanes, self.max_seq, self.kv_dtype, token_state=True,
                                     mesh=mesh_of(self.params), ring=self.ring, windowed=self.windowed)
 
-    def reuse_floor(self, lane: int) -> int:
-        """The lowest position above 0 a prefill may restart `lane` at: its rings still hold the window before it."""
+    def reuse_floor(self, lane: int) -> int:  # the lowest restart above 0 whose window `lane`'s rings still hold
         return self.ring_hold.floor(lane)
 
     def save_prefix(self, lane: int, n: int) -> KVBuffers:
@@ -139,28 +136,18 @@ class Engine:
         return read_prefix(self.arena.full, lane, n, self.chunk)
 
     def save_window(self, lane: int, n: int) -> KVBuffers | None:
-        """A host copy of what `lane`'s rings hold of the window before position n (positions
-        [max(0, n - window + 1), n)), which a restart at n reads; None without rings. Only while the rings still hold
-        it (`reuse_floor`): at the end of a prompt's prefill, n its last chunk boundary."""
-        if self.arena.rings is None:
-            return None
-        count = self.cfg.sliding_window - 1
-        copy = read_window(self.arena.rings, lane, n, count)  # one program: count positions, some below 0 if n < count
-        return jax.tree_util.tree_map(lambda a: a[:, max(0, count - n):].copy(), copy)
+        """A host copy of `lane`'s rings' window before position n, which a restart at n reads (None without rings),
+        taken while the rings still hold it (`reuse_floor`): as a prompt's prefill ends, n its last chunk boundary."""
+        return None if self.arena.rings is None else read_window(self.arena.rings, lane, n, self.cfg.sliding_window - 1)
 
     def restore_prefix(self, lane: int, kv: KVBuffers, n: int, window: KVBuffers | None = None) -> None:
-        """Write positions [0, n) of a host copy (`save_prefix`) into `lane`, n a multiple of the chunk, and with
-        rings the window before n (`save_window` at the same n) into the slots where the rings keep it: the lane
-        may restart at n, and at no lower boundary."""
+        """Write positions [0, n) of a host copy (`save_prefix`) into `lane`, n a multiple of the chunk, and with rings
+        the window before n (`save_window`): the lane may restart at n, and at no lower boundary."""
         if self.arena.rings is not None and window is None:
             raise ValueError("a lane with rings restarts only from a copy of its window")
         self._wrote([lane, lane], [0, n - 1])
-        self.arena = dataclasses.replace(self.arena, full=write_prefix(self.arena.full, lane, kv, n, self.chunk))
-        if window is not None:  # padded back to the program's count: the slots of positions below 0 get zeros
-            count = self.cfg.sliding_window - 1
-            window = jax.tree_util.tree_map(
-                lambda a: np.pad(a, [(0, 0), (count - a.shape[1], 0)] + [(0, 0)] * (a.ndim - 2)), window)
-            self.arena = dataclasses.replace(self.arena, rings=write_window(self.arena.rings, lane, n, window))
+        self.arena = restore_lane(self.arena, lane, kv, n, self.chunk, window, (self.cfg.sliding_window or 1) - 1)
+        if window is not None:
             self.ring_hold.restored(lane, n)
 
     def _wrote(self, lanes: Sequence[int], positions: Sequence[int]) -> None:
@@ -172,10 +159,9 @@ class Engine:
 
     def begin(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, stop_ids: frozenset[int],
               lora: int = 0) -> None:
-        """A request takes `lane`: before its first prefill chunk (at 0 or on a reused prefix), set the lane's LoRA
-        slot (`lora`, 0 for the base) and write the lane's token state from its whole prompt, its stop ids (held back
-        by min_tokens), its logit bias and allowed tokens. A request without token controls never reads that state:
-        nothing runs for it."""
+        """A request takes `lane`, before its first prefill chunk: set the lane's LoRA slot (`lora`, 0: the base) and
+        write its token state (prompt, stop ids held back by min_tokens, logit bias, allowed tokens); without token
+        controls it never reads that state, and nothing runs."""
         if not 0 <= lora <= self.max_loras:
             raise ValueError(f"LoRA slot {lora} is outside [0, {self.max_loras}]")
         self.lane_lora[lane] = lora

@@ -275,21 +275,23 @@ class PrefixTier:
             return
         for lane, tokens, adapter in self.cache.held(self.engine.lane_versions):
             n = len(tokens) // self.host.chunk * self.host.chunk
-            if adapter or not n:
-                continue
-            tokens, windows = tuple(tokens[:n]), None
-            if self.rings:
-                window = self._windows.get(lane)
-                if window is None or window[:2] != (tokens, adapter):
-                    continue
-                windows = tuple(sorted({**self.host.restarts_under(tokens, adapter), n: window[2]}.items()))
-            if self.disk.covers(tokens, adapter, None if windows is None else tuple(w for w, _ in windows)):
-                continue
-            try:
-                self.disk.put(tokens, adapter, self.engine.save_prefix(lane, n), windows)
+            try:  # a failed save costs that lane's file, never the stop
+                self._persist_lane(lane, tuple(tokens[:n]), adapter)
             except Exception as e:
                 log.warning("prefix cache on disk: saving lane %d's %d tokens failed (%s: %s)", lane, n,
                             type(e).__name__, e)
+
+    def _persist_lane(self, lane: int, tokens: tuple[int, ...], adapter: int) -> None:
+        n, windows = len(tokens), None
+        if adapter or not n:
+            return
+        if self.rings:
+            window = self._windows.get(lane)
+            if window is None or window[:2] != (tokens, adapter):
+                return
+            windows = tuple(sorted({**self.host.restarts_under(tokens, adapter), n: window[2]}.items()))
+        if not self.disk.covers(tokens, adapter, None if windows is None else tuple(w for w, _ in windows)):
+            self.disk.put(tokens, adapter, self.engine.save_prefix(lane, n), windows)
 
     def close(self) -> None:
         """Write what the disk tier has queued and stop its writer."""

@@ -18,10 +18,9 @@ What it is doing, other threads read from the snapshot it publishes after its tu
 Backpressure. `submit` past `max_queue` queued jobs raises QueueFull (a 503 with Retry-After); draining, ShuttingDown.
 
 Prefix reuse (engine/prefix_cache.py): `_fill` gives a job the free lane with the longest reusable prefix (of its
-adapter), or copies a longer one into a lane from the host tier of `prefix_cache_ram` bytes (engine/prefix_tier.py)
-or from its disk tier (engine/prefix_disk.py: a clean stop, `drain`, writes the lanes' prefixes there), and starts
-its prefill at the last chunk boundary at or below the match (with rings, at a restart point the tier copied as a
-prompt's prefill ended: `PrefixTier.prefilled`), so its tokens equal a fresh run's.
+adapter), or copies a longer one into a lane from the host tier (engine/prefix_tier.py) or its disk tier
+(engine/prefix_disk.py; `drain` writes the lanes' prefixes there), and starts its prefill at the last chunk boundary
+at or below the match (with rings, at a restart point: `PrefixTier.prefilled`), so its tokens equal a fresh run's.
 Speculation (engine/speculative.py, engine/draft.py): where the engine verifies drafts and a turn admits no prompt
 pieces, decode rows carry drafts and run as one `verify` step; each row's accepted tokens go through `postprocess`.
 
@@ -107,8 +106,7 @@ class Scheduler:
             return {job.lora for job in self.pending} | {lane.job.lora for lane in self.lanes if lane is not None}
 
     @property
-    def accepting(self) -> bool:
-        """Whether `submit` takes new jobs (False once `drain` starts)."""
+    def accepting(self) -> bool:  # whether `submit` takes new jobs (False once `drain` starts)
         with self.cond:
             return self._accepting
 
@@ -156,10 +154,8 @@ class Scheduler:
         return done
 
     def drain(self, timeout_s: float) -> bool:
-        """Stop taking work, let queued and running jobs finish for up to timeout_s, fail the rest, stop the thread.
-
-        Returns True if everything finished in time.
-        """
+        """Stop taking work, let queued and running jobs finish for up to timeout_s, fail the rest, stop the thread;
+        True if everything finished in time."""
         deadline = time.monotonic() + timeout_s
         with self.cond:
             self._accepting = False
@@ -195,7 +191,7 @@ class Scheduler:
                 if self._stop:
                     self._reset_prefixes()
                     self._fail_lanes(ShuttingDown("the station shut down before this request finished"))
-                    self._persist()
+                    self.prefix_tier.persist()  # the lanes' prefixes, to the disk tier
                     return
                 self._reset_prefixes()
                 ending = ending_lanes(self.lanes)
@@ -211,13 +207,6 @@ class Scheduler:
             with self.cond:
                 self.activity.publish(self.lanes, len(self.pending), self.prefix_cache)
                 self.cond.notify_all()  # wake a drain waiting for the last job
-
-    def _persist(self) -> None:
-        """On the way out: the lanes' cached prefixes go to the disk tier (where there is one)."""
-        try:
-            self.prefix_tier.persist()
-        except Exception:
-            log.exception("writing the lanes' prefixes to disk failed")
 
     def _reset_prefixes(self) -> None:
         """Answer the queued reset_prefix_cache requests. Holds cond."""
@@ -247,16 +236,14 @@ class Scheduler:
         return admissions
 
     def _admit(self, admissions: list[Admission]) -> None:
-        """Start each admitted lane at the prompt tokens it reuses, copied in from the host tier where that reaches
-        further (`PrefixTier.admit`: a failed save or restore costs reuse, not the request)."""
+        """Start each admitted lane at the prompt tokens it reuses (`PrefixTier.admit`: a failed copy costs reuse)."""
         for a in admissions:
             lane = self.lanes[a.pick.lane]
             lane.fed = lane.job.cached_tokens = self.prefix_tier.admit(a)
             self.activity.looked_up(a.reuse, lane.fed)
 
     def schedule(self, ending: dict[int, str] | None = None) -> Plan:
-        """Retire the `ending` lanes (lane -> "cancel" or "stop"), then pick this turn's prefill chunk and decode
-        rows."""
+        """Retire the `ending` lanes (lane -> "cancel" or "stop"); pick this turn's prefill chunk and decode rows."""
         for i, how in (ending or {}).items():
             if how == "cancel":
                 self._fail_job(self._free(i).job, Cancelled("the request was cancelled"), "cancelled")
@@ -276,14 +263,12 @@ class Scheduler:
         decoding = sum(r is not None for r in rows)
         pieces = self._pieces(self.engine.turn_rows(decoding) - decoding) if packs else []
         if not pieces and self.speculation is not None:
-            live = sum(r is not None for r in rows)
-            cap = self.speculation.verify_cap(live, self.engine.wave_widths, self.engine.verify_rows)
+            cap = self.speculation.verify_cap(decoding, self.engine.wave_widths, self.engine.verify_rows)
             draft_rows(self.lanes, rows, cap, self.speculation.proposer)
         return Plan(prefill_lane, rows, prefill_mask, pieces)
 
     def _pieces(self, budget: int) -> list[PromptPiece]:
-        """This turn's prompt pieces for a packed step (`prompt_pieces`); a piece that ends its prompt carries the
-        lane's constraint mask, and a lane whose constraint leaves no token has failed."""
+        """This turn's packed-step prompt pieces (`prompt_pieces`); one that ends its prompt carries its mask."""
         pieces = []
         for piece in prompt_pieces(self.lanes, [i for i in self.prefill_order if not self.lanes[i].scores],
                                    self.engine.chunk, budget):
