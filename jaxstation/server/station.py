@@ -27,6 +27,7 @@ from jaxstation.engine.jobs import Job
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.runner import Runner
 from jaxstation.engine.scheduler import Scheduler
+from jaxstation.kernels import host_memory
 from jaxstation.model.loader import CheckpointError, LoadedModel
 from jaxstation.model.lora_files import AdapterError
 from jaxstation.server.adapters import Adapters
@@ -196,6 +197,8 @@ def warm_up(engine: Runner, draft: DraftModel | None = None, clock: StartupClock
         with clock.phase(f"compile_{name}") if clock else contextlib.nullcontext():
             run()
             jax.block_until_ready(engine.arena)
+    if jax.default_backend() == "cpu":  # the compilers' and the load's working memory, kept by keep_freed_memory
+        log.info("start-up memory handed back: %.0f MiB", host_memory.release_freed_memory() / 2**20)
 
 
 def start_failed(station: Any, error: Exception) -> None:
