@@ -8,9 +8,9 @@ them from its heaps; a trim threshold and a top pad of 1 GiB keep what is freed,
 arena from unmapping a whole 64 MiB heap the buffer had to itself. The same tail then takes 3.5 ms. The cost is that
 the process does not hand freed memory back to the system. Where the C library is not glibc this does nothing.
 
-Start-up frees much more than a step reuses: the compilers' working memory, and the load's. `release_freed_memory`
-hands what is free back once, after the warm-up has run every step; the steps' buffers are then paged in once more on
-their first calls and kept from there on.
+Start-up frees much more than a step reuses: the compilers' working memory, and the load's. The warm-up hands what
+is free back (`release_freed_memory`) after each step it compiles and runs; the steps' buffers are then paged in once
+more on their first calls and kept from there on.
 """
 
 from __future__ import annotations
