@@ -34,3 +34,19 @@ def test_a_freed_buffer_is_not_paged_in_again() -> None:
     assert resource.getpagesize() == 4096
     assert min(_faults("default")) > 100  # glibc maps it afresh each time
     assert _faults("keep") == [0, 0]
+
+
+RELEASE = textwrap.dedent("""
+    import numpy as np
+    from jaxstation.kernels import host_memory
+    assert host_memory.keep_freed_memory()
+    a = np.ones(64 << 20, np.uint8)
+    del a  # kept: still resident
+    print(host_memory.release_freed_memory() >> 20)
+""")
+
+
+def test_freed_memory_is_handed_back_on_request() -> None:
+    done = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout) >= 60  # MiB of the 64 the kept buffer held

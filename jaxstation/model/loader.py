@@ -289,6 +289,8 @@ def load_gguf(path: Path, dtype: str = "float32", reader: GGUFFile | None = None
                 arr = np.asarray(dequantize(t.data, qtype), np.float32).reshape(shape)
             except Exception as e:
                 raise CheckpointError(f"cannot dequantize tensor {t.name!r} ({qtype.name}) in {path}: {e}") from e
+            if np.may_share_memory(arr, t.data):  # an F32 tensor is the file's bytes: a device array made from it
+                arr = arr.copy()  # may alias them and so keep the whole file mapped, and resident, while it lives
         if interleaved and key[1] in ("q", "k") and arr.shape == _expected_shapes(cfg)[key[1]]:
             arr = unpermute_rope(arr, cfg.num_heads if key[1] == "q" else cfg.num_kv_heads)
         tensors[key] = arr

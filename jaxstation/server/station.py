@@ -27,6 +27,7 @@ from jaxstation.engine.jobs import Job
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.runner import Runner
 from jaxstation.engine.scheduler import Scheduler
+from jaxstation.kernels import host_memory
 from jaxstation.model.loader import CheckpointError, LoadedModel
 from jaxstation.model.lora_files import AdapterError
 from jaxstation.server.adapters import Adapters
@@ -195,10 +196,15 @@ def local_engine(model: LoadedModel, c: StationConfig, plan: Plan) -> Runner:
 def warm_up(engine: Runner, draft: DraftModel | None = None, clock: StartupClock | None = None) -> None:
     """Compile and run every step of `engine` (then of `draft`), each timed as a phase on `clock`. The one warm-up of
     a station and of a group's followers, so every process of a group compiles the same programs in the same order."""
+    cpu, released = jax.default_backend() == "cpu", 0
     for name, run in [*engine.warmup_steps(), *(draft.warmup_steps() if draft else [])]:
         with clock.phase(f"compile_{name}") if clock else contextlib.nullcontext():
             run()
             jax.block_until_ready(engine.arena)
+        if cpu:  # each compiler's working memory, which keep_freed_memory would keep, so it never piles up
+            released += host_memory.release_freed_memory()
+    if cpu:
+        log.info("start-up memory handed back: %.0f MiB", released / 2**20)
 
 
 def start_failed(station: Any, error: Exception) -> None:

@@ -1,0 +1,93 @@
+"""A station's resident memory at each start-up phase, and what holds it once it is ready.
+
+Loads and warms up a station as `serve` does (the settings come from the MOONSHINE_* environment and the flags below),
+recording /proc/self/status's VmRSS, RssAnon and RssFile as each start-up phase ends; then lists the live device
+arrays by dtype, every numpy array over 10 MiB still referenced, the resident memory by mapping, and what dropping
+the compiled programs (`jax.clear_caches`) would hand back. Memory only: nothing here is timed.
+
+Usage:
+  python -m bench.memory --model gemma-3-270m-q4_k_m.gguf --lanes 8 --max-seq 32768 --kv-dtype int8
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import os
+import re
+
+import jax
+import numpy as np
+
+from jaxstation.config.coldstart import StartupClock
+from jaxstation.config.settings import resolve
+from jaxstation.kernels import host_memory
+from jaxstation.server.station import Station
+
+MiB = 2**20
+
+
+def status() -> dict[str, float]:
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+    return {k: int(fields[k].split()[0]) / 1024 for k in ("VmRSS", "RssAnon", "RssFile", "VmHWM")}
+
+
+def show(tag: str) -> None:
+    s = status()
+    print(f"{tag:24s} rss {s['VmRSS']:7.0f} MiB  anon {s['RssAnon']:7.0f}  file {s['RssFile']:6.0f}  "
+          f"peak {s['VmHWM']:7.0f}", flush=True)
+
+
+def mappings() -> collections.Counter:
+    """Resident KiB by mapping: the file it maps, [heap], or [anon]."""
+    rss: collections.Counter = collections.Counter()
+    name = "[anon]"
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+                parts = line.split()
+                name = parts[5] if len(parts) > 5 else "[anon]"
+            elif line.startswith("Rss:"):
+                rss[name] += int(line.split()[1])
+    return rss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model")
+    parser.add_argument("--lanes")
+    parser.add_argument("--max-seq")
+    parser.add_argument("--kv-dtype")
+    args = parser.parse_args()
+    names = {"model": "MOONSHINE_MODEL", "lanes": "MOONSHINE_BATCH_LANES", "max_seq": "MOONSHINE_MAX_SEQ",
+             "kv_dtype": "MOONSHINE_KV_DTYPE"}
+    env = {**os.environ, **{names[k]: v for k, v in vars(args).items() if v is not None}}
+    show("imports")
+    clock = StartupClock()
+    clock.add_sink(lambda phase, _seconds: show(phase))
+    station = Station(resolve(env=env, command="serve"), clock=clock)
+    station._load()
+    if station.load_error:
+        raise SystemExit(station.load_error)
+    by_dtype: collections.Counter = collections.Counter()
+    for a in jax.live_arrays():
+        by_dtype[str(a.dtype)] += a.nbytes
+    print("live device arrays, MiB:", {k: round(v / MiB, 1) for k, v in sorted(by_dtype.items())},
+          f"total {sum(by_dtype.values()) / MiB:.1f}")
+    gc.collect()
+    for o in gc.get_objects():
+        if isinstance(o, np.ndarray) and o.nbytes > 10 * MiB:
+            print(f"numpy array held: {type(o).__name__} {o.shape} {o.dtype} {o.nbytes / MiB:.1f} MiB")
+    for name, kib in mappings().most_common(8):
+        print(f"mapping {kib / 1024:8.1f} MiB  {name}")
+    station.shutdown(0)
+    jax.clear_caches()
+    gc.collect()
+    host_memory.release_freed_memory()
+    show("programs dropped")
+
+
+if __name__ == "__main__":
+    main()
