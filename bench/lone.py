@@ -3,12 +3,14 @@
 Each station is started as a user starts one (`python -m jaxstation serve --continuous-batch --lanes N --port P`,
 nothing else: the default model and settings); they all stay up while the bench runs, and the repetitions are
 interleaved across them (rep 1: every station, rep 2: every station, ...), so a noisy machine shifts them alike.
-Each request runs alone: POST /generate with the prompt's token ids, greedy, `ignore_eos`, N new tokens. Time per
-token is the decode part of the reply's server-side timing, (total_s - ttft_s) / (tokens - 1); the client's round
-trip is reported beside it. Every station must generate the same tokens (the lanes never change a token).
+Each request runs alone: POST /generate with a new prompt's token ids each repetition (so a station with more lanes
+puts each into another lane, as it does a user's distinct prompts; --same-prompt repeats one), greedy, `ignore_eos`,
+N new tokens. Time per token is the decode part of the reply's server-side timing, (total_s - ttft_s) / (tokens - 1);
+the client's round trip over all tokens is reported beside it. Every station must generate the same tokens for the
+same prompt (the lanes never change a token).
 
 Usage:
-  python -m bench.lone                        # lanes 1 8 32, 128 new tokens, 5 reps
+  python -m bench.lone                        # lanes 1 8 32, 128 new tokens, 5 reps, bench/results/lone-*.json
   python -m bench.lone --lanes 1 8 --reps 3 --new-tokens 64
 """
 
@@ -52,12 +54,17 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--same-prompt", action="store_true", help="every repetition sends the same prompt")
     ap.add_argument("--serve-arg", action="append", default=[], help="one more `serve` argument (repeatable)")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--name", default="lone", help="the result file's name: bench/results/<name>-<date>-<machine>")
     args = ap.parse_args()
     import httpx
 
-    prompt = [(7 * i + 11) % 4000 + 100 for i in range(args.prompt_len)]
+    def prompt(rep: int) -> list[int]:
+        rep = 0 if args.same_prompt else rep
+        return [(7 * i + 11 + 13 * rep) % 4000 + 100 for i in range(args.prompt_len)]
+
     runs: dict[int, list[dict]] = {n: [] for n in args.lanes}
     with contextlib.ExitStack() as stack, httpx.Client() as client:
         logs = Path(stack.enter_context(tempfile.TemporaryDirectory()))
@@ -67,12 +74,13 @@ def main() -> None:
             bases[n] = f"http://127.0.0.1:{port}"
             stack.enter_context(server_process(serve_cmd(port, n, args.serve_arg), f"{bases[n]}/ready",
                                                args.startup_timeout, log=logs / f"lanes{n}.log"))
-            one_request(client, bases[n], prompt, 8)  # warm: the first request's lazy work is not measured
+            one_request(client, bases[n], prompt(-1), 8)  # warm: the first request's lazy work is not measured
         for rep in range(args.reps):
             for n in args.lanes:
-                runs[n].append(one_request(client, bases[n], prompt, args.new_tokens))
+                runs[n].append(one_request(client, bases[n], prompt(rep), args.new_tokens))
                 print(f"rep {rep + 1} lanes {n:3d}: {runs[n][-1]['ms_per_token']:.2f} ms/token", flush=True)
-    same = all(r["generated"] == runs[args.lanes[0]][0]["generated"] for n in args.lanes for r in runs[n])
+    same = all(runs[n][rep]["generated"] == runs[args.lanes[0]][rep]["generated"] for n in args.lanes
+               for rep in range(args.reps))
     rows = {}
     for n in args.lanes:
         per = [r["ms_per_token"] for r in runs[n]]
@@ -88,7 +96,7 @@ def main() -> None:
         print(f"{n:5d} {med:9.2f} {row['ms_per_token']['min']:7.2f} {row['ms_per_token']['max']:7.2f} "
               f"{med / base:9.3f} {row['client_ms_per_token']['median']:14.2f}")
     print(f"same tokens on every station: {same}")
-    path = write_result("lone", {"args": vars(args), "lanes": rows, "same_tokens": same})
+    path = write_result(args.name, {"args": vars(args), "lanes": rows, "same_tokens": same})
     print(f"wrote {path}")
 
 
