@@ -7,9 +7,11 @@ Engine.decode's return: the step's compute not yet done, and reading the samples
 thread's work between two decode calls: the scheduler's turn) and `per_token` (the request's decode time per token,
 as the reply's timing gives it). A wider station's lone row runs a 1-wide wave; the 1-lane station's is its full wave.
 `python_only` is `host` with the compiled step replaced by a stub (after the requests): Engine.decode's Python alone.
+The engines share the process, which slows the 32-lane one's turn; `--lanes 32` alone gives a station's own figures.
 
 Usage:
   python -m bench.lone_turn                   # lanes 1 8 32, max_seq 2048, 6 reps of 128 new tokens
+  python -m bench.lone_turn --lanes 32 --reps 4   # one engine in the process
 """
 
 from __future__ import annotations
