@@ -20,17 +20,10 @@ Usage:
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from bench.common import write_result
 from bench.workload import make_prompts
-
-
-def rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+from jaxstation.kernels.host_memory import resident_bytes
 
 
 def tier_state(sched) -> dict:
@@ -39,7 +32,7 @@ def tier_state(sched) -> dict:
              for tier in ("lane", "memory")}
     return {"tier_bytes": value("jaxstation_prefix_cache_memory_bytes") or 0.0,
             "tier_entries": value("jaxstation_prefix_cache_memory_entries") or 0.0,
-            "saved_tokens": saved, "rss_bytes": rss_bytes()}
+            "saved_tokens": saved, "rss_bytes": resident_bytes()}
 
 
 def run_turn(sched, prompts: list[list[int]], reply: int) -> list:
@@ -88,7 +81,7 @@ def main() -> None:
     questions = make_prompts(tok, 2 * n, args.question, seed=args.seed + 1)
     out: dict = {"config": dict(vars(args)), "model": str(model.source), "station": "in-process Scheduler",
                  "chunk": engine.chunk, "kv_dtype": str(engine.arena.k.dtype), "prefix_cache_ram": ram,
-                 "ring": engine.ring, "rss_before_bytes": rss_bytes(), "turns": []}
+                 "ring": engine.ring, "rss_before_bytes": resident_bytes(), "turns": []}
     try:
         prompts = [docs[i] + questions[i] for i in range(n)]
         for k in (1, 2):
