@@ -198,8 +198,9 @@ def test_a_next_turn_past_the_ring_hold_restarts_from_the_host_tier(engines: tup
                                                                     request: pytest.FixtureRequest) -> None:
     """A 25-token first turn and a 30-token reply (decode overwrites the window before 24 in the 32-slot ring), then
     four other prompts take every lane: the next turn (first + reply + 3 tokens) restores the tier's entry (the global
-    layers' 24 positions and the window before 24, saved as the first prompt's prefill ended) and restarts at 24. Its
-    tokens and logprobs, greedy alone and seeded beside a neighbour decoding in another lane, equal a fresh prefill's
+    layers' 24 positions and the window before 24, saved as the first prompt's prefill ended) and restarts at 24, and
+    another next turn at 48, an inner restart point of the first next turn's prompt. Their tokens and logprobs,
+    greedy alone and seeded beside a neighbour decoding in another lane, equal a fresh prefill's
     on a fresh engine (a ring engine of the same settings, its tier off)."""
     ring, _ = engines
     vocab = ring.cfg.vocab_size
@@ -217,15 +218,17 @@ def test_a_next_turn_past_the_ring_hold_restarts_from_the_host_tier(engines: tup
         memory = sched.metrics.registry.get_sample_value
         for turn, (sampling, beside) in enumerate(((SamplingParams(), False), (SEEDED, True))):
             # the second target is another next turn: the tier's entry of the first target (its restart points 24,
-            # taken over from the first turn's entry, and 56) restarts it at 24, the furthest at or below its match
+            # taken over from the first turn's entry, 32 and 48 inside its prompt, and 56) restarts it at 48, the
+            # furthest at or below its match (55)
             target = first + reply.generated + _prompt(21 + turn, 3, vocab)
             before = memory("jaxstation_prefix_cache_tier_saved_tokens_total", {"tier": "memory"}) or 0
             neighbour = _turn(sched, _prompt(40, 20, vocab), 30, SamplingParams()) if beside else None
             hit = _turn(sched, target, 4, sampling)
             got = hit.future.result(60)
             ref = _turn(fresh, target, 4, sampling, reuse=False).future.result(60)
-            assert hit.cached_tokens == 24
-            assert memory("jaxstation_prefix_cache_tier_saved_tokens_total", {"tier": "memory"}) == before + 24
+            restart = (24, 48)[turn]
+            assert hit.cached_tokens == restart
+            assert memory("jaxstation_prefix_cache_tier_saved_tokens_total", {"tier": "memory"}) == before + restart
             _same_result(got, ref)
             if neighbour is not None:
                 assert len(neighbour.future.result(60).generated) == 30

@@ -222,11 +222,12 @@ def test_a_restart_reuses_the_disk_tier_with_a_fresh_prefills_bits(engine: Engin
 
 
 def test_a_restart_reuses_a_ring_entry_from_disk_with_a_fresh_prefills_bits(tmp_path: Path) -> None:
-    """Tiny Gemma 3 with rings (a 32-slot ring): a 25-token prompt and a 30-token reply, which overwrites the window
-    before 24 in the ring, then a clean stop writes the lane's prefix with its restart point at 24 (the window copied
-    as the prompt's prefill ended). A fresh engine over the directory restores it for the next turn and restarts at
-    24: its tokens and logprobs equal a fresh prefill's. The ring's fingerprint differs from the full arena's, so its
-    files are never loaded there."""
+    """Tiny Gemma 3 with rings (a 32-slot ring, a window of 8): a 25-token prompt and a 30-token reply, which
+    overwrites the window before 24 in the ring, then a clean stop writes the lane's prefix with its restart points
+    at 16 (inner: every 16 tokens) and 24 (the prompt's end), their windows copied as the prompt's prefill passed
+    them. A fresh engine over the directory restores it for the next turn and restarts at 24, and for a prompt that
+    diverges at 21 at 16: their tokens and logprobs equal a fresh prefill's. The ring's fingerprint differs from the
+    full arena's, so its files are never loaded there."""
     ring = _engine("tiny-gemma3", "ring")
     vocab = ring.cfg.vocab_size
     fingerprint = engine_fingerprint(ring)
@@ -241,7 +242,7 @@ def test_a_restart_reuses_a_ring_entry_from_disk_with_a_fresh_prefills_bits(tmp_
         reply = run(sched, first, 30)
     finally:
         assert sched.drain(10)
-    assert [e.restarts for e in DiskTier(tmp_path, 16 * MiB, fingerprint)._index.values()] == [(24,)]
+    assert [e.restarts for e in DiskTier(tmp_path, 16 * MiB, fingerprint)._index.values()] == [(16, 24)]
     assert not DiskTier(tmp_path, 16 * MiB, full)._index
     again = _engine("tiny-gemma3", "ring")  # a new process's engine
     sched = Scheduler(again, continuous=True, max_queue=16, terminal_ids=frozenset(), prefix_cache_ram=MiB,
@@ -251,6 +252,17 @@ def test_a_restart_reuses_a_ring_entry_from_disk_with_a_fresh_prefills_bits(tmp_
         target = first + reply.generated + _prompt(21, 3, vocab)
         hit = run(sched, target, 4, SEEDED)
         assert hit.timing["cached_tokens"] == 24 and saved(sched, "disk") == 24
+        assert_same_samples(hit, run(sched, target, 4, SEEDED, reuse=False))
+    finally:
+        assert sched.drain(TIMEOUT)
+    again = _engine("tiny-gemma3", "ring")
+    sched = Scheduler(again, continuous=True, max_queue=16, terminal_ids=frozenset(), prefix_cache_ram=MiB,
+                      prefix_cache_disk=DiskTier(tmp_path, 16 * MiB, engine_fingerprint(again)))
+    sched.start()
+    try:
+        target = first[:21] + _prompt(22, 9, vocab)  # diverges inside the first prompt, past its inner point
+        hit = run(sched, target, 4, SEEDED)
+        assert hit.timing["cached_tokens"] == 16 and saved(sched, "disk") == 16
         assert_same_samples(hit, run(sched, target, 4, SEEDED, reuse=False))
     finally:
         assert sched.drain(TIMEOUT)

@@ -144,6 +144,7 @@ class RingedFake(FakeEngine):
     4), and `restore_prefix` needs one taken at the same n. `fail_next_window` makes the next copy raise."""
 
     arena = SimpleNamespace(rings=(), k=jax.numpy.zeros(0))
+    cfg = SimpleNamespace(sliding_window=4)  # inner restart points every 8 tokens at 4-token chunks
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)

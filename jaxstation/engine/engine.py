@@ -137,7 +137,7 @@ class Engine:
 
     def save_window(self, lane: int, n: int) -> KVBuffers | None:
         """A host copy of `lane`'s rings' window before position n, which a restart at n reads (None without rings),
-        taken while the rings still hold it (`reuse_floor`): as a prompt's prefill ends, n its last chunk boundary."""
+        taken while the rings still hold it (`reuse_floor`): as a prompt's prefill passes n (`PrefixTier.fed`)."""
         return None if self.arena.rings is None else read_window(self.arena.rings, lane, n, self.cfg.sliding_window - 1)
 
     def restore_prefix(self, lane: int, kv: KVBuffers, n: int, window: KVBuffers | None = None) -> None:

@@ -10,15 +10,17 @@ below the match, as on a lane hit: every position from there on is written by th
 fresh run's, so its tokens are bit-identical.
 
 Rings. Where windowed layers keep a ring of their window (engine/arena.py), a restart at n reads the window before n
-in those layers, which the lane's decode overwrites once it went about `ring - window` positions past its prompt. So
-as a prompt's prefill ends, before the lane's first decode row, `prefilled` copies the ring slots of the window before
-its last chunk boundary n (`Engine.save_window`, the arena's bits), and the lane's spill keeps it beside the global
-layers' [0, n) as the entry's restart point at n. A restore writes the global part and the window back into the slots
-the ring keeps those positions at for a restart at n; a window is of no use at another boundary, so an entry restarts
-only at its restart points (`TierEntry.restart`), and an entry that extends another takes over the other's: one entry
-per conversation holds a restart point at each turn's prompt end, and the lookup takes the furthest at or below the
-match. A prefix whose window was not copied is not kept. A lane's window copy waits in `PrefixTier` until the lane
-is taken, outside the tier's capacity: at most one per lane.
+in those layers, which later writes of the lane overwrite. So as a prompt's prefill passes a restart point n, while
+the rings still hold the window before n, `fed` copies those ring slots (`Engine.save_window`, the arena's bits): at
+every multiple of `restart_spacing` tokens inside the prompt, and at its last chunk boundary as the prefill ends,
+before the lane's first decode row. The lane's spill keeps them beside the global layers' [0, n) as the entry's
+restart points, n the furthest. A restore writes the global part and the window back into the slots the ring keeps
+those positions at for a restart at n; a window is of no use at another boundary, so an entry restarts only at its
+restart points (`TierEntry.restart`), and an entry that extends another takes over the other's: one entry per
+conversation holds its prompts' inner restart points and one at each turn's prompt end, and the lookup takes the
+furthest at or below the match. A prefix with no window copied is not kept. A lane's window copies wait in
+`PrefixTier` until the lane is taken, outside the tier's capacity; the inner ones stop once those waiting copies
+reach the capacity. A request that keeps a lane's prefix keeps the lane's copies at or below its restart.
 
 An entry is keyed as a lane's: its token ids and the LoRA adapter load that computed the KV. Everything else that
 changes a KV bit (the model and its weights' dtype, the KV dtype, the arena's layout, the chunk) is fixed for the
@@ -49,6 +51,7 @@ from collections.abc import Sequence
 import jax
 
 from jaxstation.engine.arena import KVBuffers
+from jaxstation.engine.jobs import Job
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.prefix_cache import Pick, PrefixCache, common_prefix
 from jaxstation.engine.prefix_disk import DiskTier
@@ -80,7 +83,7 @@ class TierEntry:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in jax.tree_util.tree_leaves((self.kv, [w for _, w in self.windows or ()])))
+        return _nbytes((self.kv, [w for _, w in self.windows or ()]))
 
     def restart(self, matched: int, chunk: int) -> int:
         """The furthest restart point at or below `matched` tokens (0: none)."""
@@ -95,6 +98,34 @@ class TierEntry:
     def restarts(self) -> tuple[int, ...] | None:
         """The restart points with rings (None without: every chunk boundary)."""
         return None if self.windows is None else tuple(n for n, _ in self.windows)
+
+
+def restart_spacing(window: int, chunk: int) -> int:
+    """Tokens between a prompt's inner restart points with rings: two windows, rounded up to the chunk."""
+    return -(-2 * window // chunk) * chunk
+
+
+@dataclasses.dataclass
+class LaneWindows:
+    """The window copies of a lane's prompt (`PrefixTier.fed`): its tokens and adapter, the position its prefill
+    restarted at, the furthest it reached, and the copies by restart point."""
+
+    tokens: tuple[int, ...]
+    adapter: int
+    start: int
+    passed: int
+    windows: dict[int, KVBuffers]
+
+    def under(self, tokens: tuple[int, ...], adapter: int) -> dict[int, KVBuffers]:
+        """The copies that are restart points of `tokens` (a prefix of this prompt, of `adapter`) at or below their
+        last chunk boundary (`tokens` is cut there)."""
+        if adapter != self.adapter or self.tokens[:len(tokens)] != tokens:
+            return {}
+        return {n: w for n, w in self.windows.items() if n <= len(tokens)}
+
+
+def _nbytes(tree: object) -> int:
+    return sum(a.nbytes for a in jax.tree_util.tree_leaves(tree))
 
 
 class HostTier:
@@ -210,20 +241,33 @@ class PrefixTier:
         if self.disk is not None:
             self.disk.attach(metrics)
         self.rings = engine.arena.rings is not None if capacity else False
-        self._windows: dict[int, tuple[tuple[int, ...], int, KVBuffers]] = {}  # lane -> its prompt's window copy
+        self.every = restart_spacing(engine.cfg.sliding_window, engine.chunk) if self.rings else 0
+        self._windows: dict[int, LaneWindows] = {}  # lane -> its prompt's window copies
 
-    def prefilled(self, lane: int, tokens: Sequence[int], adapter: int) -> None:
-        """`lane` has just prefilled `tokens` with `adapter` and decodes next: with rings, copy the window before
-        their last chunk boundary n while the rings still hold it, kept for the lane's spill (`admit`) as the
-        entry's restart point at n. A failed copy keeps none: the lane's prefix is not kept in the tier."""
-        if not self.rings or (n := len(tokens) // self.host.chunk * self.host.chunk) == 0:
+    def fed(self, lane: int, job: Job, fed: int) -> None:
+        """`lane`'s prefill of `job`'s prompt reached position `fed`. With rings and unless the prompt is scored (its
+        KV is not reused), copy the window before each restart point it passed while the rings still hold it, every
+        `every` tokens and, as the prefill ends, at the prompt's last chunk boundary: the lane's spill (`admit`)
+        keeps them as the entry's restart points. A failed copy keeps none at that point."""
+        if job.prompt_logprobs or (lane_windows := self._windows.get(lane)) is None:
             return
-        self._windows.pop(lane, None)
-        try:
-            self._windows[lane] = (tuple(tokens[:n]), adapter, self.engine.save_window(lane, n))
-        except Exception as e:
-            log.warning("prefix cache in host memory: saving lane %d's window before %d failed (%s: %s); not kept",
-                        lane, n, type(e).__name__, e)
+        tokens = job.tokens
+        end = len(tokens) // self.host.chunk * self.host.chunk
+        points = list(range((lane_windows.passed // self.every + 1) * self.every, min(fed, end) + 1, self.every))
+        if fed == len(tokens) and end not in points and (end % self.every or end > lane_windows.passed):
+            points.append(end)  # unless tried as an inner point already
+        lane_windows.passed = fed
+        for n in points:
+            if n <= lane_windows.start or n < self.engine.reuse_floor(lane):
+                continue  # the lane has it already (or the tier: restored there), or the rings hold it no longer
+            if n < end and sum(_nbytes(w) for lw in self._windows.values() for w in lw.windows.values()) \
+                    >= self.host.capacity:
+                continue  # the waiting copies are bound by the capacity; a prompt's end is always copied
+            try:
+                lane_windows.windows[n] = self.engine.save_window(lane, n)
+            except Exception as e:
+                log.warning("prefix cache in host memory: saving lane %d's window before %d failed (%s: %s); not "
+                            "kept", lane, n, type(e).__name__, e)
 
     def admit(self, a: Admission) -> int:
         """A request of `a.prompt` takes `a.pick.lane`: keep the lane's cached prefix in the tier if the request will
@@ -242,9 +286,12 @@ class PrefixTier:
         restore = entry is not None and reused > pick.reused
         if restore:
             self.host.used(entry)  # before the spill, which may evict the least recently used
-        self._spill(pick.lane, a.cached, pick.reused if not restore else 0)
+        kept = self._spill(pick.lane, a.cached, pick.reused if not restore else 0)
         if restore and not self._restore(pick.lane, entry, reused):
             pick, restore = Pick(pick.lane, 0, 0), False  # a fresh prefill: the lane may hold part of the entry
+        if self.rings:
+            start = reused if restore else pick.reused
+            self._windows[pick.lane] = LaneWindows(tuple(a.prompt), a.adapter, start, start, kept)
         if a.reuse:
             self.metrics.count_prefix_lookup(*((matched, reused, tier) if restore else
                                                (pick.matched, pick.reused, "lane")))
@@ -269,7 +316,7 @@ class PrefixTier:
 
     def persist(self) -> None:
         """Queue the free lanes' cached prefixes (of the base model) for the disk tier, as at a clean stop. With
-        rings, only a prefix whose window its prompt's prefill left (`prefilled`), with the restart points of the
+        rings, only a prefix whose windows its prompt's prefill copied (`fed`), with the restart points of the
         entries in memory it extends."""
         if self.disk is None:
             return
@@ -282,48 +329,59 @@ class PrefixTier:
                             type(e).__name__, e)
 
     def _persist_lane(self, lane: int, tokens: tuple[int, ...], adapter: int) -> None:
-        n, windows = len(tokens), None
-        if adapter or not n:
+        windows = None
+        if adapter or not tokens:
             return
         if self.rings:
-            window = self._windows.get(lane)
-            if window is None or window[:2] != (tokens, adapter):
+            if not (points := self._points(lane, tokens, adapter)):
                 return
-            windows = tuple(sorted({**self.host.restarts_under(tokens, adapter), n: window[2]}.items()))
+            tokens = tokens[:max(points)]
+            windows = tuple(sorted({**self.host.restarts_under(tokens, adapter), **points}.items()))
         if not self.disk.covers(tokens, adapter, None if windows is None else tuple(w for w, _ in windows)):
-            self.disk.put(tokens, adapter, self.engine.save_prefix(lane, n), windows)
+            self.disk.put(tokens, adapter, self.engine.save_prefix(lane, len(tokens)), windows)
+
+    def _points(self, lane: int, tokens: tuple[int, ...], adapter: int) -> dict[int, KVBuffers]:
+        """With rings, the window copies of `lane` that are restart points of `tokens` of `adapter`."""
+        lane_windows = self._windows.get(lane)
+        return {} if lane_windows is None else lane_windows.under(tokens, adapter)
 
     def close(self) -> None:
         """Write what the disk tier has queued and stop its writer."""
         if self.disk is not None:
             self.disk.close()
 
-    def _spill(self, lane: int, cached: tuple[tuple[int, ...], int] | None, kept: int) -> None:
+    def _spill(self, lane: int, cached: tuple[tuple[int, ...], int] | None, kept: int) -> dict[int, KVBuffers]:
         """Copy `lane`'s `cached` prefix into the tier, unless the request taking it keeps all of it (`kept` tokens)
-        or the tier holds it already. With rings, only with the window its prompt's prefill left (`prefilled`), as
-        the entry's restart point; an entry that holds the tokens but not that restart point gains it. A failed copy
-        keeps nothing."""
-        window = self._windows.pop(lane, None)
+        or the tier holds it already. With rings, only with the windows its prompt's prefill copied (`fed`), as the
+        entry's restart points, and cut at the furthest; an entry that holds the tokens but not all those restart
+        points gains them. A failed copy keeps nothing. Returns the lane's window copies at or below `kept`, which
+        the request taking the lane keeps."""
         n = len(cached[0]) // self.host.chunk * self.host.chunk if cached else 0
+        points = self._points(lane, cached[0][:n], cached[1]) if cached and self.rings else {}
+        self._windows.pop(lane, None)
+        carried = {m: w for m, w in points.items() if m <= kept}
         if n <= kept:
-            return
+            return carried
         tokens = cached[0][:n]
         if self.rings:
-            if window is None or window[:2] != (tokens, cached[1]):
-                return  # the window before n is no longer in the rings: no restart point
+            if not points:
+                return carried  # no window before any of its chunk boundaries was copied: no restart point
+            tokens = tokens[:max(points)]
             if (cover := self.host.covering(tokens, cached[1])) is not None:
-                if n not in cover.restarts():
-                    self._put(dataclasses.replace(cover, windows=(*cover.windows, (n, window[2]))))
-                return
+                if new := {m: w for m, w in points.items() if m not in cover.restarts()}:
+                    windows = tuple(sorted({**dict(cover.windows), **new}.items()))
+                    self._put(dataclasses.replace(cover, windows=windows))
+                return carried
         elif self.host.covers(tokens, cached[1]):
-            return
+            return carried
         try:
-            kv = self.engine.save_prefix(lane, n)
+            kv = self.engine.save_prefix(lane, len(tokens))
         except Exception as e:
-            log.warning("prefix cache in host memory: saving lane %d's %d tokens failed (%s: %s); not kept", lane, n,
-                        type(e).__name__, e)
-            return
-        self._put(TierEntry(tokens, cached[1], kv, ((n, window[2]),) if self.rings else None))
+            log.warning("prefix cache in host memory: saving lane %d's %d tokens failed (%s: %s); not kept", lane,
+                        len(tokens), type(e).__name__, e)
+            return carried
+        self._put(TierEntry(tokens, cached[1], kv, tuple(sorted(points.items())) if self.rings else None))
+        return carried
 
     def _put(self, entry: TierEntry) -> None:
         """Keep `entry` in memory and, of the base model, queue it for the disk tier (as kept: with rings, with the

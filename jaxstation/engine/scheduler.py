@@ -20,7 +20,7 @@ Backpressure. `submit` past `max_queue` queued jobs raises QueueFull (a 503 with
 Prefix reuse (engine/prefix_cache.py): `_fill` gives a job the free lane with the longest reusable prefix (of its
 adapter), or copies a longer one into a lane from the host tier (engine/prefix_tier.py) or its disk tier
 (engine/prefix_disk.py; `drain` writes the lanes' prefixes there), and starts its prefill at the last chunk boundary
-at or below the match (with rings, at a restart point: `PrefixTier.prefilled`), so its tokens equal a fresh run's.
+at or below the match (with rings, at a restart point: `PrefixTier.fed`), so its tokens equal a fresh run's.
 Speculation (engine/speculative.py, engine/draft.py): where the engine verifies drafts and a turn admits no prompt
 pieces, decode rows carry drafts and run as one `verify` step; each row's accepted tokens go through `postprocess`.
 
@@ -328,6 +328,7 @@ class Scheduler:
             sample, _ = self._step("prefill", lambda: self.engine.prefill(i, job.tokens, lane.fed, job.sampling,
                                                                           mask=mask))
         lane.fed = min(lane.fed + self.engine.chunk, len(job.tokens))
+        self.prefix_tier.fed(i, job, lane.fed)
         if sample is None:
             return
         self.activity.prefilled(len(job.tokens) - job.cached_tokens)
@@ -337,7 +338,6 @@ class Scheduler:
             lane.fed, lane.repacked = 0, True
         else:
             self.prefill_order.remove(i)
-            self.prefix_tier.prefilled(i, job.tokens, job.lora_load)
             self.postprocess(i, sample)
 
     def _pack(self, plan: Plan) -> list[Sample | None]:
@@ -348,12 +348,11 @@ class Scheduler:
         for p in plan.pieces:
             lane = self.lanes[p.lane]
             lane.fed += p.length
+            self.prefix_tier.fed(p.lane, lane.job, lane.fed)
             if p.last:
                 self.prefill_order.remove(p.lane)
                 if not lane.repacked:  # a scored prompt was counted when it was scored
                     self.activity.prefilled(len(lane.job.tokens) - lane.job.cached_tokens)
-                if not lane.job.prompt_logprobs:  # a scored prompt's KV is not reused
-                    self.prefix_tier.prefilled(p.lane, lane.job.tokens, lane.job.lora_load)
         return samples
 
     def _verified(self, rows: list[DecodeRow | None], runs: list[list[Sample] | None]) -> None:
