@@ -101,3 +101,27 @@ def test_a_session_diverging_inside_a_long_prompt_restarts_below_the_divergence(
             take_the_lanes(sched, engine, 20 + shared)
     finally:
         assert sched.drain(10)
+
+
+def test_a_session_beside_the_first_ones_free_lane_restarts_from_its_copies(tiny_gemma3) -> None:
+    """The first session's 50-token prompt and a 12-token reply leave its lane free, its 32-slot rings holding
+    positions 30 to 61 only: a second session sharing 37 tokens cannot restart at 32 from the lane, so the lane's
+    prefix goes to the tier with its window copies (16, 32, 48) and the second session restarts at 32 from there,
+    with a fresh prefill's tokens and logprobs."""
+    engine = Engine(tiny_gemma3, lanes=2, max_seq=64, chunk=8, block=16, attention="blocked", prefill_budget=16,
+                    wave_widths=(2,))
+    vocab = engine.cfg.vocab_size
+    sched = Scheduler(engine, continuous=True, max_queue=16, terminal_ids=frozenset(), prefix_cache_ram=MiB)
+    sched.start()
+    try:
+        first = small_ids(1, 50, vocab)
+        turn(sched, first, 12, SEEDED).future.result(TIMEOUT)
+        assert len(sched.prefix_tier.host) == 0
+        target = first[:37] + small_ids(137, 13, vocab)
+        hit = turn(sched, target, 6, SEEDED)
+        got = hit.future.result(TIMEOUT)
+        assert hit.cached_tokens == 32 and saved(sched, "memory") == 32
+        assert sched.prefix_tier.host.get(tuple(first[:48]), 0).restarts() == (16, 32, 48)
+        assert_same_samples(got, turn(sched, target, 6, SEEDED, reuse=False).future.result(TIMEOUT))
+    finally:
+        assert sched.drain(10)

@@ -20,7 +20,9 @@ restart points (`TierEntry.restart`), and an entry that extends another takes ov
 conversation holds its prompts' inner restart points and one at each turn's prompt end, and the lookup takes the
 furthest at or below the match. A prefix with no window copied is not kept. A lane's window copies wait in
 `PrefixTier` until the lane is taken, outside the tier's capacity; the inner ones stop once those waiting copies
-reach the capacity. A request that keeps a lane's prefix keeps the lane's copies at or below its restart.
+reach the capacity. A request that keeps a lane's prefix keeps the lane's copies at or below its restart. A prompt
+that a free lane's copies restart further than the tier and the lanes' rings do has that lane's prefix kept in the
+tier first (`_lend`), and restored from there.
 
 An entry is keyed as a lane's: its token ids and the LoRA adapter load that computed the KV. Everything else that
 changes a KV bit (the model and its weights' dtype, the KV dtype, the arena's layout, the chunk) is fixed for the
@@ -271,7 +273,8 @@ class PrefixTier:
 
     def admit(self, a: Admission) -> int:
         """A request of `a.prompt` takes `a.pick.lane`: keep the lane's cached prefix in the tier if the request will
-        overwrite it, and restore the tier's furthest restart point into the lane where it reaches past `pick.reused`.
+        overwrite it, and restore the tier's furthest restart point into the lane where it reaches past `pick.reused`
+        (with rings, a free lane's window copies count: `_lend`).
         Returns the prompt tokens the request reuses (prefill restarts there), counted on the metrics when
         `a.reuse`."""
         pick = a.pick
@@ -280,6 +283,8 @@ class PrefixTier:
                 self.metrics.count_prefix_lookup(pick.matched, pick.reused, "lane")
             return pick.reused
         entry, matched, reused = self.host.find(a.prompt, a.adapter) if a.reuse else (None, 0, 0)
+        if a.reuse and self.rings and self._lend(a, max(reused, pick.reused)):
+            entry, matched, reused = self.host.find(a.prompt, a.adapter)
         tier = "memory"
         if a.reuse and self.disk is not None and (loaded := self._from_disk(a, max(reused, pick.reused))):
             entry, matched, reused, tier = loaded
@@ -351,37 +356,55 @@ class PrefixTier:
             self.disk.close()
 
     def _spill(self, lane: int, cached: tuple[tuple[int, ...], int] | None, kept: int) -> dict[int, KVBuffers]:
-        """Copy `lane`'s `cached` prefix into the tier, unless the request taking it keeps all of it (`kept` tokens)
-        or the tier holds it already. With rings, only with the windows its prompt's prefill copied (`fed`), as the
-        entry's restart points, and cut at the furthest; an entry that holds the tokens but not all those restart
-        points gains them. A failed copy keeps nothing. Returns the lane's window copies at or below `kept`, which
-        the request taking the lane keeps."""
+        """Copy `lane`'s `cached` prefix into the tier (`_keep`), unless the request taking it keeps all of it (`kept`
+        tokens). Returns the lane's window copies at or below `kept`, which the request taking the lane keeps."""
         n = len(cached[0]) // self.host.chunk * self.host.chunk if cached else 0
         points = self._points(lane, cached[0][:n], cached[1]) if cached and self.rings else {}
         self._windows.pop(lane, None)
-        carried = {m: w for m, w in points.items() if m <= kept}
-        if n <= kept:
-            return carried
-        tokens = cached[0][:n]
+        if n > kept:
+            self._keep(lane, cached[0][:n], cached[1], points)
+        return {m: w for m, w in points.items() if m <= kept}
+
+    def _keep(self, lane: int, tokens: tuple[int, ...], adapter: int, points: dict[int, KVBuffers]) -> bool:
+        """Copy `lane`'s prefix of `tokens` (a whole number of chunks) of `adapter` into the tier, unless it holds it
+        already. With rings, only with the window copies `points` of the lane's prompt (`fed`), as the entry's restart
+        points, cut at the furthest; an entry that holds the tokens but not all those restart points gains them. A
+        failed copy keeps nothing. Whether the tier gained anything."""
         if self.rings:
             if not points:
-                return carried  # no window before any of its chunk boundaries was copied: no restart point
+                return False  # no window before any of its chunk boundaries was copied: no restart point
             tokens = tokens[:max(points)]
-            if (cover := self.host.covering(tokens, cached[1])) is not None:
+            if (cover := self.host.covering(tokens, adapter)) is not None:
                 if new := {m: w for m, w in points.items() if m not in cover.restarts()}:
-                    windows = tuple(sorted({**dict(cover.windows), **new}.items()))
-                    self._put(dataclasses.replace(cover, windows=windows))
-                return carried
-        elif self.host.covers(tokens, cached[1]):
-            return carried
+                    self._put(dataclasses.replace(cover, windows=tuple(sorted({**dict(cover.windows), **new}.items()))))
+                return bool(new)
+        elif self.host.covers(tokens, adapter):
+            return False
         try:
             kv = self.engine.save_prefix(lane, len(tokens))
         except Exception as e:
             log.warning("prefix cache in host memory: saving lane %d's %d tokens failed (%s: %s); not kept", lane,
                         len(tokens), type(e).__name__, e)
-            return carried
-        self._put(TierEntry(tokens, cached[1], kv, tuple(sorted(points.items())) if self.rings else None))
-        return carried
+            return False
+        self._put(TierEntry(tokens, adapter, kv, tuple(sorted(points.items())) if self.rings else None))
+        return True
+
+    def _lend(self, a: Admission, beat: int) -> bool:
+        """With rings, keep in the tier (`_keep`) the free lane's prefix, the taken lane's included, whose window
+        copies restart `a.prompt` furthest past `beat` tokens: its rings may no longer hold that window, and the
+        tier's restore writes it back. Whether the tier gained anything."""
+        prompt, chunk = tuple(a.prompt), self.host.chunk
+        held = self.cache.held(self.engine.lane_versions) + ([(a.pick.lane, *a.cached)] if a.cached else [])
+        best, furthest = None, beat
+        for lane, tokens, adapter in held:
+            if adapter != a.adapter or lane not in self._windows:
+                continue
+            if (matched := min(common_prefix(tuple(tokens), prompt), len(prompt) - 1)) <= furthest:
+                continue
+            points = self._points(lane, tuple(tokens[:len(tokens) // chunk * chunk]), adapter)
+            if (restart := max((n for n in points if n <= matched), default=0)) > furthest:
+                best, furthest = (lane, tuple(tokens[:max(points)]), adapter, points), restart
+        return best is not None and self._keep(*best)
 
     def _put(self, entry: TierEntry) -> None:
         """Keep `entry` in memory and, of the base model, queue it for the disk tier (as kept: with rings, with the
