@@ -23,9 +23,9 @@ directory turns the tier off with one line.
 Writes run on a writer thread of their own (`put` only queues the host copy the decode thread already holds; a full
 queue drops the write): each goes to a temporary file in the same directory, is fsynced and renamed over its name
 (os.replace), so a process killed at any moment leaves complete files and at worst a temporary one, which the index
-never reads. `close` writes what is queued and stops the thread; `clear` (the scheduler's reset_prefix_cache)
-deletes this tier's files and drops the writes queued before it. The files' bytes stay within `capacity`: after
-each write the least recently used (by mtime; a load touches its file) go first.
+never reads; a start deletes those older than an hour. `close` writes what is queued and stops the thread; `clear`
+(the scheduler's reset_prefix_cache) deletes this tier's files and drops the writes queued before it. The files'
+bytes stay within `capacity`: after each write the least recently used (by mtime; a load touches its file) go first.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ MAGIC = b"JXPREFIX2\n"  # the format: 2 holds restart points and their windows (
 SUFFIX = ".kv"
 MAX_HEADER = 64 << 20  # a header's bytes at most (its tokens, as JSON)
 QUEUE, QUEUE_BYTES = 64, 1 << 30  # writes waiting at most, and their bytes (but one); past them a write is dropped
+STALE_TMP_S = 3600  # a temporary file older than this is a killed writer's (a write takes seconds): deleted at start
 
 
 def engine_fingerprint(engine: Any) -> dict[str, Any]:
@@ -193,6 +194,7 @@ class DiskTier:
             log.warning("prefix cache on disk: off, since %s is not a writable directory (%s: %s)", self.directory,
                         type(e).__name__, e)
             return False
+        self._clean()
         for path in names:
             entry = self._read_header(path)
             if entry is not None:
@@ -200,6 +202,19 @@ class DiskTier:
         log.info("prefix cache on disk: %d entries, %d MiB in %s (at most %d MiB)", len(self._index),
                  self.nbytes >> 20, self.directory, self.capacity >> 20)
         return True
+
+    def _clean(self) -> None:
+        """Delete the temporary files older than `STALE_TMP_S` (another process's recent ones may still be written)."""
+        stale = 0
+        for path in self.directory.glob(".*.tmp"):
+            try:
+                if time.time() - path.stat().st_mtime > STALE_TMP_S:
+                    path.unlink()
+                    stale += 1
+            except OSError:  # renamed or deleted meanwhile, or not ours to delete: left as is
+                continue
+        if stale:
+            log.info("prefix cache on disk: deleted %d temporary files older than %d s", stale, STALE_TMP_S)
 
     def _read_header(self, path: Path) -> DiskEntry | None:
         """The entry `path` holds, or None (logged) where it is not one of this tier's complete files."""
