@@ -1,8 +1,9 @@
 """Restart points inside a prompt (engine/prefix_tier.py, `PrefixTier.fed`): with rings, a long prompt's prefill
 copies the window before every multiple of `restart_spacing` tokens it passes, so a prompt that shares a long prefix
 with it and diverges inside it restarts just below the divergence. On the fake engine, which points are copied and
-kept across a lane's next turn; on tiny Gemma 3, a restart from memory with a fresh prefill's bits, alone and beside
-another request, in packed and chunked prefill, and the tier's bytes holding the windows."""
+kept across a lane's next turn, and their bound; on tiny Gemma 3, a restart from memory with a fresh prefill's bits,
+alone and beside another request, in packed and chunked prefill, also from a free lane's copies, and the tier's
+bytes holding the windows."""
 
 from __future__ import annotations
 
@@ -58,6 +59,19 @@ def test_a_long_prompt_keeps_a_restart_point_every_spacing_and_a_next_turn_on_it
         r = run(sched, target, 2)
         assert (r.generated, r.timing["cached_tokens"]) == (expected(target, 2), 16)
         assert not fake.errors and saved(sched, "memory") == 16
+    finally:
+        assert sched.drain(10)
+
+
+def test_inner_copies_waiting_beside_the_lanes_stop_at_the_tiers_capacity() -> None:
+    """A tier of 90 bytes on the ringed fake engine (a window copy is 48 bytes): a 33-token prompt copies the windows
+    before 8 and 16, skips 24 since the 96 bytes waiting reach the capacity, and still copies its end, 32."""
+    fake = RingedFake(lanes=2, chunk=4)
+    sched = Scheduler(fake, continuous=True, max_queue=64, terminal_ids=frozenset(), prefix_cache_ram=90)
+    sched.start()
+    try:
+        run(sched, list(range(100, 133)), 3)
+        assert [c[2] for c in fake.calls if c[0] == "window"] == [8, 16, 32]
     finally:
         assert sched.drain(10)
 
