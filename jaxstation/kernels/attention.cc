@@ -1,5 +1,5 @@
-// Decode attention of one query row per arena lane over that lane's own positions, each row's result depending on
-// nothing but its own lane (DecodeAttentionImpl below).
+// Decode attention of each query row over its own arena lane's positions, each row's result depending on nothing but
+// its own lane; a prefill chunk's rows share their key and value loads (DecodeAttentionImpl below).
 
 #include "cpu_kernels.h"
 
@@ -254,6 +254,7 @@ inline void WeightedSumFor(int64_t nv, const float* p, int64_t ld, int64_t n, in
 // task's rows takes the part of it that lies in its own range (32 KB, an L1's worth, at head_dim 256; 64 positions
 // ran slower at Gemma 3's shapes).
 constexpr int64_t kBlock = 32;
+constexpr int64_t kScores = int64_t{1} << 22;  // floats (16 MB) of scores a tiled task keeps at most
 
 // One layer's attention call: q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd]; out [rows, heads, hd].
 struct Attention {
@@ -348,14 +349,17 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
       return ffi::Error::InvalidArgument("decode_attention: lane or position out of range");
   const Attention at{q.typed_data(), k.typed_data(), v.typed_data(), out->typed_data(), lane, pos, heads, hd, kvh,
                      group, hd / kLanes, n_lanes, seq, l, window, ring, scratch_pos, scale};
-  // Each run split into near-equal tasks of at most `tile` rows, and into at least two tasks a thread where it has
-  // the rows; the tasks claimed longest first (rows times the last row's positions) so that the pool ends together.
+  // Each run split into near-equal tasks of at most `tile` rows whose scores take at most kScores floats, and into at
+  // least two tasks a thread where it has the rows; the tasks claimed longest first (rows times the last row's
+  // positions) so that the pool ends together.
   const int64_t min_tasks = (2 * (pool.num_threads() + 1) + kvh - 1) / kvh;
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (first row, rows)
   for (int64_t r = 0; r < rows;) {
     int64_t e = r + 1;
     while (e < rows && lane[e] == lane[r] && pos[e] == pos[e - 1] + 1 && pos[e] != scratch_pos) ++e;
-    const int64_t len = e - r, parts = std::max((len + tile - 1) / tile, std::min(len, min_tasks));
+    const int64_t len = e - r, scores = len * group * (pos[e - 1] + 1);  // the run's scores, at most
+    const int64_t parts = std::max({(len + tile - 1) / tile, std::min(len, min_tasks),
+                                    std::min(len, (scores + kScores - 1) / kScores)});
     for (int64_t p = 0; p < parts; ++p)
       tasks.emplace_back(r + len * p / parts, len * (p + 1) / parts - len * p / parts);
     r = e;
