@@ -1,5 +1,5 @@
-// Decode attention of one query row per arena lane over that lane's own positions, each row's result depending on
-// nothing but its own lane (DecodeAttentionImpl below).
+// Decode attention of each query row over its own arena lane's positions, each row's result depending on nothing but
+// its own lane; a prefill chunk's rows share their key and value loads (DecodeAttentionImpl below).
 
 #include "cpu_kernels.h"
 
@@ -81,11 +81,11 @@ struct Slots {
   }
 };
 
-// The attention's scores for a group of query heads: scores[g][i] = scale * q_g . k_i over n positions, each dot in
-// the matmul kernel's order (two accumulators over alternate vectors, then Finish's sum): kLanes positions at a time,
-// their horizontal sums folded together (FoldLanes: Finish's bits). NV vectors a head; the heads go side by side with
-// their queries in registers, so each key vector is read once for all of them. q: [group, NV * kLanes]; k: position
-// the walk's keys (Slots); scores: [group, n].
+// The attention's scores for a group of query heads: scores[g * ld + i] = scale * q_g . k_i over n positions, each dot
+// in the matmul kernel's order (two accumulators over alternate vectors, then Finish's sum): kLanes positions at a
+// time, their horizontal sums folded together (FoldLanes: Finish's bits, so a score's bits do not depend on where a
+// walk starts). NV vectors a head; the heads go side by side with their queries in registers, so each key vector is
+// read once for all of them. q: [group, NV * kLanes]; k: the walk's keys (Slots); scores: [group, ld].
 template <int NV>
 inline void Dot(const Vec* q, const float* k, Vec& even, Vec& odd) {
   even = Zero(), odd = Zero();
@@ -96,7 +96,7 @@ inline void Dot(const Vec* q, const float* k, Vec& even, Vec& odd) {
 }
 
 template <int NV>
-void Scores(const float* q, int64_t group, const Slots& k, int64_t n, float scale, float* scores) {
+void Scores(const float* q, int64_t group, const Slots& k, int64_t n, int64_t ld, float scale, float* scores) {
   constexpr int64_t kHeads = std::max(1, 16 / NV);
   for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
     const int64_t heads = std::min(kHeads, group - g0);
@@ -114,19 +114,19 @@ void Scores(const float* q, int64_t group, const Slots& k, int64_t n, float scal
           Dot<NV>(qv[g], k[i + p], even, odd);
           s[g][kSlot.slot[p]] = Add(even, odd);
         }
-      for (int64_t g = 0; g < heads; ++g) Store(scores + (g0 + g) * n + i, Mul(FoldLanes(s[g]), Set1(scale)));
+      for (int64_t g = 0; g < heads; ++g) Store(scores + (g0 + g) * ld + i, Mul(FoldLanes(s[g]), Set1(scale)));
     }
     for (; i < n; ++i)
       for (int64_t g = 0; g < heads; ++g) {
         Vec even, odd;
         Dot<NV>(qv[g], k[i], even, odd);
-        scores[(g0 + g) * n + i] = Finish(even, odd) * scale;
+        scores[(g0 + g) * ld + i] = Finish(even, odd) * scale;
       }
   }
 }
 
 // Scores for any number of vectors a head (up to 32), one head at a time.
-inline void ScoresAny(const float* q, int64_t group, int64_t nv, const Slots& k, int64_t n, float scale,
+inline void ScoresAny(const float* q, int64_t group, int64_t nv, const Slots& k, int64_t n, int64_t ld, float scale,
                       float* scores) {
   const auto dot = [&](const float* qr, const float* kr) {
     Vec even = Zero(), odd = Zero();
@@ -145,86 +145,201 @@ inline void ScoresAny(const float* q, int64_t group, int64_t nv, const Slots& k,
         const auto [even, odd] = dot(qg, k[i + p]);
         s[kSlot.slot[p]] = Add(even, odd);
       }
-      Store(scores + g * n + i, Mul(FoldLanes(s), Set1(scale)));
+      Store(scores + g * ld + i, Mul(FoldLanes(s), Set1(scale)));
     }
     for (; i < n; ++i) {
       const auto [even, odd] = dot(qg, k[i]);
-      scores[g * n + i] = Finish(even, odd) * scale;
+      scores[g * ld + i] = Finish(even, odd) * scale;
     }
   }
 }
 
-// The attention's output for a group of query heads: out_g = sum_i p_gi v_i / denom_g over n positions, each head's
-// sum in position order. NV vectors a head; the heads go side by side, as many at a time as keep their accumulators in
-// registers, so each value vector is read once for all of them and their chains of multiply-adds overlap. p: [group,
-// n] weights; v: the walk's values (Slots); out: [group, NV * kLanes].
+inline void ScoresFor(int64_t nv, const float* q, int64_t group, const Slots& k, int64_t n, int64_t ld, float scale,
+                      float* scores) {
+  switch (nv) {
+    case 1: return Scores<1>(q, group, k, n, ld, scale, scores);
+    case 2: return Scores<2>(q, group, k, n, ld, scale, scores);
+    case 3: return Scores<3>(q, group, k, n, ld, scale, scores);
+    case 4: return Scores<4>(q, group, k, n, ld, scale, scores);
+    case 8: return Scores<8>(q, group, k, n, ld, scale, scores);
+    case 16: return Scores<16>(q, group, k, n, ld, scale, scores);
+    default: return ScoresAny(q, group, nv, k, n, ld, scale, scores);
+  }
+}
+
+// A group's scores [group, n] into softmax weights in place, their denominators into denom[group]: each row's maximum,
+// e^(score - maximum) kLanes at a time (the tail through a padded vector, so every score takes the same exp), each
+// denominator summed in position order.
+inline void Softmax(float* scores, int64_t group, int64_t n, float* denom) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * n;
+    Vec mv = Set1(sg[0]);
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) mv = Max(mv, LoadX(sg + j));
+    float lanes_max[kLanes];
+    Store(lanes_max, mv);
+    float m = *std::max_element(lanes_max, lanes_max + kLanes);
+    for (; j < n; ++j) m = std::max(m, sg[j]);
+    mv = Set1(m);
+    for (j = 0; j + kLanes <= n; j += kLanes) Store(sg + j, ExpNonPositive(Sub(LoadX(sg + j), mv)));
+    if (j < n) {
+      float tail[kLanes];
+      for (int64_t t = 0; t < kLanes; ++t) tail[t] = j + t < n ? sg[j + t] - m : 0.0f;
+      Store(tail, ExpNonPositive(LoadX(tail)));
+      for (int64_t t = 0; j + t < n; ++t) sg[j + t] = tail[t];
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) denom[g] = 0.0f;
+  for (int64_t j = 0; j < n; ++j)  // the group's chains side by side
+    for (int64_t g = 0; g < group; ++g) denom[g] += scores[g * n + j];
+}
+
+// acc_g += sum_i p[g * ld + i] v_i over n positions for a group of query heads, each head's chain of multiply-adds in
+// position order (a walk split into consecutive parts gives the same bits as one). NV vectors a head; the heads go side
+// by side, as many at a time as keep their accumulators in registers, so each value vector is read once for all of
+// them and their chains overlap. v: the walk's values (Slots); acc: [group, NV * kLanes].
 template <int NV>
-void WeightedSum(const float* p, int64_t n, int64_t group, const Slots& v, const float* denom,
-                 float* out) {
+void WeightedSum(const float* p, int64_t ld, int64_t n, int64_t group, const Slots& v, float* acc) {
   constexpr int64_t kHeads = std::max(1, 24 / NV);
   for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
     const int64_t heads = std::min(kHeads, group - g0);
-    Vec acc[kHeads][NV];
+    Vec a[kHeads][NV];
     for (int64_t g = 0; g < kHeads; ++g)
-      for (int c = 0; c < NV; ++c) acc[g][c] = Zero();
+      for (int c = 0; c < NV; ++c) a[g][c] = g < heads ? LoadX(acc + (g0 + g) * NV * kLanes + c * kLanes) : Zero();
     for (int64_t i = 0; i < n; ++i) {
       if (g0 == 0 && i % kLanes == 0)
-        for (int64_t a = i + kAhead; a < std::min(n, i + kAhead + kLanes); ++a) Prefetch(v[a], NV * kLanes);
+        for (int64_t b = i + kAhead; b < std::min(n, i + kAhead + kLanes); ++b) Prefetch(v[b], NV * kLanes);
       const float* vi = v[i];
       Vec x[NV];
       for (int c = 0; c < NV; ++c) x[c] = LoadX(vi + c * kLanes);
       for (int64_t g = 0; g < kHeads; ++g) {
         if (g >= heads) break;
-        const Vec w = Set1(p[(g0 + g) * n + i]);
-        for (int c = 0; c < NV; ++c) acc[g][c] = Fma(w, x[c], acc[g][c]);
+        const Vec w = Set1(p[(g0 + g) * ld + i]);
+        for (int c = 0; c < NV; ++c) a[g][c] = Fma(w, x[c], a[g][c]);
       }
     }
-    for (int64_t g = 0; g < heads; ++g) {
-      const Vec inv = Set1(1.0f / denom[g0 + g]);
-      for (int c = 0; c < NV; ++c) Store(out + (g0 + g) * NV * kLanes + c * kLanes, Mul(acc[g][c], inv));
-    }
+    for (int64_t g = 0; g < heads; ++g)
+      for (int c = 0; c < NV; ++c) Store(acc + (g0 + g) * NV * kLanes + c * kLanes, a[g][c]);
   }
 }
 
 // WeightedSum for any number of vectors a head (up to 32), one head at a time.
-inline void WeightedSumAny(const float* p, int64_t n, int64_t group, int64_t nv, const Slots& v,
-                           const float* denom, float* out) {
+inline void WeightedSumAny(const float* p, int64_t ld, int64_t n, int64_t group, int64_t nv, const Slots& v,
+                           float* acc) {
   for (int64_t g = 0; g < group; ++g) {
-    Vec acc[32];
-    for (int64_t c = 0; c < nv; ++c) acc[c] = Zero();
+    Vec a[32];
+    for (int64_t c = 0; c < nv; ++c) a[c] = LoadX(acc + g * nv * kLanes + c * kLanes);
     for (int64_t i = 0; i < n; ++i) {
-      const Vec w = Set1(p[g * n + i]);
-      for (int64_t c = 0; c < nv; ++c) acc[c] = Fma(w, LoadX(v[i] + c * kLanes), acc[c]);
+      const Vec w = Set1(p[g * ld + i]);
+      for (int64_t c = 0; c < nv; ++c) a[c] = Fma(w, LoadX(v[i] + c * kLanes), a[c]);
     }
-    const Vec inv = Set1(1.0f / denom[g]);
-    for (int64_t c = 0; c < nv; ++c) Store(out + g * nv * kLanes + c * kLanes, Mul(acc[c], inv));
+    for (int64_t c = 0; c < nv; ++c) Store(acc + g * nv * kLanes + c * kLanes, a[c]);
   }
 }
+
+inline void WeightedSumFor(int64_t nv, const float* p, int64_t ld, int64_t n, int64_t group, const Slots& v,
+                           float* acc) {
+  switch (nv) {
+    case 1: return WeightedSum<1>(p, ld, n, group, v, acc);
+    case 2: return WeightedSum<2>(p, ld, n, group, v, acc);
+    case 3: return WeightedSum<3>(p, ld, n, group, v, acc);
+    case 4: return WeightedSum<4>(p, ld, n, group, v, acc);
+    case 8: return WeightedSum<8>(p, ld, n, group, v, acc);
+    case 16: return WeightedSum<16>(p, ld, n, group, v, acc);
+    default: return WeightedSumAny(p, ld, n, group, nv, v, acc);
+  }
+}
+
+// The positions a tiled task walks at a time: one block of a head's keys (then values) stays in cache while each of the
+// task's rows takes the part of it that lies in its own range (32 KB, an L1's worth, at head_dim 256; 64 positions
+// ran slower at Gemma 3's shapes).
+constexpr int64_t kBlock = 32;
+constexpr int64_t kScores = int64_t{1} << 22;  // floats (16 MB) of scores a tiled task keeps at most
+
+// One layer's attention call: q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd]; out [rows, heads, hd].
+struct Attention {
+  const float *q, *k, *v;
+  float* out;
+  const int32_t *lane, *pos;
+  int64_t heads, hd, kvh, group, nv, n_lanes, seq, layer, window, ring, scratch_pos;
+  float scale;
+
+  // A row at the lane's last position (the scratch slot idle rows write, which no request uses) reads only itself.
+  bool Scratch(int64_t r) const { return pos[r] == scratch_pos; }
+  int64_t Lo(int64_t r) const {  // the first position row r attends to; the last is pos[r]
+    return Scratch(r) ? pos[r] : window > 0 ? std::max<int64_t>(0, pos[r] - window + 1) : 0;
+  }
+  // Row r's lane's keys or values (kv) for head h, walked from position a.
+  Slots Walk(const float* kv, int64_t r, int64_t h, int64_t a) const {
+    const int64_t stride = kvh * hd;  // floats between consecutive slots
+    const int64_t base = (layer * n_lanes + lane[r]) * seq * stride + h * hd;  // the lane's slot 0, head h
+    const bool scratch = Scratch(r);
+    return Slots{kv + base, stride, scratch ? seq - 1 : ring ? a % ring : a, ring && !scratch ? ring : seq};
+  }
+
+  // Rows r0 .. r0 + len - 1 (one lane at consecutive positions when len > 1) and kv head h: each row's scores, softmax
+  // and weighted sum are the one-row walk's, in its order, the walks taken a block of positions at a time (one block
+  // for a lone row) so that the rows share each block's loads.
+  void Run(int64_t r0, int64_t len, int64_t h) const {
+    std::vector<int64_t> at(len + 1, 0);  // row j's scores at at[j]: [group, its n]
+    for (int64_t j = 0; j < len; ++j) at[j + 1] = at[j] + group * (pos[r0 + j] - Lo(r0 + j) + 1);
+    std::vector<float> scores(at[len]), denom(len * group);
+    const int64_t first = Lo(r0), last = pos[r0 + len - 1], block = len == 1 ? last - first + 1 : kBlock;
+    const auto walk = [&](auto&& part) {  // part(row, j, index of position a in the row's walk, a, count)
+      for (int64_t s = first; s <= last; s += block)
+        for (int64_t j = 0; j < len; ++j) {
+          const int64_t r = r0 + j, lo = Lo(r), a = std::max(s, lo), b = std::min<int64_t>(s + block, pos[r] + 1);
+          if (a < b) part(r, j, a - lo, a, b - a);
+        }
+    };
+    const auto n = [&](int64_t j) { return (at[j + 1] - at[j]) / group; };  // row j's positions
+    const auto head = [&](int64_t r) { return (r * heads + h * group) * hd; };  // the group's heads in q and out
+    walk([&](int64_t r, int64_t j, int64_t i, int64_t a, int64_t m) {
+      ScoresFor(nv, q + head(r), group, Walk(k, r, h, a), m, n(j), scale, scores.data() + at[j] + i);
+    });
+    for (int64_t j = 0; j < len; ++j) {
+      Softmax(scores.data() + at[j], group, n(j), denom.data() + j * group);
+      std::fill_n(out + head(r0 + j), group * hd, 0.0f);
+    }
+    walk([&](int64_t r, int64_t j, int64_t i, int64_t a, int64_t m) {
+      WeightedSumFor(nv, scores.data() + at[j] + i, n(j), m, group, Walk(v, r, h, a), out + head(r));
+    });
+    for (int64_t j = 0; j < len; ++j)
+      for (int64_t g = 0; g < group; ++g) {
+        float* o = out + head(r0 + j) + g * hd;
+        const Vec inv = Set1(1.0f / denom[j * group + g]);
+        for (int64_t c = 0; c < nv; ++c) Store(o + c * kLanes, Mul(LoadX(o + c * kLanes), inv));
+      }
+  }
+};
 
 // Decode attention of one query row per arena lane over that lane's own positions: for row r and kv head h, the
 // group's query heads attend to k/v[layer, lanes[r], lo..positions[r], h] with lo = positions[r] - window + 1 (or 0),
 // softmax over exactly those positions (scores by the same two-accumulator dot as the matmul, exp by one polynomial,
-// sums and the weighted sum of v in position order). Each (row, kv head) is one task with one fixed order of
-// operations, so a row's result depends on nothing but its own lane. The key walk (Scores) takes kLanes positions at a
-// time, their horizontal sums folded together, and both it and the value walk (WeightedSum) take the group's heads
-// side by side; none of that changes any operation's order. q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd].
+// sums and the weighted sum of v in position order). Each row has one fixed order of operations, so its result
+// depends on nothing but its own lane. The key walk (Scores) takes kLanes positions at a time, their horizontal sums
+// folded together, and both it and the value walk (WeightedSum) take the group's heads side by side; none of that
+// changes any operation's order. q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd].
 // With ring > 0 the layer keeps a ring: position p at slot p mod ring, and the scratch position (idle rows') at slot
 // seq - 1 = ring; a row's positions then wrap around the ring at most once, walked in position order all the same.
+// Consecutive rows on one lane at consecutive positions (a prefill chunk's) are a run: up to `tile` of its rows share
+// one task per kv head (Attention::Run), each key and value read once for all of them; tile 1 is a task per row.
 ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                                ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lanes,
                                ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out, int64_t window,
-                               float scale, int64_t ring, int64_t scratch_pos) {
+                               float scale, int64_t ring, int64_t scratch_pos, int64_t tile) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || v.element_count() != k.element_count() || qd[2] != kd[4] ||
       qd[1] % kd[3])
     return ffi::Error::InvalidArgument("decode_attention: q [rows, heads, hd], k and v [layers, lanes, seq, kvh, hd]");
   const int64_t rows = qd[0], heads = qd[1], hd = qd[2], n_layers = kd[0], n_lanes = kd[1], seq = kd[2];
-  const int64_t kvh = kd[3], group = heads / kvh, nv = hd / kLanes;  // nv: vectors per head
+  const int64_t kvh = kd[3], group = heads / kvh;
   if (hd % kLanes || hd > 256 || group > 8)
     return ffi::Error::InvalidArgument("decode_attention: head_dim a multiple of 16 up to 256, group <= 8");
   if (ring ? seq != ring + 1 || window > ring : scratch_pos != seq - 1)
     return ffi::Error::InvalidArgument("decode_attention: a ring of seq - 1 slots holds the window; else scratch_pos "
                                        "is seq - 1");
+  if (tile < 1) return ffi::Error::InvalidArgument("decode_attention: tile >= 1");
   const int64_t l = layer.typed_data()[0];
   const int32_t* lane = lanes.typed_data();
   const int32_t* pos = positions.typed_data();
@@ -232,63 +347,28 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   for (int64_t r = 0; r < rows; ++r)
     if (lane[r] < 0 || lane[r] >= n_lanes || pos[r] < 0 || pos[r] > scratch_pos)
       return ffi::Error::InvalidArgument("decode_attention: lane or position out of range");
-  const float* qp = q.typed_data();
-  const float* kp = k.typed_data();
-  const float* vp = v.typed_data();
-  float* op = out->typed_data();
-  ParallelFor(pool, rows * kvh, [&](int64_t item) {
-    const int64_t r = item / kvh, h = item % kvh;
-    // a row at the lane's last position (the scratch slot idle rows write, which no request uses) reads only itself
-    const int64_t hi = pos[r], scratch = hi == scratch_pos;
-    const int64_t lo = scratch ? hi : window > 0 ? std::max<int64_t>(0, hi - window + 1) : 0, n = hi - lo + 1;
-    const int64_t stride = kvh * hd;  // floats between consecutive slots
-    const int64_t base = (l * n_lanes + lane[r]) * seq * stride + h * hd;  // the lane's slot 0, head h
-    const int64_t first = scratch ? seq - 1 : ring ? lo % ring : lo, wrap = ring && !scratch ? ring : seq;
-    const float* qh = qp + (r * heads + h * group) * hd;  // the group's query heads
-    std::vector<float> scores(group * n);
-    const Slots kr{kp + base, stride, first, wrap};
-    float* sc = scores.data();
-    switch (nv) {
-      case 1: Scores<1>(qh, group, kr, n, scale, sc); break;
-      case 2: Scores<2>(qh, group, kr, n, scale, sc); break;
-      case 3: Scores<3>(qh, group, kr, n, scale, sc); break;
-      case 4: Scores<4>(qh, group, kr, n, scale, sc); break;
-      case 8: Scores<8>(qh, group, kr, n, scale, sc); break;
-      case 16: Scores<16>(qh, group, kr, n, scale, sc); break;
-      default: ScoresAny(qh, group, nv, kr, n, scale, sc);
-    }
-    float denom[8] = {};
-    for (int64_t g = 0; g < group; ++g) {
-      float* sg = scores.data() + g * n;
-      Vec mv = Set1(sg[0]);
-      int64_t j = 0;
-      for (; j + kLanes <= n; j += kLanes) mv = Max(mv, LoadX(sg + j));
-      float lanes_max[kLanes];
-      Store(lanes_max, mv);
-      float m = *std::max_element(lanes_max, lanes_max + kLanes);
-      for (; j < n; ++j) m = std::max(m, sg[j]);
-      mv = Set1(m);
-      for (j = 0; j + kLanes <= n; j += kLanes) Store(sg + j, ExpNonPositive(Sub(LoadX(sg + j), mv)));
-      if (j < n) {  // the tail through a padded vector, so every score takes the same exp
-        float tail[kLanes];
-        for (int64_t t = 0; t < kLanes; ++t) tail[t] = j + t < n ? sg[j + t] - m : 0.0f;
-        Store(tail, ExpNonPositive(LoadX(tail)));
-        for (int64_t t = 0; j + t < n; ++t) sg[j + t] = tail[t];
-      }
-    }
-    for (int64_t j = 0; j < n; ++j)  // each sum in position order, the group's chains side by side
-      for (int64_t g = 0; g < group; ++g) denom[g] += scores[g * n + j];
-    const Slots vr{vp + base, stride, first, wrap};
-    float* o = op + (r * heads + h * group) * hd;
-    switch (nv) {
-      case 1: WeightedSum<1>(scores.data(), n, group, vr, denom, o); break;
-      case 2: WeightedSum<2>(scores.data(), n, group, vr, denom, o); break;
-      case 3: WeightedSum<3>(scores.data(), n, group, vr, denom, o); break;
-      case 4: WeightedSum<4>(scores.data(), n, group, vr, denom, o); break;
-      case 8: WeightedSum<8>(scores.data(), n, group, vr, denom, o); break;
-      case 16: WeightedSum<16>(scores.data(), n, group, vr, denom, o); break;
-      default: WeightedSumAny(scores.data(), n, group, nv, vr, denom, o);
-    }
+  const Attention at{q.typed_data(), k.typed_data(), v.typed_data(), out->typed_data(), lane, pos, heads, hd, kvh,
+                     group, hd / kLanes, n_lanes, seq, l, window, ring, scratch_pos, scale};
+  // Each run split into near-equal tasks of at most `tile` rows whose scores take at most kScores floats, and into at
+  // least two tasks a thread where it has the rows; the tasks claimed longest first (rows times the last row's
+  // positions) so that the pool ends together.
+  const int64_t min_tasks = (2 * (pool.num_threads() + 1) + kvh - 1) / kvh;
+  std::vector<std::pair<int64_t, int64_t>> tasks;  // (first row, rows)
+  for (int64_t r = 0; r < rows;) {
+    int64_t e = r + 1;
+    while (e < rows && lane[e] == lane[r] && pos[e] == pos[e - 1] + 1 && pos[e] != scratch_pos) ++e;
+    const int64_t len = e - r, scores = len * group * (pos[e - 1] + 1);  // the run's scores, at most
+    const int64_t parts = std::max({(len + tile - 1) / tile, std::min(len, min_tasks),
+                                    std::min(len, (scores + kScores - 1) / kScores)});
+    for (int64_t p = 0; p < parts; ++p)
+      tasks.emplace_back(r + len * p / parts, len * (p + 1) / parts - len * p / parts);
+    r = e;
+  }
+  const auto cost = [&](const std::pair<int64_t, int64_t>& t) { return t.second * (pos[t.first + t.second - 1] + 1); };
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const auto& a, const auto& b) { return cost(a) > cost(b); });
+  ParallelFor(pool, static_cast<int64_t>(tasks.size()) * kvh, [&](int64_t item) {
+    const auto [r0, len] = tasks[item / kvh];
+    at.Run(r0, len, item % kvh);
   });
   return ffi::Error::Success();
 }
@@ -308,4 +388,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, DecodeAttentionImpl,
                                   .Attr<int64_t>("window")
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("ring")
-                                  .Attr<int64_t>("scratch_pos"));
+                                  .Attr<int64_t>("scratch_pos")
+                                  .Attr<int64_t>("tile"));

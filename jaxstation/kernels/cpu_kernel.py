@@ -63,6 +63,7 @@ TARGETS = {"int8": ("jaxstation_rowwise_matmul_s8", "RowwiseMatmulS8"),
            **{f"int_{f}": (f"jaxstation_int_matmul_{f.lower()}", f"IntMatmul{f}") for f in BLOCK_FORMATS},
            **{f"rows_{f}": (f"jaxstation_block_rows_{f.lower()}", f"BlockRows{f}") for f in BLOCK_FORMATS}}
 K_MULTIPLE, N_MULTIPLE = 32, 4  # the kernel's shape contract
+TILE = 16  # the attention's rows a task on a prefill chunk
 
 
 class KernelUnavailable(RuntimeError):
@@ -178,20 +179,22 @@ def attention_serves(head_dim: int, group_size: int, dtype: jnp.dtype) -> bool:
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array | int, lanes: jax.Array,
                      positions: jax.Array, window: int | None, scale: float | None = None, ring: int = 0,
-                     scratch_pos: int = 0) -> jax.Array:
+                     scratch_pos: int = 0, tile: int | None = None) -> jax.Array:
     """One query per row over its own arena lane: q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd]
     float32; lanes, positions [rows] -> [rows, heads, hd]. A row attends to positions (positions - window,
     positions] of its lane (from 0 without a window), softmax over exactly those; a row at the scratch position
     (the one idle rows write: the last slot) attends to itself only. Scores are scaled by `scale` (default: head_dim
     ** -0.5). With a `ring` (engine/arena.py: seq = ring + 1), position p lies at slot p mod ring and the scratch
-    position is `scratch_pos`; without one, position p at slot p and the scratch position is seq - 1."""
+    position is `scratch_pos`; without one, position p at slot p and the scratch position is seq - 1. Rows of one
+    lane at consecutive positions (a prefill chunk's) share a task, up to `tile` of them, each key and value read
+    once for all; every row's bits are the same whatever the tile (1: a task per row; default TILE)."""
     require()
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call(TARGETS["attention"][0], out)(
         q.astype(jnp.float32), k, v, jnp.asarray(layer, jnp.int32), lanes.astype(jnp.int32),
         positions.astype(jnp.int32), window=np.int64(window or 0),
         scale=np.float32(q.shape[-1] ** -0.5 if scale is None else scale), ring=np.int64(ring),
-        scratch_pos=np.int64(scratch_pos if ring else k.shape[2] - 1))
+        scratch_pos=np.int64(scratch_pos if ring else k.shape[2] - 1), tile=np.int64(tile or TILE))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
