@@ -9,7 +9,8 @@ Systems (each skipped with a note when it is not available):
                      prompts' text (its API takes no token ids; decoding and re-encoding gives the same ids)
   transformers       HF `generate` in-process, float32, greedy: one stream (K=1) and a static batch (K=8)
 Workload: throughput at K concurrent requests (default K = 1 and 8; 128 new tokens, greedy, no early stop, the
-fixed prompt set of bench.throughput) and an open-loop Poisson latency run (the mixed prompt lengths of
+fixed prompt set of bench.throughput; with --sampled each K also at temperature 0.8 and top_p 0.95, seeded, on the
+station and llama-server, whose own top_k and min_p are turned off) and an open-loop Poisson latency run (the mixed prompt lengths of
 bench.latency; end-to-end latency, server-side TTFT where the reply says it), and the prefill of a --prefill-len
 prompt (default 512) with one new token, alone, in prompt tokens per second of server-side TTFT (a new prompt each
 repetition, so no prefix cache helps). Repetitions are interleaved across the
@@ -20,6 +21,7 @@ Usage:
   scripts/build_llama_server.sh                   # once, ~15 min; cached in ~/.cache/jaxstation-peers
   python -m bench.peers                           # K = 1 8, 128 new tokens, 3 reps, latency at 2 req/s
   python -m bench.peers --quick                   # 16 new tokens, 1 rep, 6 latency requests
+  python -m bench.peers --sampled --ks 1 8 32     # each K greedy and sampled (temperature 0.8, top_p 0.95)
   python -m bench.peers --only jaxstation llama-server --llama-server /path/to/llama-server
 """
 
@@ -38,6 +40,8 @@ from pathlib import Path
 
 from bench.common import planned_model, write_result
 from bench.workload import (
+    GREEDY,
+    SAMPLED,
     concurrent_run,
     first_executable,
     free_port,
@@ -66,6 +70,8 @@ class System:
     name = ""
     serves_http = True
 
+    sampling = GREEDY  # what run() sends: GREEDY or SAMPLED
+
     def run(self, prompts: list[list[int]], new: int) -> tuple[float, int]:
         wall, replies = concurrent_run(self.call, prompts, new)
         return wall, sum(r["n_generated"] for r in replies)
@@ -81,7 +87,7 @@ class Station(System):
         self.base = base
 
     def call(self, client, tokens, new):
-        r = station_generate(client, self.base, tokens, new)
+        r = station_generate(client, self.base, tokens, new, self.sampling)
         r["server_ttft_s"] = r["timing"]["ttft_s"]
         return r
 
@@ -117,7 +123,7 @@ class LlamaServer(System):
         self.base = base
 
     def call(self, client, tokens, new):
-        r = llama_server_completion(client, self.base, tokens, new)
+        r = llama_server_completion(client, self.base, tokens, new, self.sampling)
         if r.get("timings") and "prompt_ms" in r["timings"]:
             r["server_ttft_s"] = r["timings"]["prompt_ms"] / 1e3
         return r
@@ -214,6 +220,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--sampled", action="store_true",
+                    help="also measure each K sampled (temperature 0.8, top_p 0.95) on the HTTP systems that sample")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--prefill-len", type=int, default=512, help="the prefill run's prompt length (0: no prefill run)")
@@ -311,14 +319,20 @@ def main() -> None:
 
         for s in systems:  # warm-up, not measured
             s.run(prompts[:max(args.ks)], 4)
-        tput: dict[str, dict[int, list[float]]] = {s.name: {k: [] for k in args.ks} for s in systems}
+        modes = {"greedy": GREEDY, **({"sampled": SAMPLED} if args.sampled else {})}
+        samplers = {s.name for s in systems if isinstance(s, (Station, LlamaServer))}
+        tput: dict[str, dict[str, dict[int, list[float]]]] = {
+            s.name: {m: {k: [] for k in args.ks} for m in modes if m == "greedy" or s.name in samplers}
+            for s in systems}
         for rep in range(args.reps):
             order = systems[rep % len(systems):] + systems[:rep % len(systems)]  # rotate who goes first
             for s in order:
-                for k in args.ks:
+                for mode, k in ((m, k) for m in tput[s.name] for k in args.ks):
+                    s.sampling = modes[mode]
                     wall, generated = s.run(prompts[:k], args.new_tokens)
-                    tput[s.name][k].append(generated / wall)
-                    print(f"rep {rep} {s.name:17s} K={k}: {generated / wall:7.1f} tok/s ({generated} tokens)")
+                    tput[s.name][mode][k].append(generated / wall)
+                    print(f"rep {rep} {s.name:17s} {mode} K={k}: {generated / wall:7.1f} tok/s ({generated} tokens)")
+                s.sampling = GREEDY
         prefill = {s.name: prefill_run(s, long_prompts) for s in systems if long_prompts}
         latency = {}
         if not args.no_latency:
@@ -338,8 +352,10 @@ def main() -> None:
     for name in SYSTEMS:
         row: dict = {"system": name, "note": notes.get(name)}
         if name in tput:
-            row["tokens_per_s"] = {str(k): med_spread(v) for k, v in tput[name].items()}
-            row["best_tokens_per_s"] = max(med_spread(v)["median"] for v in tput[name].values())
+            row["tokens_per_s"] = {str(k): med_spread(v) for k, v in tput[name]["greedy"].items()}
+            row["best_tokens_per_s"] = max(med_spread(v)["median"] for v in tput[name]["greedy"].values())
+            if "sampled" in tput[name]:
+                row["sampled_tokens_per_s"] = {str(k): med_spread(v) for k, v in tput[name]["sampled"].items()}
         if name in prefill:
             row["prefill_tokens_per_s"] = prefill[name]
         if name in latency:
@@ -352,9 +368,11 @@ def main() -> None:
             if "best_tokens_per_s" in by[name]:
                 ratios[f"jaxstation_best_over_{name}_best"] = by["jaxstation"]["best_tokens_per_s"] / \
                     by[name]["best_tokens_per_s"]
-                k1 = [r["tokens_per_s"].get("1", {}).get("median") for r in (by["jaxstation"], by[name])]
-                if all(k1):
-                    ratios[f"jaxstation_k1_over_{name}_k1"] = k1[0] / k1[1]
+                for field, tag in (("tokens_per_s", ""), ("sampled_tokens_per_s", "_sampled")):
+                    for k in map(str, args.ks):
+                        pair = [r.get(field, {}).get(k, {}).get("median") for r in (by["jaxstation"], by[name])]
+                        if all(pair):
+                            ratios[f"jaxstation_k{k}{tag}_over_{name}"] = pair[0] / pair[1]
             if name in prefill and "jaxstation" in prefill:
                 ratios[f"jaxstation_prefill_over_{name}_prefill"] = (prefill["jaxstation"]["median"] /
                                                                      prefill[name]["median"])
@@ -370,6 +388,9 @@ def main() -> None:
         e2e = f"{lat['e2e_s']['p50']:.2f} / {lat['e2e_s']['p99']:.2f}" if lat.get("e2e_s", {}).get("p50") else "-"
         ltps = f"{lat['achieved_tokens_per_s']:.1f}" if "achieved_tokens_per_s" in lat else "-"
         print(f"| {r['system']} | " + " | ".join(cells) + f" | {best} | {e2e} | {ltps} | {r['note'] or ''} |")
+        if "sampled_tokens_per_s" in r:
+            cells = [f"{r['sampled_tokens_per_s'][str(k)]['median']:.1f}" for k in ks]
+            print(f"| {r['system']} sampled | " + " | ".join(cells) + " | - | - | - | temperature 0.8, top_p 0.95 |")
     for name, rate in prefill.items():
         print(f"prefill {name:17s}: {args.prefill_len}-token prompt, {rate['median']:.1f} tok/s "
               f"(median of {rate['n']})")

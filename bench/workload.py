@@ -203,14 +203,21 @@ def reply_problems(reply: object, prompt_tokens: int, max_new: int) -> list[str]
     return out
 
 
-def station_generate(client, base: str, tokens: list[int], max_new: int) -> dict:
-    """POST /generate, greedy, no stop ids. Returns the JSON reply with "client_s" (round trip) added.
+# The sampled runs' settings, sent alike to every system (llama.cpp's own top_k 40 and min_p 0.05 turned off)
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}
+GREEDY = {"temperature": 0}
+
+
+def station_generate(client, base: str, tokens: list[int], max_new: int, sampling: dict = GREEDY) -> dict:
+    """POST /generate, greedy (or `sampling`, seeded by the prompt), no stop ids. Returns the JSON reply with
+    "client_s" (round trip) added.
 
     Raises ValueError if the reply is not a well-formed /generate reply for this request.
     """
     t0 = time.perf_counter()
-    r = client.post(f"{base}/generate", json={"tokens": tokens, "max_new_tokens": max_new, "temperature": 0,
-                                               "seed": None, "stop_token_ids": []}, timeout=600)
+    seed = len(tokens) + sum(tokens) if sampling.get("temperature") else None
+    r = client.post(f"{base}/generate", json={"tokens": tokens, "max_new_tokens": max_new, **sampling,
+                                               "seed": seed, "stop_token_ids": []}, timeout=600)
     r.raise_for_status()
     out = r.json()
     wrong = reply_problems(out, len(tokens), max_new)
@@ -248,10 +255,12 @@ def llama_server_cmd(binary: str, gguf: str, port: int, slots: int, context: int
             *(["-t", str(threads)] if threads else []), *(["--no-repack"] if repacking_crashes(binary) else [])]
 
 
-def llama_server_completion(client, base: str, tokens: list[int], max_new: int) -> dict:
-    """POST llama-server /completion with token ids, greedy, no early stop."""
+def llama_server_completion(client, base: str, tokens: list[int], max_new: int, sampling: dict = GREEDY) -> dict:
+    """POST llama-server /completion with token ids, greedy (or `sampling`, with its top_k and min_p off), no early
+    stop."""
     t0 = time.perf_counter()
-    r = client.post(f"{base}/completion", json={"prompt": tokens, "n_predict": max_new, "temperature": 0,
+    extra = {"top_k": 0, "min_p": 0.0, "seed": len(tokens) + sum(tokens)} if sampling.get("temperature") else {}
+    r = client.post(f"{base}/completion", json={"prompt": tokens, "n_predict": max_new, **sampling, **extra,
                                                  "ignore_eos": True, "cache_prompt": False}, timeout=600)
     r.raise_for_status()
     out = r.json()

@@ -31,6 +31,7 @@ from jaxstation.server.station import Station
 SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 ORACLE_ATOL = 1e-4
+ORACLE_PAD = 128
 HF_ATOL = 1e-3  # the parity tests' tolerance for logits against transformers
 LONG = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
         "movable metal type, oil-based inks and a wooden press adapted from those used for wine. Within fifty years "
@@ -43,8 +44,12 @@ def logsumexp(x: np.ndarray) -> float:
 
 
 def oracle_logprobs(model: LoadedModel, ids: list[int]) -> np.ndarray:
-    """log_softmax of forward_full's logits [n, vocab]: row i is the distribution of token i + 1."""
-    return np.asarray(jax.nn.log_softmax(oracle_logits(model, jnp.asarray(ids)), axis=-1))
+    """log_softmax of forward_full's logits [n, vocab]: row i is the distribution of token i + 1. The ids are padded
+    at their end to a multiple of ORACLE_PAD (a causal pass: no row reads a later one), so every prompt here shares
+    one compiled oracle."""
+    padded = np.zeros(-(-len(ids) // ORACLE_PAD) * ORACLE_PAD, np.int32)
+    padded[:len(ids)] = ids
+    return np.asarray(jax.nn.log_softmax(oracle_logits(model, jnp.asarray(padded)), axis=-1))[:len(ids)]
 
 
 @pytest.fixture(scope="module")
