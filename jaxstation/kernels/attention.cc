@@ -359,12 +359,13 @@ struct Attention {
 // sums and the weighted sum of v in position order). Each row has one fixed order of operations, so its result
 // depends on nothing but its own lane. The key walk (Scores) takes kLanes positions at a time, their horizontal sums
 // folded together, and both it and the value walk (WeightedSum) take the group's heads side by side; none of that
-// changes any operation's order. q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd].
+// changes any operation's order. q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd] float32, bfloat16 or
+// int8, each vector widened to float32 as it is loaded (Row), so a row's bits are those over the float32 read.
 // With ring > 0 the layer keeps a ring: position p at slot p mod ring, and the scratch position (idle rows') at slot
 // seq - 1 = ring; a row's positions then wrap around the ring at most once, walked in position order all the same.
 // Consecutive rows on one lane at consecutive positions (a prefill chunk's) are a run: up to `tile` of its rows share
 // one task per kv head (Attention::Run), each key and value read once for all of them; tile 1 is a task per row.
-// The checks and the task split of one call, the walks run on keys and values of type T.
+// Run: the checks and the task split of one call, over keys and values of type T.
 template <typename T>
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
                ffi::Buffer<ffi::F32>& k_scale, ffi::Buffer<ffi::F32>& v_scale, ffi::Buffer<ffi::S32>& layer,
