@@ -299,19 +299,20 @@ def test_max_seq_defaults_to_the_models_context_as_far_as_memory_allows(caplog) 
     check_memory(GEMMA3_270M, tight, "gguf", available=2 * GiB, layout=layout)
 
 
-def _small_engine(name: str, kv_dtype: str) -> Engine:
+def _small_engine(name: str, kv_dtype: str, attention: str) -> Engine:
     model = load_model(str(FIXTURES / name), "float32", "unroll", "kernel")
-    return Engine(model, lanes=4, max_seq=64, chunk=8, block=16, attention="blocked", prefill_budget=16,
+    return Engine(model, lanes=4, max_seq=64, chunk=8, block=16, attention=attention, prefill_budget=16,
                   kv_dtype=kv_dtype)
 
 
+@pytest.mark.parametrize("attention", ["kernel", "blocked"])
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
-def test_a_smaller_arena_keeps_batch_invariance_and_exact_prefix_reuse(kv_dtype: str) -> None:
+def test_a_smaller_arena_keeps_batch_invariance_and_exact_prefix_reuse(kv_dtype: str, attention: str) -> None:
     """A bfloat16 arena (on a ring) holds half the bytes, an int8 one about a quarter (a float32 scale per position
     and head); a seeded request's tokens and logits alone equal them beside three others, and a prefix reused from
-    another request's lane gives a fresh run's bits. The values differ from the float32 arena's (k and v are
-    rounded)."""
-    engine = _small_engine("tiny-gemma3", kv_dtype)
+    another request's lane gives a fresh run's bits, whether the kernel reads the arena in place or the blocked walk
+    reads it. The values differ from the float32 arena's (k and v are rounded)."""
+    engine = _small_engine("tiny-gemma3", kv_dtype, attention)
     assert engine.arena.rings.k.dtype == jnp.dtype(kv_dtype) and engine.ring == 32
     assert engine.arena.nbytes == arena_bytes(engine.cfg, 4, 64, jnp.dtype(kv_dtype), 32, engine.windowed)
     vocab = engine.cfg.vocab_size
@@ -326,7 +327,5 @@ def test_a_smaller_arena_keeps_batch_invariance_and_exact_prefix_reuse(kv_dtype:
     reused = [engine.prefill(1, prompt, start, SEEDED, return_logits=True) for start in (24, 32)][-1]
     assert reused[0].token == alone[2][0][0]
     np.testing.assert_array_equal(np.asarray(reused[1])[0], alone[2][1][0])
-    float32 = run_wave(_small_engine("tiny-gemma3", "auto"), target, steps=12)
+    float32 = run_wave(_small_engine("tiny-gemma3", "auto", attention), target, steps=12)
     assert not np.array_equal(float32[2][1][0], alone[2][1][0])
-    with pytest.raises(ValueError, match="reads a float32 arena"):
-        Engine(engine.model, lanes=4, max_seq=64, chunk=8, block=16, attention="kernel", kv_dtype=kv_dtype)

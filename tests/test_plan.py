@@ -52,3 +52,12 @@ def test_speculation_is_planned_where_waves_run_narrow_and_refused_elsewhere() -
         station_plan(engine_config(speculative="ngram", matmul="xla", dtype="float32"))
     with pytest.raises(ConfigError, match="MOONSHINE_SPECULATIVE='nope' must be one of off, ngram"):
         engine_config(speculative="nope")
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "float32", "bfloat16", "int8"])
+def test_a_smaller_arena_takes_the_attention_kernel(kv_dtype: str) -> None:
+    """The kernel reads a bfloat16 or int8 arena in place, so float32 activations keep it whatever the arena's dtype;
+    the blocked walk stays one setting away."""
+    assert station_plan(engine_config(kv_dtype=kv_dtype)).attention == "kernel"
+    assert station_plan(engine_config(kv_dtype=kv_dtype, attention="kernel")).attention == "kernel"
+    assert station_plan(engine_config(kv_dtype=kv_dtype, attention="blocked")).attention == "blocked"

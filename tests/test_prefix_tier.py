@@ -349,10 +349,10 @@ def tiny_gemma3():
     return load_model(str(FIXTURES / "tiny-gemma3"), "float32", "unroll", "kernel")
 
 
-def small_engine(model, kv_dtype: str = "auto", max_loras: int = 0) -> Engine:
+def small_engine(model, kv_dtype: str = "auto", max_loras: int = 0, attention: str = "blocked") -> Engine:
     """Tiny Gemma 3 (a ring of its windowed layers' window), two lanes, 8-token chunks, one decode wave width: few
     and small programs."""
-    return Engine(model, lanes=2, max_seq=64, chunk=8, block=16, attention="blocked", prefill_budget=16,
+    return Engine(model, lanes=2, max_seq=64, chunk=8, block=16, attention=attention, prefill_budget=16,
                   wave_widths=(2,), kv_dtype=kv_dtype, max_loras=max_loras, max_lora_rank=4)
 
 
@@ -373,12 +373,14 @@ def take_the_lanes(sched: Scheduler, engine: Engine, seed: int) -> None:
         turn(sched, small_ids(seed + i, 12, engine.cfg.vocab_size), 1).future.result(TIMEOUT)
 
 
+@pytest.mark.parametrize("attention", ["blocked", "kernel"])
 @pytest.mark.parametrize("kv_dtype", ["int8", "bfloat16"])
-def test_a_restore_with_a_smaller_kv_dtype_gives_a_fresh_prefills_bits(tiny_gemma3, kv_dtype: str) -> None:
+def test_a_restore_with_a_smaller_kv_dtype_gives_a_fresh_prefills_bits(tiny_gemma3, kv_dtype: str, attention: str
+                                                                       ) -> None:
     """The tier keeps an int8 arena's k, v and scales, a bfloat16 one's k and v, as stored: a next turn restored from
     it (restart at 24, the first prompt's last chunk boundary) gives a fresh prefill's tokens and logprobs, alone and
-    beside a request decoding in the other lane."""
-    engine = small_engine(tiny_gemma3, kv_dtype)
+    beside a request decoding in the other lane, whether the blocked walk or the kernel reads the arena."""
+    engine = small_engine(tiny_gemma3, kv_dtype, attention=attention)
     vocab = engine.cfg.vocab_size
     sched = Scheduler(engine, continuous=True, max_queue=16, terminal_ids=frozenset(), prefix_cache_ram=MiB)
     sched.start()

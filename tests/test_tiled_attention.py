@@ -1,6 +1,7 @@
 """The decode attention kernel's tiled path (kernels/attention.cc): rows of one lane at consecutive positions, a
 prefill chunk's, share a task and each key and value load, and every row keeps the one-row walk's bits, whatever the
-tile, the chunk's start and length, the rows beside it, the window or the ring."""
+tile, the chunk's start and length, the rows beside it, the window or the ring; and over a bfloat16 or int8 arena, read
+in place, every row has the bits it has over the arena's float32 read (LayerKV.read)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES, run_wave
 
+from jaxstation.engine.arena import KVBuffers, LayerKV, quantize
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.kernels import cpu_kernel
@@ -36,9 +38,10 @@ def _rows(chunks: list[tuple[int, int, int]], decode: list[tuple[int, int]]) -> 
     return out + decode[len(chunks):]
 
 
-def _attend(q, k, v, lanes, positions, window, ring, scratch_pos, tile):
-    f = jax.jit(lambda *a: cpu_kernel.decode_attention(*a, window, ring=ring, scratch_pos=scratch_pos, tile=tile))
-    return np.asarray(f(q, jnp.asarray(k), jnp.asarray(v), 1, lanes, positions))
+def _attend(q, k, v, lanes, positions, window, ring, scratch_pos, tile, k_scale=None, v_scale=None):
+    f = jax.jit(lambda q, k, v, lanes, positions, ks, vs: cpu_kernel.decode_attention(
+        q, k, v, 1, lanes, positions, window, ring=ring, scratch_pos=scratch_pos, tile=tile, k_scale=ks, v_scale=vs))
+    return np.asarray(f(q, jnp.asarray(k), jnp.asarray(v), lanes, positions, k_scale, v_scale))
 
 
 def _reference(q, k, v, lanes, positions, window, ring, scratch_pos) -> np.ndarray:
@@ -116,3 +119,36 @@ def test_the_engines_prefill_does_not_depend_on_the_tile(monkeypatch) -> None:
         assert one[lane][0] == tiled[lane][0], lane
         for x, y in zip(one[lane][1], tiled[lane][1], strict=True):
             np.testing.assert_array_equal(x, y)
+
+
+def _stored(k: np.ndarray, v: np.ndarray, kv_dtype: str) -> KVBuffers:
+    """k and v as an arena of `kv_dtype` stores them (LayerKV.write's cast, or its int8 quantization)."""
+    if kv_dtype == "int8":
+        (kq, ks), (vq, vs) = quantize(jnp.asarray(k)), quantize(jnp.asarray(v))
+        return KVBuffers(kq, vq, ks, vs)
+    return KVBuffers(jnp.asarray(k, kv_dtype), jnp.asarray(v, kv_dtype))
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("name", CASES)
+def test_a_smaller_arena_read_in_place_has_the_float32_reads_bits(name: str, kv_dtype: str) -> None:
+    """The kernel over bfloat16 or int8 k and v (and their scales) equals, bit for bit, the kernel over the float32
+    copy LayerKV.read makes of them: decode rows and tiled chunks, full buffers, windows and rings."""
+    kvh, group, hd, window, ring, chunks, decode = CASES[name]
+    seq, scratch_pos = (ring + 1, 100) if ring else (100, 99)
+    q, k, v, lanes, positions = _case(len(name) + 3, kvh, group, hd, seq, _rows(chunks, decode))
+    stored = _stored(k, v, kv_dtype)
+    read = jax.jit(lambda b: LayerKV(b, slice(None), ring, scratch_pos).read(slice(None), slice(None), jnp.float32))
+    k32, v32 = read(stored)
+    assert not np.array_equal(np.asarray(k32), k)  # the arena rounded them
+    for tile in (1, 16):
+        small = _attend(q, stored.k, stored.v, lanes, positions, window, ring, scratch_pos, tile, stored.k_scale,
+                        stored.v_scale)
+        assert np.array_equal(small, _attend(q, k32, v32, lanes, positions, window, ring, scratch_pos, tile)), tile
+
+
+def test_int8_needs_its_scales() -> None:
+    q, k, v, lanes, positions = _case(1, 1, 2, 16, 20, [(0, 3)])
+    stored = _stored(k, v, "int8")
+    with pytest.raises(ValueError, match="int8 k and v take k_scale and v_scale"):
+        _attend(q, stored.k, stored.v, lanes, positions, None, 0, 19, 1)

@@ -165,8 +165,9 @@ def _layer_loop(config: StationConfig, backend: str, dtype: str, matmul: str) ->
 def _attention(config: StationConfig, cfg: ModelConfig, backend: str, dtype: str, kernel_error: str | None) -> str:
     """The decode attention: the setting, if it serves the model, or cuDNN on a GPU for bfloat16 activations
     (cuDNN's flash attention has no float32; float32 keeps the blocked walk at highest precision) unless the model's
-    sliding window would be cut; on CPU the decode attention kernel for float32 activations when it builds and fits
-    the heads. Scores with a soft cap (Gemma 2) take the blocked walk: neither the kernel nor cuDNN caps them."""
+    sliding window would be cut; on CPU the decode attention kernel for float32 activations (over a float32,
+    bfloat16 or int8 arena) when it builds and fits the heads. Scores with a soft cap (Gemma 2) take the blocked walk:
+    neither the kernel nor cuDNN caps them."""
     activations = compute_dtype(dtype)
     kv = kv_dtype_of(config.kv_dtype, activations)
     if config.attention == "kernel" and kernel_error is not None:
@@ -180,7 +181,7 @@ def _attention(config: StationConfig, cfg: ModelConfig, backend: str, dtype: str
     if backend == "gpu":
         windowed = cfg.sliding_window is not None and config.max_seq > cfg.sliding_window
         return "cudnn" if activations == jnp.bfloat16 and not windowed else "blocked"
-    serves = (kernel_error is None and kv == jnp.float32
+    serves = (kernel_error is None and kv in rules.KERNEL_KV_DTYPES
               and cpu_kernel.attention_serves(cfg.head_dim, cfg.group_size, activations))
     return "kernel" if serves else "blocked"
 

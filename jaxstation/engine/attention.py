@@ -7,7 +7,8 @@ or its ring, engine/arena.py), and `attend`, which picks one.
   block any row's window reaches. A ring's logical block is a contiguous run of its slots, read in the same order and
   shape as the full buffer's, so both give a row the same bits.
 - `kernel_decode_attention`: the CPU decode attention kernel (kernels/cpu_kernel.py), each row reading its own lane's
-  positions in place (around a ring, in position order); any wave width, and a prefill chunk's rows one by one.
+  positions in place (around a ring, in position order; float32, bfloat16 or int8 KV, widened as `LayerKV.read`
+  widens it); any wave width, and a prefill chunk's rows.
 - `dense_decode_attention`: `jax.nn.dot_product_attention` ("xla" or "cudnn") over each lane's whole slab, masked to
   its length; full-width decode waves only (row r is lane r), never over a ring (rules.attention_refusal).
 """
@@ -90,8 +91,9 @@ def kernel_decode_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, kv
     window is an attribute of the kernel's call: in a stacked walk a layer's comes from a choice of two calls."""
 
     def call(window: int | None) -> jax.Array:
-        return cpu_kernel.decode_attention(q, kv.buffers.k, kv.buffers.v, kv.index, lanes, q_pos, window,
-                                           cfg.query_scale, kv.ring, kv.scratch_pos)
+        b = kv.buffers  # float32, bfloat16 or int8 with its scales, read in place
+        return cpu_kernel.decode_attention(q, b.k, b.v, kv.index, lanes, q_pos, window, cfg.query_scale, kv.ring,
+                                           kv.scratch_pos, k_scale=b.k_scale, v_scale=b.v_scale)
 
     window = window_at(cfg, layer)
     if window is None or isinstance(window, int):

@@ -18,6 +18,7 @@ from jaxstation.model.config import ModelConfig
 # per-block loop; cuDNN skips what lies past a lane's length).
 ATTENTIONS = ("blocked", "kernel", "xla", "cudnn")
 ROW_ATTENTIONS = ("blocked", "kernel")  # those that take any subset of lanes, so waves may run narrow
+KERNEL_KV_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)  # the arenas the attention kernel reads in place
 PACK_BUDGET_AUTO = 128  # rows per packed admission step where packing is on by default (bench/admission.py)
 
 
@@ -28,8 +29,8 @@ def attention_refusal(cfg: ModelConfig, attention: str, dtype: jnp.dtype, max_se
     if attention == "kernel" and not cpu_kernel.attention_serves(cfg.head_dim, cfg.group_size, dtype):
         return ("needs float32 activations, head_dim a multiple of 16 (up to 256), at most 8 query heads per kv head, "
                 "and the CPU kernel built here")
-    if attention == "kernel" and kv_dtype is not None and kv_dtype != jnp.float32:
-        return f"reads a float32 arena, not {jnp.dtype(kv_dtype).name}: a smaller arena needs attention='blocked'"
+    if attention == "kernel" and kv_dtype is not None and kv_dtype not in KERNEL_KV_DTYPES:
+        return f"reads a float32, bfloat16 or int8 arena, not {jnp.dtype(kv_dtype).name}: it needs attention='blocked'"
     if attention != "blocked" and cfg.attn_softcap is not None:
         return f"does not soft-cap scores; this model caps them at {cfg.attn_softcap}: it needs attention='blocked'"
     window = cfg.sliding_window

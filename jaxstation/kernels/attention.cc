@@ -65,20 +65,50 @@ const FoldSlots kSlot;
 // A lane's positions lie kv_heads * head_dim floats apart, one head's slice of each a few cache lines: the walks
 // over keys and values ask for the slice kAhead positions on (into L2), so that many lines are in flight at once.
 constexpr int64_t kAhead = 64;
-inline void Prefetch(const float* p, int64_t floats) {
-  for (int64_t f = 0; f < floats; f += 16) _mm_prefetch(reinterpret_cast<const char*>(p + f), _MM_HINT_T1);
+inline void Prefetch(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T1);
 }
 
+// One head's key or value at one slot, as stored in the arena (float32, bfloat16 as uint16_t, or int8 with its
+// float32 scale); Load(c) widens its vector c to float32 exactly as the arena's read does (LayerKV.read: bfloat16
+// exactly, int8 to float32 then one float32 multiply by the scale), so every later operation is the float32 walk's.
+template <typename T>
+struct Row;
+template <>
+struct Row<float> {
+  const float* p;
+  Row(const float* at, const float*, int64_t) : p(at) {}
+  Vec Load(int64_t c) const { return LoadX(p + c * kLanes); }
+};
+template <>
+struct Row<uint16_t> {
+  const uint16_t* p;
+  Row(const uint16_t* at, const float*, int64_t) : p(at) {}
+  Vec Load(int64_t c) const { return LoadBf16(p + c * kLanes); }
+};
+template <>
+struct Row<int8_t> {
+  const int8_t* p;
+  Vec scale;
+  Row(const int8_t* at, const float* scales, int64_t s) : p(at), scale(Set1(scales[s])) {}
+  Vec Load(int64_t c) const { return Mul(LoadW(p + c * kLanes), scale); }
+};
+
 // A lane's keys or values for one head, walked from a row's first position: position i of the walk lies at slot
-// first + i, taken modulo `wrap` slots (a windowed layer's ring; a full buffer never wraps), slots `stride` floats
-// apart from `base` (slot 0). Where a slot lies never changes the operations on it.
+// first + i, taken modulo `wrap` slots (a windowed layer's ring; a full buffer never wraps), slots `stride` elements
+// apart from `base` (slot 0), their int8 scales `scale_stride` floats apart from `scales` (unused otherwise). Where a
+// slot lies never changes the operations on it.
+template <typename T>
 struct Slots {
-  const float* base;
-  int64_t stride, first, wrap;
-  const float* operator[](int64_t i) const {
+  const T* base;
+  const float* scales;
+  int64_t stride, scale_stride, first, wrap;
+  int64_t Slot(int64_t i) const {
     const int64_t slot = first + i;
-    return base + (slot < wrap ? slot : slot - wrap) * stride;
+    return slot < wrap ? slot : slot - wrap;
   }
+  const T* At(int64_t i) const { return base + Slot(i) * stride; }
+  Row<T> operator[](int64_t i) const { return Row<T>(At(i), scales, Slot(i) * scale_stride); }
 };
 
 // The attention's scores for a group of query heads: scores[g * ld + i] = scale * q_g . k_i over n positions, each dot
@@ -86,17 +116,17 @@ struct Slots {
 // time, their horizontal sums folded together (FoldLanes: Finish's bits, so a score's bits do not depend on where a
 // walk starts). NV vectors a head; the heads go side by side with their queries in registers, so each key vector is
 // read once for all of them. q: [group, NV * kLanes]; k: the walk's keys (Slots); scores: [group, ld].
-template <int NV>
-inline void Dot(const Vec* q, const float* k, Vec& even, Vec& odd) {
+template <int NV, typename T>
+inline void Dot(const Vec* q, const Row<T>& k, Vec& even, Vec& odd) {
   even = Zero(), odd = Zero();
   for (int c = 0; c < NV; c += 2) {
-    even = Fma(q[c], LoadX(k + c * kLanes), even);
-    if (c + 1 < NV) odd = Fma(q[c + 1], LoadX(k + (c + 1) * kLanes), odd);
+    even = Fma(q[c], k.Load(c), even);
+    if (c + 1 < NV) odd = Fma(q[c + 1], k.Load(c + 1), odd);
   }
 }
 
-template <int NV>
-void Scores(const float* q, int64_t group, const Slots& k, int64_t n, int64_t ld, float scale, float* scores) {
+template <int NV, typename T>
+void Scores(const float* q, int64_t group, const Slots<T>& k, int64_t n, int64_t ld, float scale, float* scores) {
   constexpr int64_t kHeads = std::max(1, 16 / NV);
   for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
     const int64_t heads = std::min(kHeads, group - g0);
@@ -106,12 +136,13 @@ void Scores(const float* q, int64_t group, const Slots& k, int64_t n, int64_t ld
     int64_t i = 0;
     for (; i + kLanes <= n; i += kLanes) {
       if (g0 == 0)
-        for (int64_t p = 0; p < kLanes && i + kAhead + p < n; ++p) Prefetch(k[i + kAhead + p], NV * kLanes);
+        for (int64_t p = 0; p < kLanes && i + kAhead + p < n; ++p)
+          Prefetch(k.At(i + kAhead + p), NV * kLanes * sizeof(T));
       Vec s[kHeads][kLanes];
       for (int64_t p = 0; p < kLanes; ++p)  // position i + p into the input that lands in lane p
         for (int64_t g = 0; g < heads; ++g) {
           Vec even, odd;
-          Dot<NV>(qv[g], k[i + p], even, odd);
+          Dot<NV, T>(qv[g], k[i + p], even, odd);
           s[g][kSlot.slot[p]] = Add(even, odd);
         }
       for (int64_t g = 0; g < heads; ++g) Store(scores + (g0 + g) * ld + i, Mul(FoldLanes(s[g]), Set1(scale)));
@@ -119,20 +150,21 @@ void Scores(const float* q, int64_t group, const Slots& k, int64_t n, int64_t ld
     for (; i < n; ++i)
       for (int64_t g = 0; g < heads; ++g) {
         Vec even, odd;
-        Dot<NV>(qv[g], k[i], even, odd);
+        Dot<NV, T>(qv[g], k[i], even, odd);
         scores[(g0 + g) * ld + i] = Finish(even, odd) * scale;
       }
   }
 }
 
 // Scores for any number of vectors a head (up to 32), one head at a time.
-inline void ScoresAny(const float* q, int64_t group, int64_t nv, const Slots& k, int64_t n, int64_t ld, float scale,
-                      float* scores) {
-  const auto dot = [&](const float* qr, const float* kr) {
+template <typename T>
+void ScoresAny(const float* q, int64_t group, int64_t nv, const Slots<T>& k, int64_t n, int64_t ld, float scale,
+               float* scores) {
+  const auto dot = [&](const float* qr, const Row<T>& kr) {
     Vec even = Zero(), odd = Zero();
     for (int64_t c = 0; c < nv; c += 2) {
-      even = Fma(LoadX(qr + c * kLanes), LoadX(kr + c * kLanes), even);
-      if (c + 1 < nv) odd = Fma(LoadX(qr + (c + 1) * kLanes), LoadX(kr + (c + 1) * kLanes), odd);
+      even = Fma(LoadX(qr + c * kLanes), kr.Load(c), even);
+      if (c + 1 < nv) odd = Fma(LoadX(qr + (c + 1) * kLanes), kr.Load(c + 1), odd);
     }
     return std::pair<Vec, Vec>(even, odd);
   };
@@ -154,7 +186,8 @@ inline void ScoresAny(const float* q, int64_t group, int64_t nv, const Slots& k,
   }
 }
 
-inline void ScoresFor(int64_t nv, const float* q, int64_t group, const Slots& k, int64_t n, int64_t ld, float scale,
+template <typename T>
+void ScoresFor(int64_t nv, const float* q, int64_t group, const Slots<T>& k, int64_t n, int64_t ld, float scale,
                       float* scores) {
   switch (nv) {
     case 1: return Scores<1>(q, group, k, n, ld, scale, scores);
@@ -198,8 +231,8 @@ inline void Softmax(float* scores, int64_t group, int64_t n, float* denom) {
 // position order (a walk split into consecutive parts gives the same bits as one). NV vectors a head; the heads go side
 // by side, as many at a time as keep their accumulators in registers, so each value vector is read once for all of
 // them and their chains overlap. v: the walk's values (Slots); acc: [group, NV * kLanes].
-template <int NV>
-void WeightedSum(const float* p, int64_t ld, int64_t n, int64_t group, const Slots& v, float* acc) {
+template <int NV, typename T>
+void WeightedSum(const float* p, int64_t ld, int64_t n, int64_t group, const Slots<T>& v, float* acc) {
   constexpr int64_t kHeads = std::max(1, 24 / NV);
   for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
     const int64_t heads = std::min(kHeads, group - g0);
@@ -208,10 +241,11 @@ void WeightedSum(const float* p, int64_t ld, int64_t n, int64_t group, const Slo
       for (int c = 0; c < NV; ++c) a[g][c] = g < heads ? LoadX(acc + (g0 + g) * NV * kLanes + c * kLanes) : Zero();
     for (int64_t i = 0; i < n; ++i) {
       if (g0 == 0 && i % kLanes == 0)
-        for (int64_t b = i + kAhead; b < std::min(n, i + kAhead + kLanes); ++b) Prefetch(v[b], NV * kLanes);
-      const float* vi = v[i];
+        for (int64_t b = i + kAhead; b < std::min(n, i + kAhead + kLanes); ++b)
+          Prefetch(v.At(b), NV * kLanes * sizeof(T));
+      const Row<T> vi = v[i];
       Vec x[NV];
-      for (int c = 0; c < NV; ++c) x[c] = LoadX(vi + c * kLanes);
+      for (int c = 0; c < NV; ++c) x[c] = vi.Load(c);
       for (int64_t g = 0; g < kHeads; ++g) {
         if (g >= heads) break;
         const Vec w = Set1(p[(g0 + g) * ld + i]);
@@ -224,21 +258,22 @@ void WeightedSum(const float* p, int64_t ld, int64_t n, int64_t group, const Slo
 }
 
 // WeightedSum for any number of vectors a head (up to 32), one head at a time.
-inline void WeightedSumAny(const float* p, int64_t ld, int64_t n, int64_t group, int64_t nv, const Slots& v,
-                           float* acc) {
+template <typename T>
+void WeightedSumAny(const float* p, int64_t ld, int64_t n, int64_t group, int64_t nv, const Slots<T>& v, float* acc) {
   for (int64_t g = 0; g < group; ++g) {
     Vec a[32];
     for (int64_t c = 0; c < nv; ++c) a[c] = LoadX(acc + g * nv * kLanes + c * kLanes);
     for (int64_t i = 0; i < n; ++i) {
       const Vec w = Set1(p[g * ld + i]);
-      for (int64_t c = 0; c < nv; ++c) a[c] = Fma(w, LoadX(v[i] + c * kLanes), a[c]);
+      const Row<T> vi = v[i];
+      for (int64_t c = 0; c < nv; ++c) a[c] = Fma(w, vi.Load(c), a[c]);
     }
     for (int64_t c = 0; c < nv; ++c) Store(acc + g * nv * kLanes + c * kLanes, a[c]);
   }
 }
 
-inline void WeightedSumFor(int64_t nv, const float* p, int64_t ld, int64_t n, int64_t group, const Slots& v,
-                           float* acc) {
+template <typename T>
+void WeightedSumFor(int64_t nv, const float* p, int64_t ld, int64_t n, int64_t group, const Slots<T>& v, float* acc) {
   switch (nv) {
     case 1: return WeightedSum<1>(p, ld, n, group, v, acc);
     case 2: return WeightedSum<2>(p, ld, n, group, v, acc);
@@ -256,9 +291,13 @@ inline void WeightedSumFor(int64_t nv, const float* p, int64_t ld, int64_t n, in
 constexpr int64_t kBlock = 32;
 constexpr int64_t kScores = int64_t{1} << 22;  // floats (16 MB) of scores a tiled task keeps at most
 
-// One layer's attention call: q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd]; out [rows, heads, hd].
+// One layer's attention call: q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd] of T, with int8 their
+// scales k_scale, v_scale [layers, lanes, seq, kv_heads]; out [rows, heads, hd].
+template <typename T>
 struct Attention {
-  const float *q, *k, *v;
+  const float* q;
+  const T *k, *v;
+  const float *k_scale, *v_scale;
   float* out;
   const int32_t *lane, *pos;
   int64_t heads, hd, kvh, group, nv, n_lanes, seq, layer, window, ring, scratch_pos;
@@ -269,12 +308,13 @@ struct Attention {
   int64_t Lo(int64_t r) const {  // the first position row r attends to; the last is pos[r]
     return Scratch(r) ? pos[r] : window > 0 ? std::max<int64_t>(0, pos[r] - window + 1) : 0;
   }
-  // Row r's lane's keys or values (kv) for head h, walked from position a.
-  Slots Walk(const float* kv, int64_t r, int64_t h, int64_t a) const {
-    const int64_t stride = kvh * hd;  // floats between consecutive slots
-    const int64_t base = (layer * n_lanes + lane[r]) * seq * stride + h * hd;  // the lane's slot 0, head h
+  // Row r's lane's keys or values (kv, their scales sc) for head h, walked from position a.
+  Slots<T> Walk(const T* kv, const float* sc, int64_t r, int64_t h, int64_t a) const {
+    const int64_t slot0 = (layer * n_lanes + lane[r]) * seq;  // the lane's slot 0
     const bool scratch = Scratch(r);
-    return Slots{kv + base, stride, scratch ? seq - 1 : ring ? a % ring : a, ring && !scratch ? ring : seq};
+    const float* scales = std::is_same_v<T, int8_t> ? sc + slot0 * kvh + h : sc;  // only int8 reads them
+    return Slots<T>{kv + slot0 * kvh * hd + h * hd, scales, kvh * hd, kvh,
+                    scratch ? seq - 1 : ring ? a % ring : a, ring && !scratch ? ring : seq};
   }
 
   // Rows r0 .. r0 + len - 1 (one lane at consecutive positions when len > 1) and kv head h: each row's scores, softmax
@@ -295,14 +335,14 @@ struct Attention {
     const auto n = [&](int64_t j) { return (at[j + 1] - at[j]) / group; };  // row j's positions
     const auto head = [&](int64_t r) { return (r * heads + h * group) * hd; };  // the group's heads in q and out
     walk([&](int64_t r, int64_t j, int64_t i, int64_t a, int64_t m) {
-      ScoresFor(nv, q + head(r), group, Walk(k, r, h, a), m, n(j), scale, scores.data() + at[j] + i);
+      ScoresFor(nv, q + head(r), group, Walk(k, k_scale, r, h, a), m, n(j), scale, scores.data() + at[j] + i);
     });
     for (int64_t j = 0; j < len; ++j) {
       Softmax(scores.data() + at[j], group, n(j), denom.data() + j * group);
       std::fill_n(out + head(r0 + j), group * hd, 0.0f);
     }
     walk([&](int64_t r, int64_t j, int64_t i, int64_t a, int64_t m) {
-      WeightedSumFor(nv, scores.data() + at[j] + i, n(j), m, group, Walk(v, r, h, a), out + head(r));
+      WeightedSumFor(nv, scores.data() + at[j] + i, n(j), m, group, Walk(v, v_scale, r, h, a), out + head(r));
     });
     for (int64_t j = 0; j < len; ++j)
       for (int64_t g = 0; g < group; ++g) {
@@ -319,21 +359,27 @@ struct Attention {
 // sums and the weighted sum of v in position order). Each row has one fixed order of operations, so its result
 // depends on nothing but its own lane. The key walk (Scores) takes kLanes positions at a time, their horizontal sums
 // folded together, and both it and the value walk (WeightedSum) take the group's heads side by side; none of that
-// changes any operation's order. q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd].
+// changes any operation's order. q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd] float32, bfloat16 or
+// int8, each vector widened to float32 as it is loaded (Row), so a row's bits are those over the float32 read.
 // With ring > 0 the layer keeps a ring: position p at slot p mod ring, and the scratch position (idle rows') at slot
 // seq - 1 = ring; a row's positions then wrap around the ring at most once, walked in position order all the same.
 // Consecutive rows on one lane at consecutive positions (a prefill chunk's) are a run: up to `tile` of its rows share
 // one task per kv head (Attention::Run), each key and value read once for all of them; tile 1 is a task per row.
-ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lanes,
-                               ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out, int64_t window,
-                               float scale, int64_t ring, int64_t scratch_pos, int64_t tile) {
+// Run: the checks and the task split of one call, over keys and values of type T.
+template <typename T>
+ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
+               ffi::Buffer<ffi::F32>& k_scale, ffi::Buffer<ffi::F32>& v_scale, ffi::Buffer<ffi::S32>& layer,
+               ffi::Buffer<ffi::S32>& lanes, ffi::Buffer<ffi::S32>& positions, ffi::ResultBuffer<ffi::F32>& out,
+               int64_t window, float scale, int64_t ring, int64_t scratch_pos, int64_t tile) {
   const auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd.size() != 3 || kd.size() != 5 || v.element_count() != k.element_count() || qd[2] != kd[4] ||
-      qd[1] % kd[3])
+  if (qd.size() != 3 || kd.size() != 5 || v.element_count() != k.element_count() ||
+      v.element_type() != k.element_type() || qd[2] != kd[4] || qd[1] % kd[3])
     return ffi::Error::InvalidArgument("decode_attention: q [rows, heads, hd], k and v [layers, lanes, seq, kvh, hd]");
   const int64_t rows = qd[0], heads = qd[1], hd = qd[2], n_layers = kd[0], n_lanes = kd[1], seq = kd[2];
   const int64_t kvh = kd[3], group = heads / kvh;
+  if (std::is_same_v<T, int8_t> && (k_scale.element_count() != k.element_count() / hd ||
+                                    v_scale.element_count() != k_scale.element_count()))
+    return ffi::Error::InvalidArgument("decode_attention: int8 k and v need scales [layers, lanes, seq, kvh]");
   if (hd % kLanes || hd > 256 || group > 8)
     return ffi::Error::InvalidArgument("decode_attention: head_dim a multiple of 16 up to 256, group <= 8");
   if (ring ? seq != ring + 1 || window > ring : scratch_pos != seq - 1)
@@ -347,8 +393,10 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   for (int64_t r = 0; r < rows; ++r)
     if (lane[r] < 0 || lane[r] >= n_lanes || pos[r] < 0 || pos[r] > scratch_pos)
       return ffi::Error::InvalidArgument("decode_attention: lane or position out of range");
-  const Attention at{q.typed_data(), k.typed_data(), v.typed_data(), out->typed_data(), lane, pos, heads, hd, kvh,
-                     group, hd / kLanes, n_lanes, seq, l, window, ring, scratch_pos, scale};
+  const Attention<T> at{q.typed_data(), static_cast<const T*>(k.untyped_data()),
+                        static_cast<const T*>(v.untyped_data()), k_scale.typed_data(), v_scale.typed_data(),
+                        out->typed_data(), lane, pos, heads, hd, kvh, group, hd / kLanes, n_lanes, seq, l, window,
+                        ring, scratch_pos, scale};
   // Each run split into near-equal tasks of at most `tile` rows whose scores take at most kScores floats, and into at
   // least two tasks a thread where it has the rows; the tasks claimed longest first (rows times the last row's
   // positions) so that the pool ends together.
@@ -373,12 +421,35 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   return ffi::Error::Success();
 }
 
+// k and v float32, bfloat16 or int8 (k_scale, v_scale [layers, lanes, seq, kvh] float32 for int8, else unread).
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                               ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lanes,
+                               ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out, int64_t window,
+                               float scale, int64_t ring, int64_t scratch_pos, int64_t tile) {
+  switch (k.element_type()) {
+    case ffi::DataType::F32:
+      return Run<float>(pool, q, k, v, k_scale, v_scale, layer, lanes, positions, out, window, scale, ring,
+                        scratch_pos, tile);
+    case ffi::DataType::BF16:
+      return Run<uint16_t>(pool, q, k, v, k_scale, v_scale, layer, lanes, positions, out, window, scale, ring,
+                           scratch_pos, tile);
+    case ffi::DataType::S8:
+      return Run<int8_t>(pool, q, k, v, k_scale, v_scale, layer, lanes, positions, out, window, scale, ring,
+                         scratch_pos, tile);
+    default:
+      return ffi::Error::InvalidArgument("decode_attention: k and v float32, bfloat16 or int8");
+  }
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

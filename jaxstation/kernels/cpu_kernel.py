@@ -172,16 +172,19 @@ def require() -> None:
 
 def attention_serves(head_dim: int, group_size: int, dtype: jnp.dtype) -> bool:
     """Whether the decode attention kernel can serve these heads here: float32 activations, head_dim a multiple of 16
-    up to 256, at most 8 query heads per kv head, and the kernels built."""
+    up to 256, at most 8 query heads per kv head, and the kernels built (it reads float32, bfloat16 or int8 KV)."""
     return (dtype == jnp.float32 and head_dim % 16 == 0 and head_dim <= 256 and group_size <= 8
             and available())
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array | int, lanes: jax.Array,
                      positions: jax.Array, window: int | None, scale: float | None = None, ring: int = 0,
-                     scratch_pos: int = 0, tile: int | None = None) -> jax.Array:
+                     scratch_pos: int = 0, tile: int | None = None, k_scale: jax.Array | None = None,
+                     v_scale: jax.Array | None = None) -> jax.Array:
     """One query per row over its own arena lane: q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd]
-    float32; lanes, positions [rows] -> [rows, heads, hd]. A row attends to positions (positions - window,
+    float32, bfloat16, or int8 with k_scale, v_scale [layers, lanes, seq, kv_heads] float32 (a value is k * k_scale,
+    as LayerKV.read widens it: each row's bits are those over the arena's float32 read); lanes, positions [rows] ->
+    [rows, heads, hd]. A row attends to positions (positions - window,
     positions] of its lane (from 0 without a window), softmax over exactly those; a row at the scratch position
     (the one idle rows write: the last slot) attends to itself only. Scores are scaled by `scale` (default: head_dim
     ** -0.5). With a `ring` (engine/arena.py: seq = ring + 1), position p lies at slot p mod ring and the scratch
@@ -189,9 +192,13 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array 
     lane at consecutive positions (a prefill chunk's) share a task, up to `tile` of them, each key and value read
     once for all; every row's bits are the same whatever the tile (1: a task per row; default TILE)."""
     require()
+    if (k.dtype == jnp.int8) != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+        raise ValueError(f"decode_attention: int8 k and v take k_scale and v_scale, {k.dtype} none")
+    unread = jnp.zeros((1,), jnp.float32)  # the scales' place where k and v carry none
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call(TARGETS["attention"][0], out)(
-        q.astype(jnp.float32), k, v, jnp.asarray(layer, jnp.int32), lanes.astype(jnp.int32),
+        q.astype(jnp.float32), k, v, unread if k_scale is None else k_scale,
+        unread if v_scale is None else v_scale, jnp.asarray(layer, jnp.int32), lanes.astype(jnp.int32),
         positions.astype(jnp.int32), window=np.int64(window or 0),
         scale=np.float32(q.shape[-1] ** -0.5 if scale is None else scale), ring=np.int64(ring),
         scratch_pos=np.int64(scratch_pos if ring else k.shape[2] - 1), tile=np.int64(tile or TILE))

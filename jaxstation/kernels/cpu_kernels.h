@@ -34,6 +34,10 @@ inline Vec LoadW(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec LoadW(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+inline Vec LoadBf16(const uint16_t* p) {  // bfloat16 bits into float32's upper half: exact
+  const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+}
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline __m256 Half(Vec s) {  // lanes i + (i + 8)
   return _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
@@ -65,6 +69,10 @@ inline Vec LoadX(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec LoadW(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec LoadW(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline Vec LoadBf16(const uint16_t* p) {  // bfloat16 bits into float32's upper half: exact
+  const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
 }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline __m256 Half(Vec s) { return s; }
