@@ -8,13 +8,13 @@ Systems (each skipped with a note when it is not available):
   llama-cpp-python   `python -m llama_cpp.server` (serializes requests), /v1/completions with the
                      prompts' text (its API takes no token ids; decoding and re-encoding gives the same ids)
   transformers       HF `generate` in-process, float32, greedy: one stream (K=1) and a static batch (K=8)
-Workload: throughput at K concurrent requests (default K = 1 and 8; 128 new tokens, greedy, no early stop, the
-fixed prompt set of bench.throughput; with --sampled each K also at temperature 0.8 and top_p 0.95, seeded, on the
-station and llama-server, whose own top_k and min_p are turned off) and an open-loop Poisson latency run (the mixed prompt lengths of
-bench.latency; end-to-end latency, server-side TTFT where the reply says it), and the prefill of a --prefill-len
-prompt (default 512) with one new token, alone, in prompt tokens per second of server-side TTFT (a new prompt each
-repetition, so no prefix cache helps). Repetitions are interleaved across the
-systems (rep 1: every system, rep 2: every system, ...), so the ratios hold on a noisy machine. One side-by-side
+Workload: throughput at K concurrent requests (default K = 1 and 8; 128 new tokens, greedy, no early stop, the fixed
+prompt set of bench.throughput; with --sampled each K also at temperature 0.8 and top_p 0.95, seeded, on the station
+and llama-server, whose own top_k and min_p are turned off) and an open-loop Poisson latency run (the mixed prompt
+lengths of bench.latency; end-to-end latency, server-side TTFT where the reply says it), and the prefill of a
+--prefill-len prompt (default 512) with one new token, alone, in prompt tokens per second of server-side TTFT (a new
+prompt each repetition, so no prefix cache helps). Repetitions are interleaved across the systems (rep 1: every
+system, rep 2: every system, ...), so the ratios hold on a noisy machine. One side-by-side
 table is printed and written as JSON. Peers are the optional `peers` extra: pip install -e '.[peers]'.
 
 Usage:
