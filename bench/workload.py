@@ -209,15 +209,15 @@ GREEDY = {"temperature": 0}
 
 
 def station_generate(client, base: str, tokens: list[int], max_new: int, sampling: dict = GREEDY) -> dict:
-    """POST /generate, greedy (or `sampling`, seeded by the prompt), no stop ids. Returns the JSON reply with
-    "client_s" (round trip) added.
+    """POST /generate, greedy (or `sampling`, seeded by the prompt), no stop ids, EOS ignored (as llama-server's
+    `ignore_eos`). Returns the JSON reply with "client_s" (round trip) added.
 
     Raises ValueError if the reply is not a well-formed /generate reply for this request.
     """
     t0 = time.perf_counter()
     seed = len(tokens) + sum(tokens) if sampling.get("temperature") else None
     r = client.post(f"{base}/generate", json={"tokens": tokens, "max_new_tokens": max_new, **sampling,
-                                               "seed": seed, "stop_token_ids": []}, timeout=600)
+                                               "seed": seed, "stop_token_ids": [], "ignore_eos": True}, timeout=600)
     r.raise_for_status()
     out = r.json()
     wrong = reply_problems(out, len(tokens), max_new)
