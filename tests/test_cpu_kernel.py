@@ -58,6 +58,15 @@ def test_the_kernel_builds_and_is_the_cpu_default() -> None:
         StationConfig(matmul="fast")
 
 
+def test_a_compiler_that_fails_names_what_it_compiled(tmp_path, monkeypatch) -> None:
+    """A build (an empty cache, a compiler that exits 1) raises one line naming the source, and leaves no library."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"^compiling \w+\.cc failed"):
+        cpu_kernel._build()
+    assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
+
+
 def _weights(n_in: int, n_out: int, weights: str, seed: int = 0) -> tuple[KernelWeight, np.ndarray]:
     """A kernel weight and the float64 [in, out] matrix it stands for."""
     w = np.random.default_rng(seed).standard_normal((n_in, n_out)).astype(np.float32)

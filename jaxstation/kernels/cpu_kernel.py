@@ -14,10 +14,10 @@ per-block loop; a row's result again depends on nothing else. The RMSNorm kernel
 XLA needs a handful of fusions for a row-invariant sum: an unrolled 30-layer step then has about half the fusions, and
 compiles faster.
 
-It is compiled at first use with the system C++ compiler against the jaxlib headers (`jax.ffi.include_dir()`), for
-this machine's CPU (`-march=native`: the AVX-512 variant where the CPU has it, else AVX2), and cached under
-~/.cache/jaxstation/kernels keyed by every source and header, flags, compiler, jaxlib and the CPU. Without a compiler,
-or off x86-64 with AVX2, FMA and F16C, `available()` says why and the station keeps XLA's dot.
+It is compiled at first use with the system C++ compiler against the jaxlib headers (`jax.ffi.include_dir()`), for this
+machine's CPU (`-march=native`: the AVX-512 variant where the CPU has it, else AVX2), a compiler process a source file
+at once, and cached under ~/.cache/jaxstation/kernels keyed by every source and header, flags, compiler, jaxlib and the
+CPU. Without a compiler, or off x86-64 with AVX2, FMA and F16C, `available()` says why and the station keeps XLA's dot.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -114,14 +115,26 @@ def _build() -> Path:
     if target.exists():
         return target
     tmp = target.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cxx, *build_flags, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", str(tmp)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode:
-        tmp.unlink(missing_ok=True)
-        names = ", ".join(s.name for s in SOURCES)
-        raise KernelUnavailable(f"compiling {names} failed: {done.stderr.strip()[-2000:]}")
+    with tempfile.TemporaryDirectory(prefix="jaxstation-kernels-") as objects:
+        compile_ = [cxx, *build_flags, "-I", jax.ffi.include_dir(), "-c"]
+        steps = [([*compile_, str(src), "-o", f"{objects}/{src.stem}.o"], src.name) for src in SOURCES]
+        with ThreadPoolExecutor(min(len(steps), os.cpu_count() or 1)) as pool:  # one compiler process a source
+            for _ in pool.map(lambda step: _run(*step), steps):
+                pass
+        try:
+            _run([cxx, *build_flags, *(f"{objects}/{src.stem}.o" for src in SOURCES), "-o", str(tmp)], "the link")
+        except KernelUnavailable:
+            tmp.unlink(missing_ok=True)
+            raise
     os.replace(tmp, target)  # atomic: concurrent builds (mesh stations starting together) each land a whole file
     return target
+
+
+def _run(cmd: list[str], what: str) -> None:
+    """One compiler step; raises KernelUnavailable with the compiler's last words if it fails."""
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise KernelUnavailable(f"compiling {what} failed: {done.stderr.strip()[-2000:]}")
 
 
 @functools.cache
