@@ -228,28 +228,29 @@ def tiny_reference(name: str) -> dict[str, np.ndarray]:
 
 
 def prefill_all(engine: Engine, lane: int, prompt, sampling, return_logits: bool = False,
-                stop_ids: frozenset[int] = frozenset()):
-    """Begin `lane` with the request and feed its whole prompt chunk by chunk; return the last chunk's (Sample,
-    logits)."""
+                stop_ids: frozenset[int] = frozenset(), restart: int = 0):
+    """Begin `lane` with the request and feed its prompt chunk by chunk from `restart` (a chunk boundary the lane
+    already holds); return the last chunk's (Sample, logits)."""
     engine.begin(lane, prompt, sampling, stop_ids)
     sample, logits = None, None
-    for start in range(0, len(prompt), engine.chunk):
+    for start in range(restart, len(prompt), engine.chunk):
         sample, logits = engine.prefill(lane, prompt, start, sampling, return_logits=return_logits)
     return sample, logits
 
 
 def run_wave(engine: Engine, lanes: dict[int, tuple[list[int], SamplingParams]], steps: int,
-             return_logits: bool = True, stop_ids: frozenset[int] = frozenset()
+             return_logits: bool = True, stop_ids: frozenset[int] = frozenset(), restarts: dict[int, int] | None = None
              ) -> dict[int, tuple[list[int], list[np.ndarray]]]:
-    """Prefill every given lane, then `steps` decode waves where every lane feeds its own sampled token (stop ids
-    only go to `begin`: nothing stops).
+    """Prefill every given lane (from its restart, where `restarts` names one), then `steps` decode waves where every
+    lane feeds its own sampled token (stop ids only go to `begin`: nothing stops).
 
     Returns, per lane, its generated tokens (steps + 1) and its logits (prefill's last row, then one per wave).
     """
     tokens: dict[int, list[int]] = {}
     logits: dict[int, list[np.ndarray]] = {}
     for lane, (prompt, sp) in lanes.items():
-        sample, lg = prefill_all(engine, lane, prompt, sp, return_logits=return_logits, stop_ids=stop_ids)
+        sample, lg = prefill_all(engine, lane, prompt, sp, return_logits=return_logits, stop_ids=stop_ids,
+                                 restart=(restarts or {}).get(lane, 0))
         tokens[lane] = [sample.token]
         logits[lane] = [np.asarray(lg)[0]] if return_logits else []
     for _ in range(steps):

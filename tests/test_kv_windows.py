@@ -266,7 +266,7 @@ def test_the_memory_check_counts_the_rings() -> None:
 def test_the_real_gemma3_on_a_ring_gives_the_full_arenas_bits(gemma3_270m: Path) -> None:
     """Gemma 3 270M (window 512) on its station plan with 128-row packed steps: a ring of 640 positions. A seeded
     700-token prompt and 24 decode waves, alone and beside a 560-token greedy one: the full arena's tokens and
-    logits, bit for bit."""
+    logits, bit for bit; and a next turn restored from a tier's copy of that prompt gives them too."""
     plan = station_plan(StationConfig(model=str(gemma3_270m), lanes=2, max_seq=1024))
     model = load_model(gemma3_270m, plan.dtype, plan.layer_loop, plan.matmul)
 
@@ -280,6 +280,17 @@ def test_the_real_gemma3_on_a_ring_gives_the_full_arenas_bits(gemma3_270m: Path)
     target = {1: (_prompt(8, 700, vocab), SEEDED)}
     for lanes in (target, {**target, 0: (_prompt(9, 560, vocab), SamplingParams())}):
         _same(run_wave(ring, lanes, steps=24), run_wave(full, lanes, steps=24))
+    # a host tier's entry of lane 1's prompt (global layers and the window before its last boundary, 672, copied as
+    # the tier copies them), restored into lane 0 after 110 decode waves moved lane 1's rings past that window: the
+    # next turn restarts at 672 and gives the full arena's fresh prefill bits, beside a new prompt in lane 1
+    prompt = target[1][0]
+    prefill_all(ring, 1, prompt, SEEDED)
+    kv, window = ring.save_prefix(1, 672), ring.save_window(1, 672)
+    run_wave(ring, target, steps=110)
+    assert ring.reuse_floor(1) > 672  # the rings no longer hold the window a restart at 672 reads
+    ring.restore_prefix(0, kv, 672, window)
+    turn = {0: (prompt + _prompt(10, 40, vocab), SEEDED), 1: (_prompt(11, 90, vocab), SamplingParams())}
+    _same(run_wave(ring, turn, steps=8, restarts={0: 672}), run_wave(full, turn, steps=8))
 
 
 def test_max_seq_defaults_to_the_models_context_as_far_as_memory_allows(caplog) -> None:
