@@ -373,6 +373,19 @@ def take_the_lanes(sched: Scheduler, engine: Engine, seed: int) -> None:
         turn(sched, small_ids(seed + i, 12, engine.cfg.vocab_size), 1).future.result(TIMEOUT)
 
 
+def assert_restarts_as_fresh(sched: Scheduler, target: list[int], restart: int, beside: bool) -> None:
+    """`target` (seeded) restarts at `restart` from the tier in memory, alone or beside a request decoding in the other
+    lane, and gives a fresh prefill's tokens and logprobs."""
+    memory = saved(sched, "memory")
+    neighbour = turn(sched, small_ids(40, 20, sched.engine.cfg.vocab_size), 8) if beside else None
+    hit = turn(sched, target, 6, SEEDED)
+    got = hit.future.result(TIMEOUT)
+    assert hit.cached_tokens == restart and saved(sched, "memory") == memory + restart
+    assert_same_samples(got, turn(sched, target, 6, SEEDED, reuse=False).future.result(TIMEOUT))
+    if neighbour is not None:
+        assert len(neighbour.future.result(TIMEOUT).generated) == 8
+
+
 @pytest.mark.parametrize("attention", ["blocked", "kernel"])
 @pytest.mark.parametrize("kv_dtype", ["int8", "bfloat16"])
 def test_a_restore_with_a_smaller_kv_dtype_gives_a_fresh_prefills_bits(tiny_gemma3, kv_dtype: str, attention: str
@@ -389,15 +402,7 @@ def test_a_restore_with_a_smaller_kv_dtype_gives_a_fresh_prefills_bits(tiny_gemm
         reply = turn(sched, first, 4, SEEDED).future.result(TIMEOUT)
         take_the_lanes(sched, engine, 10)
         for beside in (False, True):
-            target = first + reply.generated + small_ids(2 + beside, 3, vocab)
-            memory = saved(sched, "memory")
-            neighbour = turn(sched, small_ids(40, 20, vocab), 8) if beside else None
-            hit = turn(sched, target, 6, SEEDED)
-            got = hit.future.result(TIMEOUT)
-            assert hit.cached_tokens == 24 and saved(sched, "memory") == memory + 24
-            assert_same_samples(got, turn(sched, target, 6, SEEDED, reuse=False).future.result(TIMEOUT))
-            if neighbour is not None:
-                assert len(neighbour.future.result(TIMEOUT).generated) == 8
+            assert_restarts_as_fresh(sched, first + reply.generated + small_ids(2 + beside, 3, vocab), 24, beside)
             take_the_lanes(sched, engine, 20)
         assert sched.metrics.registry.get_sample_value("jaxstation_prefix_cache_memory_entries") >= 1
     finally:

@@ -14,6 +14,7 @@ from test_prefix_tier import (
     SEEDED,
     TIMEOUT,
     RingedFake,
+    assert_restarts_as_fresh,
     assert_same_samples,
     next_turn,
     run,
@@ -81,6 +82,16 @@ def tiny_gemma3():
     return load_model(str(FIXTURES / "tiny-gemma3"), "float32", "unroll", "kernel")
 
 
+def ring_station(model, budget: int) -> tuple[Engine, Scheduler]:
+    """Tiny Gemma 3 on 2 lanes of 64 positions with rings, 8-token chunks, packed steps of `budget` rows (0: off), and
+    a started scheduler with a 1 MiB tier."""
+    engine = Engine(model, lanes=2, max_seq=64, chunk=8, block=16, attention="blocked", prefill_budget=budget,
+                    wave_widths=(2,))
+    sched = Scheduler(engine, continuous=True, max_queue=16, terminal_ids=frozenset(), prefix_cache_ram=MiB)
+    sched.start()
+    return engine, sched
+
+
 @pytest.mark.parametrize("budget", [16, 0], ids=["packed", "chunked"])
 def test_a_session_diverging_inside_a_long_prompt_restarts_below_the_divergence(tiny_gemma3, budget: int) -> None:
     """Tiny Gemma 3 (1 global layer, 2 windowed with a window of 8, 2 KV heads of 32, float32 KV; 8-token chunks):
@@ -88,11 +99,8 @@ def test_a_session_diverging_inside_a_long_prompt_restarts_below_the_divergence(
     entry: 48 positions of the global layer and the windows before 16, 32 and 48, all counted in the tier's bytes. A
     second session sharing its first 37 tokens restarts at 32 from memory, a third sharing 40 at 32 beside a
     neighbour decoding in the other lane, and their tokens and logprobs equal a fresh prefill's."""
-    engine = Engine(tiny_gemma3, lanes=2, max_seq=64, chunk=8, block=16, attention="blocked", prefill_budget=budget,
-                    wave_widths=(2,))
+    engine, sched = ring_station(tiny_gemma3, budget)
     vocab = engine.cfg.vocab_size
-    sched = Scheduler(engine, continuous=True, max_queue=16, terminal_ids=frozenset(), prefix_cache_ram=MiB)
-    sched.start()
     try:
         first = small_ids(1, 50, vocab)
         turn(sched, first, 2, SEEDED).future.result(TIMEOUT)
@@ -103,15 +111,7 @@ def test_a_session_diverging_inside_a_long_prompt_restarts_below_the_divergence(
         assert entry.nbytes == sched.prefix_tier.host.nbytes == global_part + 3 * window == 46_080  # 4 B x (k, v)
         assert sched.metrics.registry.get_sample_value("jaxstation_prefix_cache_memory_bytes") == 46_080
         for shared, beside in ((37, False), (40, True)):
-            target = first[:shared] + small_ids(100 + shared, 50 - shared, vocab)
-            memory = saved(sched, "memory")
-            neighbour = turn(sched, small_ids(40, 20, vocab), 8) if beside else None
-            hit = turn(sched, target, 6, SEEDED)
-            got = hit.future.result(TIMEOUT)
-            assert hit.cached_tokens == 32 and saved(sched, "memory") == memory + 32
-            assert_same_samples(got, turn(sched, target, 6, SEEDED, reuse=False).future.result(TIMEOUT))
-            if neighbour is not None:
-                assert len(neighbour.future.result(TIMEOUT).generated) == 8
+            assert_restarts_as_fresh(sched, first[:shared] + small_ids(100 + shared, 50 - shared, vocab), 32, beside)
             take_the_lanes(sched, engine, 20 + shared)
     finally:
         assert sched.drain(10)
@@ -122,11 +122,8 @@ def test_a_session_beside_the_first_ones_free_lane_restarts_from_its_copies(tiny
     positions 30 to 61 only: a second session sharing 37 tokens cannot restart at 32 from the lane, so the lane's
     prefix goes to the tier with its window copies (16, 32, 48) and the second session restarts at 32 from there,
     with a fresh prefill's tokens and logprobs."""
-    engine = Engine(tiny_gemma3, lanes=2, max_seq=64, chunk=8, block=16, attention="blocked", prefill_budget=16,
-                    wave_widths=(2,))
+    engine, sched = ring_station(tiny_gemma3, 16)
     vocab = engine.cfg.vocab_size
-    sched = Scheduler(engine, continuous=True, max_queue=16, terminal_ids=frozenset(), prefix_cache_ram=MiB)
-    sched.start()
     try:
         first = small_ids(1, 50, vocab)
         turn(sched, first, 12, SEEDED).future.result(TIMEOUT)

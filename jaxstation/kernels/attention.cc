@@ -188,7 +188,7 @@ void ScoresAny(const float* q, int64_t group, int64_t nv, const Slots<T>& k, int
 
 template <typename T>
 void ScoresFor(int64_t nv, const float* q, int64_t group, const Slots<T>& k, int64_t n, int64_t ld, float scale,
-                      float* scores) {
+               float* scores) {
   switch (nv) {
     case 1: return Scores<1>(q, group, k, n, ld, scale, scores);
     case 2: return Scores<2>(q, group, k, n, ld, scale, scores);
@@ -365,9 +365,9 @@ struct Attention {
 // seq - 1 = ring; a row's positions then wrap around the ring at most once, walked in position order all the same.
 // Consecutive rows on one lane at consecutive positions (a prefill chunk's) are a run: up to `tile` of its rows share
 // one task per kv head (Attention::Run), each key and value read once for all of them; tile 1 is a task per row.
-// Run: the checks and the task split of one call, over keys and values of type T.
+// Attend: the checks and the task split of one call, over keys and values of type T.
 template <typename T>
-ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
+ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
                ffi::Buffer<ffi::F32>& k_scale, ffi::Buffer<ffi::F32>& v_scale, ffi::Buffer<ffi::S32>& layer,
                ffi::Buffer<ffi::S32>& lanes, ffi::Buffer<ffi::S32>& positions, ffi::ResultBuffer<ffi::F32>& out,
                int64_t window, float scale, int64_t ring, int64_t scratch_pos, int64_t tile) {
@@ -429,13 +429,13 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                                float scale, int64_t ring, int64_t scratch_pos, int64_t tile) {
   switch (k.element_type()) {
     case ffi::DataType::F32:
-      return Run<float>(pool, q, k, v, k_scale, v_scale, layer, lanes, positions, out, window, scale, ring,
+      return Attend<float>(pool, q, k, v, k_scale, v_scale, layer, lanes, positions, out, window, scale, ring,
                         scratch_pos, tile);
     case ffi::DataType::BF16:
-      return Run<uint16_t>(pool, q, k, v, k_scale, v_scale, layer, lanes, positions, out, window, scale, ring,
+      return Attend<uint16_t>(pool, q, k, v, k_scale, v_scale, layer, lanes, positions, out, window, scale, ring,
                            scratch_pos, tile);
     case ffi::DataType::S8:
-      return Run<int8_t>(pool, q, k, v, k_scale, v_scale, layer, lanes, positions, out, window, scale, ring,
+      return Attend<int8_t>(pool, q, k, v, k_scale, v_scale, layer, lanes, positions, out, window, scale, ring,
                          scratch_pos, tile);
     default:
       return ffi::Error::InvalidArgument("decode_attention: k and v float32, bfloat16 or int8");

@@ -119,8 +119,7 @@ def _build() -> Path:
         compile_ = [cxx, *build_flags, "-I", jax.ffi.include_dir(), "-c"]
         steps = [([*compile_, str(src), "-o", f"{objects}/{src.stem}.o"], src.name) for src in SOURCES]
         with ThreadPoolExecutor(min(len(steps), os.cpu_count() or 1)) as pool:  # one compiler process a source
-            for _ in pool.map(lambda step: _run(*step), steps):
-                pass
+            list(pool.map(lambda step: _run(*step), steps))
         try:
             _run([cxx, *build_flags, *(f"{objects}/{src.stem}.o" for src in SOURCES), "-o", str(tmp)], "the link")
         except KernelUnavailable:
@@ -194,16 +193,16 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array 
                      positions: jax.Array, window: int | None, scale: float | None = None, ring: int = 0,
                      scratch_pos: int = 0, tile: int | None = None, k_scale: jax.Array | None = None,
                      v_scale: jax.Array | None = None) -> jax.Array:
-    """One query per row over its own arena lane: q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd]
-    float32, bfloat16, or int8 with k_scale, v_scale [layers, lanes, seq, kv_heads] float32 (a value is k * k_scale,
-    as LayerKV.read widens it: each row's bits are those over the arena's float32 read); lanes, positions [rows] ->
-    [rows, heads, hd]. A row attends to positions (positions - window,
-    positions] of its lane (from 0 without a window), softmax over exactly those; a row at the scratch position
-    (the one idle rows write: the last slot) attends to itself only. Scores are scaled by `scale` (default: head_dim
-    ** -0.5). With a `ring` (engine/arena.py: seq = ring + 1), position p lies at slot p mod ring and the scratch
-    position is `scratch_pos`; without one, position p at slot p and the scratch position is seq - 1. Rows of one
-    lane at consecutive positions (a prefill chunk's) share a task, up to `tile` of them, each key and value read
-    once for all; every row's bits are the same whatever the tile (1: a task per row; default TILE)."""
+    """One query per row over its own arena lane: q [rows, heads, hd]; k, v [layers, lanes, seq, kv_heads, hd] float32,
+    bfloat16, or int8 with k_scale, v_scale [layers, lanes, seq, kv_heads] float32 (a value is k * k_scale, as
+    LayerKV.read widens it: each row's bits are those over the arena's float32 read); lanes, positions [rows] ->
+    [rows, heads, hd]. A row attends to positions (positions - window, positions] of its lane (from 0 without a
+    window), softmax over exactly those; a row at the scratch position (the one idle rows write: the last slot)
+    attends to itself only. Scores are scaled by `scale` (default: head_dim ** -0.5). With a `ring`
+    (engine/arena.py: seq = ring + 1), position p lies at slot p mod ring and the scratch position is `scratch_pos`;
+    without one, position p at slot p and the scratch position is seq - 1. Rows of one lane at consecutive positions
+    (a prefill chunk's) share a task, up to `tile` of them, each key and value read once for all; every row's bits
+    are the same whatever the tile (1: a task per row; default TILE)."""
     require()
     if (k.dtype == jnp.int8) != (k_scale is not None) or (k_scale is None) != (v_scale is None):
         raise ValueError(f"decode_attention: int8 k and v take k_scale and v_scale, {k.dtype} none")
