@@ -59,10 +59,11 @@ def test_the_kernel_builds_and_is_the_cpu_default() -> None:
 
 
 def test_a_compiler_that_fails_names_what_it_compiled(tmp_path, monkeypatch) -> None:
-    """A build (an empty cache, a compiler that exits 1) raises one line naming the source, and leaves no library."""
+    """A build (an empty cache, a compiler that exits 1) raises one line naming the source (or the precompiled header),
+    and leaves no library."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CXX", "false")
-    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"^compiling \w+\.cc failed"):
+    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"^compiling \w+\.(cc|h) failed"):
         cpu_kernel._build()
     assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
 

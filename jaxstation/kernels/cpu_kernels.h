@@ -3,7 +3,8 @@
 // with AVX2 + FMA), the one horizontal sum every output uses, float16 scales, and the loop that spreads a kernel's
 // items over XLA's intra-op pool. Everything here is internal to each kernel file (an unnamed namespace).
 
-#pragma once
+#ifndef JAXSTATION_CPU_KERNELS_H
+#define JAXSTATION_CPU_KERNELS_H
 
 #include <immintrin.h>
 
@@ -136,3 +137,5 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, const F& task) {
 }
 
 }  // namespace
+
+#endif  // JAXSTATION_CPU_KERNELS_H
