@@ -45,6 +45,8 @@ from jaxstation.server.station import Station
 
 GREEDY = SamplingParams()
 TINY = {"lanes": 4, "max_seq": 128, "chunk": 16, "block": 32}
+# the default model's LoRA engine and station: packed steps of 16, 32 and 64 rows (every prompt here fits in 64)
+LORA_BUDGET = 64
 
 
 # ---- the tiny Llama in float32: the adapter against its merged weights ----------------------------------------------
@@ -186,9 +188,9 @@ def test_refused_at_load_naming_file_tensor_and_reason(tmp_path, tiny_lora):
 
 @pytest.fixture(scope="module")
 def lora_engine(default_model, tmp_path_factory):
-    """`engine`'s shape and settings (packed admission, n-gram verify steps) with three LoRA slots of rank 16, and
-    adapters X (rank 16) and Y (rank 8, attention only) written as PEFT directories."""
-    config = engine_config(speculative="ngram", max_loras=3, max_lora_rank=16)
+    """`engine`'s shape and settings (packed admission up to 64 rows, n-gram verify steps) with three LoRA slots of
+    rank 16, and adapters X (rank 16) and Y (rank 8, attention only) written as PEFT directories."""
+    config = engine_config(speculative="ngram", max_loras=3, max_lora_rank=16, prefill_budget=LORA_BUDGET)
     engine = planned_engine(default_model, config, station_plan(config))
     tmp = tmp_path_factory.mktemp("lora")
     cfg = default_model.cfg
@@ -377,7 +379,7 @@ def served(default_model: LoadedModel, tmp_path_factory):
     y = write_peft(tmp / "y", random_lora(cfg, rank=8, seed=12, b_std=0.3), rank=8, alpha=16.0)
     big = write_peft(tmp / "big", random_lora(cfg, rank=32, seed=13, modules=("q",)), rank=32, alpha=32.0)
     config = engine_config(continuous=True, drain_s=5, lora_modules=(("x", str(x)),), max_loras=3, max_lora_rank=16,
-                           speculative="ngram", allow_runtime_lora=True)
+                           speculative="ngram", allow_runtime_lora=True, prefill_budget=LORA_BUDGET)
     station = Station(config, model=default_model)
     app, sent = create_app(station), []
     app.add_middleware(Recorder, sent=sent)
