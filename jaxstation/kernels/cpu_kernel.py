@@ -62,7 +62,11 @@ TARGETS = {"int8": ("jaxstation_rowwise_matmul_s8", "RowwiseMatmulS8"),
            "sample": ("jaxstation_sample", "Sample"),
            **{f"matmul_{f}": (f"jaxstation_rowwise_matmul_{f.lower()}", f"RowwiseMatmul{f}") for f in BLOCK_FORMATS},
            **{f"int_{f}": (f"jaxstation_int_matmul_{f.lower()}", f"IntMatmul{f}") for f in BLOCK_FORMATS},
-           **{f"rows_{f}": (f"jaxstation_block_rows_{f.lower()}", f"BlockRows{f}") for f in BLOCK_FORMATS}}
+           **{f"rows_{f}": (f"jaxstation_block_rows_{f.lower()}", f"BlockRows{f}") for f in BLOCK_FORMATS},
+           "int_Q8_0R": ("jaxstation_int_matmul_q8_0r", "IntMatmulQ8_0R"),
+           "rows_Q8_0R": ("jaxstation_block_rows_q8_0r", "BlockRowsQ8_0R")}
+# Block formats repacked at load for the integer products (`pack_blocks`), and the format each was stored in
+REPACKED = {"Q8_0R": "Q8_0"}
 K_MULTIPLE, N_MULTIPLE = 32, 4  # the kernel's shape contract
 TILE = 16  # the attention's rows a task on a prefill chunk
 
@@ -178,6 +182,12 @@ def int_dot_isa() -> str:
     return library.jaxstation_int_dot_isa().decode()
 
 
+def int_channels() -> int:
+    """Channels a tile of the built kernels' integer products: 16 for the AVX-512 variant, 8 for AVX2."""
+    require()
+    return int(_library().jaxstation_int_channels())
+
+
 def available() -> bool:
     """Whether the kernel can run here: the default backend is the CPU and the library builds and loads."""
     try:
@@ -265,6 +275,29 @@ def fits(in_features: int, out_features: int) -> bool:
     return in_features % K_MULTIPLE == 0 and out_features % N_MULTIPLE == 0
 
 
+def repacked_format(fmt: str, out_features: int) -> str | None:
+    """The repacked format the integer products read a matrix stored in `fmt` as, if any: Q8_0 whose channels fill
+    the kernel's tiles."""
+    packed = next((p for p, plain in REPACKED.items() if plain == fmt), None)
+    return packed if packed and out_features % int_channels() == 0 else None
+
+
+def pack_blocks(data: np.ndarray, packed: str) -> np.ndarray:
+    """Block weights uint8 [..., N, K / 32 * 34] (Q8_0 as stored) laid out as format `packed` reads them, the same
+    shape and bytes: per tile of `int_channels()` channels and per 32 columns, the tile's float16 scales side by side,
+    then 8 vectors, vector j holding each channel's codes 4j..4j+3 (int_matmul.cc)."""
+    assert REPACKED[packed] == "Q8_0"
+    c = int_channels()
+    *lead, n, row_len = data.shape
+    groups = row_len // 34
+    blocks = data.reshape(*lead, n // c, c, groups, 34)  # [..., tile, channel, group, d | 32 codes]
+    scales = np.moveaxis(blocks[..., :2], -3, -2)  # [..., tile, group, channel, 2]
+    codes = np.moveaxis(blocks[..., 2:].reshape(*lead, n // c, c, groups, 8, 4), -4, -2)  # [..., tile, group, 8, c, 4]
+    tiles = np.concatenate([scales.reshape(*lead, n // c, groups, 2 * c),
+                            codes.reshape(*lead, n // c, groups, 32 * c)], axis=-1)
+    return np.ascontiguousarray(tiles.reshape(data.shape))
+
+
 def fits_blocks(fmt: str, in_features: int, out_features: int) -> bool:
     """Whether the kernel reads this GGUF block format at this shape."""
     return fmt in BLOCK_FORMATS and in_features % BLOCK_FORMATS[fmt][0] == 0 and out_features % N_MULTIPLE == 0
@@ -293,7 +326,7 @@ def block_rows(w: jax.Array, ids: jax.Array, blocks: str) -> jax.Array:
     """Rows `ids` [...] of GGUF block weights w [N, K / block * block bytes] as float32 [..., K]: the weights the
     matmul rebuilds from the same blocks."""
     require()
-    per_block, block_bytes = BLOCK_FORMATS[blocks]
+    per_block, block_bytes = BLOCK_FORMATS[REPACKED.get(blocks, blocks)]
     k = w.shape[1] // block_bytes * per_block
     flat = ids.reshape(-1).astype(jnp.int32)
     out = jax.ShapeDtypeStruct((flat.shape[0], k), jnp.float32)

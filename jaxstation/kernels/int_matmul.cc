@@ -30,6 +30,10 @@ inline IVec IAdd(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
 inline IVec ISet1(int32_t a) { return _mm512_set1_epi32(a); }
 inline IVec IMul(IVec a, IVec b) { return _mm512_mullo_epi32(a, b); }
 inline Vec ToFloat(IVec a) { return _mm512_cvtepi32_ps(a); }
+inline IVec FlipSigns(IVec a) { return _mm512_xor_si512(a, _mm512_set1_epi8(static_cast<char>(0x80))); }
+inline Vec Halves(const uint8_t* p) {  // kIntCh float16 as float32
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 #if defined(__AVX512VNNI__)
 constexpr bool kVnni = true;
 constexpr const char* kIntIsa = "avx512-vnni";
@@ -83,6 +87,10 @@ inline IVec IAdd(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
 inline IVec ISet1(int32_t a) { return _mm256_set1_epi32(a); }
 inline IVec IMul(IVec a, IVec b) { return _mm256_mullo_epi32(a, b); }
 inline Vec ToFloat(IVec a) { return _mm256_cvtepi32_ps(a); }
+inline IVec FlipSigns(IVec a) { return _mm256_xor_si256(a, _mm256_set1_epi8(static_cast<char>(0x80))); }
+inline Vec Halves(const uint8_t* p) {  // kIntCh float16 as float32
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 #if defined(__AVXVNNI__)
 constexpr bool kVnni = true;
 constexpr const char* kIntIsa = "avx-vnni";
@@ -288,46 +296,59 @@ struct IntQ6_K : IntK<210, 32, false> {  // ql[128], qh[64], int8 scales[16] (on
   }
 };
 
-// R rows x kIntCh channels over the whole K: each 32 columns' integer sums, then their epilogue, in K order.
+// One group of 32 columns for R rows at once: the 8 code vectors w, the channels' scales dw (and minimums mw; the
+// K-quants' integer scales low and high of columns 0-15 and 16-31, and Q4_K/Q5_K's minimum codes mins): each row's
+// integer sums, then its float epilogue into acc.
 template <typename F, int R>
-void IntTile(const IntActs& a, int64_t m0, const IntCodes& c, float* y, int64_t N, int64_t n0, int64_t valid) {
-  constexpr int G = F::kBlock / 32;
+inline void IntGroup(const IntActs& a, int64_t m0, int64_t group, const IVec* w, Vec dw, Vec mw, IVec low, IVec high,
+                     const int32_t* mins, Vec* acc) {
   const int64_t K = a.K;
-  Vec acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = Zero();
-  for (int64_t group = 0; group < K / 32; ++group) {
-    const int64_t blk = group / G;
-    const Vec dw = LoadW(c.d.data() + blk * kIntCh), mw = LoadW(c.m.data() + blk * kIntCh);
-    IVec w[8];
-    for (int j = 0; j < 8; ++j) w[j] = ILoad(c.codes.data() + (group * 8 + j) * kIntCh * 4);
-    const IVec low = ILoad(c.scales.data() + 2 * group * kIntCh), high = ILoad(c.scales.data() + (2 * group + 1) * kIntCh);
-    for (int r = 0; r < R; ++r) {
-      const int64_t at = (m0 + r) * K / 32 + group;  // the row's 32 columns
-      const int8_t* q = a.q.data() + at * 32;
-      IVec half[2];
-      for (int h = 0; h < 2; ++h) {
-        half[h] = ISet1(-F::kBias * a.halves[2 * at + h]);
-        for (int j = 4 * h; j < 4 * h + 4; ++j) {
-          int32_t x4;
-          std::memcpy(&x4, q + 4 * j, 4);
-          half[h] = F::kSigned ? DotS(half[h], w[j], ISet1(x4)) : DotU(half[h], w[j], ISet1(x4));
-        }
-      }
-      const IVec sum = F::kScaled ? IAdd(IMul(half[0], low), IMul(half[1], high)) : IAdd(half[0], half[1]);
-      const Vec dx = Set1(a.d[at]);
-      acc[r] = Add(acc[r], Mul(Mul(dw, dx), ToFloat(sum)));
-      if constexpr (F::kMin) {  // the minimum codes (Q4_1, Q5_1: 1) times the row's sum of q
-        const Vec ms = F::kScaled ? ToFloat(IMul(ILoad(c.mins.data() + group * kIntCh), ISet1(a.Sum(at))))
-                                  : Set1(static_cast<float>(a.Sum(at)));
-        acc[r] = Add(acc[r], Mul(Mul(mw, dx), ms));
+  for (int r = 0; r < R; ++r) {
+    const int64_t at = (m0 + r) * K / 32 + group;  // the row's 32 columns
+    const int8_t* q = a.q.data() + at * 32;
+    IVec half[2];
+    for (int h = 0; h < 2; ++h) {
+      half[h] = ISet1(-F::kBias * a.halves[2 * at + h]);
+      for (int j = 4 * h; j < 4 * h + 4; ++j) {
+        int32_t x4;
+        std::memcpy(&x4, q + 4 * j, 4);
+        half[h] = F::kSigned ? DotS(half[h], w[j], ISet1(x4)) : DotU(half[h], w[j], ISet1(x4));
       }
     }
+    const IVec sum = F::kScaled ? IAdd(IMul(half[0], low), IMul(half[1], high)) : IAdd(half[0], half[1]);
+    const Vec dx = Set1(a.d[at]);
+    acc[r] = Add(acc[r], Mul(Mul(dw, dx), ToFloat(sum)));
+    if constexpr (F::kMin) {  // the minimum codes (Q4_1, Q5_1: 1) times the row's sum of q
+      const Vec ms = F::kScaled ? ToFloat(IMul(ILoad(mins), ISet1(a.Sum(at)))) : Set1(static_cast<float>(a.Sum(at)));
+      acc[r] = Add(acc[r], Mul(Mul(mw, dx), ms));
+    }
   }
+}
+
+template <int R>
+void StoreTile(const Vec* acc, int64_t m0, float* y, int64_t N, int64_t n0, int64_t valid) {
   for (int r = 0; r < R; ++r) {
     float out[kIntCh];
     Store(out, acc[r]);
     std::copy_n(out, valid, y + (m0 + r) * N + n0);
   }
+}
+
+// R rows x kIntCh channels over the whole K: each 32 columns' integer sums, then their epilogue, in K order.
+template <typename F, int R>
+void IntTile(const IntActs& a, int64_t m0, const IntCodes& c, float* y, int64_t N, int64_t n0, int64_t valid) {
+  constexpr int G = F::kBlock / 32;
+  Vec acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = Zero();
+  for (int64_t group = 0; group < a.K / 32; ++group) {
+    const int64_t blk = group / G;
+    IVec w[8];
+    for (int j = 0; j < 8; ++j) w[j] = ILoad(c.codes.data() + (group * 8 + j) * kIntCh * 4);
+    IntGroup<F, R>(a, m0, group, w, LoadW(c.d.data() + blk * kIntCh), LoadW(c.m.data() + blk * kIntCh),
+                   ILoad(c.scales.data() + 2 * group * kIntCh), ILoad(c.scales.data() + (2 * group + 1) * kIntCh),
+                   c.mins.data() + group * kIntCh, acc);
+  }
+  StoreTile<R>(acc, m0, y, N, n0, valid);
 }
 
 // Channels [n_begin, n_end), kIntCh at a time decoded once into codes, then every row tile over them.
@@ -366,13 +387,55 @@ void IntChannels(const IntActs& a, const uint8_t* w, int64_t row_len, float* y, 
   }
 }
 
-// x [M, K] times block weights w [N, K / block * bytes] (uint8) -> y [M, N] by integer dot products.
-template <typename F>
+// Q8_0 repacked at load (cpu_kernel.pack_blocks, format "Q8_0R"): the kIntCh rows of w from channel t kIntCh on
+// hold that tile; for each 32 columns in K order, the tile's kIntCh float16 scales side by side, then the 8 code
+// vectors IntCodes holds (the int8 codes as stored). A call reads them as they lie, with nothing to decode or
+// reorder (at one row the decoding is most of the plain layout's cost); the integer sums and the epilogue are
+// IntTile's, so a row's bits are the plain layout's.
+constexpr int64_t kPackedGroup = kIntCh * 34;  // bytes of a tile's 32 columns
+
+template <int R>
+void PackedTile(const IntActs& a, int64_t m0, const uint8_t* tile, float* y, int64_t N, int64_t n0) {
+  Vec acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = Zero();
+  for (int64_t group = 0; group < a.K / 32; ++group) {
+    const uint8_t* g = tile + group * kPackedGroup;
+    for (int64_t o = 0; o < kPackedGroup; o += 64) _mm_prefetch(reinterpret_cast<const char*>(g) + kIntAhead + o,
+                                                                _MM_HINT_T0);
+    IVec w[8];
+    for (int j = 0; j < 8; ++j) {
+      w[j] = ILoad(g + 2 * kIntCh + j * kIntCh * 4);
+      if constexpr (kVnni) w[j] = FlipSigns(w[j]);  // IntQ8_0's unsigned codes q + 128
+    }
+    IntGroup<IntQ8_0, R>(a, m0, group, w, Halves(g), Zero(), ISet1(0), ISet1(0), nullptr, acc);
+  }
+  StoreTile<R>(acc, m0, y, N, n0, kIntCh);
+}
+
+void PackedChannels(const IntActs& a, const uint8_t* w, int64_t row_len, float* y, int64_t M, int64_t N,
+                    int64_t n_begin, int64_t n_end) {
+  for (int64_t n = n_begin; n < n_end; n += kIntCh) {
+    const uint8_t* tile = w + n * row_len;
+    int64_t m = 0;
+    for (; m + kIntRows <= M; m += kIntRows) PackedTile<kIntRows>(a, m, tile, y, N, n);
+    switch (M - m) {
+      case 3: PackedTile<3>(a, m, tile, y, N, n); break;
+      case 2: PackedTile<2>(a, m, tile, y, N, n); break;
+      case 1: PackedTile<1>(a, m, tile, y, N, n); break;
+    }
+  }
+}
+
+// x [M, K] times block weights w [N, K / block * bytes] (uint8; kPacked: Q8_0 repacked) -> y [M, N] by integer dot
+// products.
+template <typename F, bool kPacked = false>
 ffi::Error IntMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                      ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] % F::kBlock || wd[1] != xd[1] / F::kBlock * F::kBytes || wd[0] % 4)
-    return ffi::Error::InvalidArgument("int_matmul: x [M, K], w [N, K / block * block bytes], N % 4 == 0");
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] % F::kBlock || wd[1] != xd[1] / F::kBlock * F::kBytes ||
+      wd[0] % (kPacked ? kIntCh : 4))
+    return ffi::Error::InvalidArgument("int_matmul: x [M, K], w [N, K / block * block bytes], N % 4 == 0 (repacked: "
+                                       "N % the kernel's channels a tile)");
   const int64_t M = xd[0], K = xd[1], N = wd[0];
   IntActs a;
   QuantizeRows(x.typed_data(), M, K, a);
@@ -380,8 +443,42 @@ ffi::Error IntMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t per = std::max<int64_t>(2 * kIntCh, (N / (4 * threads) + kIntCh - 1) / kIntCh * kIntCh);
   ParallelFor(pool, (N + per - 1) / per, [&](int64_t i) {
-    IntChannels<F>(a, w.typed_data(), wd[1], y->typed_data(), M, N, i * per, std::min(N, (i + 1) * per));
+    const int64_t begin = i * per, end = std::min(N, (i + 1) * per);
+    if constexpr (kPacked) {
+      PackedChannels(a, w.typed_data(), wd[1], y->typed_data(), M, N, begin, end);
+    } else {
+      IntChannels<F>(a, w.typed_data(), wd[1], y->typed_data(), M, N, begin, end);
+    }
   });
+  return ffi::Error::Success();
+}
+
+ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                        ffi::ResultBuffer<ffi::F32> y) {
+  return IntMatmul<IntQ8_0, true>(pool, x, w, y);
+}
+
+// Rows `ids` of a repacked Q8_0 table as float32 [M, K]: the plain layout's weights (d * q, as BlockRows<Q8_0>).
+ffi::Error PackedRows(ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> y) {
+  const auto wd = w.dimensions(), yd = y->dimensions();
+  if (wd.size() != 2 || yd.size() != 2 || size_t(yd[0]) != ids.element_count() || yd[1] % 32 ||
+      wd[1] != yd[1] / 32 * 34 || wd[0] % kIntCh)
+    return ffi::Error::InvalidArgument("block_rows (repacked): w [N, K / 32 * 34], ids [M], y [M, K]");
+  const int64_t n = wd[0], row_len = wd[1], K = yd[1];
+  const int32_t* id = ids.typed_data();
+  float* out = y->typed_data();
+  for (int64_t m = 0; m < yd[0]; ++m) {
+    if (id[m] < 0 || id[m] >= n) return ffi::Error::InvalidArgument("block_rows: id out of range");
+    const uint8_t* tile = w.typed_data() + id[m] / kIntCh * kIntCh * row_len;
+    const int64_t lane = id[m] % kIntCh;
+    for (int64_t group = 0; group < K / 32; ++group) {
+      const uint8_t* g = tile + group * kPackedGroup;
+      int8_t q[32];
+      for (int j = 0; j < 8; ++j) std::memcpy(q + 4 * j, g + 2 * kIntCh + (j * kIntCh + lane) * 4, 4);
+      const Vec d = Set1(HalfToFloat(g + 2 * lane));
+      for (int64_t i = 0; i < 32; i += kLanes) Store(out + m * K + group * 32 + i, Mul(d, LoadW(q + i)));
+    }
+  }
   return ffi::Error::Success();
 }
 
@@ -389,6 +486,19 @@ ffi::Error IntMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 
 // The integer dot products' instruction set: avx512-vnni, avx-vnni or avx2.
 extern "C" const char* jaxstation_int_dot_isa() { return kIntIsa; }
+
+// Channels a tile of the integer products (a repacked matrix's tile): 16 with AVX-512, 8 with AVX2.
+extern "C" int jaxstation_int_channels() { return kIntCh; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(IntMatmulQ8_0R, PackedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockRowsQ8_0R, PackedRows,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::S32>>().Ret<
+                                  ffi::Buffer<ffi::F32>>());
 
 // Per block format, the integer matmul: IntMatmulQ4_0, IntMatmulQ4_1, ...
 #define JAXSTATION_INT_FORMAT(F)                                                                            \

@@ -46,7 +46,7 @@ class QuantWeight:
 class KernelWeight:
     w: jax.Array  # [..., out, in]: int8, or float32; uint8 [..., out, in / block * block bytes] for GGUF blocks
     scale: jax.Array | None  # float32 [..., out] for int8; None otherwise
-    blocks: str | None = None  # the GGUF block format of w ("Q4_1", ...); None for int8 and float32
+    blocks: str | None = None  # the GGUF block format of w ("Q4_1", ..., "Q8_0R" repacked); None for int8 and float32
     integer: bool = False  # blocks multiplied in integers over 8-bit activations (weights "gguf")
 
     @property
@@ -104,8 +104,11 @@ def on_kernel(w: Weight) -> bool:
 
 def stored(w: GGUFBlocks, weights: str, matmul: str) -> KernelWeight | None:
     """GGUF blocks as stored, for the kernel: where weights "gguf" or "gguf-exact" ask for them and the kernel reads
-    that format at that shape; else None."""
+    that format at that shape (Q8_0 repacked into the integer products' tiles, `cpu_kernel.pack_blocks`); else
+    None."""
     if weights in GGUF_WEIGHTS and matmul == "kernel" and cpu_kernel.fits_blocks(w.fmt, w.shape[-1], w.shape[-2]):
+        if weights == "gguf" and (packed := cpu_kernel.repacked_format(w.fmt, w.shape[-2])):
+            return KernelWeight(jnp.asarray(cpu_kernel.pack_blocks(w.data, packed)), None, packed, True)
         return KernelWeight(jnp.asarray(w.data), None, w.fmt, weights == "gguf")
     return None
 
