@@ -4,8 +4,8 @@ The kernel rounds each activation row to 8 bits per 32 columns from that row alo
 products exactly in int32, then runs one fixed float epilogue per output. A numpy reference of the same arithmetic
 (its own block decoders, checked against the gguf package's dequantization) gives the kernel's bits for every format,
 so a row's bits are the same alone and among others at any row count; the AVX2, AVX-VNNI and AVX-512 (maddubs)
-builds give those bits too; so does Q8_0 repacked into the kernel's tiles, as a station loads it. Against the float32
-product over the dequantized weights the error is that of 8-bit activations.
+builds give those bits too; so do Q8_0, Q4_0 and Q4_1 repacked into the kernel's tiles, as a station loads them.
+Against the float32 product over the dequantized weights the error is that of 8-bit activations.
 """
 
 from __future__ import annotations
@@ -158,34 +158,41 @@ def check_formats_against_the_reference(formats: tuple[str, ...] = tuple(cpu_ker
 
 
 def check_repacked(n_in: int = 512, n_out: int = 48) -> None:
-    """Q8_0 repacked into the integer products' tiles (`cpu_kernel.pack_blocks`): the plain layout's bits for every
-    row alone and among others, and the same table rows looked up (also run in the other builds' subprocesses)."""
-    blocks = random_blocks("Q8_0", n_out, n_in, seed=11)
-    packed = dataclasses.replace(blocks, data=cpu_kernel.pack_blocks(blocks.data, "Q8_0R"), fmt="Q8_0R")
-    assert packed.data.shape == blocks.data.shape and not np.array_equal(packed.data, blocks.data)
+    """Q8_0, Q4_0 and Q4_1 repacked into the integer products' tiles (`cpu_kernel.pack_blocks`): the plain layout's
+    bits for every row alone and among others, and Q8_0's table rows looked up alike (also run in the other builds'
+    subprocesses)."""
     x = activations(37, n_in)
-    full = int_matmul(x, blocks)
-    assert np.array_equal(int_matmul(x, packed), full)
-    for rows in ROW_COUNTS:
-        assert np.array_equal(int_matmul(x[:rows], packed), full[:rows]), rows
-    for row in (0, 5, 17, 36):
-        assert np.array_equal(int_matmul(x[row:row + 1], packed), full[row:row + 1]), row
+    for packed, fmt in cpu_kernel.REPACKED.items():
+        blocks = random_blocks(fmt, n_out, n_in, seed=11)
+        tiles = dataclasses.replace(blocks, data=cpu_kernel.pack_blocks(blocks.data, packed), fmt=packed)
+        assert tiles.data.shape == blocks.data.shape and not np.array_equal(tiles.data, blocks.data)
+        full = int_matmul(x, blocks)
+        for rows in ROW_COUNTS:
+            assert np.array_equal(int_matmul(x[:rows], tiles), full[:rows]), (packed, rows)
+        for row in (0, 5, 17, 36):
+            assert np.array_equal(int_matmul(x[row:row + 1], tiles), full[row:row + 1]), (packed, row)
+    blocks = random_blocks("Q8_0", n_out, n_in, seed=12)
     ids = jnp.asarray([[0, 47], [16, 5]], jnp.int32)
-    assert np.array_equal(np.asarray(cpu_kernel.block_rows(jnp.asarray(packed.data), ids, "Q8_0R")),
+    assert np.array_equal(np.asarray(cpu_kernel.block_rows(jnp.asarray(cpu_kernel.pack_blocks(blocks.data, "Q8_0R")),
+                                                           ids, "Q8_0R")),
                           np.asarray(cpu_kernel.block_rows(jnp.asarray(blocks.data), ids, "Q8_0")))
 
 
-def test_q8_0_repacked_gives_the_plain_layouts_bits() -> None:
+def test_q8_0_q4_0_and_q4_1_repacked_give_the_plain_layouts_bits() -> None:
     check_repacked()
 
 
-def test_the_integer_products_load_q8_0_repacked_where_its_channels_fill_tiles() -> None:
+def test_the_integer_products_load_q8_0_q4_0_and_q4_1_repacked_where_their_channels_fill_tiles() -> None:
     tile = cpu_kernel.int_channels()
     assert tile == cpu_kernel.vector_lanes()  # a tile is one vector of channels
-    assert stored(random_blocks("Q8_0", 3 * tile, 64, seed=1), "gguf", "kernel").blocks == "Q8_0R"
-    assert stored(random_blocks("Q8_0", 3 * tile, 64, seed=1), "gguf-exact", "kernel").blocks == "Q8_0"
-    assert stored(random_blocks("Q8_0", 3 * tile + 4, 64, seed=1), "gguf", "kernel").blocks == "Q8_0"
-    assert stored(random_blocks("Q4_1", 3 * tile, 64, seed=1), "gguf", "kernel").blocks == "Q4_1"
+    for fmt in ("Q8_0", "Q4_0", "Q4_1"):
+        assert stored(random_blocks(fmt, 3 * tile, 64, seed=1), "gguf", "kernel").blocks == f"{fmt}R"
+        assert stored(random_blocks(fmt, 3 * tile, 64, seed=1), "gguf-exact", "kernel").blocks == fmt
+        assert stored(random_blocks(fmt, 3 * tile + 4, 64, seed=1), "gguf", "kernel").blocks == fmt
+    # a table whose rows are looked up (a tied embedding): Q8_0 only
+    assert stored(random_blocks("Q8_0", tile, 64, seed=1), "gguf", "kernel", looked_up=True).blocks == "Q8_0R"
+    assert stored(random_blocks("Q4_1", tile, 64, seed=1), "gguf", "kernel", looked_up=True).blocks == "Q4_1"
+    assert stored(random_blocks("Q5_0", 3 * tile, 64, seed=1), "gguf", "kernel").blocks == "Q5_0"
 
 
 def test_the_numpy_decoders_read_what_gguf_dequantizes() -> None:

@@ -63,10 +63,11 @@ TARGETS = {"int8": ("jaxstation_rowwise_matmul_s8", "RowwiseMatmulS8"),
            **{f"matmul_{f}": (f"jaxstation_rowwise_matmul_{f.lower()}", f"RowwiseMatmul{f}") for f in BLOCK_FORMATS},
            **{f"int_{f}": (f"jaxstation_int_matmul_{f.lower()}", f"IntMatmul{f}") for f in BLOCK_FORMATS},
            **{f"rows_{f}": (f"jaxstation_block_rows_{f.lower()}", f"BlockRows{f}") for f in BLOCK_FORMATS},
-           "int_Q8_0R": ("jaxstation_int_matmul_q8_0r", "IntMatmulQ8_0R"),
+           **{f"int_{f}R": (f"jaxstation_int_matmul_{f.lower()}r", f"IntMatmul{f}R") for f in ("Q8_0", "Q4_0", "Q4_1")},
            "rows_Q8_0R": ("jaxstation_block_rows_q8_0r", "BlockRowsQ8_0R")}
-# Block formats repacked at load for the integer products (`pack_blocks`), and the format each was stored in
-REPACKED = {"Q8_0R": "Q8_0"}
+# Block formats repacked at load for the integer products (`pack_blocks`), and the format each was stored in; a table
+# that is looked up (a tied embedding) only in Q8_0
+REPACKED = {"Q8_0R": "Q8_0", "Q4_0R": "Q4_0", "Q4_1R": "Q4_1"}
 K_MULTIPLE, N_MULTIPLE = 32, 4  # the kernel's shape contract
 TILE = 16  # the attention's rows a task on a prefill chunk
 
@@ -275,26 +276,29 @@ def fits(in_features: int, out_features: int) -> bool:
     return in_features % K_MULTIPLE == 0 and out_features % N_MULTIPLE == 0
 
 
-def repacked_format(fmt: str, out_features: int) -> str | None:
-    """The repacked format the integer products read a matrix stored in `fmt` as, if any: Q8_0 whose channels fill
-    the kernel's tiles."""
-    packed = next((p for p, plain in REPACKED.items() if plain == fmt), None)
-    return packed if packed and out_features % int_channels() == 0 else None
+def repacked_format(fmt: str, out_features: int, looked_up: bool = False) -> str | None:
+    """The repacked format the integer products read a matrix stored in `fmt` as, if any: Q8_0, Q4_0 or Q4_1 whose
+    channels fill the kernel's tiles (a looked-up table: Q8_0 only)."""
+    packed = f"{fmt}R"
+    if REPACKED.get(packed) != fmt or (looked_up and f"rows_{packed}" not in TARGETS):
+        return None
+    return packed if out_features % int_channels() == 0 else None
 
 
 def pack_blocks(data: np.ndarray, packed: str) -> np.ndarray:
-    """Block weights uint8 [..., N, K / 32 * 34] (Q8_0 as stored) laid out as format `packed` reads them, the same
-    shape and bytes: per tile of `int_channels()` channels and per 32 columns, the tile's float16 scales side by side,
-    then 8 vectors, vector j holding each channel's codes 4j..4j+3 (int_matmul.cc)."""
-    assert REPACKED[packed] == "Q8_0"
+    """Block weights uint8 [..., N, K / 32 * block bytes] (as stored) laid out as format `packed` reads them, the same
+    shape and bytes: per tile of `int_channels()` channels and per 32 columns, the tile's float16 fields side by side
+    (d, then Q4_1's m), then the code bytes in dwords, dword i holding each channel's bytes 4i..4i+3 (int_matmul.cc)."""
     c = int_channels()
+    per_block, block_bytes = BLOCK_FORMATS[REPACKED[packed]]
+    head = 4 if packed == "Q4_1R" else 2  # bytes of float16 fields a block
     *lead, n, row_len = data.shape
-    groups = row_len // 34
-    blocks = data.reshape(*lead, n // c, c, groups, 34)  # [..., tile, channel, group, d | 32 codes]
-    scales = np.moveaxis(blocks[..., :2], -3, -2)  # [..., tile, group, channel, 2]
-    codes = np.moveaxis(blocks[..., 2:].reshape(*lead, n // c, c, groups, 8, 4), -4, -2)  # [..., tile, group, 8, c, 4]
-    tiles = np.concatenate([scales.reshape(*lead, n // c, groups, 2 * c),
-                            codes.reshape(*lead, n // c, groups, 32 * c)], axis=-1)
+    groups, dwords = row_len // block_bytes, (block_bytes - head) // 4
+    blocks = data.reshape(*lead, n // c, c, groups, block_bytes)  # [..., tile, channel, group, fields | codes]
+    fields = np.moveaxis(blocks[..., :head].reshape(*lead, n // c, c, groups, head // 2, 2), -4, -2)
+    codes = np.moveaxis(blocks[..., head:].reshape(*lead, n // c, c, groups, dwords, 4), -4, -2)
+    tiles = np.concatenate([fields.reshape(*lead, n // c, groups, head * c),
+                            codes.reshape(*lead, n // c, groups, 4 * dwords * c)], axis=-1)
     return np.ascontiguousarray(tiles.reshape(data.shape))
 
 

@@ -31,6 +31,8 @@ inline IVec ISet1(int32_t a) { return _mm512_set1_epi32(a); }
 inline IVec IMul(IVec a, IVec b) { return _mm512_mullo_epi32(a, b); }
 inline Vec ToFloat(IVec a) { return _mm512_cvtepi32_ps(a); }
 inline IVec FlipSigns(IVec a) { return _mm512_xor_si512(a, _mm512_set1_epi8(static_cast<char>(0x80))); }
+inline IVec LowNibbles(IVec a) { return _mm512_and_si512(a, _mm512_set1_epi8(0x0F)); }
+inline IVec HighNibbles(IVec a) { return _mm512_and_si512(_mm512_srli_epi16(a, 4), _mm512_set1_epi8(0x0F)); }
 inline Vec Halves(const uint8_t* p) {  // kIntCh float16 as float32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -88,6 +90,8 @@ inline IVec ISet1(int32_t a) { return _mm256_set1_epi32(a); }
 inline IVec IMul(IVec a, IVec b) { return _mm256_mullo_epi32(a, b); }
 inline Vec ToFloat(IVec a) { return _mm256_cvtepi32_ps(a); }
 inline IVec FlipSigns(IVec a) { return _mm256_xor_si256(a, _mm256_set1_epi8(static_cast<char>(0x80))); }
+inline IVec LowNibbles(IVec a) { return _mm256_and_si256(a, _mm256_set1_epi8(0x0F)); }
+inline IVec HighNibbles(IVec a) { return _mm256_and_si256(_mm256_srli_epi16(a, 4), _mm256_set1_epi8(0x0F)); }
 inline Vec Halves(const uint8_t* p) {  // kIntCh float16 as float32
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -387,41 +391,61 @@ void IntChannels(const IntActs& a, const uint8_t* w, int64_t row_len, float* y, 
   }
 }
 
-// Q8_0 repacked at load (cpu_kernel.pack_blocks, format "Q8_0R"): the kIntCh rows of w from channel t kIntCh on
-// hold that tile; for each 32 columns in K order, the tile's kIntCh float16 scales side by side, then the 8 code
-// vectors IntCodes holds (the int8 codes as stored). A call reads them as they lie, with nothing to decode or
-// reorder (at one row the decoding is most of the plain layout's cost); the integer sums and the epilogue are
-// IntTile's, so a row's bits are the plain layout's.
-constexpr int64_t kPackedGroup = kIntCh * 34;  // bytes of a tile's 32 columns
+// Q8_0, Q4_0 and Q4_1 repacked at load (cpu_kernel.pack_blocks, formats "Q8_0R", "Q4_0R", "Q4_1R"): the kIntCh
+// rows of w from channel t kIntCh on hold that tile; for each 32 columns in K order, the tile's float16 fields side
+// by side (d, then Q4_1's m), then the code bytes as dwords, dword i lane c holding channel c's bytes 4i..4i+3: Q8_0's
+// 8 dwords are IntCodes' 8 vectors (int8 as stored); Q4_0 and Q4_1's 4 hold codes 4i..4i+3 in their low nibbles and
+// 16 + 4i.. in their high ones. A call reads them as they lie, with nothing to decode per channel or reorder (at one
+// row the decoding is most of the plain layout's cost); the integer sums and the epilogue are IntTile's, so a row's
+// bits are the plain layout's.
+template <typename F>
+struct Packed {
+  static constexpr int kFields = F::kMin ? 2 : 1;  // float16 fields a channel: d (and m)
+  static constexpr int64_t kGroup = kIntCh * F::kBytes;  // bytes of a tile's 32 columns
+  static void Load(const uint8_t* g, IVec* w, Vec& dw, Vec& mw) {
+    dw = Halves(g), mw = F::kMin ? Halves(g + 2 * kIntCh) : Zero();
+    const uint8_t* codes = g + 2 * kFields * kIntCh;
+    if constexpr (F::kBytes == 34) {  // Q8_0: IntQ8_0's unsigned codes q + 128 with VNNI
+      for (int j = 0; j < 8; ++j) {
+        w[j] = ILoad(codes + j * kIntCh * 4);
+        if constexpr (kVnni) w[j] = FlipSigns(w[j]);
+      }
+    } else {
+      for (int i = 0; i < 4; ++i) {
+        const IVec v = ILoad(codes + i * kIntCh * 4);
+        w[i] = LowNibbles(v), w[i + 4] = HighNibbles(v);
+      }
+    }
+  }
+};
 
-template <int R>
+template <typename F, int R>
 void PackedTile(const IntActs& a, int64_t m0, const uint8_t* tile, float* y, int64_t N, int64_t n0) {
   Vec acc[R];
   for (int r = 0; r < R; ++r) acc[r] = Zero();
   for (int64_t group = 0; group < a.K / 32; ++group) {
-    const uint8_t* g = tile + group * kPackedGroup;
-    for (int64_t o = 0; o < kPackedGroup; o += 64) _mm_prefetch(reinterpret_cast<const char*>(g) + kIntAhead + o,
-                                                                _MM_HINT_T0);
+    const uint8_t* g = tile + group * Packed<F>::kGroup;
+    for (int64_t o = 0; o < Packed<F>::kGroup; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(g) + kIntAhead + o, _MM_HINT_T0);
     IVec w[8];
-    for (int j = 0; j < 8; ++j) {
-      w[j] = ILoad(g + 2 * kIntCh + j * kIntCh * 4);
-      if constexpr (kVnni) w[j] = FlipSigns(w[j]);  // IntQ8_0's unsigned codes q + 128
-    }
-    IntGroup<IntQ8_0, R>(a, m0, group, w, Halves(g), Zero(), ISet1(0), ISet1(0), nullptr, acc);
+    Vec dw, mw;
+    Packed<F>::Load(g, w, dw, mw);
+    IntGroup<F, R>(a, m0, group, w, dw, mw, ISet1(0), ISet1(0), nullptr, acc);
   }
   StoreTile<R>(acc, m0, y, N, n0, kIntCh);
 }
 
+template <typename F>
 void PackedChannels(const IntActs& a, const uint8_t* w, int64_t row_len, float* y, int64_t M, int64_t N,
                     int64_t n_begin, int64_t n_end) {
   for (int64_t n = n_begin; n < n_end; n += kIntCh) {
     const uint8_t* tile = w + n * row_len;
     int64_t m = 0;
-    for (; m + kIntRows <= M; m += kIntRows) PackedTile<kIntRows>(a, m, tile, y, N, n);
+    for (; m + kIntRows <= M; m += kIntRows) PackedTile<F, kIntRows>(a, m, tile, y, N, n);
     switch (M - m) {
-      case 3: PackedTile<3>(a, m, tile, y, N, n); break;
-      case 2: PackedTile<2>(a, m, tile, y, N, n); break;
-      case 1: PackedTile<1>(a, m, tile, y, N, n); break;
+      case 3: PackedTile<F, 3>(a, m, tile, y, N, n); break;
+      case 2: PackedTile<F, 2>(a, m, tile, y, N, n); break;
+      case 1: PackedTile<F, 1>(a, m, tile, y, N, n); break;
     }
   }
 }
@@ -445,7 +469,7 @@ ffi::Error IntMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   ParallelFor(pool, (N + per - 1) / per, [&](int64_t i) {
     const int64_t begin = i * per, end = std::min(N, (i + 1) * per);
     if constexpr (kPacked) {
-      PackedChannels(a, w.typed_data(), wd[1], y->typed_data(), M, N, begin, end);
+      PackedChannels<F>(a, w.typed_data(), wd[1], y->typed_data(), M, N, begin, end);
     } else {
       IntChannels<F>(a, w.typed_data(), wd[1], y->typed_data(), M, N, begin, end);
     }
@@ -453,12 +477,14 @@ ffi::Error IntMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+template <typename F>
 ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                         ffi::ResultBuffer<ffi::F32> y) {
-  return IntMatmul<IntQ8_0, true>(pool, x, w, y);
+  return IntMatmul<F, true>(pool, x, w, y);
 }
 
-// Rows `ids` of a repacked Q8_0 table as float32 [M, K]: the plain layout's weights (d * q, as BlockRows<Q8_0>).
+// Rows `ids` of a repacked Q8_0 table as float32 [M, K]: the plain layout's weights (d * q, as BlockRows<Q8_0>). (A
+// table that is looked up is repacked only in Q8_0.)
 ffi::Error PackedRows(ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> y) {
   const auto wd = w.dimensions(), yd = y->dimensions();
   if (wd.size() != 2 || yd.size() != 2 || size_t(yd[0]) != ids.element_count() || yd[1] % 32 ||
@@ -472,7 +498,7 @@ ffi::Error PackedRows(ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> ids, ffi::Re
     const uint8_t* tile = w.typed_data() + id[m] / kIntCh * kIntCh * row_len;
     const int64_t lane = id[m] % kIntCh;
     for (int64_t group = 0; group < K / 32; ++group) {
-      const uint8_t* g = tile + group * kPackedGroup;
+      const uint8_t* g = tile + group * Packed<IntQ8_0>::kGroup;
       int8_t q[32];
       for (int j = 0; j < 8; ++j) std::memcpy(q + 4 * j, g + 2 * kIntCh + (j * kIntCh + lane) * 4, 4);
       const Vec d = Set1(HalfToFloat(g + 2 * lane));
@@ -490,12 +516,18 @@ extern "C" const char* jaxstation_int_dot_isa() { return kIntIsa; }
 // Channels a tile of the integer products (a repacked matrix's tile): 16 with AVX-512, 8 with AVX2.
 extern "C" int jaxstation_int_channels() { return kIntCh; }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(IntMatmulQ8_0R, PackedMatmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// Per repacked format, the integer matmul: IntMatmulQ8_0R, IntMatmulQ4_0R, IntMatmulQ4_1R
+#define JAXSTATION_PACKED_FORMAT(F)                                                                         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(IntMatmul##F##R, PackedMatmul<Int##F>,                                      \
+                                ffi::Ffi::Bind()                                                            \
+                                    .Ctx<ffi::ThreadPool>()                                                 \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                           \
+                                    .Arg<ffi::Buffer<ffi::U8>>()                                            \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+JAXSTATION_PACKED_FORMAT(Q8_0)
+JAXSTATION_PACKED_FORMAT(Q4_0)
+JAXSTATION_PACKED_FORMAT(Q4_1)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockRowsQ8_0R, PackedRows,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::S32>>().Ret<
                                   ffi::Buffer<ffi::F32>>());

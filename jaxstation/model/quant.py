@@ -46,7 +46,7 @@ class QuantWeight:
 class KernelWeight:
     w: jax.Array  # [..., out, in]: int8, or float32; uint8 [..., out, in / block * block bytes] for GGUF blocks
     scale: jax.Array | None  # float32 [..., out] for int8; None otherwise
-    blocks: str | None = None  # the GGUF block format of w ("Q4_1", ..., "Q8_0R" repacked); None for int8 and float32
+    blocks: str | None = None  # the GGUF block format of w ("Q4_1", ..., "Q4_1R" repacked); None for int8 and float32
     integer: bool = False  # blocks multiplied in integers over 8-bit activations (weights "gguf")
 
     @property
@@ -102,12 +102,12 @@ def on_kernel(w: Weight) -> bool:
     return isinstance(w, KernelWeight | JoinedWeight)
 
 
-def stored(w: GGUFBlocks, weights: str, matmul: str) -> KernelWeight | None:
+def stored(w: GGUFBlocks, weights: str, matmul: str, looked_up: bool = False) -> KernelWeight | None:
     """GGUF blocks as stored, for the kernel: where weights "gguf" or "gguf-exact" ask for them and the kernel reads
-    that format at that shape (Q8_0 repacked into the integer products' tiles, `cpu_kernel.pack_blocks`); else
-    None."""
+    that format at that shape (Q8_0, Q4_0 and Q4_1 repacked into the integer products' tiles,
+    `cpu_kernel.pack_blocks`; a table whose rows are `looked_up`, Q8_0 only); else None."""
     if weights in GGUF_WEIGHTS and matmul == "kernel" and cpu_kernel.fits_blocks(w.fmt, w.shape[-1], w.shape[-2]):
-        if weights == "gguf" and (packed := cpu_kernel.repacked_format(w.fmt, w.shape[-2])):
+        if weights == "gguf" and (packed := cpu_kernel.repacked_format(w.fmt, w.shape[-2], looked_up)):
             return KernelWeight(jnp.asarray(cpu_kernel.pack_blocks(w.data, packed)), None, packed, True)
         return KernelWeight(jnp.asarray(w.data), None, w.fmt, weights == "gguf")
     return None
@@ -161,7 +161,7 @@ def prepare_embedding(embed: Tensor, weights: str, matmul: str, tied: bool) -> W
     out-major for the kernel as it stands, or (weights "gguf", "gguf-exact") in its GGUF blocks. Untied, it is only
     looked up, so it stays in the compute dtype."""
     if isinstance(embed, GGUFBlocks):
-        if tied and (kw := stored(embed, weights, matmul)):
+        if tied and (kw := stored(embed, weights, matmul, looked_up=True)):
             return kw
         embed = embed.dequantize()
     if tied and matmul == "kernel" and cpu_kernel.fits(embed.shape[1], embed.shape[0]):
