@@ -1,9 +1,10 @@
 """Greedy parity probe: a deployed station's replies against a reference made beforehand, on CPU, for the same model.
 
 `make` runs a fixed set of chat prompts greedily through the station's own engine on this machine (no server) and
-writes their token ids and replies. `check` sends the same prompts to a station's POST /generate, checks each reply is
-well-formed and equal to the reference, prints the first position where a reply departs from it, and exits 1 on any
-failure. The station must run the same model, dtype, prefill chunk and KV block as the reference (recorded in it).
+writes their token ids and replies. `check` sends the same prompts to a station's POST /generate, all at once,
+checks each reply is well-formed and equal to the reference, prints the first position where a reply departs from it,
+and exits 1 on any failure. The station must run the same model, dtype, prefill chunk and KV block as the reference
+(recorded in it).
 
 Usage:
   python -m bench.parity_probe make [--model PATH] [--dtype float32] [--out bench/parity_reference.json]
@@ -18,6 +19,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.workload import reply_problems
@@ -71,16 +73,21 @@ def check(url: str, reference: Path) -> int:
     ref = json.loads(reference.read_text())
     token = os.environ.get("JAXSTATION_BEARER_TOKEN")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    def run(client: httpx.Client, case: dict) -> list[str]:
+        body = {"tokens": case["tokens"], "max_new_tokens": ref["max_new_tokens"], "temperature": 0}
+        try:
+            r = client.post("/generate", json=body)
+            return [f"HTTP {r.status_code}: {r.text[:300]}"] if r.status_code != 200 else \
+                problems(r.json(), case, ref["max_new_tokens"])
+        except (httpx.HTTPError, ValueError) as e:
+            return [f"{type(e).__name__}: {e}"]
+
     failed = 0
-    with httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=600) as client:
-        for i, case in enumerate(ref["cases"]):
-            body = {"tokens": case["tokens"], "max_new_tokens": ref["max_new_tokens"], "temperature": 0}
-            try:
-                r = client.post("/generate", json=body)
-                found = [f"HTTP {r.status_code}: {r.text[:300]}"] if r.status_code != 200 else \
-                    problems(r.json(), case, ref["max_new_tokens"])
-            except (httpx.HTTPError, ValueError) as e:
-                found = [f"{type(e).__name__}: {e}"]
+    with httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=600) as client, \
+            ThreadPoolExecutor(len(ref["cases"])) as pool:  # all at once: a batch-invariant station's bits are alike
+        for i, (case, found) in enumerate(zip(ref["cases"], pool.map(lambda c: run(client, c), ref["cases"]),
+                                              strict=True)):
             failed += bool(found)
             print(f"case {i} ({case['question']!r}): {'ok' if not found else 'FAILED: ' + '; '.join(found)}")
     print(f"parity probe: {len(ref['cases']) - failed}/{len(ref['cases'])} replies equal to the reference "

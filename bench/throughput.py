@@ -246,13 +246,20 @@ def main() -> None:
 
     if args.shape:  # random weights: no tokenizer and no checkpoint for a station subprocess
         args.no_http = True
-    model, args.engine_kw = bench_model(args, seq_len(args.prompt_len, args.new_tokens, args.chunk, args.block))
-    if model.tokenizer is None:
-        rng = np.random.default_rng(args.seed)
-        prompts = rng.integers(3, model.cfg.vocab_size, (max(args.ks), args.prompt_len)).tolist()
+    if args.url:  # a running station: the prompts need the model's tokenizer here, not its weights
+        from jaxstation.model.loader import load_tokenizer, model_source
+
+        source = model_source(args.model)
+        prompts = make_prompts(load_tokenizer(source), max(args.ks), args.prompt_len, seed=args.seed)
     else:
-        prompts = make_prompts(model.tokenizer, max(args.ks), args.prompt_len, seed=args.seed)
-    out = {"config": {k: v for k, v in vars(args).items()}, "model": str(model.source)}
+        model, args.engine_kw = bench_model(args, seq_len(args.prompt_len, args.new_tokens, args.chunk, args.block))
+        source = model.source
+        if model.tokenizer is None:
+            rng = np.random.default_rng(args.seed)
+            prompts = rng.integers(3, model.cfg.vocab_size, (max(args.ks), args.prompt_len)).tolist()
+        else:
+            prompts = make_prompts(model.tokenizer, max(args.ks), args.prompt_len, seed=args.seed)
+    out = {"config": {k: v for k, v in vars(args).items()}, "model": str(source)}
     out["direct"] = {"skipped": "--no-direct"} if args.no_direct else direct(args, model, prompts)
     out["http"] = {"skipped": "--no-http"} if args.no_http or args.mesh else http(args, prompts)
     if args.mesh:

@@ -1,5 +1,8 @@
 """`jaxstation generate` runs one prompt on a one-lane engine; `jaxstation serve` runs the station server;
-`jaxstation station --layers A:B` and `jaxstation host --stations URL,...` run a model split across a mesh."""
+`jaxstation station --layers A:B` and `jaxstation host --stations URL,...` run a model split across a mesh.
+
+The command line imports JAX, the engine, the model and the server only once a command needs them: `--version`,
+`--help` and a refused setting or model path answer without them."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from jaxstation import __version__
-from jaxstation.config.memory import use_gpu_memory_fraction
+from jaxstation.config.gpu_memory import use_gpu_memory_fraction
 from jaxstation.config.settings import (
     COMMANDS,
     DTYPES,
@@ -22,7 +25,7 @@ from jaxstation.config.settings import (
     add_arguments,
     resolve,
 )
-from jaxstation.model.loader import CheckpointError
+from jaxstation.model.source import CheckpointError, model_source
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -46,7 +49,17 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _import_jax() -> None:
+    """Import JAX, then keep its loggers to warnings: JAX takes the `jax` logger's level at import for its own logging
+    setting (and with one set, adds a handler of its own), so the level is set after it."""
+    import jax  # noqa: F401
+
+    logging.getLogger("jax").setLevel(logging.WARNING)  # not the backend probe's INFO lines
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    model_source(args.model)  # a path that names no checkpoint is refused before JAX loads
+    _import_jax()
     from jaxstation.config.plan import load_planned, planned_engine, startup_plan
     from jaxstation.engine.engine import generate
     from jaxstation.engine.rows import SamplingParams
@@ -86,6 +99,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_export_tokenizer(args: argparse.Namespace) -> int:
+    model_source(args.model)
+    _import_jax()
     from jaxstation.model.loader import load_tokenizer
 
     load_tokenizer(args.model).save_hf_dir(args.out)
@@ -94,6 +109,9 @@ def cmd_export_tokenizer(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    config = resolve(args, command="serve")
+    model_source(config.model)  # a path that names no checkpoint is refused before JAX loads
+    _import_jax()
     from jaxstation.app import station_and_app
     from jaxstation.config.draft import check_draft
     from jaxstation.config.plan import auto_max_seq
@@ -101,7 +119,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from jaxstation.model.loader import checkpoint_config
     from jaxstation.server.serve import serve, warmup_only
 
-    config = resolve(args, command="serve")
     cfg = checkpoint_config(config.model)  # a bad checkpoint is refused here, before the server announces it listens
     check_draft(config)  # as a draft model whose vocabulary differs
     group = process_group(config)
@@ -131,25 +148,28 @@ def _group_leader(config: StationConfig, group: Group) -> tuple[Starlette, Stati
 
 
 def cmd_station(args: argparse.Namespace) -> int:
-    from jaxstation.mesh.station import serve_station
-    from jaxstation.model.loader import checkpoint_config
-
     config = resolve(args, command="station")
     if config.layers is None:
         raise ConfigError("a mesh station needs its layer range: --layers A:B (MOONSHINE_LAYERS)")
     config.check_mesh_security()
+    model_source(config.model)
+    _import_jax()
+    from jaxstation.mesh.station import serve_station
+    from jaxstation.model.loader import checkpoint_config
+
     checkpoint_config(config.model)  # as serve: a bad checkpoint is refused before the station listens
     return serve_station(config)
 
 
 def cmd_host(args: argparse.Namespace) -> int:
-    from jaxstation.mesh.host import create_host_app
-    from jaxstation.server.serve import serve
-
     config = resolve(args, command="host")
     if not config.station_urls:
         raise ConfigError("a mesh host needs its stations: --stations URL,URL,... (MOONSHINE_MESH_STATIONS)")
     config.check_mesh_security()
+    _import_jax()
+    from jaxstation.mesh.host import create_host_app
+    from jaxstation.server.serve import serve
+
     return serve(config, create_host_app)
 
 
@@ -234,7 +254,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             command_parser.error("need --temperature >= 0, --top-k >= 0 and --top-p in (0, 1]")
     use_gpu_memory_fraction()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("jax").setLevel(logging.WARNING)  # not the backend probe's INFO lines
     logging.getLogger("jax._src.xla_bridge").addFilter(_plugin_error_in_one_line)
     try:
         return args.func(args)

@@ -35,7 +35,8 @@ from jaxstation.config.settings import StationConfig  # noqa: E402
 from jaxstation.engine.engine import Engine  # noqa: E402
 from jaxstation.engine.rows import SamplingParams  # noqa: E402
 from jaxstation.mesh.stage import Stage  # noqa: E402
-from jaxstation.model.config import LayerRange, ModelConfig  # noqa: E402
+from jaxstation.model.choices import LayerRange  # noqa: E402
+from jaxstation.model.config import ModelConfig  # noqa: E402
 from jaxstation.model.layers import build_params  # noqa: E402
 from jaxstation.model.loader import LoadedModel, checkpoint_config, hf_config  # noqa: E402
 from jaxstation.model.sharding import device_bytes, make_mesh, shard_params  # noqa: E402

@@ -27,6 +27,20 @@ def test_version() -> None:
     assert jaxstation.__version__[0].isdigit()
 
 
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["serve", "--help"], ["generate", "--help"],
+                                  ["serve", "--lanes", "0"], ["station", "--port", "0"],
+                                  ["generate", "--prompt", "hi", "--model", "nonexistent"]])
+def test_help_version_and_refused_settings_answer_without_importing_jax(args: list[str]) -> None:
+    """What needs no model answers without JAX, the engine or the server: an instant --help."""
+    code = ("import sys\nfrom jaxstation.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('jax', 'jaxstation.engine.engine', 'jaxstation.server.station') "
+            "if m in sys.modules))")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=60)
+    assert r.stdout.splitlines()[-1] == "[]", r.stdout + r.stderr
+
+
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_missing_model_path_is_one_line_without_traceback(command: str, tmp_path: Path) -> None:
     missing = tmp_path / "nonexistent"

@@ -171,10 +171,11 @@ def test_container_command_serves_on_port_then_drains_on_sigterm_and_a_warm_star
     image_env = {k: v for k, v in img.env.items() if k not in ("PATH", "VIRTUAL_ENV")}  # the image's own paths
     (tmp_path / "model").symlink_to(default_model_path())  # as the image links /opt/jaxstation/model
     image_env["MOONSHINE_MODEL"] = str(tmp_path / "model")
-    # one lane, prompts one chunk per turn: the fewest programs (a cold start compiles each)
+    # one lane, prompts one chunk per turn: the fewest programs (a cold start compiles each); the layers in a scan, so
+    # each program compiles one layer's body rather than thirty unrolled
     env = env_with_tree(**{**image_env, "PORT": str(port), "MOONSHINE_BATCH_LANES": "1",
                            "MOONSHINE_CONTINUOUS_BATCH": "0", "MOONSHINE_PREFILL_BUDGET": "off",
-                           "MOONSHINE_COMPILE_CACHE_DIR": str(cache)})
+                           "MOONSHINE_LAYER_LOOP": "scan", "MOONSHINE_COMPILE_CACHE_DIR": str(cache)})
     with station_process([tool(img.cmd[0]), *img.cmd[1:]], port, tmp_path / "serve.log", 120, env=env,
                          cwd=tmp_path) as (proc, client):
         assert client.get("/v1/models").json()["data"][0]["id"] == "SmolLM2-135M-Instruct.Q4_1"  # the link's target
@@ -340,10 +341,10 @@ def test_deploy_script_refuses_bad_input(args: list[str], message: str, tmp_path
 @pytest.fixture(scope="module")
 def local_station(float32_model: LoadedModel):
     """In the parity reference's dtype (float32), as the deploy script runs the default model. Prompts prefill in
-    chunks (no packed steps: the probe's bits are the same either way, and a warm-up without them compiles 7 of the
-    11 float32 programs no other test shares)."""
+    chunks and every decode wave runs all 4 lanes (no packed steps, no narrow waves: the probe's bits are the same
+    either way, and a warm-up without them compiles the fewest float32 programs no other test shares)."""
     station = Station(StationConfig(lanes=4, max_seq=512, continuous=True, max_queue=8, dtype="float32",
-                                    prefill_budget="off"), model=float32_model)
+                                    prefill_budget="off", wave_widths=(4,)), model=float32_model)
     with ServerThread(create_app(station)) as server:
         wait_for(lambda: station.ready.is_set(), 120, "the station did not turn ready")
         yield server

@@ -15,7 +15,7 @@ from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample, SamplingParams, sampling_arrays
 from jaxstation.group.payload import DTYPES, decode, encode
 from jaxstation.mesh.stage import Stage, slice_params
-from jaxstation.model.config import LayerRange
+from jaxstation.model.choices import LayerRange
 
 
 def _stages(model, splits: list[str], attention: str = "blocked") -> list[Stage]:

@@ -21,6 +21,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from pydantic import TypeAdapter
 from schemathesis.core import NOT_SET
+from schemathesis.core.parameters import ParameterLocation
 from server_util import ServerThread, wait_for
 
 from jaxstation.anthropic import protocol as anthropic_protocol
@@ -40,6 +41,11 @@ STREAM_CHUNKS = {"/v1/completions": CompletionResponse, "/v1/chat/completions": 
                  "/v1/responses": responses_protocol.StreamEvent, "/v1/messages": anthropic_protocol.StreamEvent}
 NAMED_EVENTS = ("/v1/responses", "/v1/messages")  # streams of named events, without "[DONE]"
 CASES: list[str] = []  # one entry per case sent, for the count in the docs
+# A valid body that sets no limit on the tokens generated runs to the end of the context; it is sent with a small one,
+# the route's first limit field (the schema allows any value >= 1). Every other field is sent as generated.
+TOKEN_LIMITS = {"/v1/completions": ("max_tokens",), "/v1/chat/completions": ("max_completion_tokens", "max_tokens"),
+                "/v1/responses": ("max_output_tokens",)}
+FUZZ_MAX_TOKENS = 4
 
 
 FUZZ_LAYERS = 2
@@ -110,6 +116,10 @@ def test_fuzz(case: schemathesis.Case) -> None:
     breaks the schema. A body the schema allows may still be refused by a rule no type can say (a token id past the
     vocabulary, a prompt longer than the context), so a valid body's 4xx is not a failure; its error is checked."""
     CASES.append(f"{case.method} {case.path}")
+    limits = TOKEN_LIMITS.get(case.path, ())
+    if limits and isinstance(case.body, dict) and not case.meta.is_negative_at(ParameterLocation.BODY) and \
+            all(case.body.get(field) is None for field in limits):
+        case.body[limits[0]] = FUZZ_MAX_TOKENS
     try:
         response = case.call(timeout=60)
     except requests.Timeout:

@@ -21,13 +21,6 @@ log = logging.getLogger(__name__)
 
 PREFIX_CACHE_RAM_SHARE, PREFIX_CACHE_RAM_CAP = 4, 8 * GiB  # the host tier's default: a quarter of free RAM, <= 8 GiB
 PREFIX_CACHE_DISK_DEFAULT = 4 * GiB  # the disk tier's bytes unless set
-GPU_MEM_FRACTION = "0.92"  # of the card, for weights + arena + XLA's scratch; JAX's own default is 0.75
-
-
-def use_gpu_memory_fraction() -> None:
-    """Let JAX's GPU allocator take GPU_MEM_FRACTION of the card (unless the user set it): its default 75% would not
-    hold Mistral-7B in bfloat16 plus an 8 x 4096 arena on a 24 GB L4. Call before JAX first touches a device."""
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEM_FRACTION)
 
 
 def weight_bytes(cfg: ModelConfig, dtype: str, shards: int = 1) -> int:

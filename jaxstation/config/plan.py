@@ -26,10 +26,10 @@ from jaxstation.engine.arena import arena_bytes, arena_layout, kv_dtype_of
 from jaxstation.engine.engine import Engine
 from jaxstation.kernels import cpu_kernel
 from jaxstation.model import sharding
+from jaxstation.model.choices import GGUF_WEIGHTS
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.layers import compute_dtype, kernel_takes_every_matmul
 from jaxstation.model.loader import LoadedModel, checkpoint_config, load_model
-from jaxstation.model.quant import GGUF_WEIGHTS
 
 log = logging.getLogger(__name__)
 

@@ -24,12 +24,9 @@ from jaxstation.config.setting_values import (
     parse_names,
     parse_str,
 )
-from jaxstation.engine.arena import KV_DTYPES, KV_WINDOWS
-from jaxstation.engine.rules import ATTENTIONS, PACK_BUDGET_AUTO
+from jaxstation.engine.choices import ATTENTIONS, KV_DTYPES, KV_WINDOWS, PACK_BUDGET_AUTO
 from jaxstation.model.chat_template import read_template
-from jaxstation.model.config import LayerRange
-from jaxstation.model.layers import LAYER_LOOPS, WEIGHT_DTYPES
-from jaxstation.model.quant import MATMULS
+from jaxstation.model.choices import LAYER_LOOPS, MATMULS, WEIGHT_DTYPES, LayerRange
 
 MiB = 1 << 20
 GiB = 1 << 30

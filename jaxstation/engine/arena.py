@@ -22,12 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxstation.engine.choices import KV_DTYPES, KV_WINDOWS
 from jaxstation.engine.penalties import TokenState, allocate_token_state
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.sharding import arena_sharding, replicated
-
-KV_WINDOWS = ("ring", "full")  # windowed layers keep a ring of their window, or every position (llama.cpp's swa-full)
-KV_DTYPES = ("auto", "float32", "bfloat16", "int8")  # auto: the activations' dtype
 
 
 def kv_dtype_of(kv_dtype: str, activations: jnp.dtype) -> jnp.dtype:

@@ -28,6 +28,7 @@ from jaxstation.engine.arena import (
     read_window,
     restore_lane,
 )
+from jaxstation.engine.choices import ATTENTIONS
 from jaxstation.engine.penalties import lane_rows, start_lane
 from jaxstation.engine.prefix_cache import LaneVersions, RingHold
 from jaxstation.engine.prefix_tier import tier_refusal
@@ -43,7 +44,6 @@ from jaxstation.engine.rows import (
     sampling_arrays,
 )
 from jaxstation.engine.rules import (
-    ATTENTIONS,
     attention_refusal,
     budget_refusal,
     default_prefill_budget,
@@ -75,7 +75,7 @@ class Engine:
         packed admission step (`pack`; 0: prompts enter one `prefill` chunk at a time; None:
         `rules.default_prefill_budget`). speculative: verify drafted tokens (`verify`; where waves may run narrow).
         kv_windows: "ring" keeps only a windowed layer's window (engine/arena.py), "full" every position. kv_dtype:
-        the arena's dtype (`arena.KV_DTYPES`; the decode attention kernel reads float32 only).
+        the arena's dtype (`choices.KV_DTYPES`; the decode attention kernel reads float32 only).
         max_loras, max_lora_rank: the LoRA adapters resident at once and their highest rank (model/lora.py): slots
         1..max_loras of stacks allocated here, slot 0 the base; 0 serves none and the steps carry no adapters.
         A station passes its plan's (config/plan.py), resolved by the same rules."""

@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxstation.engine.choices import PACK_BUDGET_AUTO
 from jaxstation.kernels import cpu_kernel
 from jaxstation.model.config import ModelConfig
 
-# Decode attention: the blocked online-softmax walk, the CPU decode attention kernel (each row's own positions, read in
-# place), or jax.nn.dot_product_attention ("xla" or "cudnn") over each lane's whole slab with per-lane lengths (no
-# per-block loop; cuDNN skips what lies past a lane's length).
-ATTENTIONS = ("blocked", "kernel", "xla", "cudnn")
 ROW_ATTENTIONS = ("blocked", "kernel")  # those that take any subset of lanes, so waves may run narrow
 KERNEL_KV_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)  # the arenas the attention kernel reads in place
-PACK_BUDGET_AUTO = 128  # rows per packed admission step where packing is on by default (bench/admission.py)
 
 
 def attention_refusal(cfg: ModelConfig, attention: str, dtype: jnp.dtype, max_seq: int,

@@ -18,7 +18,8 @@ from jaxstation.config.plan import Plan
 from jaxstation.config.settings import StationConfig
 from jaxstation.engine.jobs import UpstreamFailed
 from jaxstation.group.payload import CONTENT_TYPE, PayloadError, decode, encode
-from jaxstation.model.config import LayerRange, ModelConfig
+from jaxstation.model.choices import LayerRange
+from jaxstation.model.config import ModelConfig
 from jaxstation.model.layers import compute_dtype
 
 RETRY_S = 0.25  # between probes of a lost station

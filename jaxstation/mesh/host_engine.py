@@ -40,7 +40,8 @@ from jaxstation.engine.rows import DecodeRow, Sample, SamplingParams, read_sampl
 from jaxstation.engine.sampling import SampleOut
 from jaxstation.mesh.client import MeshError, StationClient, StationLost, check_mesh, describe_field, wait_info
 from jaxstation.mesh.stage import SAMPLING_FIELDS
-from jaxstation.model.config import LayerRange, ModelConfig
+from jaxstation.model.choices import LayerRange
+from jaxstation.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -25,7 +25,8 @@ from jaxstation.engine.sampling import SampleOut, SamplingArrays, sample, token_
 from jaxstation.engine.steps import run_layers
 from jaxstation.group.payload import DTYPES, PayloadError
 from jaxstation.kernels.rowwise import log_softmax
-from jaxstation.model.config import LayerRange, ModelConfig
+from jaxstation.model.choices import LayerRange
+from jaxstation.model.config import ModelConfig
 from jaxstation.model.layers import Params, embed_tokens, layer_at, lm_logits
 from jaxstation.model.loader import LoadedModel
 from jaxstation.model.sharding import fused_sizes, mesh_of, natural_order

@@ -310,25 +310,3 @@ class ModelConfig:
 
 
 jax.tree_util.register_static(ModelConfig)
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerRange:
-    """Layers [start, stop) of a model: what one mesh station holds."""
-
-    start: int
-    stop: int
-
-    @classmethod
-    def parse(cls, text: str) -> LayerRange:
-        """'A:B' -> layers [A, B)."""
-        a, sep, b = text.partition(":")
-        if not sep or not a.strip().isdigit() or not b.strip().isdigit():
-            raise ValueError(f"a layer range is 'A:B' with integers 0 <= A < B, got {text!r}")
-        r = cls(int(a), int(b))
-        if r.start >= r.stop:
-            raise ValueError(f"a layer range is 'A:B' with A < B, got {text!r}")
-        return r
-
-    def __str__(self) -> str:
-        return f"{self.start}:{self.stop}"

@@ -28,11 +28,10 @@ import numpy as np
 
 from jaxstation.kernels import cpu_kernel
 from jaxstation.kernels.rowwise import row_sum
+from jaxstation.model.choices import GGUF_WEIGHTS, LAYER_LOOPS, MATMULS, WEIGHT_DTYPES
 from jaxstation.model.config import NO_WINDOW, ModelConfig
 from jaxstation.model.lora import LoraLayer, LoraProj, add_delta, empty_layer, part_shapes, write_slot
 from jaxstation.model.quant import (
-    GGUF_WEIGHTS,
-    MATMULS,
     Tensor,
     Weight,
     compute_dtype,
@@ -48,7 +47,6 @@ from jaxstation.model.quant import (
 )
 from jaxstation.model.sharding import fused_sizes, make_mesh, on_shards, shard_major, split_fused
 
-LAYER_LOOPS = ("scan", "unroll")
 # a layer's weights that are not projections
 VECTOR_SLOTS = ("attn_norm", "mlp_norm", "bqkv", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
 Carry = TypeVar("Carry")
@@ -119,10 +117,6 @@ def kernel_takes_every_matmul(cfg: ModelConfig) -> bool:
     loaded Params are `row_invariant`: known from the shapes alone, before loading (a GGUF block format the kernel
     reads at a shape implies that shape fits it)."""
     return all(cpu_kernel.fits(i, o) for i, o in [*projection_shapes(cfg), (cfg.hidden_size, cfg.vocab_size)])
-
-
-# gguf, gguf-exact: a GGUF file's blocks as stored, on the CPU kernel, multiplied in integers or float32-exact
-WEIGHT_DTYPES = ("float32", "bfloat16", "int8", *GGUF_WEIGHTS)
 
 
 def build_params(cfg: ModelConfig, tensor: Callable[[int | None, str], Tensor], weights: str = "float32",

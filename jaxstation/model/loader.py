@@ -17,12 +17,13 @@ import numpy as np
 
 from jaxstation.kernels.cpu_kernel import BLOCK_FORMATS
 from jaxstation.model import sharding
+from jaxstation.model.choices import GGUF_WEIGHTS, WEIGHT_DTYPES
 from jaxstation.model.config import ModelConfig
-from jaxstation.model.default_model import default_model_path
 from jaxstation.model.gguf_file import GGUFFile, GGUFTensor
 from jaxstation.model.gguf_tokenizer import check_gguf_tokenizer
-from jaxstation.model.layers import WEIGHT_DTYPES, Params, build_params
-from jaxstation.model.quant import GGUF_WEIGHTS, GGUFBlocks, Tensor
+from jaxstation.model.layers import Params, build_params
+from jaxstation.model.quant import GGUFBlocks, Tensor
+from jaxstation.model.source import CheckpointError, model_source
 from jaxstation.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -36,10 +37,6 @@ _BIAS_SLOTS = ("bq", "bk", "bv")  # ModelConfig.qkv_bias
 _QK_NORM_SLOTS = ("q_norm", "k_norm")  # ModelConfig.qk_norm
 _SANDWICH_SLOTS = ("post_attn_norm", "post_mlp_norm")  # ModelConfig.sandwich_norms
 _NORMS = ("final_norm", "attn_norm", "mlp_norm") + _QK_NORM_SLOTS + _SANDWICH_SLOTS
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded as it is; the message names the tensor or file."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,9 +298,9 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", layer_loo
                matmul: str = "xla", shards: int = 1) -> LoadedModel:
     """Load a model and its tokenizer: an HF directory, a .gguf file, or (None) the embedded default model.
 
-    dtype: the weights' dtype, one of `model.WEIGHT_DTYPES` (int8 quantizes every projection at load);
-    layer_loop: the per-layer weight layout, one of `model.LAYER_LOOPS`;
-    matmul: "xla" or "kernel" (the CPU kernel, `quant.MATMULS`);
+    dtype: the weights' dtype, one of `choices.WEIGHT_DTYPES` (int8 quantizes every projection at load);
+    layer_loop: the per-layer weight layout, one of `choices.LAYER_LOOPS`;
+    matmul: "xla" or "kernel" (the CPU kernel, `choices.MATMULS`);
     shards: the devices the weights will be split over (`sharding.shard_major`; `sharding.shard_params` places them).
     """
     if dtype not in WEIGHT_DTYPES:
@@ -339,27 +336,3 @@ def checkpoint_config(path: str | Path | None) -> ModelConfig:
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from None
     return gguf_config(reader, source)
-
-
-def model_source(path: str | Path | None) -> Path:
-    """The checkpoint a model path names, checked without reading it: an HF directory with a config.json, or a
-    .gguf file; None is the embedded default model. Raises CheckpointError saying what is wrong with the path."""
-    if path is None:
-        try:
-            return default_model_path()
-        except FileNotFoundError as e:
-            raise CheckpointError(str(e)) from None
-    source = Path(path)
-    if not source.exists():
-        raise CheckpointError(f"model path {source} does not exist")
-    if source.is_symlink():  # the checkpoint it links to, under that name (the image's /opt/jaxstation/model)
-        source = source.resolve()
-    if source.is_dir():
-        for name in ("config.json", "tokenizer.json"):
-            if not (source / name).is_file():
-                raise CheckpointError(f"model directory {source} has no {name}: an HF model directory holds "
-                                      "config.json, tokenizer.json and *.safetensors")
-        return source
-    if source.suffix != ".gguf":
-        raise CheckpointError(f"model path {source} is neither an HF directory nor a .gguf file")
-    return source

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxstation.kernels import cpu_kernel
+from jaxstation.model.choices import GGUF_WEIGHTS
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["q", "scale"], meta_fields=[])
@@ -83,10 +84,8 @@ class GGUFBlocks:
         return np.asarray(dequantize(self.data, GGMLQuantizationType[self.fmt]), np.float32).reshape(self.shape)
 
 
-GGUF_WEIGHTS = ("gguf", "gguf-exact")  # a GGUF file's blocks as stored: integer products, or float32's exact bits
 Weight = jax.Array | QuantWeight | KernelWeight | JoinedWeight
 Tensor = np.ndarray | jax.Array | GGUFBlocks | tuple[GGUFBlocks, ...]  # a tuple: one projection in several formats
-MATMULS = ("xla", "kernel")  # how projections multiply: XLA's dot, or the CPU kernel over KernelWeights
 
 
 def dense(w: Tensor) -> np.ndarray | jax.Array:
