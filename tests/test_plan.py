@@ -12,6 +12,7 @@ from conftest import engine_config, station_plan
 from jaxstation.config.plan import resolve_plan, startup_plan
 from jaxstation.config.settings import ConfigError, StationConfig, resolve
 from jaxstation.kernels import cpu_kernel
+from jaxstation.model.default_model import default_model_path
 from jaxstation.model.loader import checkpoint_config
 
 SHAPE = {"lanes": 4, "max_seq": 512, "prefill_chunk": 32, "kv_block": 128}
@@ -34,6 +35,15 @@ def test_settings_are_parsed_once_and_keep_their_meaning() -> None:
                                                                      prefill_budget="off")
     plan = resolve_plan(config, checkpoint_config(None))
     assert (plan.wave_widths, plan.prefill_budget) == ((1, 2, 4), 0)
+
+
+def test_a_link_to_a_gguf_file_plans_as_the_file_does(tmp_path) -> None:
+    """The container image serves /opt/jaxstation/model, a link with no suffix: its plan is the linked file's."""
+    (tmp_path / "model").symlink_to(default_model_path())
+    linked = StationConfig(**SHAPE, model=str(tmp_path / "model"))
+    assert linked.model_is_gguf
+    assert resolve_plan(linked, checkpoint_config(linked.model)) == resolve_plan(StationConfig(**SHAPE),
+                                                                              checkpoint_config(None))
 
 
 def test_a_mesh_runs_full_waves_and_no_packing() -> None:

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from jaxstation.config.setting_values import (
@@ -383,8 +384,9 @@ class StationConfig:
 
     @property
     def model_is_gguf(self) -> bool:
-        """The model is a GGUF file (the embedded default model is one)."""
-        return self.model is None or str(self.model).endswith(".gguf")
+        """The model is a GGUF file (the embedded default model is one); a link by what it links to, as the loader
+        reads it (the image's /opt/jaxstation/model)."""
+        return self.model is None or Path(self.model).resolve().suffix == ".gguf"
 
     @property
     def lora_slots(self) -> int:
