@@ -104,6 +104,38 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows(weights: str, n_in: int, n_
     assert np.array_equal(np.asarray(f(jnp.asarray(others), kw))[0], full[0])
 
 
+
+def test_the_kernels_workers_give_xlas_pools_bits_under_concurrent_callers() -> None:
+    """The kernels' own spinning workers (cpu_kernels.h) and XLA's intra-op pool give the same bits, also when several
+    threads call kernels at once (the pool runs one caller's job; the others hand theirs to XLA's pool)."""
+    import threading
+
+    kw, _ = _weights(576, 960, "int8", seed=4)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((3, 576)).astype(np.float32))
+    f = jax.jit(matmul)
+    try:
+        cpu_kernel.set_spin_us(0)
+        want = np.asarray(f(x, kw))
+        cpu_kernel.set_spin_us(200)
+        got, errors = [], []
+
+        def calls() -> None:
+            try:
+                got.extend(np.asarray(f(x, kw)) for _ in range(50))
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=calls) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors and not any(t.is_alive() for t in threads)
+        assert len(got) == 200 and all(np.array_equal(g, want) for g in got)
+    finally:
+        cpu_kernel.set_spin_us(cpu_kernel.SPIN_US)
+
+
 def check_top_k() -> None:
     """The top-k kernel gives jax.lax.top_k's values and indices: random rows (a 262,144-token vocabulary's), ascending
     rows (every value displaces the k-th), ties (lower index first), and float32's total order (NaN, -0, inf)."""

@@ -51,6 +51,10 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contrac
 ISA_ENV = "JAXSTATION_KERNEL_ISA"
 ISA_FLAGS = {"": (), "avx2": ("-mno-avx512f", "-mno-avxvnni"), "avx-vnni": ("-mno-avx512f",),
              "avx512": ("-mno-avx512vnni",)}
+# How long, in microseconds, the kernels' own workers spin after each job before they sleep (cpu_kernels.h): the next
+# kernel call of a step finds them awake. 0 hands every call's items to XLA's intra-op pool instead.
+SPIN_ENV = "JAXSTATION_KERNEL_SPIN_US"
+SPIN_US = 50
 # GGUF block formats the matmul reads as stored: (columns per block, bytes per block)
 BLOCK_FORMATS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
                  "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
@@ -165,7 +169,18 @@ def _library() -> ctypes.CDLL | str:
         return str(e)
     for name, symbol in TARGETS.values():
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    library.jaxstation_kernel_spin.argtypes = [ctypes.c_int64]
+    spin = os.environ.get(SPIN_ENV, "").strip()
+    if spin and not spin.isdigit():
+        raise ValueError(f"{SPIN_ENV}={spin!r} must be a whole number of microseconds (0: XLA's intra-op pool)")
+    library.jaxstation_kernel_spin(int(spin) if spin else SPIN_US)
     return library
+
+
+def set_spin_us(us: int) -> None:
+    """How long the kernels' workers spin after each job, from now on (0: XLA's intra-op pool runs the items)."""
+    require()
+    _library().jaxstation_kernel_spin(int(us))
 
 
 def vector_lanes() -> int:

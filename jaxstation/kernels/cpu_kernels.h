@@ -1,7 +1,17 @@
 // What the CPU kernels share (one .cc file per kernel family, all built into one library by
 // jaxstation/kernels/cpu_kernel.py): one vector of float32 lanes and its operations (16 lanes with AVX-512, else 8
 // with AVX2 + FMA), the one horizontal sum every output uses, float16 scales, and the loop that spreads a kernel's
-// items over XLA's intra-op pool. Everything here is internal to each kernel file (an unnamed namespace).
+// items over the caller and as many helper threads as XLA's intra-op pool has besides it. Everything here is internal
+// to each kernel file (an unnamed namespace), except the library's one worker pool (pool.cc).
+//
+// The worker pool: a decode step makes a few hundred kernel calls, most of them on small matrices, where handing a
+// call's items to XLA's pool (its queue, and a futex wake-up where its thread sleeps) costs a measurable share of the
+// call (docs/cpu.md, "The kernels' own workers"). The library's own workers spin for a bounded time after each job
+// (JAXSTATION_KERNEL_SPIN_US, set by cpu_kernel.py through jaxstation_kernel_spin), so the next call of the step finds
+// them awake; past that time they sleep on a condition variable, and an idle station burns no CPU. The spin yields the
+// core every few microseconds, so another thread waiting for it gets it. A call that finds the pool running another
+// caller's job (XLA may run two kernels at once, several engines may share a process) hands its items to XLA's pool
+// instead, as every call does with the spin set to 0. Which thread runs an item never changes its bits.
 
 #ifndef JAXSTATION_CPU_KERNELS_H
 #define JAXSTATION_CPU_KERNELS_H
@@ -22,6 +32,15 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+
+namespace jaxstation {
+
+// Runs job(arg) on the caller and on up to `helpers` of the library's workers at once, and returns once every run of
+// it has returned; the job claims its own items, so it does not matter how many helpers join it. Returns false,
+// having run nothing, where the pool is off or running another caller's job.
+bool RunOnWorkers(int64_t helpers, void (*job)(void*), void* arg);
+
+}  // namespace jaxstation
 
 namespace {
 
@@ -110,8 +129,9 @@ inline float Finish(Vec even, Vec odd) {
 
 inline float HalfToFloat(const uint8_t* p) { return _cvtsh_ss(static_cast<uint16_t>(p[0] | (p[1] << 8))); }
 
-// Runs task(i) for i in [0, n) on the caller and the intra-op pool. Work is claimed from a shared counter, so the
-// caller never waits on a task that has not started: it only waits for items other threads are running.
+// Runs task(i) for i in [0, n) on the caller and the library's workers, or the intra-op pool where those are off or
+// busy. Work is claimed from a shared counter, so the caller never waits on a task that has not started: it only waits
+// for items other threads are running.
 template <typename F>
 void ParallelFor(ffi::ThreadPool& pool, int64_t n, const F& task) {
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
@@ -119,6 +139,16 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, const F& task) {
     for (int64_t i = 0; i < n; ++i) task(i);
     return;
   }
+  struct Job {
+    const F* task;
+    int64_t n;
+    std::atomic<int64_t> next{0};
+  } job{&task, n};
+  const auto run = [](void* p) {
+    Job& j = *static_cast<Job*>(p);
+    for (int64_t i; (i = j.next.fetch_add(1, std::memory_order_relaxed)) < j.n;) (*j.task)(i);
+  };
+  if (jaxstation::RunOnWorkers(helpers, run, &job)) return;
   struct State {
     std::atomic<int64_t> next{0};
     std::atomic<int64_t> done{0};
