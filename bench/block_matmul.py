@@ -1,6 +1,7 @@
 """A GGUF file's own matrices on the CPU kernel, integer products (`gguf`) against float32-exact ones (`gguf-exact`),
 each matrix alone at several row counts: ms per call (medians of interleaved repetitions) and the weights' bytes
-read per second.
+read per second. A matrix in a format the integer products repack at load (Q8_0, Q4_0, Q4_1) is timed in its stored
+layout (`gguf`) and repacked (`gguf repacked`, what a station runs), interleaved with the others.
 
 Usage:
   python -m bench.block_matmul --model gemma-3-270m-q4_k_m.gguf            # its head and block 0's matrices
@@ -36,18 +37,24 @@ def blocks(path: str, names: list[str]) -> dict[str, tuple[str, np.ndarray]]:
 def time_matrix(fmt: str, w: np.ndarray, rows: int, reps: int) -> dict:
     per, size = cpu_kernel.BLOCK_FORMATS[fmt]
     x = jnp.asarray(np.random.default_rng(0).standard_normal((rows, w.shape[1] // size * per)), jnp.float32)
-    wj = jnp.asarray(w)
-    calls = {name: jax.jit(lambda x, w, i=integer: cpu_kernel.rowwise_matmul(x, w, None, fmt, integer=i))
-             for name, integer in (("gguf", True), ("gguf-exact", False))}
-    for f in calls.values():
+    def call(blocks: str, integer: bool):
+        return jax.jit(lambda x, w: cpu_kernel.rowwise_matmul(x, w, None, blocks, integer=integer))
+
+    calls = {"gguf": (call(fmt, True), jnp.asarray(w)), "gguf-exact": (call(fmt, False), jnp.asarray(w))}
+    if packed := cpu_kernel.repacked_format(fmt, w.shape[0]):
+        calls["gguf repacked"] = (call(packed, True), jnp.asarray(cpu_kernel.pack_blocks(w, packed)))
+    for f, wj in calls.values():
         f(x, wj).block_until_ready()
     times = {name: [] for name in calls}
     for _ in range(reps):
-        for name, f in calls.items():
-            times[name].append(timed(lambda f=f: f(x, wj).block_until_ready()))
+        for name, (f, wj) in calls.items():
+            times[name].append(timed(lambda f=f, wj=wj: f(x, wj).block_until_ready()))
     ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
-    return {"rows": rows, "ms": ms, "weight_gb_per_s": {n: w.nbytes / t / 1e6 for n, t in ms.items()},
-            "exact_over_integer": ms["gguf-exact"] / ms["gguf"]}
+    out = {"rows": rows, "ms": ms, "weight_gb_per_s": {n: w.nbytes / t / 1e6 for n, t in ms.items()},
+           "exact_over_integer": ms["gguf-exact"] / ms["gguf"]}
+    if packed:
+        out["plain_over_repacked"] = ms["gguf"] / ms["gguf repacked"]
+    return out
 
 
 def main() -> None:
@@ -66,7 +73,8 @@ def main() -> None:
                                                           * cpu_kernel.BLOCK_FORMATS[fmt][0]],
                  **time_matrix(fmt, w, rows, max(3, args.reps // (4 if w.nbytes > 50e6 else 1)))}
             results.append(r)
-            print(f"{name:26} {fmt:5} {r['shape']} rows {rows:4}: integer {r['ms']['gguf']:8.2f} ms, exact "
+            repacked = f", repacked {r['ms']['gguf repacked']:8.2f} ms" if "gguf repacked" in r["ms"] else ""
+            print(f"{name:26} {fmt:5} {r['shape']} rows {rows:4}: integer {r['ms']['gguf']:8.2f} ms{repacked}, exact "
                   f"{r['ms']['gguf-exact']:8.2f} ms ({r['exact_over_integer']:.2f}x)", flush=True)
     print(f"wrote {write_result(args.name, {'model': path, 'isa': cpu_kernel.int_dot_isa(), 'results': results})}")
 
