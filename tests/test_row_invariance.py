@@ -104,9 +104,10 @@ def test_every_layer_and_the_head_are_bit_equal_at_every_width(family: tuple[Mod
 
 
 def test_the_default_models_q4_1_layer_and_head_are_bit_equal_at_every_width(default_model: LoadedModel) -> None:
-    """The default GGUF's blocks as stored (Q4_1 projections, the tied Q8_0 head) at its real shapes."""
+    """The default GGUF's blocks as a station loads them (Q4_1 projections and the tied Q8_0 head, repacked into the
+    integer products' tiles) at its real shapes."""
     cfg, params = default_model.cfg, default_model.params
-    assert params.row_invariant and params.layers[0].wqkv.blocks == "Q4_1"
+    assert params.row_invariant and (params.layers[0].wqkv.blocks, params.embed.blocks) == ("Q4_1R", "Q8_0R")
     for name, (fn, weights, args) in row_invariant_parts(cfg, params, layers=[0]).items():
         assert not (found := primitives(fn, weights, *args) & XLA_REDUCTIONS), f"{name}: {found}"
         assert_rows_equal_at_every_width(fn, weights, *args, what=name)

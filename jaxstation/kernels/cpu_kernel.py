@@ -67,11 +67,12 @@ TARGETS = {"int8": ("jaxstation_rowwise_matmul_s8", "RowwiseMatmulS8"),
            **{f"matmul_{f}": (f"jaxstation_rowwise_matmul_{f.lower()}", f"RowwiseMatmul{f}") for f in BLOCK_FORMATS},
            **{f"int_{f}": (f"jaxstation_int_matmul_{f.lower()}", f"IntMatmul{f}") for f in BLOCK_FORMATS},
            **{f"rows_{f}": (f"jaxstation_block_rows_{f.lower()}", f"BlockRows{f}") for f in BLOCK_FORMATS},
-           **{f"int_{f}R": (f"jaxstation_int_matmul_{f.lower()}r", f"IntMatmul{f}R") for f in ("Q8_0", "Q4_0", "Q4_1")},
+           **{f"int_{f}R": (f"jaxstation_int_matmul_{f.lower()}r", f"IntMatmul{f}R")
+              for f in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")},
            "rows_Q8_0R": ("jaxstation_block_rows_q8_0r", "BlockRowsQ8_0R")}
 # Block formats repacked at load for the integer products (`pack_blocks`), and the format each was stored in; a table
 # that is looked up (a tied embedding) only in Q8_0
-REPACKED = {"Q8_0R": "Q8_0", "Q4_0R": "Q4_0", "Q4_1R": "Q4_1"}
+REPACKED = {"Q8_0R": "Q8_0", "Q4_0R": "Q4_0", "Q4_1R": "Q4_1", "Q5_0R": "Q5_0", "Q5_1R": "Q5_1"}
 K_MULTIPLE, N_MULTIPLE = 32, 4  # the kernel's shape contract
 TILE = 16  # the attention's rows a task on a prefill chunk
 
@@ -292,8 +293,8 @@ def fits(in_features: int, out_features: int) -> bool:
 
 
 def repacked_format(fmt: str, out_features: int, looked_up: bool = False) -> str | None:
-    """The repacked format the integer products read a matrix stored in `fmt` as, if any: Q8_0, Q4_0 or Q4_1 whose
-    channels fill the kernel's tiles (a looked-up table: Q8_0 only)."""
+    """The repacked format the integer products read a matrix stored in `fmt` as, if any: Q8_0, Q4_0, Q4_1, Q5_0 or
+    Q5_1 whose channels fill the kernel's tiles (a looked-up table: Q8_0 only)."""
     packed = f"{fmt}R"
     if REPACKED.get(packed) != fmt or (looked_up and f"rows_{packed}" not in TARGETS):
         return None
@@ -303,18 +304,26 @@ def repacked_format(fmt: str, out_features: int, looked_up: bool = False) -> str
 def pack_blocks(data: np.ndarray, packed: str) -> np.ndarray:
     """Block weights uint8 [..., N, K / 32 * block bytes] (as stored) laid out as format `packed` reads them, the same
     shape and bytes: per tile of `int_channels()` channels and per 32 columns, the tile's float16 fields side by side
-    (d, then Q4_1's m), then the code bytes in dwords, dword i holding each channel's bytes 4i..4i+3 (int_matmul.cc)."""
-    c = int_channels()
-    per_block, block_bytes = BLOCK_FORMATS[REPACKED[packed]]
-    head = 4 if packed == "Q4_1R" else 2  # bytes of float16 fields a block
+    (d, then m), then the code bytes in dwords, dword i holding each channel's bytes 4i..4i+3, then (Q5_0, Q5_1) each
+    code vector's fifth bits, 4 a channel (int_matmul.cc)."""
+    fmt, c = REPACKED[packed], int_channels()
+    per_block, block_bytes = BLOCK_FORMATS[fmt]
+    head = 4 if fmt in ("Q4_1", "Q5_1") else 2  # bytes of float16 fields a block
+    high = 4 if fmt in ("Q5_0", "Q5_1") else 0  # bytes of fifth bits a block, after the fields
     *lead, n, row_len = data.shape
-    groups, dwords = row_len // block_bytes, (block_bytes - head) // 4
-    blocks = data.reshape(*lead, n // c, c, groups, block_bytes)  # [..., tile, channel, group, fields | codes]
-    fields = np.moveaxis(blocks[..., :head].reshape(*lead, n // c, c, groups, head // 2, 2), -4, -2)
-    codes = np.moveaxis(blocks[..., head:].reshape(*lead, n // c, c, groups, dwords, 4), -4, -2)
-    tiles = np.concatenate([fields.reshape(*lead, n // c, groups, head * c),
-                            codes.reshape(*lead, n // c, groups, 4 * dwords * c)], axis=-1)
-    return np.ascontiguousarray(tiles.reshape(data.shape))
+    groups, dwords = row_len // block_bytes, (block_bytes - head - high) // 4
+    tile = (*lead, n // c, c, groups)
+    blocks = data.reshape(*tile, block_bytes)  # [..., tile, channel, group, fields | fifth bits | codes]
+    fields = np.moveaxis(blocks[..., :head].reshape(*tile, head // 2, 2), -4, -2)
+    codes = np.moveaxis(blocks[..., head + high:].reshape(*tile, dwords, 4), -4, -2)
+    parts = [fields.reshape(*lead, n // c, groups, head * c), codes.reshape(*lead, n // c, groups, 4 * dwords * c)]
+    if high:  # code vector j's bits 4j..4j+3 of each channel's fifth-bit word, two channels a byte
+        words = blocks[..., head:head + 4].copy().view("<u4")[..., 0]  # [..., tile, channel, group]
+        nibbles = (words[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF  # [..., tile, channel, group, 8]
+        pairs = nibbles.reshape(*lead, n // c, c // 2, 2, groups, 8)
+        masks = (pairs[..., 0, :, :] | pairs[..., 1, :, :] << 4).astype(np.uint8)  # [..., tile, c / 2, group, 8]
+        parts.append(np.moveaxis(masks, -3, -1).reshape(*lead, n // c, groups, 4 * c))
+    return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(data.shape))
 
 
 def fits_blocks(fmt: str, in_features: int, out_features: int) -> bool:

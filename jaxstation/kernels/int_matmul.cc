@@ -207,6 +207,16 @@ inline __m256i FifthBits(const uint8_t* p) {
                                         _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
   return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
 }
+// Codes w with their fifth bits: 0x10 added in byte k where bit k of the kIntCh * 4 bits at p is set
+#if defined(__AVX512F__)
+inline IVec WithFifths(IVec w, const uint8_t* p) {
+  uint64_t bits;
+  std::memcpy(&bits, p, 8);
+  return _mm512_mask_add_epi8(w, bits, w, _mm512_set1_epi8(0x10));
+}
+#else
+inline IVec WithFifths(IVec w, const uint8_t* p) { return _mm256_or_si256(w, FifthBits(p)); }
+#endif
 
 // The 32-column formats: one block a group. kBias: the code's offset; kMin: a float minimum per block.
 template <int kBytesT, int kBiasT, bool kMinT>
@@ -391,16 +401,18 @@ void IntChannels(const IntActs& a, const uint8_t* w, int64_t row_len, float* y, 
   }
 }
 
-// Q8_0, Q4_0 and Q4_1 repacked at load (cpu_kernel.pack_blocks, formats "Q8_0R", "Q4_0R", "Q4_1R"): the kIntCh
-// rows of w from channel t kIntCh on hold that tile; for each 32 columns in K order, the tile's float16 fields side
-// by side (d, then Q4_1's m), then the code bytes as dwords, dword i lane c holding channel c's bytes 4i..4i+3: Q8_0's
-// 8 dwords are IntCodes' 8 vectors (int8 as stored); Q4_0 and Q4_1's 4 hold codes 4i..4i+3 in their low nibbles and
-// 16 + 4i.. in their high ones. A call reads them as they lie, with nothing to decode per channel or reorder (at one
+// Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 repacked at load (cpu_kernel.pack_blocks, formats "Q8_0R", "Q4_0R", ...): the
+// kIntCh rows of w from channel t kIntCh on hold that tile; for each 32 columns in K order, the tile's float16 fields
+// side by side (d, then Q4_1 and Q5_1's m), then the code bytes as dwords, dword i lane c holding channel c's bytes
+// 4i..4i+3: Q8_0's 8 dwords are IntCodes' 8 vectors (int8 as stored); the others' 4 hold codes 4i..4i+3 in their low
+// nibbles and 16 + 4i.. in their high ones; then Q5_0 and Q5_1's fifth bits, kIntCh * 4 bits for each of the 8 code
+// vectors, bit k for its byte k. A call reads them as they lie, with nothing to decode per channel or reorder (at one
 // row the decoding is most of the plain layout's cost); the integer sums and the epilogue are IntTile's, so a row's
 // bits are the plain layout's.
 template <typename F>
 struct Packed {
   static constexpr int kFields = F::kMin ? 2 : 1;  // float16 fields a channel: d (and m)
+  static constexpr bool kFifth = F::kBytes == 22 || F::kBytes == 24;  // Q5_0, Q5_1
   static constexpr int64_t kGroup = kIntCh * F::kBytes;  // bytes of a tile's 32 columns
   static void Load(const uint8_t* g, IVec* w, Vec& dw, Vec& mw) {
     dw = Halves(g), mw = F::kMin ? Halves(g + 2 * kIntCh) : Zero();
@@ -415,6 +427,8 @@ struct Packed {
         const IVec v = ILoad(codes + i * kIntCh * 4);
         w[i] = LowNibbles(v), w[i + 4] = HighNibbles(v);
       }
+      if constexpr (kFifth)
+        for (int j = 0; j < 8; ++j) w[j] = WithFifths(w[j], codes + 16 * kIntCh + j * kIntCh / 2);
     }
   }
 };
@@ -516,7 +530,7 @@ extern "C" const char* jaxstation_int_dot_isa() { return kIntIsa; }
 // Channels a tile of the integer products (a repacked matrix's tile): 16 with AVX-512, 8 with AVX2.
 extern "C" int jaxstation_int_channels() { return kIntCh; }
 
-// Per repacked format, the integer matmul: IntMatmulQ8_0R, IntMatmulQ4_0R, IntMatmulQ4_1R
+// Per repacked format, the integer matmul: IntMatmulQ8_0R, IntMatmulQ4_0R, ...
 #define JAXSTATION_PACKED_FORMAT(F)                                                                         \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(IntMatmul##F##R, PackedMatmul<Int##F>,                                      \
                                 ffi::Ffi::Bind()                                                            \
@@ -528,6 +542,8 @@ extern "C" int jaxstation_int_channels() { return kIntCh; }
 JAXSTATION_PACKED_FORMAT(Q8_0)
 JAXSTATION_PACKED_FORMAT(Q4_0)
 JAXSTATION_PACKED_FORMAT(Q4_1)
+JAXSTATION_PACKED_FORMAT(Q5_0)
+JAXSTATION_PACKED_FORMAT(Q5_1)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockRowsQ8_0R, PackedRows,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::S32>>().Ret<
                                   ffi::Buffer<ffi::F32>>());
