@@ -7,12 +7,12 @@
 // The worker pool (off by default: JAXSTATION_KERNEL_SPIN_US=0): a decode step makes a few hundred kernel calls, most
 // of them on small matrices, where handing a call's items to XLA's pool (its queue, and a futex wake-up where its
 // thread sleeps) can cost a share of the call on a busy machine (docs/cpu.md, "The kernels' own workers"). The
-// library's own workers spin for a bounded time after each job (JAXSTATION_KERNEL_SPIN_US, set by cpu_kernel.py
-// through jaxstation_kernel_spin), so the next call of the step finds them awake; past that time they sleep on a
-// condition variable, and an idle station burns no CPU. The spin yields the
-// core every few microseconds, so another thread waiting for it gets it. A call that finds the pool running another
-// caller's job (XLA may run two kernels at once, several engines may share a process) hands its items to XLA's pool
-// instead, as every call does with the spin set to 0. Which thread runs an item never changes its bits.
+// library's own workers spin for a bounded time after each job (JAXSTATION_KERNEL_SPIN_US, set by cpu_kernel.py through
+// jaxstation_kernel_spin), so the next call of the step finds them awake; past that time they sleep on a condition
+// variable, and an idle station burns no CPU. The spin yields the core every few microseconds, so another thread
+// waiting for it gets it. A call that finds the pool running another caller's job (XLA may run two kernels at once,
+// several engines may share a process) hands its items to XLA's pool instead, as every call does with the spin set to
+// 0. Which thread runs an item never changes its bits.
 
 #ifndef JAXSTATION_CPU_KERNELS_H
 #define JAXSTATION_CPU_KERNELS_H
