@@ -51,8 +51,8 @@ SLOW_FIRST = ("test_gemma3_270m.py", "test_speculative_draft.py", "test_wave_wid
 
 
 # LLVM's optional passes (loop unrolling, vectorization: no float reassociation without fast-math, so no bit changes)
-# take 40% of a 30-layer program's compile, and its level 3 a tenth more than level 2; the suite compiles without
-# them, here and in the stations it starts. tests/test_compile_flags.py checks a station's programs give the same bits.
+# take 40% of a 30-layer program's compile, and its level 3 a fifth more than level 2; the suite compiles without them
+# and at level 2, here and in the stations it starts. tests/test_compile_flags.py checks the bits match a station's.
 FAST_COMPILE_FLAG = "--xla_llvm_disable_expensive_passes=true --xla_backend_optimization_level=2"
 
 
