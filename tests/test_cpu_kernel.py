@@ -1,7 +1,7 @@
 """The CPU kernels (jaxstation/kernels/cpu_kernel.py): they build here, the matmul computes x @ w.T (* scale), the
-norm HF's RMSNorm and the top-k `jax.lax.top_k`'s, every row's bits are independent of the other rows in the call, and
-the station picks them by default on CPU for float32, int8 and a GGUF model's stored blocks
-(tests/test_gguf_blocks.py)."""
+norm HF's RMSNorm, the top-k `jax.lax.top_k`'s and the LoRA delta x A^T B^T from each row's slot, every row's bits are
+independent of the other rows in the call, and the station picks them by default on CPU for float32, int8 and a GGUF
+model's stored blocks (tests/test_gguf_blocks.py)."""
 
 from __future__ import annotations
 
@@ -173,6 +173,33 @@ def test_the_norm_kernel_is_rms_norm_and_row_invariant(d: int) -> None:
     assert np.array_equal(np.asarray(f(jnp.asarray(others)))[0], full[0])
     assert np.array_equal(np.asarray(jax.jit(lambda x: cpu_kernel.rms_norm(x, jnp.asarray(w), 1e-5))(
         jnp.asarray(x[:6].reshape(2, 3, d)))), full[:6].reshape(2, 3, d))
+
+
+@pytest.mark.parametrize(("d", "outs"), [(576, (576, 192, 192)), (1536, (576,)), (577, (33, 65))])
+def test_the_lora_kernel_is_each_rows_own_adapters_delta(d: int, outs: tuple[int, ...]) -> None:
+    """x A^T B^T per row from the row's slot, near float64's; a row's bits alone, beside others, in another slot order
+    or at another row count are the same, and slot 0 (zeros) adds nothing to any output."""
+    rng = np.random.default_rng(8)
+    slots, rank, rows, q = 4, 8, 6, 3
+    a = rng.standard_normal((slots, d, len(outs) * rank)).astype(np.float32)
+    b = [rng.standard_normal((slots, rank, o)).astype(np.float32) for o in outs]
+    a[0], b = 0.0, [np.concatenate([np.zeros_like(part[:1]), part[1:]]) for part in b]
+    x = rng.standard_normal((rows, q, d)).astype(np.float32)
+    ids = np.array([1, 0, 3, 2, 1, 3], np.int32)
+    f = jax.jit(lambda x, ids: cpu_kernel.lora_delta(x, jnp.asarray(a), tuple(map(jnp.asarray, b)), ids))
+    full = np.asarray(f(x, ids))
+    h = np.einsum("mqd,mdr->mqr", x.astype(np.float64), a[ids].astype(np.float64))
+    expected = np.concatenate([np.einsum("mqr,mro->mqo", h[..., j * rank:(j + 1) * rank], part[ids].astype(np.float64))
+                               for j, part in enumerate(b)], axis=-1)
+    np.testing.assert_allclose(full, expected, rtol=1e-5, atol=2e-4)
+    assert not full[ids == 0].any()
+    for r in range(rows):
+        assert np.array_equal(np.asarray(f(x[r:r + 1], ids[r:r + 1])), full[r:r + 1]), r
+    order = np.array([5, 2, 0, 4, 1, 3])
+    assert np.array_equal(np.asarray(f(x[order], ids[order])), full[order])
+    others = x.copy()
+    others[1:] *= 1e3
+    assert np.array_equal(np.asarray(f(others, ids))[0], full[0])
 
 
 def test_shapes_the_kernel_cannot_take_stay_on_xla() -> None:

@@ -64,6 +64,7 @@ TARGETS = {"int8": ("jaxstation_rowwise_matmul_s8", "RowwiseMatmulS8"),
            "rms_norm": ("jaxstation_rms_norm", "RmsNorm"),
            "top_k": ("jaxstation_top_k", "TopK"),
            "sample": ("jaxstation_sample", "Sample"),
+           "lora_delta": ("jaxstation_lora_delta", "LoraDelta"),
            **{f"matmul_{f}": (f"jaxstation_rowwise_matmul_{f.lower()}", f"RowwiseMatmul{f}") for f in BLOCK_FORMATS},
            **{f"int_{f}": (f"jaxstation_int_matmul_{f.lower()}", f"IntMatmul{f}") for f in BLOCK_FORMATS},
            **{f"rows_{f}": (f"jaxstation_block_rows_{f.lower()}", f"BlockRows{f}") for f in BLOCK_FORMATS},
@@ -263,6 +264,15 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     rows = x.reshape(-1, x.shape[-1])
     out = jax.ShapeDtypeStruct(rows.shape, jnp.float32)
     return jax.ffi.ffi_call(TARGETS["rms_norm"][0], out)(rows, weight, eps=np.float32(eps)).reshape(x.shape)
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: tuple[jax.Array, ...], slots: jax.Array) -> jax.Array:
+    """Each row's LoRA delta from its own slot (lora.cc; the bits of `lora.add_delta`'s XLA ops): x [rows, Q, d]
+    float32, a [slots, d, parts * rank], b one [slots, rank, out_j] per part, slots [rows] int32 -> [rows, Q, sum out_j]
+    float32."""
+    require()
+    out = jax.ShapeDtypeStruct((*x.shape[:2], sum(part.shape[-1] for part in b)), jnp.float32)
+    return jax.ffi.ffi_call(TARGETS["lora_delta"][0], out)(x, a, slots.astype(jnp.int32), *b)
 
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -267,7 +267,7 @@ def project(x: jax.Array, w: Weight, lora: LoraProj | None, adapters: jax.Array 
     """x @ w, plus each row's LoRA delta where the layer has adapters and the step gives each row's slot
     (adapters: [rows] int32 over x's leading axis)."""
     y = matmul(x, w)
-    return y if lora is None or adapters is None else add_delta(y, lora, x, adapters)
+    return y if lora is None or adapters is None else add_delta(y, lora, x, adapters, kernel=on_kernel(w))
 
 
 def _lora(layer: LayerParams, name: str) -> LoraProj | None:

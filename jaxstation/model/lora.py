@@ -7,9 +7,10 @@ The stacks' shapes are fixed by the station (`--max-loras`, `--max-lora-rank`): 
 never recompiles a step.
 
 Batch invariance by construction: a row reads only its own slot, and the two products are elementwise multiplies
-summed with `rowwise.row_sum` (pairwise halves, the same order at any row count), not XLA dots. A rank below the
-station's maximum is padded with zeros, which add exactly nothing. The scale (alpha / r, or alpha / sqrt(r) for rsLoRA)
-is folded into B when the slot is written.
+summed with `rowwise.row_sum` (pairwise halves, the same order at any row count), not XLA dots; where the
+projection's weights are on the CPU kernel, one kernel call a projection does the same (`kernels/lora.cc`). A rank
+below the station's maximum is padded with zeros, which add exactly nothing. The scale (alpha / r, or alpha / sqrt(r)
+for rsLoRA) is folded into B when the slot is written.
 
 Joined projections follow the base's joining (layers.py): q/k/v share one input, so their A matrices are stacked
 along the rank axis and gathered as one; each part then has its own B, and the parts' outputs are concatenated in
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxstation.kernels import cpu_kernel
 from jaxstation.kernels.rowwise import row_sum
 
 # the fused projections (LayerParams fields) and the checkpoint slots each joins, in the fused order
@@ -98,11 +100,15 @@ def write_slot(layer: LoraLayer, slot: jax.Array, arrays: dict[str, tuple[jax.Ar
                         for name, (a, bs) in arrays.items()})
 
 
-def add_delta(y: jax.Array, proj: LoraProj, x: jax.Array, adapters: jax.Array) -> jax.Array:
+def add_delta(y: jax.Array, proj: LoraProj, x: jax.Array, adapters: jax.Array, kernel: bool = False) -> jax.Array:
     """y + B (A x) per row, added in float32. y: [rows, Q, out] (a projection's output); x: [rows, Q, in] (its
-    input); adapters: [rows] int32, each row's slot."""
-    a = proj.a[adapters]  # [rows, in, parts * rank]
+    input); adapters: [rows] int32, each row's slot. kernel: the delta in one CPU-kernel call (`cpu_kernel.lora_delta`:
+    the same sums in the same order, without the FMAs XLA contracts a product and an add into), where XLA's ops (two
+    dozen a projection) take an unrolled 30-layer step seconds more to compile."""
     xf = x.astype(jnp.float32)
+    if kernel:
+        return (y.astype(jnp.float32) + cpu_kernel.lora_delta(xf, proj.a, proj.b, adapters)).astype(y.dtype)
+    a = proj.a[adapters]  # [rows, in, parts * rank]
     h = row_sum(xf[..., None] * a[:, None], axis=-2)  # [rows, Q, parts * rank]
     rank = proj.b[0].shape[-2]
     outs = [row_sum(h[..., j * rank:(j + 1) * rank, None] * b[adapters][:, None], axis=-2)
