@@ -11,10 +11,11 @@ from __future__ import annotations
 import copy
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tokenizers import Tokenizer as RustTokenizer
 
 from jaxstation.model.chat_template import compile_template
@@ -52,6 +53,33 @@ def _token_content(token: Any) -> str | None:
     return str(token)
 
 
+class _Spellings:
+    """Every token's raw bytes, packed into one buffer with an offset per token: for Gemma's 262,144 tokens, 24 MiB less
+    than a list of `bytes` objects beside the list of the tokens' strings."""
+
+    def __init__(self, tokenizer: RustTokenizer, vocab_size: int, added: Mapping[int, str], byte_level: bool) -> None:
+        texts = [""] * vocab_size
+        for text, i in tokenizer.get_vocab(with_added_tokens=True).items():
+            if 0 <= i < vocab_size:
+                texts[i] = text
+        raw = _byte_level_bytes if byte_level else _sentencepiece_bytes
+        spelled = [added[i].encode("utf-8") if i in added else raw(text) for i, text in enumerate(texts)]
+        self._ends = np.cumsum([len(b) for b in spelled], dtype=np.int64)  # [vocab]
+        self._data = b"".join(spelled)
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, token_id: int) -> bytes:
+        if not 0 <= token_id < len(self._ends):
+            raise IndexError(f"token id {token_id} is outside the vocabulary ({len(self._ends)})")
+        start = int(self._ends[token_id - 1]) if token_id else 0
+        return self._data[start:int(self._ends[token_id])]
+
+    def __iter__(self) -> Iterator[bytes]:
+        return (self[i] for i in range(len(self._ends)))
+
+
 class Tokenizer:
     """Encode/decode, chat templates, token bytes and sentence-terminal tokens for one vocabulary."""
 
@@ -81,16 +109,7 @@ class Tokenizer:
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
         self._added_content = {i: t.content for i, t in added.items()}
 
-        id_to_str = [""] * self.vocab_size
-        for s, i in tokenizer.get_vocab(with_added_tokens=True).items():
-            if 0 <= i < self.vocab_size:
-                id_to_str[i] = s
-        self._token_strs = id_to_str
-        raw = _byte_level_bytes if byte_level else _sentencepiece_bytes
-        self._token_bytes: list[bytes] = [
-            self._added_content[i].encode("utf-8") if i in self._added_content else raw(s)
-            for i, s in enumerate(id_to_str)
-        ]
+        self._spellings = _Spellings(tokenizer, self.vocab_size, self._added_content, byte_level)
         self.bos_token = bos_token if bos_token is not None else self._content(bos_id)
         self.eos_token = (
             eos_token if eos_token is not None else self._content(self.eos_ids[0] if self.eos_ids else None)
@@ -204,7 +223,7 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes token `token_id` stands for (a special token: its text, UTF-8 encoded)."""
-        return self._token_bytes[token_id]
+        return self._spellings[token_id]
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
@@ -231,13 +250,13 @@ class Tokenizer:
             return None
         if token_id in self._added_content:
             return self._added_content[token_id]
-        return self._token_bytes[token_id].decode("utf-8", errors="replace")
+        return self._spellings[token_id].decode("utf-8", errors="replace")
 
     def _compute_terminal_ids(self) -> frozenset[int]:
         closers = _CLOSERS
         special = self._special_ids
         out = []
-        for i, raw in enumerate(self._token_bytes):
+        for i, raw in enumerate(self._spellings):
             if i in special:
                 continue
             text = raw.decode("utf-8", errors="ignore").rstrip().rstrip(closers).rstrip()
