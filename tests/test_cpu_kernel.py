@@ -15,6 +15,7 @@ from conftest import oracle_logits
 
 from jaxstation.config.plan import Plan, resolve_plan
 from jaxstation.config.settings import ConfigError, StationConfig
+from jaxstation.engine.sampling import row_bits
 from jaxstation.kernels import cpu_kernel
 from jaxstation.model.loader import LoadedModel, checkpoint_config, load_model
 from jaxstation.model.quant import KernelWeight, QuantWeight, kernel_weight, matmul, prepare_weight
@@ -200,6 +201,17 @@ def test_the_lora_kernel_is_each_rows_own_adapters_delta(d: int, outs: tuple[int
     others = x.copy()
     others[1:] *= 1e3
     assert np.array_equal(np.asarray(f(others, ids))[0], full[0])
+
+
+def test_the_row_bits_kernel_gives_jaxs_threefry_bits() -> None:
+    """The bits a sampled row draws with on the kernels are `sampling.row_bits`' (JAX's Threefry), so a seed gives
+    the same tokens on the kernels' path as the bits JAX computes would: every seed and counter edge and 1,000 more."""
+    rng = np.random.default_rng(9)
+    seed = np.concatenate([[0, 1, 2**32 - 1, 123456789], rng.integers(0, 2**32, 1000)]).astype(np.uint32)
+    counter = np.concatenate([[0, 1, 2**31 - 1, -1], rng.integers(-2**31, 2**31, 1000)]).astype(np.int32)
+    want = np.asarray(jax.jit(row_bits)(seed, counter))
+    assert want.shape == (1004, 2) and len(np.unique(want[:, 0])) > 990
+    assert np.array_equal(np.asarray(jax.jit(cpu_kernel.row_bits)(seed, counter)), want)
 
 
 def test_shapes_the_kernel_cannot_take_stay_on_xla() -> None:

@@ -7,7 +7,8 @@ row is sampled from its own logits and uniform, with float sums in fixed orders,
 
 On CPU with the kernels (kernels/sample.cc) one call per wave finds each row's cut-offs by histograms over the
 values' order and draws, in double, in about one pass over the row: on a 262,144-token vocabulary the JAX path's 64
-passes (two 32-step bisections) cost several times a greedy step's sampling. Elsewhere that JAX path finds the
+passes (two 32-step bisections) cost several times a greedy step's sampling; the row's bits come from the kernels'
+Threefry, the bits `row_bits` gives, in one call rather than XLA's loop of rounds. Elsewhere that JAX path finds the
 cut-offs by bisection (`_filter_mask`) and draws the same way in float32 with `rowwise` sums. A wave with no sampled
 row runs neither (`lax.cond`); greedy rows take the first maximum either way.
 """
@@ -145,7 +146,8 @@ def draw_xla(logits: jax.Array, s: SamplingArrays) -> jax.Array:
 
 def draw_kernel(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     """The CPU kernel's sampled token of each row (a greedy row's is 0). logits: [rows, vocab] -> [rows]."""
-    return cpu_kernel.sample(logits, s.temperature, s.top_k, s.top_p, s.min_p, row_bits(s.seed, s.counter))[0]
+    bits = cpu_kernel.row_bits(s.seed, s.counter)  # row_bits' bits
+    return cpu_kernel.sample(logits, s.temperature, s.top_k, s.top_p, s.min_p, bits)[0]
 
 
 def sample(logits: jax.Array, s: SamplingArrays, chosen_from: jax.Array | None = None) -> SampleOut:

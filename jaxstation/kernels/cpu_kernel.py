@@ -64,6 +64,7 @@ TARGETS = {"int8": ("jaxstation_rowwise_matmul_s8", "RowwiseMatmulS8"),
            "rms_norm": ("jaxstation_rms_norm", "RmsNorm"),
            "top_k": ("jaxstation_top_k", "TopK"),
            "sample": ("jaxstation_sample", "Sample"),
+           "row_bits": ("jaxstation_row_bits", "RowBits"),
            "lora_delta": ("jaxstation_lora_delta", "LoraDelta"),
            **{f"matmul_{f}": (f"jaxstation_rowwise_matmul_{f.lower()}", f"RowwiseMatmul{f}") for f in BLOCK_FORMATS},
            **{f"int_{f}": (f"jaxstation_int_matmul_{f.lower()}", f"IntMatmul{f}") for f in BLOCK_FORMATS},
@@ -296,6 +297,14 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     return jax.ffi.ffi_call(TARGETS["sample"][0], out)(
         logits.astype(jnp.float32), temperature.astype(jnp.float32), top_k.astype(jnp.int32),
         top_p.astype(jnp.float32), min_p.astype(jnp.float32), bits.astype(jnp.uint32))
+
+
+def row_bits(seed: jax.Array, counter: jax.Array) -> jax.Array:
+    """`sampling.row_bits` in one call (sample.cc): each row's 64 random bits from its seed [rows] uint32 and
+    generated-token count [rows] int32 -> [rows, 2] uint32, JAX's Threefry bits."""
+    require()
+    out = jax.ShapeDtypeStruct((*seed.shape, 2), jnp.uint32)
+    return jax.ffi.ffi_call(TARGETS["row_bits"][0], out)(seed.astype(jnp.uint32), counter.astype(jnp.int32))
 
 
 def fits(in_features: int, out_features: int) -> bool:

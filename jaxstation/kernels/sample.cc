@@ -411,7 +411,45 @@ ffi::Error SampleImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::B
   return ffi::Error::Success();
 }
 
+// Threefry-2x32 with 20 rounds on (x0, x1) under the key (k0, k1), as JAX's CPU lowering computes it.
+void Threefry(uint32_t k0, uint32_t k1, uint32_t& x0, uint32_t& x1) {
+  static constexpr int kRotations[2][4] = {{13, 15, 26, 6}, {17, 29, 16, 24}};
+  const uint32_t ks[3] = {k0, k1, k0 ^ k1 ^ 0x1BD11BDAu};
+  x0 += ks[0], x1 += ks[1];
+  for (uint32_t i = 0; i < 5; ++i) {
+    for (const int r : kRotations[i % 2]) x0 += x1, x1 = (x1 << r) | (x1 >> (32 - r)), x1 ^= x0;
+    x0 += ks[(i + 1) % 3], x1 += ks[(i + 2) % 3] + i + 1;
+  }
+}
+
+// Each row's 64 random bits, those of `jax.random.bits(jax.random.fold_in(jax.random.PRNGKey(seed), counter), (2,),
+// jnp.uint32)` (`engine/sampling.row_bits`, JAX's partitionable Threefry): the key (0, seed) folded with (0, counter)
+// gives the key the two bit words are hashed under, each the xor of the hash of (0, i). One call, where XLA's lowering
+// (a loop of hash rounds) was an eighth of a tiny model's step compile. seed [M] uint32, counter [M] int32 ->
+// bits [M, 2] uint32.
+ffi::Error RowBitsImpl(ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::S32> counter, ffi::ResultBuffer<ffi::U32> bits) {
+  const size_t rows = seed.element_count();
+  if (counter.element_count() != rows || bits->element_count() != 2 * rows)
+    return ffi::Error::InvalidArgument("row_bits: seed, counter [M], bits [M, 2]");
+  for (size_t r = 0; r < rows; ++r) {
+    uint32_t k0 = 0, k1 = static_cast<uint32_t>(counter.typed_data()[r]);
+    Threefry(0, seed.typed_data()[r], k0, k1);
+    for (uint32_t i = 0; i < 2; ++i) {
+      uint32_t hi = 0, lo = i;
+      Threefry(k0, k1, hi, lo);
+      bits->typed_data()[2 * r + i] = hi ^ lo;
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RowBits, RowBitsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Sample, SampleImpl,
                               ffi::Ffi::Bind()
