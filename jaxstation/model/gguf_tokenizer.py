@@ -220,12 +220,11 @@ def _framing(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> proces
 
 def _merges_by_rank(vocab: Mapping[str, int], rank: Mapping[str, float]) -> list[tuple[str, str]]:
     """The merges a SentencePiece BPE vocabulary implies: each piece's splits into two pieces, the best-ranked piece's
-    first; a piece's splits with the longer left part first, then by their parts' ids."""
+    first; a piece's splits with the longer left part first (no two of one piece's splits tie), and pieces of equal
+    rank in the vocabulary's order."""
     found: list[tuple[str, str, float]] = []
     for piece, score in rank.items():
-        splits = [(piece[:i], piece[i:]) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab]
-        if len(splits) > 1:
-            splits.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
-        found.extend((left, right, score) for left, right in splits)
+        found.extend((piece[:i], piece[i:], score) for i in range(1, len(piece))
+                     if piece[:i] in vocab and piece[i:] in vocab)
     found.sort(key=lambda m: (-m[2], -len(m[0]), -len(m[1])))  # stable: equal keys keep the order above
     return [(left, right) for left, right, _ in found]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +76,12 @@ class _Spellings:
         start = int(self._ends[token_id - 1]) if token_id else 0
         return self._data[start:int(self._ends[token_id])]
 
-    def __iter__(self) -> Iterator[bytes]:
-        return (self[i] for i in range(len(self._ends)))
+    def containing(self, needles: Sequence[bytes]) -> list[int]:
+        """The ids of the tokens whose bytes contain any of `needles`, ascending (one search of the buffer)."""
+        found = re.finditer(b"|".join(re.escape(n) for n in needles), self._data)
+        starts = np.fromiter((m.start() for m in found), np.int64)
+        ids = np.unique(np.searchsorted(self._ends, starts, side="right"))
+        return [int(i) for i in ids if any(n in self[int(i)] for n in needles)]  # not a match across two tokens
 
 
 class Tokenizer:
@@ -253,14 +257,10 @@ class Tokenizer:
         return self._spellings[token_id].decode("utf-8", errors="replace")
 
     def _compute_terminal_ids(self) -> frozenset[int]:
-        closers = _CLOSERS
-        special = self._special_ids
         out = []
-        for i, raw in enumerate(self._spellings):
-            if i in special:
-                continue
-            text = raw.decode("utf-8", errors="ignore").rstrip().rstrip(closers).rstrip()
-            if text.endswith(_TERMINALS):
+        for i in self._spellings.containing([t.encode("utf-8") for t in _TERMINALS]):  # the only candidates
+            text = self._spellings[i].decode("utf-8", errors="ignore").rstrip().rstrip(_CLOSERS).rstrip()
+            if i not in self._special_ids and text.endswith(_TERMINALS):
                 out.append(i)
         return frozenset(out)
 
