@@ -2,11 +2,14 @@
 
 Loads and warms up a station as `serve` does (the settings come from the MOONSHINE_* environment and the flags below),
 recording /proc/self/status's VmRSS, RssAnon and RssFile as each start-up phase ends; then lists the live device
-arrays by dtype, every numpy array over 10 MiB still referenced, the resident memory by mapping, and what dropping
-the compiled programs (`jax.clear_caches`) would hand back. Memory only: nothing here is timed.
+arrays by dtype, every numpy array over 10 MiB still referenced, the resident memory by mapping; with `--serve N`, the
+memory once N requests (half greedy, half top-p sampled, prompts of 64 to 1,024 tokens, 128 new tokens each) have run
+through the station's scheduler (every lane busy with MOONSHINE_CONTINUOUS_BATCH=1); and what dropping the compiled
+programs (`jax.clear_caches`) would hand back. Memory only: nothing here is timed.
 
 Usage:
-  python -m bench.memory --model gemma-3-270m-q4_k_m.gguf --lanes 8 --max-seq 32768 --kv-dtype int8
+  MOONSHINE_CONTINUOUS_BATCH=1 python -m bench.memory --model gemma-3-270m-q4_k_m.gguf --lanes 8 --max-seq 32768 \
+      --kv-dtype int8 --serve 32
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import numpy as np
 
 from jaxstation.config.coldstart import StartupClock
 from jaxstation.config.settings import resolve
+from jaxstation.engine.jobs import Job
+from jaxstation.engine.rows import SamplingParams
 from jaxstation.kernels import host_memory
 from jaxstation.server.station import Station
 
@@ -54,13 +59,30 @@ def mappings() -> collections.Counter:
     return rss
 
 
+def run_requests(station: Station, n: int) -> None:
+    """n requests through the station's scheduler at once: prompts of 64 to 1,024 random tokens, 128 new tokens each,
+    every other one sampled (temperature 0.8, top_p 0.95)."""
+    rng = np.random.default_rng(0)
+    vocab = station.model.cfg.vocab_size
+    jobs = [Job(tokens=rng.integers(3, vocab, int(rng.integers(64, 1025))).tolist(), max_new_tokens=128,
+                sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=i) if i % 2 else SamplingParams())
+            for i in range(n)]
+    for job in jobs:
+        station.scheduler.submit(job)
+    for job in jobs:
+        job.future.result(timeout=1800)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model")
     parser.add_argument("--lanes")
     parser.add_argument("--max-seq")
     parser.add_argument("--kv-dtype")
+    parser.add_argument("--serve", type=int, default=0, help="requests to run once ready, then measure again")
     args = parser.parse_args()
+    serve = args.serve
+    del args.serve
     names = {"model": "MOONSHINE_MODEL", "lanes": "MOONSHINE_BATCH_LANES", "max_seq": "MOONSHINE_MAX_SEQ",
              "kv_dtype": "MOONSHINE_KV_DTYPE"}
     env = {**os.environ, **{names[k]: v for k, v in vars(args).items() if v is not None}}
@@ -82,6 +104,9 @@ def main() -> None:
             print(f"numpy array held: {type(o).__name__} {o.shape} {o.dtype} {o.nbytes / MiB:.1f} MiB")
     for name, kib in mappings().most_common(8):
         print(f"mapping {kib / 1024:8.1f} MiB  {name}")
+    if serve:
+        run_requests(station, serve)
+        show(f"after {serve} requests")
     station.shutdown(0)
     jax.clear_caches()
     gc.collect()

@@ -32,7 +32,9 @@ def _faults(mode: str) -> list[int]:
 
 def test_a_freed_buffer_is_not_paged_in_again() -> None:
     assert resource.getpagesize() == 4096
-    assert min(_faults("default")) > 100  # glibc maps it afresh each time
+    # glibc maps it afresh each time: a fault a page, 16,384 of them, or one per 2 MiB where the kernel backs the
+    # mapping with transparent huge pages (numpy asks for them on large arrays), so 32 at the least
+    assert min(_faults("default")) >= 32
     assert _faults("keep") == [0, 0]
 
 
