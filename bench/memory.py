@@ -60,11 +60,12 @@ def mappings() -> collections.Counter:
 
 
 def run_requests(station: Station, n: int) -> None:
-    """n requests through the station's scheduler at once: prompts of 64 to 1,024 random tokens, 128 new tokens each,
-    every other one sampled (temperature 0.8, top_p 0.95)."""
+    """n requests through the station's scheduler at once: prompts of 64 to 1,024 random tokens (fewer where the
+    context is shorter), 128 new tokens each, every other one sampled (temperature 0.8, top_p 0.95)."""
     rng = np.random.default_rng(0)
-    vocab = station.model.cfg.vocab_size
-    jobs = [Job(tokens=rng.integers(3, vocab, int(rng.integers(64, 1025))).tolist(), max_new_tokens=128,
+    vocab, longest = station.model.cfg.vocab_size, min(1024, station.config.max_seq - 129)  # prompt + 128 must fit
+    jobs = [Job(tokens=rng.integers(3, vocab, int(rng.integers(min(64, longest), longest + 1))).tolist(),
+                max_new_tokens=128,
                 sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=i) if i % 2 else SamplingParams())
             for i in range(n)]
     for job in jobs:
@@ -81,11 +82,9 @@ def main() -> None:
     parser.add_argument("--kv-dtype")
     parser.add_argument("--serve", type=int, default=0, help="requests to run once ready, then measure again")
     args = parser.parse_args()
-    serve = args.serve
-    del args.serve
     names = {"model": "MOONSHINE_MODEL", "lanes": "MOONSHINE_BATCH_LANES", "max_seq": "MOONSHINE_MAX_SEQ",
              "kv_dtype": "MOONSHINE_KV_DTYPE"}
-    env = {**os.environ, **{names[k]: v for k, v in vars(args).items() if v is not None}}
+    env = {**os.environ, **{names[k]: getattr(args, k) for k in names if getattr(args, k) is not None}}
     show("imports")
     clock = StartupClock()
     clock.add_sink(lambda phase, _seconds: show(phase))
@@ -104,9 +103,9 @@ def main() -> None:
             print(f"numpy array held: {type(o).__name__} {o.shape} {o.dtype} {o.nbytes / MiB:.1f} MiB")
     for name, kib in mappings().most_common(8):
         print(f"mapping {kib / 1024:8.1f} MiB  {name}")
-    if serve:
-        run_requests(station, serve)
-        show(f"after {serve} requests")
+    if args.serve:
+        run_requests(station, args.serve)
+        show(f"after {args.serve} requests")
     station.shutdown(0)
     jax.clear_caches()
     gc.collect()

@@ -1,7 +1,7 @@
 """The CPU kernels (jaxstation/kernels/cpu_kernel.py): they build here, the matmul computes x @ w.T (* scale), the
-norm HF's RMSNorm, the top-k `jax.lax.top_k`'s and the LoRA delta x A^T B^T from each row's slot, every row's bits are
-independent of the other rows in the call, and the station picks them by default on CPU for float32, int8 and a GGUF
-model's stored blocks (tests/test_gguf_blocks.py)."""
+norm HF's RMSNorm, the top-k `jax.lax.top_k`'s, the LoRA delta x A^T B^T from each row's slot and the sampled rows'
+bits JAX's Threefry's, every row's bits are independent of the other rows in the call, and the station picks them by
+default on CPU for float32, int8 and a GGUF model's stored blocks (tests/test_gguf_blocks.py)."""
 
 from __future__ import annotations
 

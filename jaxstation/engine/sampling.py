@@ -146,7 +146,7 @@ def draw_xla(logits: jax.Array, s: SamplingArrays) -> jax.Array:
 
 def draw_kernel(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     """The CPU kernel's sampled token of each row (a greedy row's is 0). logits: [rows, vocab] -> [rows]."""
-    bits = cpu_kernel.row_bits(s.seed, s.counter)  # row_bits' bits
+    bits = cpu_kernel.row_bits(s.seed, s.counter)  # the bits `row_bits` gives, in one call
     return cpu_kernel.sample(logits, s.temperature, s.top_k, s.top_p, s.min_p, bits)[0]
 
 

@@ -268,7 +268,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def lora_delta(x: jax.Array, a: jax.Array, b: tuple[jax.Array, ...], slots: jax.Array) -> jax.Array:
-    """Each row's LoRA delta from its own slot (lora.cc; the bits of `lora.add_delta`'s XLA ops): x [rows, Q, d]
+    """Each row's LoRA delta from its own slot (lora.cc; `lora.add_delta`'s sums without XLA's FMAs): x [rows, Q, d]
     float32, a [slots, d, parts * rank], b one [slots, rank, out_j] per part, slots [rows] int32 -> [rows, Q, sum out_j]
     float32."""
     require()

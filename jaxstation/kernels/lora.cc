@@ -46,7 +46,8 @@ ffi::Error LoraDeltaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     const int64_t slot = sp[row / q];
     const float* xr = x.typed_data() + row * d;
     const float* ar = a.typed_data() + slot * d * pr;
-    std::vector<float> h((d + 1) * pr), t((rank + 1) * widest);
+    thread_local std::vector<float> h, t;  // every entry read is written first: no clearing a call
+    h.resize((d + 1) * pr), t.resize((rank + 1) * widest);
     for (int64_t i = 0; i < d; ++i)
       for (int64_t c = 0; c < pr; ++c) h[i * pr + c] = xr[i] * ar[i * pr + c];
     HalveRows(h.data(), d, pr);
