@@ -99,9 +99,9 @@ def test_the_file_is_a_q4_k_m_mix(gemma3_270m: Path, gemma: LoadedModel) -> None
     types = collections.Counter(gguf.GGMLQuantizationType(t.tensor_type).name for t in GGUFFile(gemma3_270m).tensors)
     assert types == {"F32": 109, "Q5_0": 81, "Q4_K": 27, "Q8_0": 10, "Q6_K": 9}
     p = gemma.params
-    # the tied embedding stays in its blocks; Q8_0 and Q5_0 are repacked into the integer products' tiles (same bytes)
+    # the tied embedding stays in its blocks; every matrix is repacked into the integer products' tiles (same bytes)
     assert p.embed.blocks == "Q8_0R" and p.lm_head is None
-    assert {w.blocks for layer in p.layers for w in (layer.wo, layer.w_down)} == {"Q4_K", "Q6_K"}
+    assert {w.blocks for layer in p.layers for w in (layer.wo, layer.w_down)} == {"Q4_KR", "Q6_KR"}
     assert {w.blocks for layer in p.layers for w in (layer.w_gate_up,)} == {"Q5_0R"}
     # q, k and v in one format where the file has one (Q5_0), joined parts where v is Q8_0
     qkv = [w.blocks if isinstance(w, KernelWeight) else tuple(part.blocks for part in w.parts)

@@ -158,9 +158,9 @@ def check_formats_against_the_reference(formats: tuple[str, ...] = tuple(cpu_ker
 
 
 def check_repacked(n_in: int = 512, n_out: int = 48) -> None:
-    """Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 repacked into the integer products' tiles (`cpu_kernel.pack_blocks`): the
-    plain layout's bits for every row alone and among others, and Q8_0's table rows looked up alike (also run in the
-    other builds' subprocesses)."""
+    """Every block format repacked into the integer products' tiles (`cpu_kernel.pack_blocks`): the plain layout's
+    bits for every row alone and among others, and Q8_0's table rows looked up alike (also run in the other builds'
+    subprocesses)."""
     x = activations(37, n_in)
     for packed, fmt in cpu_kernel.REPACKED.items():
         blocks = random_blocks(fmt, n_out, n_in, seed=11)
@@ -182,17 +182,17 @@ def test_the_repacked_formats_give_the_plain_layouts_bits() -> None:
     check_repacked()
 
 
-def test_the_32_column_formats_load_repacked_for_the_integer_products_where_their_channels_fill_tiles() -> None:
+def test_the_block_formats_load_repacked_for_the_integer_products_where_their_channels_fill_tiles() -> None:
     tile = cpu_kernel.int_channels()
     assert tile == cpu_kernel.vector_lanes()  # a tile is one vector of channels
-    for fmt in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
-        assert stored(random_blocks(fmt, 3 * tile, 64, seed=1), "gguf", "kernel").blocks == f"{fmt}R"
-        assert stored(random_blocks(fmt, 3 * tile, 64, seed=1), "gguf-exact", "kernel").blocks == fmt
-        assert stored(random_blocks(fmt, 3 * tile + 4, 64, seed=1), "gguf", "kernel").blocks == fmt
+    for fmt, (per_block, _) in cpu_kernel.BLOCK_FORMATS.items():
+        assert stored(random_blocks(fmt, 3 * tile, 2 * per_block, seed=1), "gguf", "kernel").blocks == f"{fmt}R"
+        assert stored(random_blocks(fmt, 3 * tile, 2 * per_block, seed=1), "gguf-exact", "kernel").blocks == fmt
+        assert stored(random_blocks(fmt, 3 * tile + 4, 2 * per_block, seed=1), "gguf", "kernel").blocks == fmt
     # a table whose rows are looked up (a tied embedding): Q8_0 only
     assert stored(random_blocks("Q8_0", tile, 64, seed=1), "gguf", "kernel", looked_up=True).blocks == "Q8_0R"
     assert stored(random_blocks("Q4_1", tile, 64, seed=1), "gguf", "kernel", looked_up=True).blocks == "Q4_1"
-    assert stored(random_blocks("Q4_K", 3 * tile, 256, seed=1), "gguf", "kernel").blocks == "Q4_K"
+    assert stored(random_blocks("Q4_K", tile, 256, seed=1), "gguf", "kernel", looked_up=True).blocks == "Q4_K"
 
 
 def test_the_numpy_decoders_read_what_gguf_dequantizes() -> None:

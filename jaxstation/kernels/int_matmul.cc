@@ -33,6 +33,20 @@ inline Vec ToFloat(IVec a) { return _mm512_cvtepi32_ps(a); }
 inline IVec FlipSigns(IVec a) { return _mm512_xor_si512(a, _mm512_set1_epi8(static_cast<char>(0x80))); }
 inline IVec LowNibbles(IVec a) { return _mm512_and_si512(a, _mm512_set1_epi8(0x0F)); }
 inline IVec HighNibbles(IVec a) { return _mm512_and_si512(_mm512_srli_epi16(a, 4), _mm512_set1_epi8(0x0F)); }
+inline IVec IAnd(IVec a, IVec b) { return _mm512_and_si512(a, b); }
+inline IVec IOr(IVec a, IVec b) { return _mm512_or_si512(a, b); }
+inline IVec IShiftRight(IVec a, int n) { return _mm512_srli_epi32(a, n); }
+inline IVec IShiftLeft(IVec a, int n) { return _mm512_slli_epi32(a, n); }
+inline IVec UnsignedBytes(const uint8_t* p) {  // kIntCh bytes as int32
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline IVec SignedBytes(const uint8_t* p) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// bits n and n + 1 of every byte, as bits 4 and 5
+inline IVec TwoBitsAt(IVec a, int n) {
+  return _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(a, n), _mm512_set1_epi8(3)), 4);
+}
 inline Vec Halves(const uint8_t* p) {  // kIntCh float16 as float32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -92,6 +106,20 @@ inline Vec ToFloat(IVec a) { return _mm256_cvtepi32_ps(a); }
 inline IVec FlipSigns(IVec a) { return _mm256_xor_si256(a, _mm256_set1_epi8(static_cast<char>(0x80))); }
 inline IVec LowNibbles(IVec a) { return _mm256_and_si256(a, _mm256_set1_epi8(0x0F)); }
 inline IVec HighNibbles(IVec a) { return _mm256_and_si256(_mm256_srli_epi16(a, 4), _mm256_set1_epi8(0x0F)); }
+inline IVec IAnd(IVec a, IVec b) { return _mm256_and_si256(a, b); }
+inline IVec IOr(IVec a, IVec b) { return _mm256_or_si256(a, b); }
+inline IVec IShiftRight(IVec a, int n) { return _mm256_srli_epi32(a, n); }
+inline IVec IShiftLeft(IVec a, int n) { return _mm256_slli_epi32(a, n); }
+inline IVec UnsignedBytes(const uint8_t* p) {  // kIntCh bytes as int32
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline IVec SignedBytes(const uint8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+// bits n and n + 1 of every byte, as bits 4 and 5
+inline IVec TwoBitsAt(IVec a, int n) {
+  return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(a, n), _mm256_set1_epi8(3)), 4);
+}
 inline Vec Halves(const uint8_t* p) {  // kIntCh float16 as float32
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -315,7 +343,7 @@ struct IntQ6_K : IntK<210, 32, false> {  // ql[128], qh[64], int8 scales[16] (on
 // integer sums, then its float epilogue into acc.
 template <typename F, int R>
 inline void IntGroup(const IntActs& a, int64_t m0, int64_t group, const IVec* w, Vec dw, Vec mw, IVec low, IVec high,
-                     const int32_t* mins, Vec* acc) {
+                     IVec mins, Vec* acc) {
   const int64_t K = a.K;
   for (int r = 0; r < R; ++r) {
     const int64_t at = (m0 + r) * K / 32 + group;  // the row's 32 columns
@@ -333,7 +361,7 @@ inline void IntGroup(const IntActs& a, int64_t m0, int64_t group, const IVec* w,
     const Vec dx = Set1(a.d[at]);
     acc[r] = Add(acc[r], Mul(Mul(dw, dx), ToFloat(sum)));
     if constexpr (F::kMin) {  // the minimum codes (Q4_1, Q5_1: 1) times the row's sum of q
-      const Vec ms = F::kScaled ? ToFloat(IMul(ILoad(mins), ISet1(a.Sum(at)))) : Set1(static_cast<float>(a.Sum(at)));
+      const Vec ms = F::kScaled ? ToFloat(IMul(mins, ISet1(a.Sum(at)))) : Set1(static_cast<float>(a.Sum(at)));
       acc[r] = Add(acc[r], Mul(Mul(mw, dx), ms));
     }
   }
@@ -360,7 +388,7 @@ void IntTile(const IntActs& a, int64_t m0, const IntCodes& c, float* y, int64_t 
     for (int j = 0; j < 8; ++j) w[j] = ILoad(c.codes.data() + (group * 8 + j) * kIntCh * 4);
     IntGroup<F, R>(a, m0, group, w, LoadW(c.d.data() + blk * kIntCh), LoadW(c.m.data() + blk * kIntCh),
                    ILoad(c.scales.data() + 2 * group * kIntCh), ILoad(c.scales.data() + (2 * group + 1) * kIntCh),
-                   c.mins.data() + group * kIntCh, acc);
+                   ILoad(c.mins.data() + group * kIntCh), acc);
   }
   StoreTile<R>(acc, m0, y, N, n0, valid);
 }
@@ -433,18 +461,69 @@ struct Packed {
   }
 };
 
+// The K-quants repacked at load ("Q4_KR", "Q5_KR", "Q6_KR"; cpu_kernel.pack_blocks), the same bytes: per tile and
+// 256 columns, Q4_K and Q5_K hold the tile's float16 d, then dmin, side by side; then for each group j of 32 columns a
+// byte a channel, its 6-bit scale and its minimum's low 2 bits (sc | (mn & 3) << 6); then for groups j and j + 4 a byte
+// a channel, their minimums' high 4 bits (low nibble: group j); then each group's codes as the 32-column formats hold
+// them (4 dwords of nibbles), Q5_K's followed by their fifth bits as Q5_0R's. Q6_K holds d, then for each group its int8
+// scales of columns 0-15 and 16-31, a byte a channel each, its codes' low 4 bits as nibbles, and their high 2 bits: two
+// vectors' worth of bytes, byte k of vector h holding the high bits of byte k of code vectors 4h..4h+3, 2 bits each.
+// Integer scales, minimums and codes are IntQ4_K's, IntQ5_K's and IntQ6_K's, so a row's bits are the plain layout's.
+template <typename F>
+struct PackedK {
+  static constexpr bool kQ6 = F::kBytes == 210, kFifth = F::kBytes == 176;
+  static constexpr int64_t kHead = (kQ6 ? 2 : 16) * kIntCh;  // bytes before a block's first group
+  static constexpr int64_t kGroup = (kQ6 ? 26 : kFifth ? 20 : 16) * kIntCh;  // bytes of one group
+  static void Load(const uint8_t* block, int j, IVec* w, IVec& low, IVec& high, IVec& mins) {
+    const uint8_t* g = block + kHead + j * kGroup;
+    const uint8_t* codes = g + (kQ6 ? 2 * kIntCh : 0);
+    for (int i = 0; i < 4; ++i) {
+      const IVec v = ILoad(codes + i * kIntCh * 4);
+      w[i] = LowNibbles(v), w[i + 4] = HighNibbles(v);
+    }
+    if constexpr (kQ6) {
+      low = SignedBytes(g), high = SignedBytes(g + kIntCh), mins = ISet1(0);
+      for (int h = 0; h < 2; ++h) {
+        const IVec bits = ILoad(codes + 16 * kIntCh + h * kIntCh * 4);
+        for (int k = 0; k < 4; ++k) w[4 * h + k] = IOr(w[4 * h + k], TwoBitsAt(bits, 2 * k));
+      }
+    } else {
+      const IVec a = UnsignedBytes(block + 4 * kIntCh + j * kIntCh);
+      const IVec b = UnsignedBytes(block + 12 * kIntCh + (j % 4) * kIntCh);
+      low = high = IAnd(a, ISet1(63));
+      mins = IOr(IShiftRight(a, 6), IShiftLeft(IAnd(IShiftRight(b, 4 * (j / 4)), ISet1(15)), 2));
+      if constexpr (kFifth)
+        for (int k = 0; k < 8; ++k) w[k] = WithFifths(w[k], codes + 16 * kIntCh + k * kIntCh / 2);
+    }
+  }
+};
+
 template <typename F, int R>
 void PackedTile(const IntActs& a, int64_t m0, const uint8_t* tile, float* y, int64_t N, int64_t n0) {
   Vec acc[R];
   for (int r = 0; r < R; ++r) acc[r] = Zero();
-  for (int64_t group = 0; group < a.K / 32; ++group) {
-    const uint8_t* g = tile + group * Packed<F>::kGroup;
-    for (int64_t o = 0; o < Packed<F>::kGroup; o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(g) + kIntAhead + o, _MM_HINT_T0);
-    IVec w[8];
-    Vec dw, mw;
-    Packed<F>::Load(g, w, dw, mw);
-    IntGroup<F, R>(a, m0, group, w, dw, mw, ISet1(0), ISet1(0), nullptr, acc);
+  IVec w[8];
+  if constexpr (F::kScaled) {
+    for (int64_t blk = 0; blk < a.K / 256; ++blk) {
+      const uint8_t* block = tile + blk * kIntCh * F::kBytes;
+      for (int64_t o = 0; o < kIntCh * F::kBytes; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(block) + kIntAhead + o, _MM_HINT_T0);
+      const Vec dw = Halves(block), mw = F::kMin ? Sub(Zero(), Halves(block + 2 * kIntCh)) : Zero();
+      for (int j = 0; j < 8; ++j) {
+        IVec low, high, mins;
+        PackedK<F>::Load(block, j, w, low, high, mins);
+        IntGroup<F, R>(a, m0, blk * 8 + j, w, dw, mw, low, high, mins, acc);
+      }
+    }
+  } else {
+    for (int64_t group = 0; group < a.K / 32; ++group) {
+      const uint8_t* g = tile + group * Packed<F>::kGroup;
+      for (int64_t o = 0; o < Packed<F>::kGroup; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(g) + kIntAhead + o, _MM_HINT_T0);
+      Vec dw, mw;
+      Packed<F>::Load(g, w, dw, mw);
+      IntGroup<F, R>(a, m0, group, w, dw, mw, ISet1(0), ISet1(0), ISet1(0), acc);
+    }
   }
   StoreTile<R>(acc, m0, y, N, n0, kIntCh);
 }
@@ -544,6 +623,9 @@ JAXSTATION_PACKED_FORMAT(Q4_0)
 JAXSTATION_PACKED_FORMAT(Q4_1)
 JAXSTATION_PACKED_FORMAT(Q5_0)
 JAXSTATION_PACKED_FORMAT(Q5_1)
+JAXSTATION_PACKED_FORMAT(Q4_K)
+JAXSTATION_PACKED_FORMAT(Q5_K)
+JAXSTATION_PACKED_FORMAT(Q6_K)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockRowsQ8_0R, PackedRows,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::S32>>().Ret<
                                   ffi::Buffer<ffi::F32>>());
