@@ -231,30 +231,41 @@ inline void Softmax(float* scores, int64_t group, int64_t n, float* denom) {
 // position order (a walk split into consecutive parts gives the same bits as one). NV vectors a head; the heads go side
 // by side, as many at a time as keep their accumulators in registers, so each value vector is read once for all of
 // them and their chains overlap. v: the walk's values (Slots); acc: [group, NV * kLanes].
+template <int NV, int H, typename T>
+void WeightedHeads(const float* p, int64_t ld, int64_t n, const Slots<T>& v, float* acc, bool prefetch) {
+  Vec a[H][NV];
+  for (int g = 0; g < H; ++g)
+    for (int c = 0; c < NV; ++c) a[g][c] = LoadX(acc + (g * NV + c) * kLanes);
+  for (int64_t i = 0; i < n; ++i) {
+    if (prefetch && i % kLanes == 0)
+      for (int64_t b = i + kAhead; b < std::min(n, i + kAhead + kLanes); ++b)
+        Prefetch(v.At(b), NV * kLanes * sizeof(T));
+    const Row<T> vi = v[i];
+    Vec x[NV];
+    for (int c = 0; c < NV; ++c) x[c] = vi.Load(c);
+    for (int g = 0; g < H; ++g) {
+      const Vec w = Set1(p[g * ld + i]);
+      for (int c = 0; c < NV; ++c) a[g][c] = Fma(w, x[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < H; ++g)
+    for (int c = 0; c < NV; ++c) Store(acc + (g * NV + c) * kLanes, a[g][c]);
+}
+
+// WeightedHeads for `heads` (1 to 8) heads, their number a constant so that the accumulators stay in registers.
+template <int NV, typename T, int H = 1>
+void WeightedHeadsFor(int64_t heads, const float* p, int64_t ld, int64_t n, const Slots<T>& v, float* acc,
+                      bool prefetch) {
+  if constexpr (H < 8 && H < std::max(1, 24 / NV))
+    if (heads > H) return WeightedHeadsFor<NV, T, H + 1>(heads, p, ld, n, v, acc, prefetch);
+  WeightedHeads<NV, H, T>(p, ld, n, v, acc, prefetch);
+}
+
 template <int NV, typename T>
 void WeightedSum(const float* p, int64_t ld, int64_t n, int64_t group, const Slots<T>& v, float* acc) {
   constexpr int64_t kHeads = std::max(1, 24 / NV);
-  for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
-    const int64_t heads = std::min(kHeads, group - g0);
-    Vec a[kHeads][NV];
-    for (int64_t g = 0; g < kHeads; ++g)
-      for (int c = 0; c < NV; ++c) a[g][c] = g < heads ? LoadX(acc + (g0 + g) * NV * kLanes + c * kLanes) : Zero();
-    for (int64_t i = 0; i < n; ++i) {
-      if (g0 == 0 && i % kLanes == 0)
-        for (int64_t b = i + kAhead; b < std::min(n, i + kAhead + kLanes); ++b)
-          Prefetch(v.At(b), NV * kLanes * sizeof(T));
-      const Row<T> vi = v[i];
-      Vec x[NV];
-      for (int c = 0; c < NV; ++c) x[c] = vi.Load(c);
-      for (int64_t g = 0; g < kHeads; ++g) {
-        if (g >= heads) break;
-        const Vec w = Set1(p[(g0 + g) * ld + i]);
-        for (int c = 0; c < NV; ++c) a[g][c] = Fma(w, x[c], a[g][c]);
-      }
-    }
-    for (int64_t g = 0; g < heads; ++g)
-      for (int c = 0; c < NV; ++c) Store(acc + (g0 + g) * NV * kLanes + c * kLanes, a[g][c]);
-  }
+  for (int64_t g0 = 0; g0 < group; g0 += kHeads)
+    WeightedHeadsFor<NV, T>(std::min(kHeads, group - g0), p + g0 * ld, ld, n, v, acc + g0 * NV * kLanes, g0 == 0);
 }
 
 // WeightedSum for any number of vectors a head (up to 32), one head at a time.

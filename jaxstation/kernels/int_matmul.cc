@@ -463,12 +463,13 @@ struct Packed {
 
 // The K-quants repacked at load ("Q4_KR", "Q5_KR", "Q6_KR"; cpu_kernel.pack_blocks), the same bytes: per tile and
 // 256 columns, Q4_K and Q5_K hold the tile's float16 d, then dmin, side by side; then for each group j of 32 columns a
-// byte a channel, its 6-bit scale and its minimum's low 2 bits (sc | (mn & 3) << 6); then for groups j and j + 4 a byte
-// a channel, their minimums' high 4 bits (low nibble: group j); then each group's codes as the 32-column formats hold
-// them (4 dwords of nibbles), Q5_K's followed by their fifth bits as Q5_0R's. Q6_K holds d, then for each group its int8
-// scales of columns 0-15 and 16-31, a byte a channel each, its codes' low 4 bits as nibbles, and their high 2 bits: two
-// vectors' worth of bytes, byte k of vector h holding the high bits of byte k of code vectors 4h..4h+3, 2 bits each.
-// Integer scales, minimums and codes are IntQ4_K's, IntQ5_K's and IntQ6_K's, so a row's bits are the plain layout's.
+// byte a channel, its 6-bit scale and its minimum's low 2 bits (sc | (mn & 3) << 6); then for groups j and j + 4 a
+// byte a channel, their minimums' high 4 bits (low nibble: group j); then each group's codes as the 32-column formats
+// hold them (4 dwords of nibbles), Q5_K's followed by their fifth bits as Q5_0R's. Q6_K holds d, then for each group
+// its int8 scales of columns 0-15 and 16-31, a byte a channel each, its codes' low 4 bits as nibbles, and their high 2
+// bits: two vectors' worth of bytes, byte k of vector h holding the high bits of byte k of code vectors 4h..4h+3, 2
+// bits each. Integer scales, minimums and codes are IntQ4_K's, IntQ5_K's and IntQ6_K's, so a row's bits are the plain
+// layout's.
 template <typename F>
 struct PackedK {
   static constexpr bool kQ6 = F::kBytes == 210, kFifth = F::kBytes == 176;
