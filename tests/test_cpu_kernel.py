@@ -157,6 +157,37 @@ def test_the_top_k_kernel_is_lax_top_k() -> None:
     check_top_k()
 
 
+def test_the_row_max_kernel_is_jnp_max_and_the_first_argmax() -> None:
+    """Rows of 49,152 and odd lengths: maxima and first indices as XLA's reductions give them, ties (the first wins,
+    +0 and -0 equal), -inf rows; a row with a NaN anywhere has the maximum NaN and the last index (XLA's CPU max
+    passes over it); each row alone as among others."""
+    rng = np.random.default_rng(3)
+    for n in (49152, 37, 1):
+        x = rng.standard_normal((9, n)).astype(np.float32)
+        x[1, n // 3] = x[1, n - 1] = x[1].max() + 1  # a tie: the first
+        x[2] = -np.inf
+        x[3, n // 2] = np.nan
+        x[4] = np.round(x[4])  # many ties
+        x[5] = 0.0
+        x[5, n - 1] = -0.0
+        x[6, :] = -0.0
+        x[6, n // 2] = 0.0
+        x[7] = x[7] * 1e30
+        xs = jnp.asarray(x)
+        top, at = jax.jit(cpu_kernel.row_max)(xs)
+        iota = np.arange(n)
+        want_max = np.asarray(jax.jit(lambda x: jnp.max(x, axis=-1))(xs))
+        want_at = np.minimum(np.where(x == want_max[:, None], iota, n).min(axis=-1), n - 1)
+        finite = np.arange(9) != 3
+        np.testing.assert_array_equal(np.asarray(top)[finite], want_max[finite])  # +0 == -0
+        assert np.array_equal(np.asarray(at)[finite], want_at[finite]), (n, np.asarray(at), want_at)
+        assert np.asarray(at)[3] == n - 1 and np.isnan(np.asarray(top)[3])
+        for r in range(9):
+            alone_top, alone_at = jax.jit(cpu_kernel.row_max)(xs[r:r + 1])
+            assert int(alone_at[0]) == int(at[r])
+            assert np.array_equal(np.asarray(alone_top)[0], np.asarray(top)[r], equal_nan=True)
+
+
 @pytest.mark.parametrize("d", [576, 577, 64])
 def test_the_norm_kernel_is_rms_norm_and_row_invariant(d: int) -> None:
     rng = np.random.default_rng(4)

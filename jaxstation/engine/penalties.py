@@ -12,9 +12,10 @@ the model's logits + logit_bias; its stop ids at -inf while it has generated few
 token in the prompt or already generated divided by repetition_penalty if positive, else multiplied by it; minus
 frequency_penalty * count + presence_penalty * (count > 0); last, a constrained row's tokens outside its mask
 (engine/constraints.py) at -inf, a mask that needs no lane state. Every operation is elementwise on a row and its own
-lane's state, so a row's bits never depend on the wave. The whole pass runs under `lax.cond` on whether any row of
-the wave asks for it (the mask under its own), and a row that asks for nothing keeps its logits' bits (a per-row
-select), so a wave without controls pays two predicates, and a count update of one element per row.
+lane's state, so a row's bits never depend on the wave. The whole pass, and the choice of tokens from its result,
+runs under `lax.cond` on whether any row of the wave asks for it (the penalties and the mask each under their own
+too), and a row that asks for nothing keeps its logits' bits (a per-row select), so a wave without controls pays
+two predicates and a count update of one element per row, and never copies its logits.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ def sample_penalized(logits: jax.Array, s: SamplingArrays, state: TokenState, la
                      ) -> tuple[SampleOut, TokenState]:
     """`sample` from the penalized logits (log-probabilities stay the model's), then count each active row's token
     in its lane. logits: [rows, vocab]; lanes: [rows]."""
-    out = sample(logits, s, penalize(logits, state, lanes, p, s.counter))
+    out = sample(logits, s, lambda: penalize(logits, state, lanes, p, s.counter),
+                 jnp.any(p.active) | jnp.any(p.constrained))
     counts = state.counts.at[lanes, out.tokens].add(p.active.astype(jnp.int32))
     return out, dataclasses.replace(state, counts=counts)

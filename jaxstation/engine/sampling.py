@@ -16,6 +16,7 @@ row runs neither (`lax.cond`); greedy rows take the first maximum either way.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -94,12 +95,15 @@ def _filter_mask(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
 
 
 def first_argmax(x: jax.Array) -> jax.Array:
-    """`jnp.argmax` over the last axis (the first index of the maximum) as two plain reductions, which XLA's CPU
-    backend vectorizes; its variadic arg-reduce is several times slower on a [rows, vocab] array. -> [...] int32."""
+    """`jnp.argmax` over the last axis (the first index of the maximum) -> [...] int32: on the CPU kernel where it
+    runs, else as two plain reductions, which XLA's CPU backend vectorizes (its variadic arg-reduce is several times
+    slower on a [rows, vocab] array). A row of NaNs has no maximum: its last index."""
+    if cpu_kernel.available():
+        return cpu_kernel.row_max(x)[1]
     n = x.shape[-1]
     iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     first = jnp.min(jnp.where(x == jnp.max(x, axis=-1, keepdims=True), iota, n), axis=-1)
-    return jnp.minimum(first, n - 1)  # a row of NaNs has no maximum: its last index
+    return jnp.minimum(first, n - 1)
 
 
 def row_bits(seed: jax.Array, counter: jax.Array) -> jax.Array:
@@ -150,17 +154,23 @@ def draw_kernel(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     return cpu_kernel.sample(logits, s.temperature, s.top_k, s.top_p, s.min_p, bits)[0]
 
 
-def sample(logits: jax.Array, s: SamplingArrays, chosen_from: jax.Array | None = None) -> SampleOut:
+def sample(logits: jax.Array, s: SamplingArrays, chosen_from: Callable[[], jax.Array] | None = None,
+           choose_from_it: jax.Array | None = None) -> SampleOut:
     """logits: [rows, vocab] float32, the model's -> one token per row plus its log-probabilities under the model.
 
-    chosen_from: [rows, vocab], what the token is picked from (the penalized logits, engine/penalties.py); default
-    the logits themselves."""
+    chosen_from: what the token is picked from where `choose_from_it` (a scalar bool) holds, else the logits
+    themselves: a function giving [rows, vocab] (the penalized logits, engine/penalties.py), called only under that
+    condition, so that a wave without penalties neither computes nor copies a second [rows, vocab] array."""
     logprobs = log_softmax(logits)
-    logits = logits if chosen_from is None else chosen_from
-    greedy = first_argmax(logits)
     sampling = s.temperature > 0.0
     draw = draw_kernel if cpu_kernel.available() else draw_xla
-    tokens = jax.lax.cond(jnp.any(sampling), lambda: jnp.where(sampling, draw(logits, s), greedy), lambda: greedy)
+
+    def pick(x: jax.Array) -> jax.Array:
+        greedy = first_argmax(x)
+        return jax.lax.cond(jnp.any(sampling), lambda: jnp.where(sampling, draw(x, s), greedy), lambda: greedy)
+
+    tokens = pick(logits) if chosen_from is None else jax.lax.cond(
+        choose_from_it, lambda: pick(chosen_from()), lambda: pick(logits))
     return token_logprobs(logprobs, tokens)
 
 

@@ -63,6 +63,7 @@ TARGETS = {"int8": ("jaxstation_rowwise_matmul_s8", "RowwiseMatmulS8"),
            "attention": ("jaxstation_decode_attention", "DecodeAttention"),
            "rms_norm": ("jaxstation_rms_norm", "RmsNorm"),
            "top_k": ("jaxstation_top_k", "TopK"),
+           "row_max": ("jaxstation_row_max", "RowMax"),
            "sample": ("jaxstation_sample", "Sample"),
            "row_bits": ("jaxstation_row_bits", "RowBits"),
            "lora_delta": ("jaxstation_lora_delta", "LoraDelta"),
@@ -285,6 +286,16 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     out = (jax.ShapeDtypeStruct((rows.shape[0], k), jnp.float32), jax.ShapeDtypeStruct((rows.shape[0], k), jnp.int32))
     values, ids = jax.ffi.ffi_call(TARGETS["top_k"][0], out)(rows)
     return values.reshape(*x.shape[:-1], k), ids.reshape(*x.shape[:-1], k)
+
+
+def row_max(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's maximum and the first index that holds it, over the last axis of float32 x [..., n] in one call:
+    (max [...], index [...] int32): a row with a NaN has the maximum NaN and the index n - 1."""
+    require()
+    rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    out = (jax.ShapeDtypeStruct(rows.shape[:1], jnp.float32), jax.ShapeDtypeStruct(rows.shape[:1], jnp.int32))
+    top, at = jax.ffi.ffi_call(TARGETS["row_max"][0], out)(rows)
+    return top.reshape(x.shape[:-1]), at.reshape(x.shape[:-1])
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,

@@ -56,7 +56,56 @@ ffi::Error TopKImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBu
   return ffi::Error::Success();
 }
 
+// Each row's maximum and the first index that holds it, as jnp.max and sampling.first_argmax give them: a row with a
+// NaN has the maximum NaN and the index N - 1; +0 and -0 are equal. Exact in any order, so one pass of vector maxima
+// (and a NaN test), then a search from the start for the first value equal to it. x [M, N] -> max [M], index [M].
+void RowMaxRow(const float* x, int64_t n, float* max, int32_t* index) {
+  Vec m = Set1(-INFINITY);
+  uint32_t unordered = 0;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec v = LoadX(x + i);
+#if defined(__AVX512F__)
+    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+#else
+    unordered |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+#endif
+    m = Max(m, v);
+  }
+  bool nan = unordered != 0;
+  float lanes[kLanes];
+  Store(lanes, m);
+  float best = *std::max_element(lanes, lanes + kLanes);
+  for (; i < n; ++i) nan |= std::isnan(x[i]), best = std::max(best, x[i]);
+  if (nan) {
+    *max = NAN, *index = static_cast<int32_t>(n - 1);
+    return;
+  }
+  int64_t at = 0;
+  while (x[at] != best) ++at;
+  *max = best, *index = static_cast<int32_t>(at);
+}
+
+ffi::Error RowMaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> max,
+                      ffi::ResultBuffer<ffi::S32> index) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || max->element_count() != size_t(xd[0]) || index->element_count() != size_t(xd[0]) || xd[1] < 1)
+    return ffi::Error::InvalidArgument("row_max: x [M, N] with N >= 1, max and index [M]");
+  const int64_t n = xd[1];
+  ParallelFor(pool, xd[0], [&](int64_t r) {
+    RowMaxRow(x.typed_data() + r * n, n, max->typed_data() + r, index->typed_data() + r);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RowMax, RowMaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TopK, TopKImpl,
                               ffi::Ffi::Bind()
