@@ -21,6 +21,10 @@ in each round (baseline_ms_per_step):
   python -m bench.step --model gemma-3-270m.gguf --lanes 1 8 --live 512 --temperature 0.8 --top-p 0.95 \
       --baseline-sampling /tmp/main_sampling.py
 
+With --stored, the model as a station loads it (its block formats repacked into the integer products' tiles) against
+the same model with the named formats read as stored, decode waves of the two engines interleaved in one process:
+  python -m bench.step --model gemma-3-270m.gguf --lanes 1 8 --live 512 --max-seq 1024 --stored Q4_K Q5_K Q6_K
+
 With --lora, one decode step of 8 rows, each on its own rank-16 LoRA adapter on every projection (docs/lora.md),
 against the same step of an engine without adapters, the two interleaved in one process (A, B, A, B, ...) so that
 whatever else runs on the machine weighs on both alike; reports the ratio of their medians:
@@ -70,9 +74,14 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--min-p", type=float, default=0.0)
     ap.add_argument("--baseline-sampling", default=None, help="another sampling.py to time the sampled wave with")
+    ap.add_argument("--stored", nargs="+", default=None, metavar="FORMAT",
+                    help="also load the model with these block formats as stored (not repacked), interleaved")
     args = ap.parse_args()
     if args.lora:
         lora_main(args)
+        return
+    if args.stored:
+        stored_main(args)
         return
 
     copy_bw, read_bw = copy_bandwidth(), read_bandwidth()
@@ -235,6 +244,44 @@ def lora_main(args) -> None:
     print(f"{model.source} ({args.dtype}, {cfg.num_layers} layers): base {base_ms:.1f} ms, {LORA_ROWS} adapters "
           f"{lora_ms:.1f} ms: {result['ratio']:.3f}x (pairwise median {result['pair_ratio_median']:.3f}x)")
     path = write_result(args.name, {"config": vars(args), "model": str(model.source), "dtype": args.dtype, **result})
+    print(f"wrote {path}")
+
+
+def stored_main(args) -> None:
+    """The --stored comparison: the model with its matrices repacked as a station loads them, against the same model
+    with the named block formats read as stored, decode waves interleaved on two engines in one process."""
+    from jaxstation.kernels import cpu_kernel
+
+    repacked, _ = bench_model(args, args.max_seq)
+    kept = dict(cpu_kernel.REPACKED)
+    for fmt in args.stored:
+        cpu_kernel.REPACKED.pop(f"{fmt}R")
+    try:
+        stored, engine_kw = bench_model(args, args.max_seq)
+    finally:
+        cpu_kernel.REPACKED.update(kept)
+    rows = []
+    for lanes in args.lanes:
+        engines = {name: Engine(model, lanes=lanes, max_seq=args.max_seq, chunk=32, block=128, **engine_kw)
+                   for name, model in (("repacked", repacked), ("stored", stored))}
+        for live in args.live:
+            wave = [DecodeRow(1, live - 1, SamplingParams(), 0)] * lanes
+            for engine in engines.values():  # compile, and one run
+                engine.decode(wave)
+                engine.decode(wave)
+            times: dict[str, list[float]] = {name: [] for name in engines}
+            for _ in range(args.reps):
+                for name, engine in engines.items():
+                    times[name].append(timed(lambda e=engine, w=wave: e.decode(w)))
+            row = {"lanes": lanes, "live": live, **{f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()},
+                   "pair_ratio_median": statistics.median([a / b for a, b in zip(times["repacked"], times["stored"],
+                                                                                  strict=True)])}
+            rows.append(row)
+            print(f"lanes {lanes:2d} live {live:5d}: repacked {row['repacked_ms']:.2f} ms, {' '.join(args.stored)} "
+                  f"stored {row['stored_ms']:.2f} ms, repacked / stored {row['pair_ratio_median']:.3f}")
+        del engines
+    path = write_result(args.name, {"config": vars(args), "model": str(repacked.source), "dtype": args.dtype,
+                                    "rows": rows})
     print(f"wrote {path}")
 
 
