@@ -103,7 +103,7 @@ def on_kernel(w: Weight) -> bool:
 
 def stored(w: GGUFBlocks, weights: str, matmul: str, looked_up: bool = False) -> KernelWeight | None:
     """GGUF blocks as stored, for the kernel: where weights "gguf" or "gguf-exact" ask for them and the kernel reads
-    that format at that shape (the 32-column formats repacked into the integer products' tiles,
+    that format at that shape (for the integer products repacked into their tiles where the channels fill them,
     `cpu_kernel.pack_blocks`; a table whose rows are `looked_up`, Q8_0 only); else None."""
     if weights in GGUF_WEIGHTS and matmul == "kernel" and cpu_kernel.fits_blocks(w.fmt, w.shape[-1], w.shape[-2]):
         if weights == "gguf" and (packed := cpu_kernel.repacked_format(w.fmt, w.shape[-2], looked_up)):
