@@ -19,7 +19,7 @@ import numpy as np
 from gguf import GGUFReader
 
 from bench.common import timed, write_result
-from jaxstation.kernels import cpu_kernel
+from jaxstation.kernels import cpu_kernel, packing
 from jaxstation.model.default_model import default_model_path
 
 TENSORS = ("token_embd.weight", "blk.0.attn_output.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weight")
@@ -42,7 +42,7 @@ def time_matrix(fmt: str, w: np.ndarray, rows: int, reps: int) -> dict:
 
     calls = {"gguf": (call(fmt, True), jnp.asarray(w)), "gguf-exact": (call(fmt, False), jnp.asarray(w))}
     if packed := cpu_kernel.repacked_format(fmt, w.shape[0]):
-        calls["gguf repacked"] = (call(packed, True), jnp.asarray(cpu_kernel.pack_blocks(w, packed)))
+        calls["gguf repacked"] = (call(packed, True), jnp.asarray(packing.pack_blocks(w, packed)))
     for f, wj in calls.values():
         f(x, wj).block_until_ready()
     times = {name: [] for name in calls}

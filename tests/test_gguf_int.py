@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from test_gguf_blocks import random_blocks
 
-from jaxstation.kernels import cpu_kernel
+from jaxstation.kernels import cpu_kernel, packing
 from jaxstation.model.quant import GGUFBlocks, stored
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,13 +158,13 @@ def check_formats_against_the_reference(formats: tuple[str, ...] = tuple(cpu_ker
 
 
 def check_repacked(n_in: int = 512, n_out: int = 48) -> None:
-    """Every block format repacked into the integer products' tiles (`cpu_kernel.pack_blocks`): the plain layout's
+    """Every block format repacked into the integer products' tiles (`packing.pack_blocks`): the plain layout's
     bits for every row alone and among others, and Q8_0's table rows looked up alike (also run in the other builds'
     subprocesses)."""
     x = activations(37, n_in)
     for packed, fmt in cpu_kernel.REPACKED.items():
         blocks = random_blocks(fmt, n_out, n_in, seed=11)
-        tiles = dataclasses.replace(blocks, data=cpu_kernel.pack_blocks(blocks.data, packed), fmt=packed)
+        tiles = dataclasses.replace(blocks, data=packing.pack_blocks(blocks.data, packed), fmt=packed)
         assert tiles.data.shape == blocks.data.shape and not np.array_equal(tiles.data, blocks.data)
         full = int_matmul(x, blocks)
         for rows in ROW_COUNTS:
@@ -173,7 +173,7 @@ def check_repacked(n_in: int = 512, n_out: int = 48) -> None:
             assert np.array_equal(int_matmul(x[row:row + 1], tiles), full[row:row + 1]), (packed, row)
     blocks = random_blocks("Q8_0", n_out, n_in, seed=12)
     ids = jnp.asarray([[0, 47], [16, 5]], jnp.int32)
-    assert np.array_equal(np.asarray(cpu_kernel.block_rows(jnp.asarray(cpu_kernel.pack_blocks(blocks.data, "Q8_0R")),
+    assert np.array_equal(np.asarray(cpu_kernel.block_rows(jnp.asarray(packing.pack_blocks(blocks.data, "Q8_0R")),
                                                            ids, "Q8_0R")),
                           np.asarray(cpu_kernel.block_rows(jnp.asarray(blocks.data), ids, "Q8_0")))
 

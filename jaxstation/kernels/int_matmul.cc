@@ -429,7 +429,7 @@ void IntChannels(const IntActs& a, const uint8_t* w, int64_t row_len, float* y, 
   }
 }
 
-// Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 repacked at load (cpu_kernel.pack_blocks, formats "Q8_0R", "Q4_0R", ...): the
+// Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 repacked at load (packing.pack_blocks, formats "Q8_0R", "Q4_0R", ...): the
 // kIntCh rows of w from channel t kIntCh on hold that tile; for each 32 columns in K order, the tile's float16 fields
 // side by side (d, then Q4_1 and Q5_1's m), then the code bytes as dwords, dword i lane c holding channel c's bytes
 // 4i..4i+3: Q8_0's 8 dwords are IntCodes' 8 vectors (int8 as stored); the others' 4 hold codes 4i..4i+3 in their low
@@ -461,7 +461,7 @@ struct Packed {
   }
 };
 
-// The K-quants repacked at load ("Q4_KR", "Q5_KR", "Q6_KR"; cpu_kernel.pack_blocks), the same bytes: per tile and
+// The K-quants repacked at load ("Q4_KR", "Q5_KR", "Q6_KR"; packing.pack_blocks), the same bytes: per tile and
 // 256 columns, Q4_K and Q5_K hold the tile's float16 d, then dmin, side by side; then for each group j of 32 columns a
 // byte a channel, its 6-bit scale and its minimum's low 2 bits (sc | (mn & 3) << 6); then for groups j and j + 4 a
 // byte a channel, their minimums' high 4 bits (low nibble: group j); then each group's codes as the 32-column formats

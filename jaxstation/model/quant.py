@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxstation.kernels import cpu_kernel
+from jaxstation.kernels import cpu_kernel, packing
 from jaxstation.model.choices import GGUF_WEIGHTS
 
 
@@ -104,10 +104,10 @@ def on_kernel(w: Weight) -> bool:
 def stored(w: GGUFBlocks, weights: str, matmul: str, looked_up: bool = False) -> KernelWeight | None:
     """GGUF blocks as stored, for the kernel: where weights "gguf" or "gguf-exact" ask for them and the kernel reads
     that format at that shape (for the integer products repacked into their tiles where the channels fill them,
-    `cpu_kernel.pack_blocks`; a table whose rows are `looked_up`, Q8_0 only); else None."""
+    `packing.pack_blocks`; a table whose rows are `looked_up`, Q8_0 only); else None."""
     if weights in GGUF_WEIGHTS and matmul == "kernel" and cpu_kernel.fits_blocks(w.fmt, w.shape[-1], w.shape[-2]):
         if weights == "gguf" and (packed := cpu_kernel.repacked_format(w.fmt, w.shape[-2], looked_up)):
-            return KernelWeight(jnp.asarray(cpu_kernel.pack_blocks(w.data, packed)), None, packed, True)
+            return KernelWeight(jnp.asarray(packing.pack_blocks(w.data, packed)), None, packed, True)
         return KernelWeight(jnp.asarray(w.data), None, w.fmt, weights == "gguf")
     return None
 
