@@ -335,24 +335,33 @@ struct Attention {
     std::vector<int64_t> at(len + 1, 0);  // row j's scores at at[j]: [group, its n]
     for (int64_t j = 0; j < len; ++j) at[j + 1] = at[j] + group * (pos[r0 + j] - Lo(r0 + j) + 1);
     std::vector<float> scores(at[len]), denom(len * group);
-    const int64_t first = Lo(r0), last = pos[r0 + len - 1], block = len == 1 ? last - first + 1 : kBlock;
-    const auto walk = [&](auto&& part) {  // part(row, j, index of position a in the row's walk, a, count)
-      for (int64_t s = first; s <= last; s += block)
+    // A lone row is one block where one pass of each walk takes the group's heads side by side; else the walks go
+    // kBlock positions at a time, each block read once from memory while every head takes it (a lone row asking for
+    // its next block meanwhile).
+    const bool whole = len == 1 && 16 / nv >= group;  // Scores' heads a pass
+    const int64_t first = Lo(r0), last = pos[r0 + len - 1], block = whole ? last - first + 1 : kBlock;
+    // walk(keys or values, their scales, part): part(row, j, index of position a in the row's walk, a, count)
+    const auto walk = [&](const T* kv, const float* sc, auto&& part) {
+      for (int64_t s = first; s <= last; s += block) {
+        if (len == 1)
+          for (int64_t p = s + block; p < std::min(s + 2 * block, last + 1); ++p)
+            Prefetch(Walk(kv, sc, r0, h, p).At(0), hd * sizeof(T));
         for (int64_t j = 0; j < len; ++j) {
           const int64_t r = r0 + j, lo = Lo(r), a = std::max(s, lo), b = std::min<int64_t>(s + block, pos[r] + 1);
           if (a < b) part(r, j, a - lo, a, b - a);
         }
+      }
     };
     const auto n = [&](int64_t j) { return (at[j + 1] - at[j]) / group; };  // row j's positions
     const auto head = [&](int64_t r) { return (r * heads + h * group) * hd; };  // the group's heads in q and out
-    walk([&](int64_t r, int64_t j, int64_t i, int64_t a, int64_t m) {
+    walk(k, k_scale, [&](int64_t r, int64_t j, int64_t i, int64_t a, int64_t m) {
       ScoresFor(nv, q + head(r), group, Walk(k, k_scale, r, h, a), m, n(j), scale, scores.data() + at[j] + i);
     });
     for (int64_t j = 0; j < len; ++j) {
       Softmax(scores.data() + at[j], group, n(j), denom.data() + j * group);
       std::fill_n(out + head(r0 + j), group * hd, 0.0f);
     }
-    walk([&](int64_t r, int64_t j, int64_t i, int64_t a, int64_t m) {
+    walk(v, v_scale, [&](int64_t r, int64_t j, int64_t i, int64_t a, int64_t m) {
       WeightedSumFor(nv, scores.data() + at[j] + i, n(j), m, group, Walk(v, v_scale, r, h, a), out + head(r));
     });
     for (int64_t j = 0; j < len; ++j)
