@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxstation.kernels import cpu_kernel
-from jaxstation.kernels.rowwise import log_softmax, row_cumsum, row_sum, softmax
+from jaxstation.kernels.rowwise import log_softmax, peak_and_first, row_cumsum, row_sum, softmax
 
 TOP_LOGPROBS = 5  # how many alternatives a step returns per row
 
@@ -94,18 +94,6 @@ def _filter_mask(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
     return keep
 
 
-def first_argmax(x: jax.Array) -> jax.Array:
-    """`jnp.argmax` over the last axis (the first index of the maximum) -> [...] int32: on the CPU kernel where it
-    runs, else as two plain reductions, which XLA's CPU backend vectorizes (its variadic arg-reduce is several times
-    slower on a [rows, vocab] array). A row of NaNs has no maximum: its last index."""
-    if cpu_kernel.available():
-        return cpu_kernel.row_max(x)[1]
-    n = x.shape[-1]
-    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    first = jnp.min(jnp.where(x == jnp.max(x, axis=-1, keepdims=True), iota, n), axis=-1)
-    return jnp.minimum(first, n - 1)
-
-
 def row_bits(seed: jax.Array, counter: jax.Array) -> jax.Array:
     """Each row's 64 random bits, from its seed [rows] uint32 and generated-token count [rows] int32 -> [rows, 2]
     uint32."""
@@ -161,16 +149,20 @@ def sample(logits: jax.Array, s: SamplingArrays, chosen_from: Callable[[], jax.A
     chosen_from: what the token is picked from where `choose_from_it` (a scalar bool) holds, else the logits
     themselves: a function giving [rows, vocab] (the penalized logits, engine/penalties.py), called only under that
     condition, so that a wave without penalties neither computes nor copies a second [rows, vocab] array."""
-    logprobs = log_softmax(logits)
+    peak, first = peak_and_first(logits)  # one pass serves the log-softmax and the greedy pick
+    logprobs = log_softmax(logits, peak)
     sampling = s.temperature > 0.0
     draw = draw_kernel if cpu_kernel.available() else draw_xla
 
-    def pick(x: jax.Array) -> jax.Array:
-        greedy = first_argmax(x)
+    def pick(x: jax.Array, greedy: jax.Array) -> jax.Array:
         return jax.lax.cond(jnp.any(sampling), lambda: jnp.where(sampling, draw(x, s), greedy), lambda: greedy)
 
-    tokens = pick(logits) if chosen_from is None else jax.lax.cond(
-        choose_from_it, lambda: pick(chosen_from()), lambda: pick(logits))
+    def pick_penalized() -> jax.Array:
+        x = chosen_from()
+        return pick(x, peak_and_first(x)[1])
+
+    tokens = pick(logits, first) if chosen_from is None else jax.lax.cond(
+        choose_from_it, pick_penalized, lambda: pick(logits, first))
     return token_logprobs(logprobs, tokens)
 
 

@@ -437,6 +437,23 @@ void IntChannels(const IntActs& a, const uint8_t* w, int64_t row_len, float* y, 
 // vectors, bit k for its byte k. A call reads them as they lie, with nothing to decode per channel or reorder (at one
 // row the decoding is most of the plain layout's cost); the integer sums and the epilogue are IntTile's, so a row's
 // bits are the plain layout's.
+// A repacked tile's 32 codes a channel from 4 dwords of nibbles (codes 4i.. low, 16 + 4i.. high) into the 8 code
+// vectors, with kFifth their fifth bits after them (one bit a byte of each code vector).
+template <bool kFifth>
+inline void LoadNibbleCodes(const uint8_t* codes, IVec* w) {
+  for (int i = 0; i < 4; ++i) {
+    const IVec v = ILoad(codes + i * kIntCh * 4);
+    w[i] = LowNibbles(v), w[i + 4] = HighNibbles(v);
+  }
+  if constexpr (kFifth)
+    for (int j = 0; j < 8; ++j) w[j] = WithFifths(w[j], codes + 16 * kIntCh + j * kIntCh / 2);
+}
+
+// Asks for the `bytes` lying kIntAhead on from p: a matrix's tiles lie one after the other.
+inline void PrefetchAhead(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kIntAhead + o, _MM_HINT_T0);
+}
+
 template <typename F>
 struct Packed {
   static constexpr int kFields = F::kMin ? 2 : 1;  // float16 fields a channel: d (and m)
@@ -451,12 +468,7 @@ struct Packed {
         if constexpr (kVnni) w[j] = FlipSigns(w[j]);
       }
     } else {
-      for (int i = 0; i < 4; ++i) {
-        const IVec v = ILoad(codes + i * kIntCh * 4);
-        w[i] = LowNibbles(v), w[i + 4] = HighNibbles(v);
-      }
-      if constexpr (kFifth)
-        for (int j = 0; j < 8; ++j) w[j] = WithFifths(w[j], codes + 16 * kIntCh + j * kIntCh / 2);
+      LoadNibbleCodes<kFifth>(codes, w);
     }
   }
 };
@@ -478,10 +490,7 @@ struct PackedK {
   static void Load(const uint8_t* block, int j, IVec* w, IVec& low, IVec& high, IVec& mins) {
     const uint8_t* g = block + kHead + j * kGroup;
     const uint8_t* codes = g + (kQ6 ? 2 * kIntCh : 0);
-    for (int i = 0; i < 4; ++i) {
-      const IVec v = ILoad(codes + i * kIntCh * 4);
-      w[i] = LowNibbles(v), w[i + 4] = HighNibbles(v);
-    }
+    LoadNibbleCodes<kFifth>(codes, w);
     if constexpr (kQ6) {
       low = SignedBytes(g), high = SignedBytes(g + kIntCh), mins = ISet1(0);
       for (int h = 0; h < 2; ++h) {
@@ -493,8 +502,6 @@ struct PackedK {
       const IVec b = UnsignedBytes(block + 12 * kIntCh + (j % 4) * kIntCh);
       low = high = IAnd(a, ISet1(63));
       mins = IOr(IShiftRight(a, 6), IShiftLeft(IAnd(IShiftRight(b, 4 * (j / 4)), ISet1(15)), 2));
-      if constexpr (kFifth)
-        for (int k = 0; k < 8; ++k) w[k] = WithFifths(w[k], codes + 16 * kIntCh + k * kIntCh / 2);
     }
   }
 };
@@ -507,8 +514,7 @@ void PackedTile(const IntActs& a, int64_t m0, const uint8_t* tile, float* y, int
   if constexpr (F::kScaled) {
     for (int64_t blk = 0; blk < a.K / 256; ++blk) {
       const uint8_t* block = tile + blk * kIntCh * F::kBytes;
-      for (int64_t o = 0; o < kIntCh * F::kBytes; o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(block) + kIntAhead + o, _MM_HINT_T0);
+      PrefetchAhead(block, kIntCh * F::kBytes);
       const Vec dw = Halves(block), mw = F::kMin ? Sub(Zero(), Halves(block + 2 * kIntCh)) : Zero();
       for (int j = 0; j < 8; ++j) {
         IVec low, high, mins;
@@ -519,8 +525,7 @@ void PackedTile(const IntActs& a, int64_t m0, const uint8_t* tile, float* y, int
   } else {
     for (int64_t group = 0; group < a.K / 32; ++group) {
       const uint8_t* g = tile + group * Packed<F>::kGroup;
-      for (int64_t o = 0; o < Packed<F>::kGroup; o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(g) + kIntAhead + o, _MM_HINT_T0);
+      PrefetchAhead(g, Packed<F>::kGroup);
       Vec dw, mw;
       Packed<F>::Load(g, w, dw, mw);
       IntGroup<F, R>(a, m0, group, w, dw, mw, ISet1(0), ISet1(0), ISet1(0), acc);

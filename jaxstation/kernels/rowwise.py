@@ -38,17 +38,24 @@ def row_cumsum(x: jax.Array) -> jax.Array:
     return x
 
 
-def row_max(x: jax.Array) -> jax.Array:
-    """`jnp.max` over the last axis, keeping it: on the CPU kernel where it runs (XLA's reduce over a row of a large
-    vocabulary is several times slower), the same value."""
+def peak_and_first(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Over the last axis: the maximum, kept ([..., 1]), and the first index that holds it ([...] int32); on the CPU
+    kernel where it runs (XLA's reduces over a row of a large vocabulary are several times slower; a row holding a NaN
+    gets NaN and its last index), else as plain reductions (a row of NaNs: its last index)."""
     if cpu_kernel.available() and x.dtype == jnp.float32:
-        return cpu_kernel.row_max(x)[0][..., None]
-    return jnp.max(x, axis=-1, keepdims=True)
+        peak, first = cpu_kernel.row_max(x)
+        return peak[..., None], first
+    n = x.shape[-1]
+    peak = jnp.max(x, axis=-1, keepdims=True)
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return peak, jnp.minimum(jnp.min(jnp.where(x == peak, iota, n), axis=-1), n - 1)
 
 
-def log_softmax(x: jax.Array) -> jax.Array:
-    """`jax.nn.log_softmax` over the last axis with a row-invariant sum."""
-    shifted = x - jax.lax.stop_gradient(row_max(x))
+def log_softmax(x: jax.Array, peak: jax.Array | None = None) -> jax.Array:
+    """`jax.nn.log_softmax` over the last axis with a row-invariant sum; `peak`, each row's maximum ([..., 1]) where
+    the caller has it."""
+    peak = peak_and_first(x)[0] if peak is None else peak
+    shifted = x - jax.lax.stop_gradient(peak)
     return shifted - jnp.log(row_sum(jnp.exp(shifted)))[..., None]
 
 
