@@ -16,8 +16,8 @@ import pytest
 from sampling_reference import reference_draw, reference_keep
 
 from jaxstation.chat.request import sampling_params
-from jaxstation.engine.rows import SamplingParams, sampling_arrays
-from jaxstation.engine.sampling import SamplingArrays, _filter_mask, draw_xla, row_bits, sample
+from jaxstation.engine.rows import Sample, SamplingParams, read_samples, sampling_arrays
+from jaxstation.engine.sampling import TOP_LOGPROBS, SampleOut, SamplingArrays, _filter_mask, draw_xla, row_bits, sample
 from jaxstation.kernels import cpu_kernel
 
 
@@ -240,3 +240,27 @@ def test_the_chat_faces_defaults() -> None:
     assert sampling_params() == SamplingParams(temperature=1.0)
     assert sampling_params(0, 0.5, -1, 0.1) == SamplingParams(temperature=0.0, top_p=0.5, min_p=0.1)
     assert sampling_params(top_k=7) == SamplingParams(temperature=1.0, top_k=7)
+
+
+def test_a_steps_samples_come_back_in_one_array_with_every_bit() -> None:
+    """SampleOut packs tokens, log-probabilities and the top alternatives into one int32 array, in a program and on
+    the host alike; read back, every float keeps its bits (-0.0, -inf, a NaN's payload)."""
+    rng = np.random.default_rng(0)
+    tokens = np.array([7, 0, 262143], np.int32)
+    logprob = np.array([-0.0, -np.inf, np.float32(-1.25e-30)], np.float32)
+    top_ids = rng.integers(0, 262144, (3, TOP_LOGPROBS)).astype(np.int32)
+    top_lp = rng.standard_normal((3, TOP_LOGPROBS)).astype(np.float32)
+    top_lp[1, 2] = np.array([0x7FC01234], np.uint32).view(np.float32)[0]  # a NaN with a payload
+    host = SampleOut.of(tokens, logprob, top_ids, top_lp)
+    device = jax.jit(SampleOut.of)(tokens, logprob, top_ids, top_lp)
+    assert isinstance(host.packed, np.ndarray) and host.packed.shape == (3, 2 + 2 * TOP_LOGPROBS)
+    np.testing.assert_array_equal(np.asarray(device.packed), host.packed)
+    for out in (host, device, jax.jit(lambda o: o)(device)):
+        pairs = ((out.tokens, tokens), (out.logprob, logprob), (out.top_ids, top_ids), (out.top_logprobs, top_lp))
+        for got, want in pairs:
+            assert np.asarray(got).dtype == want.dtype
+            np.testing.assert_array_equal(np.asarray(got).view(np.int32), want.view(np.int32))
+    samples = read_samples(device)
+    assert samples[0] == Sample(7, -0.0, tuple(zip(top_ids[0].tolist(), top_lp[0].tolist(), strict=True)))
+    assert math.copysign(1.0, samples[0].logprob) == -1.0 and samples[1].logprob == -math.inf
+    assert np.float32(samples[1].top[2][1]).view(np.uint32) == 0x7FC01234

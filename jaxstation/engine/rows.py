@@ -8,7 +8,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 from jaxstation.engine.constraints import mask_words
@@ -217,7 +216,8 @@ def penalty_arrays(rows: Sequence[tuple[SamplingParams, int] | None], vocab: int
 
 def read_samples(out: SampleOut) -> list[Sample]:
     """The step's samples, one per sampled row, on the host."""
-    tokens, logprob, top_ids, top_lp = jax.device_get((out.tokens, out.logprob, out.top_ids, out.top_logprobs))
+    host = SampleOut(np.asarray(out.packed))  # one transfer
+    tokens, logprob, top_ids, top_lp = host.tokens, host.logprob, host.top_ids, host.top_logprobs
     return [
         Sample(int(tokens[i]), float(logprob[i]), tuple(zip(top_ids[i].tolist(), top_lp[i].tolist(), strict=True)))
         for i in range(len(tokens))

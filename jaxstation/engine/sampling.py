@@ -21,6 +21,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxstation.kernels import cpu_kernel
 from jaxstation.kernels.rowwise import log_softmax, peak_and_first, row_cumsum, row_sum, softmax
@@ -40,14 +41,45 @@ class SamplingArrays:
     counter: jax.Array  # [rows] int32: tokens the row has generated so far
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["tokens", "logprob", "top_ids", "top_logprobs"],
-         meta_fields=[])
+@partial(jax.tree_util.register_dataclass, data_fields=["packed"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class SampleOut:
-    tokens: jax.Array  # [rows] int32
-    logprob: jax.Array  # [rows] float32: the chosen token's log-probability under the model
-    top_ids: jax.Array  # [rows, TOP_LOGPROBS] int32
-    top_logprobs: jax.Array  # [rows, TOP_LOGPROBS] float32
+    """A step's samples as one int32 array, so that the host reads them in one transfer (each array read back costs a
+    wait of its own): per row its token, the float32 bits of its log-probability under the model, its TOP_LOGPROBS best
+    tokens, then the bits of their log-probabilities. In a program or on the host (`of` numpy arrays) alike."""
+
+    packed: jax.Array | np.ndarray  # [rows, 2 + 2 * TOP_LOGPROBS] int32
+
+    @classmethod
+    def of(cls, tokens, logprob, top_ids, top_logprobs) -> SampleOut:
+        """tokens [rows] int32, logprob [rows] float32, top_ids [rows, TOP_LOGPROBS] int32, top_logprobs likewise
+        float32; numpy arrays give numpy."""
+        if all(isinstance(a, np.ndarray) for a in (tokens, logprob, top_ids, top_logprobs)):
+            return cls(np.concatenate([tokens[:, None].astype(np.int32), logprob[:, None].view(np.int32),
+                                       top_ids.astype(np.int32), top_logprobs.view(np.int32)], axis=1))
+        bits = partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+        return cls(jnp.concatenate([tokens[:, None].astype(jnp.int32), bits(logprob[:, None]),
+                                    top_ids.astype(jnp.int32), bits(top_logprobs)], axis=1))
+
+    @property
+    def tokens(self) -> jax.Array | np.ndarray:  # [rows] int32
+        return self.packed[:, 0]
+
+    @property
+    def logprob(self) -> jax.Array | np.ndarray:  # [rows] float32
+        return _floats(self.packed[:, 1])
+
+    @property
+    def top_ids(self) -> jax.Array | np.ndarray:  # [rows, TOP_LOGPROBS] int32
+        return self.packed[:, 2:2 + TOP_LOGPROBS]
+
+    @property
+    def top_logprobs(self) -> jax.Array | np.ndarray:  # [rows, TOP_LOGPROBS] float32
+        return _floats(self.packed[:, 2 + TOP_LOGPROBS:])
+
+
+def _floats(bits: jax.Array | np.ndarray) -> jax.Array | np.ndarray:
+    return bits.view(np.float32) if isinstance(bits, np.ndarray) else jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def _ordered_keys(x: jax.Array) -> jax.Array:
@@ -171,4 +203,4 @@ def token_logprobs(logprobs: jax.Array, tokens: jax.Array) -> SampleOut:
     top = cpu_kernel.top_k if cpu_kernel.available() else jax.lax.top_k  # the same values and indices, in one pass
     top_lp, top_ids = top(logprobs, TOP_LOGPROBS)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    return SampleOut(tokens=tokens, logprob=chosen, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)
+    return SampleOut.of(tokens, chosen, top_ids, top_lp)

@@ -312,5 +312,4 @@ class MeshEngine:
 
 
 def _sample_out(arrays: dict[str, np.ndarray]) -> SampleOut:
-    return SampleOut(tokens=arrays["tokens"], logprob=arrays["logprob"], top_ids=arrays["top_ids"],
-                     top_logprobs=arrays["top_logprobs"])
+    return SampleOut.of(arrays["tokens"], arrays["logprob"], arrays["top_ids"], arrays["top_logprobs"])

@@ -316,8 +316,8 @@ class Stage:
 
 
 def _sample_arrays(out: SampleOut) -> dict[str, np.ndarray]:
-    fields = ("tokens", "logprob", "top_ids", "top_logprobs")
-    return {f: np.asarray(v) for f, v in zip(fields, jax.device_get([getattr(out, f) for f in fields]), strict=True)}
+    host = SampleOut(np.asarray(out.packed))  # one transfer
+    return {f: getattr(host, f) for f in ("tokens", "logprob", "top_ids", "top_logprobs")}
 
 
 def _idle_sampling(rows: int) -> SamplingArrays:
