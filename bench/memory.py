@@ -4,8 +4,10 @@ Loads and warms up a station as `serve` does (the settings come from the MOONSHI
 recording /proc/self/status's VmRSS, RssAnon and RssFile as each start-up phase ends; then lists the live device
 arrays by dtype, every numpy array over 10 MiB still referenced, the resident memory by mapping; with `--serve N`, the
 memory once N requests (half greedy, half top-p sampled, prompts of 64 to 1,024 tokens, 128 new tokens each) have run
-through the station's scheduler (every lane busy with MOONSHINE_CONTINUOUS_BATCH=1); and what dropping the compiled
-programs (`jax.clear_caches`) would hand back. Memory only: nothing here is timed.
+through the station's scheduler (every lane busy with MOONSHINE_CONTINUOUS_BATCH=1), with the bytes the prefix cache's
+host tier then holds (MOONSHINE_PREFIX_CACHE_RAM bounds it), and once the idle station has handed its steps' freed
+memory back; and what dropping the compiled programs (`jax.clear_caches`) would hand back. Memory only: nothing here
+is timed.
 
 Usage:
   MOONSHINE_CONTINUOUS_BATCH=1 python -m bench.memory --model gemma-3-270m-q4_k_m.gguf --lanes 8 --max-seq 32768 \
@@ -19,6 +21,7 @@ import collections
 import gc
 import os
 import re
+import time
 
 import jax
 import numpy as np
@@ -106,6 +109,9 @@ def main() -> None:
     if args.serve:
         run_requests(station, args.serve)
         show(f"after {args.serve} requests")
+        print(f"the prefix cache's host tier holds {station.scheduler.prefix_tier.host.nbytes / MiB:.1f} MiB")
+        time.sleep(host_memory.IDLE_RELEASE_S + 1)  # the decode thread hands the steps' freed memory back
+        show("idle")
     station.shutdown(0)
     jax.clear_caches()
     gc.collect()

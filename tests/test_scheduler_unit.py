@@ -21,6 +21,7 @@ from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.prefix_cache import PrefixCache
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.engine.scheduler import Scheduler
+from jaxstation.kernels import host_memory
 
 TIMEOUT = 5.0
 
@@ -105,6 +106,37 @@ def test_fill_retire_and_reuse_order(stations):
     ]
     assert fake.errors == []
     assert sched.busy_lanes == 0 and not sched.pending
+
+
+def test_an_idle_thread_hands_the_freed_memory_back_once_after_work(stations, monkeypatch):
+    """Idle for IDLE_RELEASE_S after a step, the decode thread hands the freed memory back, once, and outside cond;
+    idle from the start, or idle again without a step since, it does not."""
+    monkeypatch.setattr(host_memory, "IDLE_RELEASE_S", 0.05)
+    released: list[bool] = []
+    fake, sched = stations(lanes=2)
+
+    def release() -> int:  # records whether another thread can take cond meanwhile
+        def take() -> None:
+            if got := sched.cond.acquire(blocking=False):
+                sched.cond.release()
+            released.append(got)
+
+        other = threading.Thread(target=take)
+        other.start()
+        other.join()
+        return 0
+
+    monkeypatch.setattr(host_memory, "release_freed_memory", release)
+    sched.start()
+    time.sleep(0.3)
+    assert released == []  # no step yet
+    for n, prompt in enumerate(([1, 2], [3]), start=1):
+        assert sched.submit(Job(tokens=prompt, max_new_tokens=3)).result(TIMEOUT).generated == expected(prompt, 3)
+        wait_for(lambda n=n: len(released) == n)
+    time.sleep(0.3)
+    assert len(released) == 2  # once after each job, not again while idle
+    assert released == [True, True]  # another thread could take cond meanwhile
+    assert fake.errors == []
 
 
 def test_per_request_seed_changes_tokens(stations):

@@ -62,6 +62,7 @@ from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample
 from jaxstation.engine.runner import Runner
 from jaxstation.engine.speculative import Speculation, accept
 from jaxstation.engine.turns import Lane, Plan, draft_rows, ending_lanes, prompt_pieces
+from jaxstation.kernels import host_memory
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -77,7 +78,7 @@ class Scheduler:
         self.lanes: list[Lane | None] = [None] * engine.lanes  # written under cond
         self.pending: deque[Job] = deque()
         self.cond = threading.Condition()  # re-entrant; what it guards: the module's "Who owns what"
-        self.waves = 0  # loop turns that ran a step; flat while idle (the decode thread's)
+        self.waves, self._idle = 0, host_memory.IdleRelease()  # turns that ran a step; idle waits (the decode thread's)
         self.prefill_order: deque[int] = deque()  # lanes waiting for prefill, oldest first (the decode thread's)
         self.prefix_cache = PrefixCache(engine.lanes, engine.chunk)  # the decode thread's, as is the tier
         self.prefix_tier = PrefixTier(engine, self.prefix_cache, prefix_cache_ram, self.metrics, prefix_cache_disk)
@@ -187,7 +188,7 @@ class Scheduler:
         while True:
             with self.cond:
                 while not (self._stop or self.pending or self.busy_lanes or self._prefix_resets):
-                    self.cond.wait()
+                    self._idle.wait(self.cond, self.waves)
                 if self._stop:
                     self._reset_prefixes()
                     self._fail_lanes(ShuttingDown("the station shut down before this request finished"))

@@ -10,7 +10,8 @@ the process does not hand freed memory back to the system. Where the C library i
 
 Start-up frees much more than a step reuses: the compilers' working memory, and the load's. The warm-up hands what
 is free back (`release_freed_memory`) after each step it compiles and runs; the steps' buffers are then paged in once
-more on their first calls and kept from there on.
+more on their first calls and kept from there on. A station's decode thread, idle for IDLE_RELEASE_S after a step, hands
+them back too (`IdleRelease`), so that an idle station holds what it held when it turned ready.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import threading
 
 log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4  # glibc's mallopt parameters
+IDLE_RELEASE_S = 2.0  # seconds a thread waits without work after a step before it hands the freed memory back
 KEEP = 1 << 30  # bytes a heap keeps free: past a thread arena's whole heap (64 MiB), so none is unmapped
 
 
@@ -61,3 +64,24 @@ def resident_bytes() -> int:
             return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
     except OSError:
         return 0
+
+
+class IdleRelease:
+    """A thread's waits for work, which hand the freed memory back once it has waited IDLE_RELEASE_S since a step."""
+
+    def __init__(self) -> None:
+        self._released_at = 0  # the caller's step count when it last handed memory back
+
+    def wait(self, cond: threading.Condition, steps: int) -> None:
+        """One wait on `cond`, which the caller holds once; past IDLE_RELEASE_S, the first since step `steps`, hand the
+        freed memory back, with `cond` released meanwhile."""
+        if self._released_at == steps:
+            cond.wait()
+        elif not cond.wait(IDLE_RELEASE_S):
+            self._released_at = steps
+            cond.release()
+            try:
+                freed = release_freed_memory()
+            finally:
+                cond.acquire()
+            log.debug("idle: handed %d MiB of freed memory back", freed >> 20)
