@@ -41,7 +41,7 @@ COMPILE_CACHE_ENV = "MOONSHINE_COMPILE_CACHE_DIR"
 _CACHE_KEY = pytest.StashKey[str]()
 
 
-# The modules that take longest, started first so that `pytest -n 2` (.ci/run) keeps both workers busy to the end.
+# The modules that take longest, started first so that `pytest -n 3` (.ci/run) keeps every worker busy to the end.
 SLOW_FIRST = ("test_gemma3_270m.py", "test_speculative_draft.py", "test_wave_widths.py", "test_mesh.py",
               "test_tensor_parallel.py", "test_kv_windows.py", "test_openapi_fuzz.py", "test_families.py",
               "test_lora.py", "test_cloudrun.py", "test_row_invariance.py",
