@@ -54,12 +54,9 @@ class SampleOut:
     def of(cls, tokens, logprob, top_ids, top_logprobs) -> SampleOut:
         """tokens [rows] int32, logprob [rows] float32, top_ids [rows, TOP_LOGPROBS] int32, top_logprobs likewise
         float32; numpy arrays give numpy."""
-        if all(isinstance(a, np.ndarray) for a in (tokens, logprob, top_ids, top_logprobs)):
-            return cls(np.concatenate([tokens[:, None].astype(np.int32), logprob[:, None].view(np.int32),
-                                       top_ids.astype(np.int32), top_logprobs.view(np.int32)], axis=1))
-        bits = partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
-        return cls(jnp.concatenate([tokens[:, None].astype(jnp.int32), bits(logprob[:, None]),
-                                    top_ids.astype(jnp.int32), bits(top_logprobs)], axis=1))
+        xp = np if all(isinstance(a, np.ndarray) for a in (tokens, logprob, top_ids, top_logprobs)) else jnp
+        return cls(xp.concatenate([tokens[:, None].astype(np.int32), _bits(logprob[:, None], np.int32),
+                                   top_ids.astype(np.int32), _bits(top_logprobs, np.int32)], axis=1))
 
     @property
     def tokens(self) -> jax.Array | np.ndarray:  # [rows] int32
@@ -67,7 +64,7 @@ class SampleOut:
 
     @property
     def logprob(self) -> jax.Array | np.ndarray:  # [rows] float32
-        return _floats(self.packed[:, 1])
+        return _bits(self.packed[:, 1], np.float32)
 
     @property
     def top_ids(self) -> jax.Array | np.ndarray:  # [rows, TOP_LOGPROBS] int32
@@ -75,11 +72,12 @@ class SampleOut:
 
     @property
     def top_logprobs(self) -> jax.Array | np.ndarray:  # [rows, TOP_LOGPROBS] float32
-        return _floats(self.packed[:, 2 + TOP_LOGPROBS:])
+        return _bits(self.packed[:, 2 + TOP_LOGPROBS:], np.float32)
 
 
-def _floats(bits: jax.Array | np.ndarray) -> jax.Array | np.ndarray:
-    return bits.view(np.float32) if isinstance(bits, np.ndarray) else jax.lax.bitcast_convert_type(bits, jnp.float32)
+def _bits(x: jax.Array | np.ndarray, dtype: type) -> jax.Array | np.ndarray:
+    """x's bits read as `dtype` (of the same width), numpy or in a program."""
+    return x.view(dtype) if isinstance(x, np.ndarray) else jax.lax.bitcast_convert_type(x, dtype)
 
 
 def _ordered_keys(x: jax.Array) -> jax.Array:
