@@ -13,8 +13,9 @@ prompt set of bench.throughput; with --sampled each K also at temperature 0.8 an
 and llama-server, whose own top_k and min_p are turned off) and an open-loop Poisson latency run (the mixed prompt
 lengths of bench.latency; end-to-end latency, server-side TTFT where the reply says it), and the prefill of a
 --prefill-len prompt (default 512) with one new token, alone, in prompt tokens per second of server-side TTFT (a new
-prompt each repetition, so no prefix cache helps). Repetitions are interleaved across the systems (rep 1: every
-system, rep 2: every system, ...), so the ratios hold on a noisy machine. One side-by-side
+prompt each repetition, so no prefix cache helps). Each measurement runs on every system in turn, seconds apart (K =
+1 greedy on each, then K = 8 greedy on each, ..., the first system rotating with the repetition), so that a machine
+whose speed drifts over minutes slows both sides of a ratio alike. One side-by-side
 table is printed and written as JSON. Peers are the optional `peers` extra: pip install -e '.[peers]'.
 
 Usage:
@@ -238,6 +239,7 @@ def main() -> None:
     ap.add_argument("--llama-server", help="path of the llama-server binary (default: the build cache, then PATH)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--settle", type=float, default=1.0, help="seconds idle before each throughput run")
     ap.add_argument("--server-timeout", type=float, default=300.0)
     ap.add_argument("--name", default="peers", help="result file name (e.g. peers_int8 for an --dtype int8 run)")
     ap.add_argument("--quick", action="store_true", help="16 new tokens, 1 rep, 6 latency requests of 16 tokens")
@@ -326,13 +328,14 @@ def main() -> None:
             for s in systems}
         for rep in range(args.reps):
             order = systems[rep % len(systems):] + systems[:rep % len(systems)]  # rotate who goes first
-            for s in order:
-                for mode, k in ((m, k) for m in tput[s.name] for k in args.ks):
+            for mode, k in ((m, k) for m in modes for k in args.ks):
+                for s in (s for s in order if mode in tput[s.name]):
+                    time.sleep(args.settle)  # the last run's threads (llama.cpp's spin) are asleep again
                     s.sampling = modes[mode]
                     wall, generated = s.run(prompts[:k], args.new_tokens)
+                    s.sampling = GREEDY
                     tput[s.name][mode][k].append(generated / wall)
                     print(f"rep {rep} {s.name:17s} {mode} K={k}: {generated / wall:7.1f} tok/s ({generated} tokens)")
-                s.sampling = GREEDY
         prefill = {s.name: prefill_run(s, long_prompts) for s in systems if long_prompts}
         latency = {}
         if not args.no_latency:
