@@ -4,10 +4,15 @@ was freed is not paged in afresh, as a compiled step's temporary buffer is not."
 from __future__ import annotations
 
 import ast
+import ctypes
+import mmap
 import resource
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+import pytest
 
 SCRIPT = textwrap.dedent("""
     import resource, sys
@@ -52,3 +57,143 @@ def test_freed_memory_is_handed_back_on_request() -> None:
     done = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout) >= 60  # MiB of the 64 the kept buffer held
+
+
+def _smaps_of(address: int) -> dict[str, int]:
+    """The kB fields of /proc/self/smaps for the mapping holding `address`."""
+    fields: dict[str, int] = {}
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.split()[-1] == "kB":
+                fields[head.rstrip(":")] = int(line.split()[1])
+    return fields
+
+
+def _kernel_collapses() -> bool:
+    """Whether this kernel backs a written 2 MiB range with a 2 MiB page on request."""
+    from jaxstation.kernels import host_memory
+
+    region = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.write(b"\1" * (4 << 20))
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    start = -(-base // host_memory.HUGE_PAGE) * host_memory.HUGE_PAGE
+    return host_memory.huge_pages([(start, host_memory.HUGE_PAGE)]) > 0
+
+
+def test_resident_memory_goes_onto_2_mib_pages_and_nothing_is_paged_in() -> None:
+    """An 8 MiB mapping with its first 5 MiB written: the two whole 2 MiB ranges in them go onto 2 MiB pages; the
+    range half written and the one never written stay as they are."""
+    from jaxstation.kernels import host_memory
+
+    region = mmap.mmap(-1, 10 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    start = -(-base // host_memory.HUGE_PAGE) * host_memory.HUGE_PAGE  # the first 2 MiB boundary in it
+    libc = ctypes.CDLL(None)
+    libc.madvise(ctypes.c_void_p(base), ctypes.c_size_t(10 << 20), 15)  # MADV_NOHUGEPAGE: 4 KB pages when written
+    offset = start - base
+    region[offset:offset + (5 << 20)] = b"\1" * (5 << 20)
+    libc.madvise(ctypes.c_void_p(base), ctypes.c_size_t(10 << 20), 14)  # MADV_HUGEPAGE: eligible again, as the heap is
+    if not _kernel_collapses():
+        pytest.skip("this kernel has no MADV_COLLAPSE (Linux 6.1+) or transparent huge pages are off")
+    before = _smaps_of(start)
+    done = host_memory.huge_pages([(start, 8 << 20)])
+    after = _smaps_of(start)
+    assert done == 4 << 20
+    assert after["AnonHugePages"] - before["AnonHugePages"] == 4 << 10  # kB
+    assert after["Rss"] == before["Rss"] == 5 << 10  # nothing paged in
+    region.close()
+
+
+HEAD = textwrap.dedent("""
+    import sys
+    import jax
+    sys.path.insert(0, sys.argv[1])
+    from test_host_memory import _huge_kb_over
+    from jaxstation.config.plan import load_planned, resolve_plan
+    from jaxstation.config.settings import StationConfig
+    from jaxstation.model.loader import checkpoint_config
+    config = StationConfig()
+    model = load_planned(config, resolve_plan(config, checkpoint_config(config.model)))
+    head = max(jax.tree_util.tree_leaves(model.params), key=lambda a: a.nbytes)
+    print([head.nbytes, _huge_kb_over(head.unsafe_buffer_pointer(), head.nbytes) << 10])
+""")
+
+
+def _huge_kb_over(address: int, size: int) -> int:
+    """AnonHugePages (kB) of the mappings that hold any of [address, address + size)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < address + size and address < hi
+            elif inside and head == "AnonHugePages:":
+                total += int(line.split()[1])
+    return total
+
+
+def test_a_loaded_models_head_lies_on_2_mib_pages() -> None:
+    """The default model loaded as a station plans it, in a process of its own: its tied embedding and head (30 MB of
+    Q8_0 blocks), read whole every step, on 2 MiB pages but for the partial ranges at its two ends."""
+    if not _kernel_collapses():
+        pytest.skip("this kernel has no MADV_COLLAPSE (Linux 6.1+) or transparent huge pages are off")
+    done = subprocess.run([sys.executable, "-c", HEAD, str(Path(__file__).parent)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    size, huge = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert size > 30e6
+    assert huge >= size - 2 * (2 << 20)
+
+
+def test_a_cpu_arrays_span_is_its_buffer() -> None:
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxstation.kernels import host_memory
+
+    a = jnp.arange(1 << 20, dtype=jnp.float32)
+    ((address, size),) = host_memory.array_spans({"a": a, "b": None})
+    assert size == 4 << 20 and address == a.unsafe_buffer_pointer()
+    assert np.array_equal(np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_float)), (1 << 20,)),
+                          np.arange(1 << 20, dtype=np.float32))
+
+
+SPLIT = textwrap.dedent("""
+    import ctypes, sys
+    import jax.numpy as jnp
+    sys.path.insert(0, sys.argv[1])
+    from test_host_memory import _smaps_of
+    from jaxstation.kernels import host_memory
+    a = jnp.ones(4 << 20, jnp.float32)  # 16 MiB
+    huge, total = host_memory.keep_on_huge_pages({"w": a, "scale": None})
+    inside = -(-a.unsafe_buffer_pointer() // host_memory.HUGE_PAGE) * host_memory.HUGE_PAGE
+    whole = _smaps_of(inside)["AnonHugePages"]
+    libc = ctypes.CDLL(None)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(inside, 4096, 1) == 0 and libc.mprotect(inside, 4096, 3) == 0  # PROT_READ, then | WRITE
+    split = _smaps_of(inside)["AnonHugePages"]
+    host_memory.release_freed_memory()
+    print([huge >> 20, total >> 20, whole >> 10, split >> 10, _smaps_of(inside)["AnonHugePages"] >> 10,
+           float(a.sum()) == 4 << 20])
+""")
+
+
+def test_kept_arrays_go_back_onto_2_mib_pages_after_a_release() -> None:
+    """In a process of its own, a 16 MiB array kept on 2 MiB pages, one of whose pages is then split (a 4 KB piece's
+    protection changed and restored, as a trim beside it splits it): on 2 MiB pages again once freed memory is handed
+    back, its values unchanged."""
+    if not _kernel_collapses():
+        pytest.skip("this kernel has no MADV_COLLAPSE (Linux 6.1+) or transparent huge pages are off")
+    done = subprocess.run([sys.executable, "-c", SPLIT, str(Path(__file__).parent)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    huge, total, whole, split, again, same = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert total == 16 and huge >= 14 and whole >= 14  # MiB
+    assert split == whole - 2
+    assert again == whole and same

@@ -24,7 +24,7 @@ from jaxstation.config.settings import ConfigError, StationConfig
 from jaxstation.engine import rules
 from jaxstation.engine.arena import arena_bytes, arena_layout, kv_dtype_of
 from jaxstation.engine.engine import Engine
-from jaxstation.kernels import cpu_kernel
+from jaxstation.kernels import cpu_kernel, host_memory
 from jaxstation.model import sharding
 from jaxstation.model.choices import GGUF_WEIGHTS
 from jaxstation.model.config import ModelConfig
@@ -213,6 +213,9 @@ def load_planned(config: StationConfig, plan: Plan) -> LoadedModel:
     """The model `config` names, loaded as `plan` says."""
     model = load_model(config.model, plan.dtype, plan.layer_loop, plan.matmul, plan.tensor_parallel)
     if plan.tensor_parallel == 1:
+        huge, total = host_memory.keep_on_huge_pages(model.params)
+        if total:
+            log.info("weights on 2 MiB pages: %.0f MiB (weights %.0f MiB)", huge / 2**20, total / 2**20)
         return model
     mesh = sharding.make_mesh(plan.tensor_parallel)
     return dataclasses.replace(model, params=sharding.shard_params(model.params, mesh))
