@@ -3,7 +3,8 @@
 The model is loaded twice, as a station plans it: once as `load_planned` keeps it (its weights collapsed onto 2 MiB
 pages, `host_memory.keep_on_huge_pages`) and once by `load_model` alone (4 KB pages), each with its own engine (the
 second one `--max-seq` 128 positions longer, so that the two compile programs of their own). A lone row decodes on
-each in turn, the order alternating, and the ratio is the median of the pairs' ratios. Then the second copy is
+each in turn (with `--full`, every lane: a full-width wave), the order alternating, and the ratio is the median of
+the pairs' ratios. Then the second copy is
 collapsed too and the pairs run again: a control, which should give 1.
 
 Usage:
@@ -20,11 +21,12 @@ import time
 from bench.common import write_result
 
 
-def pairs(engines: list, lanes: int, rounds: int) -> dict:
-    """Lone-row decode steps on each engine in turn: medians (us) and the median of the pairs' ratios (first/second)."""
+def pairs(engines: list, lanes: int, rounds: int, full: bool) -> dict:
+    """Decode steps of a lone row (or, `full`, of every lane) on each engine in turn: medians (us) and the median of
+    the pairs' ratios (first/second)."""
     from jaxstation.engine.rows import DecodeRow, SamplingParams
 
-    rows = [DecodeRow(1, 127, SamplingParams(), 0)] + [None] * (lanes - 1)
+    rows = [DecodeRow(1 + lane, 127, SamplingParams(), 0) if full or lane == 0 else None for lane in range(lanes)]
     times: list[list[float]] = [[], []]
     for e in engines:
         for _ in range(10):
@@ -44,6 +46,7 @@ def main() -> None:
     ap.add_argument("--lanes", type=int, nargs="+", default=[1])
     ap.add_argument("--max-seq", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=300)
+    ap.add_argument("--full", action="store_true", help="every lane decodes (a full-width wave), not a lone row")
     ap.add_argument("--name", default="huge_pages")
     args = ap.parse_args()
     from jaxstation.config.plan import load_planned, planned_engine, resolve_plan
@@ -59,9 +62,9 @@ def main() -> None:
         huge = load_planned(configs[0], plans[0])
         small = load_model(configs[1].model, plans[1].dtype, plans[1].layer_loop, plans[1].matmul)
         engines = [planned_engine(m, c, p) for m, c, p in zip((huge, small), configs, plans, strict=True)]
-        measured = pairs(engines, lanes, args.rounds)
+        measured = pairs(engines, lanes, args.rounds, args.full)
         collapsed = host_memory.keep_on_huge_pages(small.params)
-        control = pairs(engines, lanes, args.rounds)
+        control = pairs(engines, lanes, args.rounds, args.full)
         out[str(lanes)] = {"huge_vs_small": measured, "both_huge": control, "second_collapsed_bytes": collapsed[0]}
         print(f"lanes {lanes}: 2 MiB pages {measured['huge_us']:.0f} us, 4 KB pages {measured['small_us']:.0f} us, "
               f"ratio {measured['ratio']:.3f}; both on 2 MiB pages: ratio {control['ratio']:.3f}", flush=True)
