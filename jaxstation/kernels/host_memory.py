@@ -15,9 +15,10 @@ them back too (`IdleRelease`), so that an idle station holds what it held when i
 
 A step reads every weight once, about 25,000 pages of 4 KB for a 100 MB model: each new page costs the core a walk
 of the page tables once its TLB is full. `huge_pages` has Linux back the weights' memory with 2 MiB pages
-(MADV_COLLAPSE), which the TLB holds all of: 2 MiB ranges whose pages are resident already, so nothing new is paged
-in; `keep_on_huge_pages` does it again after each release, whose trims split the 2 MiB pages that freed chunks share
-with weights. Where the kernel cannot (before Linux 6.1, transparent huge pages off) it does nothing.
+(MADV_COLLAPSE), which the TLB holds all of: 2 MiB ranges whose pages are nearly all resident already, so that little
+is paged in; `keep_on_huge_pages` does it again after each release, whose trims split the 2 MiB pages that freed chunks
+share with weights. Where the kernel cannot (not Linux on 4 KB pages, before Linux 6.1, transparent huge pages off) it
+does nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import resource
+import sys
 import threading
 import weakref
 from collections.abc import Iterable
@@ -75,6 +78,8 @@ def huge_pages(spans: Iterable[tuple[int, int]]) -> int:
     """Back the memory of `spans` ((address, bytes) each) with 2 MiB pages: every 2 MiB range a span touches whose
     4 KB pages are at least RESIDENT_SHARE resident (so at most a 16th of it is paged in). Returns the bytes now on
     2 MiB pages (0 where the kernel or the C library cannot)."""
+    if not sys.platform.startswith("linux") or resource.getpagesize() != PAGE:
+        return 0
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         mincore, madvise = libc.mincore, libc.madvise
