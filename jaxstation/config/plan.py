@@ -215,7 +215,7 @@ def load_planned(config: StationConfig, plan: Plan) -> LoadedModel:
     if plan.tensor_parallel == 1:
         huge, total = host_memory.keep_on_huge_pages(model.params)
         if total:
-            log.info("weights on 2 MiB pages: %.0f MiB (weights %.0f MiB)", huge / 2**20, total / 2**20)
+            log.info("weights (%.0f MiB) on 2 MiB pages: %.0f MiB of ranges", total / 2**20, huge / 2**20)
         return model
     mesh = sharding.make_mesh(plan.tensor_parallel)
     return dataclasses.replace(model, params=sharding.shard_params(model.params, mesh))
