@@ -230,10 +230,23 @@ class GroupProcess:
         self.log.close()
 
 
+def free_port_pair() -> int:
+    """A port free with the next one too: the coordinator's, and the leader's for its followers (the port + 1)."""
+    while True:
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("", port + 1))
+            except (OSError, OverflowError):  # in use, or past 65535
+                continue
+            return port
+
+
 @pytest.fixture(scope="module")
 def group() -> Iterator[tuple[GroupProcess, GroupProcess]]:
     """Two processes splitting tiny-qwen2 (int8) over their two CPU devices, with jax.distributed and gloo."""
-    coordinator = f"127.0.0.1:{free_port()}"
+    coordinator = f"127.0.0.1:{free_port_pair()}"
     procs = (GroupProcess(0, coordinator), GroupProcess(1, coordinator))
     try:
         for p in procs:
