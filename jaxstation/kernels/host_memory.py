@@ -31,7 +31,7 @@ import resource
 import sys
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import jax
 
@@ -45,14 +45,24 @@ IDLE_RELEASE_S = 2.0  # seconds a thread waits without work after a step before 
 KEEP = 1 << 30  # bytes a heap keeps free: past a thread arena's whole heap (64 MiB), so none is unmapped
 
 
+def _libc(name: str) -> Callable | None:
+    """The C library's function `name`, or None where it has none (it is not glibc)."""
+    try:
+        return getattr(_c_library(), name)
+    except (OSError, AttributeError):
+        return None
+
+
+@functools.cache
+def _c_library() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 @functools.cache
 def keep_freed_memory() -> bool:
     """Ask glibc to serve large allocations from its heaps and keep freed memory (once a process). Returns whether it
     took effect."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    if (mallopt := _libc("mallopt")) is None:
         return False
     done = all(mallopt(param, value) for param, value in
                ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, KEEP), (M_TOP_PAD, KEEP)))
@@ -64,9 +74,7 @@ def keep_freed_memory() -> bool:
 def release_freed_memory() -> int:
     """Hand the pages malloc holds free back to the system (glibc's `malloc_trim`, every arena) despite the trim
     threshold `keep_freed_memory` set. Returns the resident bytes this freed (0 where the C library is not glibc)."""
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+    if (trim := _libc("malloc_trim")) is None:
         return 0
     before = resident_bytes()
     trim(0)
@@ -78,12 +86,8 @@ def huge_pages(spans: Iterable[tuple[int, int]]) -> int:
     """Back the memory of `spans` ((address, bytes) each) with 2 MiB pages: every 2 MiB range a span touches whose
     4 KB pages are at least RESIDENT_SHARE resident (so at most a 16th of it is paged in). Returns the bytes now on
     2 MiB pages (0 where the kernel or the C library cannot)."""
-    if not sys.platform.startswith("linux") or resource.getpagesize() != PAGE:
-        return 0
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        mincore, madvise = libc.mincore, libc.madvise
-    except (OSError, AttributeError):
+    mincore, madvise = _libc("mincore"), _libc("madvise")
+    if not sys.platform.startswith("linux") or resource.getpagesize() != PAGE or mincore is None or madvise is None:
         return 0
     mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
