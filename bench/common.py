@@ -57,15 +57,29 @@ def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:
     return nbytes / min(timed(lambda: np.copyto(dst, src)) for _ in range(reps))
 
 
+class ReadProbe:
+    """One pass of a compiled XLA reduction over `nbytes` on all cores: the memory's read bandwidth at the moment it
+    runs. The machine's speed drifts over seconds, so a bench that compares a step against the roofline takes a probe
+    beside each of its steps."""
+
+    def __init__(self, nbytes: int = 512 << 20) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        self.nbytes = nbytes
+        self._x = jnp.ones((nbytes // 4 // 1024, 1024), jnp.float32)
+        self._total = jax.jit(lambda a: jnp.sum(a, axis=0))
+        self._total(self._x).block_until_ready()
+
+    def __call__(self) -> float:
+        """Bytes read per second, one pass."""
+        return self.nbytes / timed(lambda: self._total(self._x).block_until_ready())
+
+
 def read_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:
     """Memory read bandwidth in bytes/s: a compiled XLA reduction over nbytes, on all cores (best of reps)."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones((nbytes // 4 // 1024, 1024), jnp.float32)
-    total = jax.jit(lambda a: jnp.sum(a, axis=0))
-    total(x).block_until_ready()
-    return nbytes / min(timed(lambda: total(x).block_until_ready()) for _ in range(reps))
+    probe = ReadProbe(nbytes)
+    return max(probe() for _ in range(reps))
 
 
 def timed(fn: Callable[[], object]) -> float:

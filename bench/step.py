@@ -1,6 +1,9 @@
 """Time `step_rows` at several lane counts and live lengths, on the default model or a named shape.
 
-Reports ms per step, tokens/s and the weight bandwidth achieved against the measured bandwidth (the roofline).
+Reports ms per step, tokens/s and the fraction of the roofline: the time the step's bytes (the weights and the live
+KV a device reads) take at the read bandwidth `common.ReadProbe` measures just before each timed step, over the step's
+time (the median over the steps). The machine's speed drifts over seconds, so a bandwidth measured once, before the
+steps, can put a fast step above 100%.
 With --tensor-parallel, the model is split over each number of devices in turn (docs/sharding.md), and each row also
 gives the bytes one device reads a step: its share of the weights and of the live KV. On CPU the devices are virtual
 (set JAX_NUM_CPU_DEVICES to the largest N) and share the machine's cores: that measures the split's overhead, not a
@@ -43,7 +46,7 @@ import types
 import jax
 import numpy as np
 
-from bench.common import add_model_args, bench_model, copy_bandwidth, read_bandwidth, summary, timed, write_result
+from bench.common import ReadProbe, add_model_args, bench_model, copy_bandwidth, summary, timed, write_result
 from jaxstation.engine import engine as engine_module
 from jaxstation.engine import penalties, steps
 from jaxstation.engine.arena import arena_bytes
@@ -84,7 +87,8 @@ def main() -> None:
         stored_main(args)
         return
 
-    copy_bw, read_bw = copy_bandwidth(), read_bandwidth()
+    probe = ReadProbe()
+    copy_bw, read_bw = copy_bandwidth(), max(probe() for _ in range(5))
     # the roofline: a decode step only has to read its bytes (on an accelerator, from its own memory)
     bandwidth = max(copy_bw, read_bw) if jax.default_backend() == "cpu" else read_bw
     rows, models = [], {}
@@ -96,7 +100,7 @@ def main() -> None:
         print(f"{model.source}: {args.dtype}, layer loop {args.layer_loop}, matmul {args.matmul}, attention "
               f"{args.attention}, tensor_parallel {n}; weights {model.params.nbytes / 1e6:.0f} MB, "
               f"{models[n]['weight_bytes_per_device'] / 1e6:.0f} MB a device")
-        rows += sweep(args, model, engine_kw, n, bandwidth)
+        rows += sweep(args, model, engine_kw, n, bandwidth, probe)
 
     one, widest, lo, hi = min(args.lanes), max(args.lanes), min(args.live), max(args.live)
     by = {(r["tensor_parallel"], r["lanes"], r["live"]): r["ms_per_step"] for r in rows}
@@ -113,7 +117,7 @@ def main() -> None:
     print(f"wrote {path}")
 
 
-def sweep(args, model, engine_kw: dict, n: int, bandwidth: float) -> list[dict]:
+def sweep(args, model, engine_kw: dict, n: int, bandwidth: float, probe: ReadProbe) -> list[dict]:
     """One row per lane count and live length: ms per step of a full decode wave, and the bytes one device reads."""
     weights = device_bytes(model.params)
     floor_ms = 1e3 * weights / bandwidth
@@ -123,15 +127,17 @@ def sweep(args, model, engine_kw: dict, n: int, bandwidth: float) -> list[dict]:
                         kv_dtype=args.kv_dtype, **engine_kw)
         engine.warmup()
         for live in args.live:
-            greedy, times, baseline = time_waves(args, engine, lanes, live)
+            greedy, times, baseline, beside = time_waves(args, engine, lanes, live, probe)
             s = summary(times)
             ms = 1e3 * s["median"]
             kv = arena_bytes(model.cfg, lanes, live, engine.kv_dtype, engine.ring, engine.windowed) // n  # live k, v
+            paired = statistics.median((weights + kv) / bw / t for bw, t in zip(beside, times, strict=True))
             row = {"tensor_parallel": n, "lanes": lanes, "live": live, "ms_per_step": ms,
                    "spread_ms": [1e3 * s["min"], 1e3 * s["max"]], "tokens_per_s": lanes / s["median"],
                    "weight_bytes_per_device": weights, "kv_bytes_per_device": kv, "arena_bytes": engine.arena.nbytes,
                    "weight_gb_per_s": weights / s["median"] / 1e9, "floor_ms": floor_ms,
-                   "fraction_of_roofline": floor_ms / ms}
+                   "weights_over_best_probe": floor_ms / ms, "fraction_of_roofline": paired,
+                   "read_bandwidth_beside": statistics.median(beside)}
             if greedy:
                 row.update(greedy_ms_per_step=1e3 * statistics.median(greedy), sampled_over_greedy=statistics.median(
                     [b / a for a, b in zip(greedy, times, strict=True)]))
@@ -141,7 +147,8 @@ def sweep(args, model, engine_kw: dict, n: int, bandwidth: float) -> list[dict]:
                                                                                          strict=True)]))
             rows.append(row)
             print(f"tp {n} lanes {lanes:2d} live {live:5d}: {ms:7.1f} ms/step  {row['tokens_per_s']:7.1f} tok/s  "
-                  f"{(weights + kv) / 1e6:6.0f} MB a device  ({100 * row['fraction_of_roofline']:.0f}% of roofline)"
+                  f"{(weights + kv) / 1e6:6.0f} MB a device  ({100 * paired:.0f}% of roofline, "
+                  f"{row['read_bandwidth_beside'] / 1e9:.1f} GB/s beside)"
                   + (f"  greedy {row['greedy_ms_per_step']:.1f} ms, sampled/greedy {row['sampled_over_greedy']:.3f}"
                      if greedy else "")
                   + (f"  baseline {row['baseline_ms_per_step']:.1f} ms, baseline/greedy "
@@ -166,10 +173,11 @@ def baseline_step(path: str):
     return jax.jit(fn, static_argnames=("cfg", "block", "attention", "return_logits"), donate_argnames=("arena",))
 
 
-def time_waves(args, engine: Engine, lanes: int, live: int) -> tuple[list[float], list[float], list[float]]:
+def time_waves(args, engine: Engine, lanes: int, live: int, probe: ReadProbe
+               ) -> tuple[list[float], list[float], list[float], list[float]]:
     """Seconds per full decode wave, args.reps times: (greedy waves, the waves asked for, the baseline's sampled
-    waves). With --temperature greedy and sampled waves alternate; without, the first list is empty; the last is
-    empty without --baseline-sampling."""
+    waves, the read bandwidth `probe` measured just before each wave asked for). With --temperature greedy and sampled
+    waves alternate; without, the first list is empty; the third is empty without --baseline-sampling."""
     sampled = args.temperature > 0
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             seed=7) if sampled else SamplingParams()
@@ -191,15 +199,16 @@ def time_waves(args, engine: Engine, lanes: int, live: int) -> tuple[list[float]
     engine.decode(wave(SamplingParams(), 0))
     if theirs:
         baseline_decode(wave(params, 0))
-    greedy, times, baseline = [], [], []
+    greedy, times, baseline, beside = [], [], [], []
     for rep in range(args.reps):
         plain, asked = wave(SamplingParams(), rep), wave(params, rep)
         if sampled:
             greedy.append(timed(lambda w=plain: engine.decode(w)))
+        beside.append(probe())
         times.append(timed(lambda w=asked: engine.decode(w)))
         if theirs:
             baseline.append(timed(lambda w=asked: baseline_decode(w)))
-    return greedy, times, baseline
+    return greedy, times, baseline, beside
 
 
 LORA_ROWS, LORA_RANK = 8, 16
