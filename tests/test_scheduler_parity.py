@@ -12,6 +12,7 @@ flag off), and greedy jobs must also equal `jaxstation.engine.engine.generate`, 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import Counter
 
 import numpy as np
@@ -201,3 +202,36 @@ def test_job_mix_and_lane_reuse(gate):
     assert max(rec_on.wave_sizes) == LANES
     assert max(rec_off.wave_sizes) == 1
     assert len(rec_on.wave_sizes) < len(rec_off.wave_sizes)
+
+
+def test_an_idle_release_changes_no_bits(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Jobs before and after the decode thread's idle release (malloc_trim and the execution threads' arenas, with
+    the trim threshold lowered meanwhile) give the same tokens, greedy and seeded."""
+    from jaxstation.kernels import host_memory
+
+    released: list[int] = []
+    real = host_memory.release_freed_memory
+
+    def release(execution_threads: bool = False) -> int:
+        assert execution_threads  # the engine runs on the CPU backend
+        released.append(real(execution_threads=execution_threads))
+        return released[-1]
+
+    monkeypatch.setattr(host_memory, "IDLE_RELEASE_S", 0.05)
+    monkeypatch.setattr(host_memory, "release_freed_memory", release)
+    specs = [Spec(tuple(range(5, 5 + n)), 12, SamplingParams(temperature=0.9, top_p=0.9, seed=n) if n % 2 else
+                  SamplingParams(), frozenset()) for n in (3, 40, 7, 90)]
+    sched = Scheduler(engine, continuous=True, max_queue=64, terminal_ids=frozenset())
+    sched.start()
+    try:
+        runs = []
+        for _ in range(2):
+            before = len(released)
+            runs.append([sched.submit(spec.job()).result(timeout=120).generated for spec in specs])
+            deadline = time.monotonic() + 30
+            while len(released) == before and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert len(released) > before  # the idle decode thread handed its steps' memory back
+    finally:
+        assert sched.drain(10)
+    assert runs[0] == runs[1]

@@ -115,7 +115,7 @@ def test_an_idle_thread_hands_the_freed_memory_back_once_after_work(stations, mo
     released: list[bool] = []
     fake, sched = stations(lanes=2)
 
-    def release() -> int:  # records whether another thread can take cond meanwhile
+    def release(execution_threads: bool = False) -> int:  # records whether another thread can take cond meanwhile
         def take() -> None:
             if got := sched.cond.acquire(blocking=False):
                 sched.cond.release()

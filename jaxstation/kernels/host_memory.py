@@ -11,7 +11,10 @@ the process does not hand freed memory back to the system. Where the C library i
 Start-up frees much more than a step reuses: the compilers' working memory, and the load's. The warm-up hands what
 is free back (`release_freed_memory`) after each step it compiles and runs; the steps' buffers are then paged in once
 more on their first calls and kept from there on. A station's decode thread, idle for IDLE_RELEASE_S after a step, hands
-them back too (`IdleRelease`), so that an idle station holds what it held when it turned ready.
+them back too (`IdleRelease`), so that an idle station holds what it held when it turned ready. A step runs on one
+of XLA's execution threads, each with a malloc arena of its own whose free top `malloc_trim` leaves; glibc trims a
+thread arena when a large chunk of it is freed, so a release also has every execution thread free one with the trim
+threshold lowered.
 
 A step reads every weight once, about 25,000 pages of 4 KB for a 100 MB model: each new page costs the core a walk
 of the page tables once its TLB is full. `huge_pages` has Linux back the weights' memory with 2 MiB pages
@@ -27,6 +30,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import os
 import resource
 import sys
 import threading
@@ -34,6 +38,8 @@ import weakref
 from collections.abc import Callable, Iterable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +49,8 @@ PAGE, HUGE_PAGE = 4096, 1 << 21
 RESIDENT_SHARE = 15 / 16  # a 2 MiB range is collapsed only where this share of its pages is resident already
 IDLE_RELEASE_S = 2.0  # seconds a thread waits without work after a step before it hands the freed memory back
 KEEP = 1 << 30  # bytes a heap keeps free: past a thread arena's whole heap (64 MiB), so none is unmapped
+SCRATCH_BYTES = 1 << 18  # a chunk this large, freed, trims its arena (glibc: 64 KiB and up)
+SCRATCH_RUNS = 8  # runs of the scratch program a core: a run goes to whichever execution thread is free
 
 
 def _libc(name: str) -> Callable | None:
@@ -71,13 +79,16 @@ def keep_freed_memory() -> bool:
     return done
 
 
-def release_freed_memory() -> int:
-    """Hand the pages malloc holds free back to the system (glibc's `malloc_trim`, every arena) despite the trim
+def release_freed_memory(execution_threads: bool = False) -> int:
+    """Hand the pages malloc holds free back to the system (glibc's `malloc_trim`, every arena, and with
+    `execution_threads` the free tops of XLA's CPU execution threads' arenas, where steps ran) despite the trim
     threshold `keep_freed_memory` set. Returns the resident bytes this freed (0 where the C library is not glibc)."""
     if (trim := _libc("malloc_trim")) is None:
         return 0
     before = resident_bytes()
     trim(0)
+    if execution_threads:
+        _trim_execution_threads()
     huge_pages(array_spans([a for r in _kept_huge if (a := r()) is not None]))
     return max(0, before - resident_bytes())
 
@@ -124,6 +135,30 @@ def keep_on_huge_pages(tree: object) -> tuple[int, int]:
     return huge_pages(array_spans(arrays)), sum(a.nbytes for a in arrays)
 
 
+def _trim_execution_threads() -> None:
+    """Hand back the free tops of the malloc arenas of XLA's CPU execution threads, where a step's temporary buffer
+    lives: `malloc_trim` trims no thread arena's top, but glibc trims an arena whenever a large chunk of it is freed. So
+    with the trim threshold and pad lowered, a small program runs SCRATCH_RUNS times a core, its runs dispatched
+    together so that every execution thread takes some (each run allocates its temporary buffer on the thread that runs
+    it and frees it there); then the threshold and pad go back to what `keep_freed_memory` set."""
+    mallopt = _libc("mallopt")
+    cpu = jax.local_devices(backend="cpu")[0]
+    mallopt(M_TRIM_THRESHOLD, SCRATCH_BYTES // 2)
+    mallopt(M_TOP_PAD, 0)
+    try:
+        jax.block_until_ready([_scratch_program()(jax.device_put(np.float32(i), cpu))
+                               for i in range(SCRATCH_RUNS * (os.cpu_count() or 1))])
+    finally:
+        mallopt(M_TRIM_THRESHOLD, KEEP)
+        mallopt(M_TOP_PAD, KEEP)
+
+
+@functools.cache
+def _scratch_program() -> Callable:
+    """A program whose temporary buffer is SCRATCH_BYTES: a sort of that many bytes of float32."""
+    return jax.jit(lambda c: jnp.sort(jnp.arange(SCRATCH_BYTES // 4, dtype=jnp.float32) * c)[0])
+
+
 def resident_bytes() -> int:
     """The process's resident set (VmRSS) in bytes, 0 where /proc does not say."""
     try:
@@ -148,7 +183,7 @@ class IdleRelease:
             self._released_at = steps
             cond.release()
             try:
-                freed = release_freed_memory()
+                freed = release_freed_memory(execution_threads=jax.default_backend() == "cpu")
             finally:
                 cond.acquire()
             log.debug("idle: handed %d MiB of freed memory back", freed >> 20)
