@@ -49,7 +49,7 @@ PAGE, HUGE_PAGE = 4096, 1 << 21
 RESIDENT_SHARE = 15 / 16  # a 2 MiB range is collapsed only where this share of its pages is resident already
 IDLE_RELEASE_S = 2.0  # seconds a thread waits without work after a step before it hands the freed memory back
 KEEP = 1 << 30  # bytes a heap keeps free: past a thread arena's whole heap (64 MiB), so none is unmapped
-SCRATCH_BYTES = 1 << 18  # a chunk this large, freed, trims its arena (glibc: 64 KiB and up)
+SCRATCH_BYTES = 1 << 17  # a chunk this large, freed, trims its arena (glibc: 64 KiB and up)
 SCRATCH_RUNS = 8  # runs of the scratch program a core: a run goes to whichever execution thread is free
 
 
@@ -155,7 +155,8 @@ def _trim_execution_threads() -> None:
 
 @functools.cache
 def _scratch_program() -> Callable:
-    """A program whose temporary buffer is SCRATCH_BYTES: a sort of that many bytes of float32."""
+    """A program whose temporary buffer is SCRATCH_BYTES: a sort of that many bytes of float32, a few milliseconds
+    long, so that every execution thread takes runs before the first thread is done with them all."""
     return jax.jit(lambda c: jnp.sort(jnp.arange(SCRATCH_BYTES // 4, dtype=jnp.float32) * c)[0])
 
 

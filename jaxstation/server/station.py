@@ -202,8 +202,9 @@ def warm_up(engine: Runner, draft: DraftModel | None = None, clock: StartupClock
             run()
             jax.block_until_ready(engine.arena)
         if cpu:  # each compiler's working memory, which keep_freed_memory would keep, so it never piles up
-            released += host_memory.release_freed_memory(execution_threads=True)
-    if cpu:
+            released += host_memory.release_freed_memory()
+    if cpu:  # and the steps' buffers, kept in XLA's execution threads' arenas
+        released += host_memory.release_freed_memory(execution_threads=True)
         log.info("start-up memory handed back: %.0f MiB", released / 2**20)
 
 
