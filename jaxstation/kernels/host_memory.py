@@ -50,7 +50,7 @@ RESIDENT_SHARE = 15 / 16  # a 2 MiB range is collapsed only where this share of 
 IDLE_RELEASE_S = 2.0  # seconds a thread waits without work after a step before it hands the freed memory back
 KEEP = 1 << 30  # bytes a heap keeps free: past a thread arena's whole heap (64 MiB), so none is unmapped
 SCRATCH_BYTES = 1 << 17  # a chunk this large, freed, trims its arena (glibc: 64 KiB and up)
-SCRATCH_RUNS = 8  # runs of the scratch program a core: a run goes to whichever execution thread is free
+SCRATCH_RUNS = 4  # runs of the scratch program a core: a run goes to whichever execution thread is free
 
 
 def _libc(name: str) -> Callable | None:
