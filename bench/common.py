@@ -75,11 +75,14 @@ class ReadProbe:
         """Bytes read per second, one pass."""
         return self.nbytes / timed(lambda: self._total(self._x).block_until_ready())
 
+    def best(self, reps: int = 5) -> float:
+        """Bytes read per second, the best of `reps` passes."""
+        return max(self() for _ in range(reps))
+
 
 def read_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:
     """Memory read bandwidth in bytes/s: a compiled XLA reduction over nbytes, on all cores (best of reps)."""
-    probe = ReadProbe(nbytes)
-    return max(probe() for _ in range(reps))
+    return ReadProbe(nbytes).best(reps)
 
 
 def timed(fn: Callable[[], object]) -> float:

@@ -88,7 +88,7 @@ def main() -> None:
         return
 
     probe = ReadProbe()
-    copy_bw, read_bw = copy_bandwidth(), max(probe() for _ in range(5))
+    copy_bw, read_bw = copy_bandwidth(), probe.best()
     # the roofline: a decode step only has to read its bytes (on an accelerator, from its own memory)
     bandwidth = max(copy_bw, read_bw) if jax.default_backend() == "cpu" else read_bw
     rows, models = [], {}
@@ -136,7 +136,7 @@ def sweep(args, model, engine_kw: dict, n: int, bandwidth: float, probe: ReadPro
                    "spread_ms": [1e3 * s["min"], 1e3 * s["max"]], "tokens_per_s": lanes / s["median"],
                    "weight_bytes_per_device": weights, "kv_bytes_per_device": kv, "arena_bytes": engine.arena.nbytes,
                    "weight_gb_per_s": weights / s["median"] / 1e9, "floor_ms": floor_ms,
-                   "weights_over_best_probe": floor_ms / ms, "fraction_of_roofline": paired,
+                   "fraction_of_roofline": paired,
                    "read_bandwidth_beside": statistics.median(beside)}
             if greedy:
                 row.update(greedy_ms_per_step=1e3 * statistics.median(greedy), sampled_over_greedy=statistics.median(

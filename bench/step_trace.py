@@ -76,7 +76,6 @@ def summarize(steps: list[tuple[float, list[dict]]], kinds: dict[str, str]) -> d
     steps = [s for s, n in zip(steps, calls, strict=True) if n == max(calls)]  # whole runs of the decode step
     parts: dict[str, list[float]] = collections.defaultdict(list)
     by_kind: dict[str, list[float]] = collections.defaultdict(list)
-    counts: collections.Counter = collections.Counter()
     for run_us, ops in steps:
         spans = {kind: [(e["ts"], e["ts"] + e["dur"]) for e in ops if (e["name"] in kinds) == kind]
                  for kind in (True, False)}
@@ -86,14 +85,11 @@ def summarize(steps: list[tuple[float, list[dict]]], kinds: dict[str, str]) -> d
         parts["idle_us"].append(run_us - covered(spans[True] + spans[False]))
         parts["other_ops"].append(len(spans[False]))
         totals: collections.Counter = collections.Counter()
-        for e in ops:
-            if e["name"] in kinds:
-                totals[kinds[e["name"]]] += e["dur"]
+        for e in (e for e in ops if e["name"] in kinds):
+            totals[kinds[e["name"]]] += e["dur"]
         for kind, us in totals.items():
             by_kind[kind].append(us)
-    for e in steps[0][1]:
-        if e["name"] in kinds:
-            counts[kinds[e["name"]]] += 1
+    counts = collections.Counter(kinds[e["name"]] for e in steps[0][1] if e["name"] in kinds)
     return {**{k: statistics.median(v) for k, v in parts.items()}, "runs": len(steps),
             "kernel_calls": {kind: {"calls": counts[kind], "us": statistics.median(v)} for kind, v in
                              sorted(by_kind.items(), key=lambda kv: -statistics.median(kv[1]))}}
