@@ -1,1 +1,2 @@
-"""Benchmarks: each script writes JSON under bench/results/; `python -m bench.report` draws the plots."""
+"""Benchmarks and engine tools (bench/README.md): each writes JSON under bench/results/; `python -m bench.report`
+renders the docs' tables from it."""

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import planned_model, write_result
+from bench.common import add_name_arg, model_name, planned_model, write_result
 from bench.peers import CACHE
 from bench.workload import first_executable, repacking_crashes
 from jaxstation.config.plan import resolve_plan
@@ -142,7 +142,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="gguf")
     ap.add_argument("--model", default=None, help="a .gguf file (default: the embedded SmolLM2 Q4_1)")
-    ap.add_argument("--name", default=None, help="result file name (default: accuracy_<dtype>)")
+    add_name_arg(ap)
     ap.add_argument("--llama-perplexity", default=None,
                     help="path of llama.cpp's llama-perplexity (default: the build cache, then PATH)")
     args = ap.parse_args()
@@ -162,10 +162,10 @@ def main() -> None:
     binary = first_executable(args.llama_perplexity, str(CACHE / "llama-perplexity"))
     llama["llama.cpp"] = llama_perplexity(binary, str(base.source)) if binary else {"error": "not built"}
     print(llama)
-    path = write_result(args.name or f"accuracy_{args.dtype}", {
+    path = write_result(f"accuracy_{args.dtype}", {
         "dtype": args.dtype, "model": str(base.source), "weight_bytes": {
             "float32": base.params.nbytes, args.dtype: quant.params.nbytes}, "prompts": rows, "perplexity": ppl,
-        "llama_perplexity_protocol": llama})
+        "llama_perplexity_protocol": llama}, model=model_name(args.model), variant=args.name)
     print(f"wrote {path}")
 
 

@@ -1,6 +1,6 @@
 """Admission: one prefill chunk per turn (`--prefill-budget off`) against packed admission (`auto`), in one run.
 
-Sections (each writes its numbers into one JSON, plus a plot):
+Sections (each writes its numbers into one JSON):
   steps   in-process, the default model: the wall time of one call of each step a turn may run (a decode wave of
           every lane, a prefill chunk, a packed step at each width), and one turn with a prompt piece and every
           other lane decoding, fused into one packed step against a packed step plus a decode wave
@@ -27,7 +27,6 @@ import statistics
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -210,39 +209,6 @@ def steady_section(model, lanes_list: list[int], new: int) -> dict:
     return out
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    if "churn" in result:
-        churn = {k: v for k, v in result["churn"].items() if isinstance(v, dict)}
-        names = sorted({n for row in churn.values() for n in row})
-        x = np.arange(len(churn))
-        for j, name in enumerate(names):
-            axes[0].bar(x + j * 0.8 / len(names), [row.get(name, 0) for row in churn.values()], 0.8 / len(names),
-                        label=name)
-        axes[0].set_xticks(x + 0.4 - 0.4 / len(names), [f"{k} lanes" for k in churn])
-        axes[0].set_ylabel("tiny requests / s")
-        axes[0].set_title("churn")
-        axes[0].legend()
-    if "burst" in result:
-        modes = [m for m in ("chunk", "packed") if m in result["burst"]]
-        labels = ["TTFT p50", "TTFT p99", "last first token"]
-        x = np.arange(len(labels))
-        for j, m in enumerate(modes):
-            b = result["burst"][m]
-            axes[1].bar(x + j * 0.4, [b["ttft_s"]["p50"], b["ttft_s"]["p99"], b["last_first_token_s"]], 0.4, label=m)
-        axes[1].set_xticks(x + 0.2, labels)
-        axes[1].set_ylabel("seconds")
-        axes[1].set_title("burst: 32 prompts of 16-512 tokens, 32 lanes")
-        axes[1].legend()
-    fig.tight_layout()
-    fig.savefig(path)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
@@ -273,11 +239,10 @@ def main() -> None:
             result["churn"] = churn_section(args.churn_lanes, args.churn_requests, args.clients,
                                             find_llama_server(args.llama_server), cache, args.modes)
     if args.update:
-        previous = json.loads(result_path("admission").read_text()) if result_path("admission").exists() else {}
+        canonical = result_path("admission")
+        previous = json.loads(canonical.read_text()) if canonical.exists() else {}
         result = {k: v for k, v in previous.items() if k in SECTIONS} | result
     path = write_result("admission", result)
-    if {"churn", "burst"} & set(result):
-        plot(result, path.with_suffix(".png"))
     print(f"wrote {path}")
 
 

@@ -14,14 +14,14 @@ resident memory (VmRSS). Acceptance: turn 2 prefills at most 10% of its prompt t
 
 Usage:
   python -m bench.agent_replay                                   # the default model, 24 conversations, 4 lanes
-  python -m bench.agent_replay --model /path/gemma-3-270m-q4_k_m.gguf --name agent_replay_gemma3
+  python -m bench.agent_replay --model /path/gemma-3-270m-q4_k_m.gguf
 """
 
 from __future__ import annotations
 
 import argparse
 
-from bench.common import write_result
+from bench.common import add_name_arg, model_name, write_result
 from bench.workload import make_prompts
 from jaxstation.kernels.host_memory import resident_bytes
 
@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--question", type=int, default=24, help="tokens of each question")
     ap.add_argument("--reply", type=int, default=32, help="tokens of turn 1's greedy reply")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--name", default="agent_replay", help="the result file's name")
+    add_name_arg(ap)
     args = ap.parse_args()
 
     from jaxstation.config.memory import prefix_cache_ram
@@ -103,7 +103,7 @@ def main() -> None:
     out["turn2_prefilled_fraction"] = out["turns"][1]["prefilled_fraction"]
     out["accepted"] = out["turn2_prefilled_fraction"] <= 0.10
     print(f"turn 2 prefilled {out['turn2_prefilled_fraction']:.1%} of its prompt tokens (<= 10%: {out['accepted']})")
-    print(f"wrote {write_result(args.name, out)}")
+    print(f"wrote {write_result('agent_replay', out, model=model_name(args.model), variant=args.name)}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import write_result
+from bench.common import add_name_arg, model_name, write_result
 
 PROMPTS = ("Say hello.", "Now say goodbye.", "What is the capital of France?")
 METRICS = {"prefilled": "jaxstation_prompt_tokens_total", "ttft_sum": "jaxstation_time_to_first_token_seconds_sum",
@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--url", default="http://127.0.0.1:8012")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--extra", default="", help="more arguments for every run, e.g. --extra=\"--tools ''\"")
+    add_name_arg(ap)
     args = ap.parse_args()
     info = httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]
     with tempfile.TemporaryDirectory() as home:
@@ -76,8 +77,9 @@ def main() -> None:
         runs = [run(argv, env, args.url, args.timeout) for argv, env in commands(args.agent, args.bin, args.url,
                                                                                    Path(home), extra)]
     version = subprocess.run([args.bin, "--version"], capture_output=True, text=True).stdout.strip()
-    path = write_result(f"agent_session-{args.agent}", {"agent": version, "model": info["id"], "extra": args.extra,
-                                                         "max_model_len": info.get("max_model_len"), "runs": runs})
+    path = write_result(f"agent_session_{args.agent}", {"agent": version, "model": info["id"], "extra": args.extra,
+                                                         "max_model_len": info.get("max_model_len"), "runs": runs},
+                        model=model_name(info["id"]), variant=args.name)
     print(path)
     for name, r in zip(("session 1", "its second turn", "session 2"), runs, strict=True):
         print(f"{name:16} exit {r['exit']} prefilled {r['prefilled']:6} in {r['requests']} requests, mean ttft "

@@ -13,9 +13,9 @@ Workload: 128 prompt tokens, 128 output tokens (EOS ignored), streaming, closed 
 level sends `--requests` requests (default 2 x concurrency, at least 16) after `concurrency` warm-up requests. Both
 clients count tokens with the model's own tokenizer, written by `jaxstation export-tokenizer`.
 
-Writes bench/results/clients-<date>-<machine>.json (one row per system, client and concurrency: output tok/s, TTFT
+Writes bench/results/clients-smollm2.json (one row per system, client and concurrency: output tok/s, TTFT
 p50/p99, inter-token latency p50/p99, requests and errors) and each client's own summary JSON under
-bench/results/clients/<date>-<machine>/, and prints one table.
+bench/results/runs/clients-<date>-<machine>/, and prints one table.
 
 aiperf refuses a local tokenizer directory while HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set: it then treats the
 path as a Hub repo id. A local directory never touches the network, so this script runs the clients without those
@@ -40,7 +40,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from bench.common import RESULTS, fingerprint, read_bandwidth, write_result
+from bench.common import RESULTS, RUNS, fingerprint, read_bandwidth, write_result
 from bench.peers import find_llama_server
 from bench.workload import first_executable, free_port, llama_server_cmd, server_process, station_cmd
 
@@ -175,8 +175,8 @@ def main() -> None:
     tokenizer = work / "tokenizer"
     load_tokenizer(gguf).save_hf_dir(tokenizer)
     fp = fingerprint()
-    raw_dir = Path(os.environ.get("JAXSTATION_BENCH_RESULTS") or RESULTS) / "clients" / \
-        f"{dt.date.today().isoformat()}-{fp['id']}"
+    raw_dir = Path(os.environ.get("JAXSTATION_BENCH_RESULTS") or RESULTS) / RUNS / \
+        f"clients-{dt.date.today().isoformat()}-{fp['id']}"
     raw_dir.mkdir(parents=True, exist_ok=True)
 
     commands: dict[str, list[str]] = {}
@@ -233,7 +233,7 @@ def main() -> None:
         "read_bandwidth": bandwidth, "station_dtypes": args.dtype,
         "lanes_or_slots": lanes, "threads": args.threads, "commands": commands,
         "client_versions": {c: _version(binaries[c]) for c in clients}, "raw_dir": str(raw_dir),
-        "rows": rows, "table": table(rows)})
+        "rows": rows, "table": table(rows)}, read_bandwidth=bandwidth)
     print(f"wrote {path}")
 
 

@@ -1,4 +1,4 @@
-"""Shared bench plumbing: machine fingerprint, result files, bandwidth probe, timing."""
+"""Shared bench plumbing: result files (the machine, the commit, the command), the bandwidth probe, timing."""
 
 from __future__ import annotations
 
@@ -7,7 +7,11 @@ import hashlib
 import json
 import os
 import platform
+import re
+import shlex
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,10 +19,24 @@ from pathlib import Path
 import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
+RUNS = "runs"  # under the results folder, git-ignored: variants, reruns and probes
+DEFAULT_MODEL = "smollm2"  # the default model's name in result files
+DEFAULT_FILE = "smollm2-135m-instruct.q4_1"  # the default model's GGUF file (or served name), lower-cased
+KERNEL_FLAGS = re.compile(r"avx512\w*|amx\w*|avx_vnni\w*")  # the CPU flags the kernels' paths choose between
 
 
-def fingerprint() -> dict:
-    """What machine this ran on, and a short hash of it for file names."""
+def cpu_flags() -> list[str]:
+    """The CPU's flags that choose a kernel path (avx512*, amx*, avx_vnni), sorted; empty where /proc has none."""
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    return sorted(f for f in line.split(":", 1)[1].split() if KERNEL_FLAGS.fullmatch(f))
+
+
+def fingerprint(read_bandwidth: float | None = None) -> dict:
+    """What machine this ran on: the CPU, its cores and kernel flags, the read bandwidth, jax and its device, and a
+    short hash of the CPU, cores, jax and device."""
     import jax
 
     cpu = platform.processor() or platform.machine()
@@ -31,22 +49,59 @@ def fingerprint() -> dict:
     info = {"cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend(),
             "device": str(device), "device_kind": device.device_kind}
     info["id"] = hashlib.sha1(json.dumps(info, sort_keys=True).encode()).hexdigest()[:8]
-    return info
+    return {**info, "flags": cpu_flags(), "read_bandwidth": read_bandwidth}
 
 
-def result_path(name: str) -> Path:
-    """bench/results/<name>-<date>-<machine>.json (or under $JAXSTATION_BENCH_RESULTS)."""
+def model_name(model: str | None = None, shape: str | None = None) -> str:
+    """A model's name in result files: a --shape's name, a checkpoint's file or directory name (or a served model's
+    name) lower-cased and less `.gguf`, or `smollm2` for the default model."""
+    if shape:
+        return shape
+    name = Path(model).name.lower().removesuffix(".gguf") if model else DEFAULT_MODEL
+    return DEFAULT_MODEL if name == DEFAULT_FILE else name
+
+
+def commit() -> str | None:
+    """The checked-out commit, short, with `-dirty` when tracked files differ from it; None outside a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("-dirty" if dirty else "")
+
+
+def command() -> str:
+    """The command line that ran this process, as `python -m bench.NAME ARGS` for a module."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    head = ["python", "-m", spec.name] if spec and spec.name else ["python", sys.argv[0]]
+    return shlex.join(head + sys.argv[1:])
+
+
+def result_path(bench: str, model: str = DEFAULT_MODEL, variant: str | None = None) -> Path:
+    """Where a run's result goes: the canonical `<results>/<bench>-<model>.json`, which the next canonical run
+    replaces, or for a `variant` (a bench's --name) `<results>/runs/<variant>-<model>-<time>.json`, which git ignores.
+    <results> is bench/results, or $JAXSTATION_BENCH_RESULTS."""
     results = Path(os.environ.get("JAXSTATION_BENCH_RESULTS") or RESULTS)
-    return results / f"{name}-{dt.date.today().isoformat()}-{fingerprint()['id']}.json"
+    if variant is None:
+        return results / f"{bench}-{model}.json"
+    return results / RUNS / f"{variant}-{model}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
 
 
-def write_result(name: str, payload: dict) -> Path:
-    """Write `result_path(name)`, with the machine and the time, and return its path."""
-    fp = fingerprint()
-    path = result_path(name)
+def write_result(bench: str, payload: dict, *, model: str = DEFAULT_MODEL, variant: str | None = None,
+                 read_bandwidth: float | None = None) -> Path:
+    """Write a run's result (see `result_path`) with the machine, the commit, the command and the date, and return
+    its path. `read_bandwidth` is the bench's own measurement; without one, a short probe runs now."""
+    if read_bandwidth is None:
+        read_bandwidth = ReadProbe(256 << 20).best(3)
+    path = result_path(bench, model, variant)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"bench": name, "machine": fp, "when": dt.datetime.now().isoformat(timespec="seconds"),
-                                **payload}, indent=2))
+    head = {"bench": bench, "machine": fingerprint(read_bandwidth), "commit": commit(), "command": command(),
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
+    path.write_text(json.dumps({**head, **payload}, indent=2) + "\n")
     return path
 
 
@@ -111,13 +166,20 @@ def add_model_args(ap) -> None:
     ap.add_argument("--attention", default="auto", help="blocked, xla, cudnn or auto (the backend's)")
 
 
-def add_lane_sweep_args(ap, reps: int, name: str) -> None:
-    """A decode-step sweep's flags: lane counts, the live position, the arena's positions, repetitions, result name."""
+def add_name_arg(ap) -> None:
+    """--name NAME: a variant run, whose result goes to bench/results/runs/ (git-ignored) instead of the canonical
+    file."""
+    ap.add_argument("--name", default=None,
+                    help="a variant run: its result goes to bench/results/runs/ under NAME, not to the canonical file")
+
+
+def add_lane_sweep_args(ap, reps: int) -> None:
+    """A decode-step sweep's flags: lane counts, the live position, the arena's positions, repetitions, --name."""
     ap.add_argument("--lanes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--live", type=int, default=512)
     ap.add_argument("--max-seq", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=reps)
-    ap.add_argument("--name", default=name)
+    add_name_arg(ap)
 
 
 def bench_model(args, max_seq: int, tensor_parallel: int = 1):

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from bench.common import add_model_args, bench_model, write_result
+from bench.common import add_model_args, bench_model, model_name, write_result
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import DecodeRow, SamplingParams
 
@@ -70,8 +70,8 @@ def main() -> None:
               f"{'bit-equal' if equal else f'DIFFERS by {max(diffs):.3g}'}", flush=True)
     n_equal = sum(c["bit_equal"] for c in cases)
     print(f"{n_equal} of {len(cases)} cases bit-equal ({args.dtype}, {args.layer_loop}, attention {args.attention})")
-    path = write_result("invariance" + (f"_{args.shape}" if args.shape else ""), {
-        "config": vars(args), "model": str(model.source), "bit_equal": n_equal, "cases": cases})
+    path = write_result("invariance", {"config": vars(args), "model": str(model.source), "bit_equal": n_equal,
+                                       "cases": cases}, model=model_name(args.model, args.shape))
     print(f"wrote {path}")
     raise SystemExit(0 if n_equal == len(cases) else 1)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import planned_model, write_result
+from bench.common import model_name, planned_model, write_result
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.model.loader import LoadedModel
@@ -64,7 +64,7 @@ def main() -> None:
            "max_abs_logprob_diff": float(np.abs(base_lp - lp).max())}
     row["perplexity_ratio"] = row[f"perplexity_{args.kv_dtype}"] / row["perplexity_float32"]
     print(row)
-    print(f"wrote {write_result(f'kv_quality_{args.kv_dtype}', row)}")
+    print(f"wrote {write_result(f'kv_quality_{args.kv_dtype}', row, model=model_name(args.model))}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ memory once N requests (half greedy, half top-p sampled, prompts of 64 to 1,024 
 through the station's scheduler (every lane busy with MOONSHINE_CONTINUOUS_BATCH=1), with the bytes the prefix cache's
 host tier then holds (MOONSHINE_PREFIX_CACHE_RAM bounds it), and once the idle station has handed its steps' freed
 memory back; and what dropping the compiled programs (`jax.clear_caches`) would hand back. Memory only: nothing here
-is timed.
+is timed. Writes each phase's figures, MiB, to bench/results/memory-<model>.json.
 
 Usage:
   MOONSHINE_CONTINUOUS_BATCH=1 python -m bench.memory --model gemma-3-270m-q4_k_m.gguf --lanes 8 --max-seq 32768 \
@@ -26,6 +26,7 @@ import time
 import jax
 import numpy as np
 
+from bench.common import add_name_arg, model_name, write_result
 from jaxstation.config.coldstart import StartupClock
 from jaxstation.config.settings import resolve
 from jaxstation.engine.jobs import Job
@@ -42,8 +43,9 @@ def status() -> dict[str, float]:
     return {k: int(fields[k].split()[0]) / 1024 for k in ("VmRSS", "RssAnon", "RssFile", "VmHWM")}
 
 
-def show(tag: str) -> None:
-    s = status()
+def show(tag: str, phases: dict[str, dict[str, float]]) -> None:
+    """Print the process's memory now and record it in `phases` under `tag`."""
+    s = phases[tag] = status()
     print(f"{tag:24s} rss {s['VmRSS']:7.0f} MiB  anon {s['RssAnon']:7.0f}  file {s['RssFile']:6.0f}  "
           f"peak {s['VmHWM']:7.0f}", flush=True)
 
@@ -84,13 +86,15 @@ def main() -> None:
     parser.add_argument("--max-seq")
     parser.add_argument("--kv-dtype")
     parser.add_argument("--serve", type=int, default=0, help="requests to run once ready, then measure again")
+    add_name_arg(parser)
     args = parser.parse_args()
     names = {"model": "MOONSHINE_MODEL", "lanes": "MOONSHINE_BATCH_LANES", "max_seq": "MOONSHINE_MAX_SEQ",
              "kv_dtype": "MOONSHINE_KV_DTYPE"}
     env = {**os.environ, **{names[k]: getattr(args, k) for k in names if getattr(args, k) is not None}}
-    show("imports")
+    phases: dict[str, dict[str, float]] = {}
+    show("imports", phases)
     clock = StartupClock()
-    clock.add_sink(lambda phase, _seconds: show(phase))
+    clock.add_sink(lambda phase, _seconds: show(phase, phases))
     station = Station(resolve(env=env, command="serve"), clock=clock)
     station._load()
     if station.load_error:
@@ -108,15 +112,20 @@ def main() -> None:
         print(f"mapping {kib / 1024:8.1f} MiB  {name}")
     if args.serve:
         run_requests(station, args.serve)
-        show(f"after {args.serve} requests")
-        print(f"the prefix cache's host tier holds {station.scheduler.prefix_tier.host.nbytes / MiB:.1f} MiB")
+        show("served", phases)
+        host_tier = station.scheduler.prefix_tier.host.nbytes / MiB
+        print(f"the prefix cache's host tier holds {host_tier:.1f} MiB")
         time.sleep(host_memory.IDLE_RELEASE_S + 1)  # the decode thread hands the steps' freed memory back
-        show("idle")
+        show("idle", phases)
     station.shutdown(0)
     jax.clear_caches()
     gc.collect()
     host_memory.release_freed_memory()
-    show("programs dropped")
+    show("programs dropped", phases)
+    path = write_result("memory", {"config": vars(args), "phases": phases,
+                                   "prefix_host_tier_mib": host_tier if args.serve else None},
+                        model=model_name(args.model), variant=args.name)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import planned_model, write_result
+from bench.common import add_name_arg, model_name, planned_model, write_result
 from bench.workload import (
     GREEDY,
     SAMPLED,
@@ -241,7 +241,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--settle", type=float, default=1.0, help="seconds idle before each throughput run")
     ap.add_argument("--server-timeout", type=float, default=300.0)
-    ap.add_argument("--name", default="peers", help="result file name (e.g. peers_int8 for an --dtype int8 run)")
+    add_name_arg(ap)
     ap.add_argument("--quick", action="store_true", help="16 new tokens, 1 rep, 6 latency requests of 16 tokens")
     args = ap.parse_args()
     if args.quick:
@@ -398,8 +398,9 @@ def main() -> None:
         print(f"prefill {name:17s}: {args.prefill_len}-token prompt, {rate['median']:.1f} tok/s "
               f"(median of {rate['n']})")
     print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
-    path = write_result(args.name, {"config": dict(vars(args)), "model": str(gguf), "bandwidth": bandwidth,
-                                  "rows": rows, "ratios": ratios})
+    path = write_result("peers", {"config": dict(vars(args)), "model": str(gguf), "bandwidth": bandwidth,
+                                  "rows": rows, "ratios": ratios},
+                        model=model_name(args.model), variant=args.name, read_bandwidth=bandwidth["read"])
     print(f"wrote {path}")
 
 

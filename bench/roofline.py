@@ -4,13 +4,14 @@ close each measured step gets.
 Bandwidth: numpy copy and a compiled XLA read (bench.common); the limit uses the larger. Compute: a jitted float32
 matmul, GFLOP/s. Minimum step time for lanes x live = max((weight bytes + live KV bytes) / bandwidth,
 step FLOPs / matmul FLOP/s), live KV bytes = lanes x live x (2 x layers x kv_heads x head_dim x itemsize). Each
-measured step (engine.decode timed like bench/step.py, or with --from-step the newest bench/results/step-*.json)
+measured step (engine.decode timed like bench/step.py, or with --from-step the model's canonical
+bench/results/step-<model>.json)
 is reported as limit / measured: 1.0 would be at the roofline.
 
 Usage:
   python -m bench.roofline                        # lanes 1 2 4 8 16 x live 128 1024, 10 reps
   python -m bench.roofline --quick                # lanes 1 8 x live 128, 3 reps
-  python -m bench.roofline --from-step            # use the newest step-*.json instead of timing steps here
+  python -m bench.roofline --from-step            # read the steps of bench/results/step-<model>.json
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import json
 import math
 
 from bench.common import (
-    RESULTS,
     add_model_args,
     bench_model,
     copy_bandwidth,
+    model_name,
     read_bandwidth,
+    result_path,
     summary,
     timed,
     write_result,
@@ -71,12 +73,13 @@ def measured_steps(model, lanes_list, live_list, reps: int, engine_kw: dict) -> 
     return rows
 
 
-def from_step_file() -> tuple[list[dict], str]:
-    files = sorted(RESULTS.glob("step-*.json"), key=lambda p: p.stat().st_mtime)
-    if not files:
-        raise SystemExit("no bench/results/step-*.json: run `python -m bench.step` first, or drop --from-step")
-    data = json.loads(files[-1].read_text())
-    return [{k: r[k] for k in ("lanes", "live", "ms_per_step", "spread_ms")} for r in data["rows"]], files[-1].name
+def from_step_file(model: str) -> tuple[list[dict], str]:
+    """The steps of the model's canonical `bench.step` result, and its file's name."""
+    path = result_path("step", model)
+    if not path.exists():
+        raise SystemExit(f"no {path}: run `python -m bench.step` first, or drop --from-step")
+    data = json.loads(path.read_text())
+    return [{k: r[k] for k in ("lanes", "live", "ms_per_step", "spread_ms")} for r in data["rows"]], path.name
 
 
 def main() -> None:
@@ -86,7 +89,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--matmul-n", type=int, default=2048)
     add_model_args(ap)
-    ap.add_argument("--from-step", action="store_true", help="read the newest step-*.json instead of timing")
+    ap.add_argument("--from-step", action="store_true", help="read the model's step-<model>.json instead of timing")
     ap.add_argument("--quick", action="store_true", help="lanes 1 8, live 128, 3 reps, 1024 matmul")
     args = ap.parse_args()
     if args.quick:
@@ -108,7 +111,7 @@ def main() -> None:
           f"read {read_bw / 1e9:.1f} GB/s, matmul {flops / 1e9:.1f} GFLOP/s (f32, n={args.matmul_n})")
 
     if args.from_step:
-        measured, source = from_step_file()
+        measured, source = from_step_file(model_name(args.model, args.shape))
     else:
         measured, source = measured_steps(model, args.lanes, args.live, args.reps, engine_kw), "measured here"
     rows = []
@@ -130,7 +133,8 @@ def main() -> None:
     path = write_result("roofline", {"dtype": args.dtype, "weight_bytes": weight_bytes, "kv_bytes_per_position":
                                      kv_per_pos, "copy_bandwidth": copy_bw, "read_bandwidth": read_bw,
                                      "bandwidth": bandwidth, "matmul_flops": flops, "matmul_n": args.matmul_n,
-                                     "steps_source": source, "rows": rows})
+                                     "steps_source": source, "rows": rows},
+                        model=model_name(args.model, args.shape), read_bandwidth=read_bw)
     print(f"wrote {path}")
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.common import wait_ready, write_result
+from bench.common import add_name_arg, model_name, wait_ready, write_result
 
 TARGETS = [{"prompt": "The capital of France is", "temperature": 0.0},
            {"prompt": "def fibonacci(n):", "temperature": 0.8, "seed": 7}]
@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--max-seq", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--port", type=int, default=8431)
-    ap.add_argument("--name", default="served_invariance")
+    add_name_arg(ap)
     args = ap.parse_args()
     if (args.model is None) == (args.random is None):
         ap.error("give one of --model and --random")
@@ -169,7 +169,7 @@ def main() -> None:
     payload = {"model": name, "lanes": args.lanes, "max_seq": args.max_seq,
                "new_tokens": args.new_tokens, "jax": jax.__version__, "cases": rows,
                "all_equal": all(r["equal"] for r in rows)}
-    print(write_result(f"{args.name}-{name}", payload))
+    print(write_result("served_invariance", payload, model=model_name(name), variant=args.name))
     for r in rows:
         print(f"{r['target']!r:28} beside {r['others']}: {'equal' if r['equal'] else r['first_difference']}")
 

@@ -201,28 +201,7 @@ def main() -> None:
                 rows.append(row)
     path = write_result("speculative", {"config": vars(args), "notes": notes, "rows": rows,
                                         "engine": {"lanes": lanes, "max_seq": max_seq}})
-    plot(rows, path.with_suffix(".png"))
     print(f"wrote {path}")
-
-
-def plot(rows: list[dict], out: Path) -> None:
-    """Decode tokens/s a request, per workload and K, each system side by side."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    systems = [s for s in ("jaxstation_plain", "jaxstation_ngram", "llama_plain", "llama_ngram") if s in rows[0]]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    x = np.arange(len(rows))
-    for i, s in enumerate(systems):
-        ax.bar(x + i * 0.2, [r[s]["decode_tokens_per_s"] for r in rows], 0.2, label=s.replace("_", " "))
-    ax.set_xticks(x + 0.3, [f"{r['workload']} K={r['k']}" for r in rows])
-    ax.set_ylabel("decode tokens/s a request")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,17 @@ import types
 import jax
 import numpy as np
 
-from bench.common import ReadProbe, add_model_args, bench_model, copy_bandwidth, summary, timed, write_result
+from bench.common import (
+    ReadProbe,
+    add_model_args,
+    add_name_arg,
+    bench_model,
+    copy_bandwidth,
+    model_name,
+    summary,
+    timed,
+    write_result,
+)
 from jaxstation.engine import engine as engine_module
 from jaxstation.engine import penalties, steps
 from jaxstation.engine.arena import arena_bytes
@@ -69,7 +79,7 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="auto", help="the arena's dtype: auto, float32, bfloat16 or int8")
     ap.add_argument("--vocab-replicated", action="store_true",
                     help="keep the embedding and the head whole on every device (default: split by vocabulary rows)")
-    ap.add_argument("--name", default="step", help="result file name")
+    add_name_arg(ap)
     ap.add_argument("--lora", action="store_true", help="8 rows over 8 rank-16 adapters against the base step")
     ap.add_argument("--num-layers", type=int, default=None, help="--shape: keep only this many of its layers")
     ap.add_argument("--temperature", type=float, default=0.0, help="sample every lane (default: greedy)")
@@ -110,10 +120,11 @@ def main() -> None:
     for n in args.tensor_parallel[1:]:
         checks[f"tp{n}_over_tp{first}_{widest}_lanes_at_{hi}"] = by[n, widest, hi] / by[first, widest, hi]
     print({k: round(v, 2) for k, v in checks.items()})
-    path = write_result(args.name, {"config": vars(args), "model": str(model.source), "dtype": args.dtype,
-                                    "weight_bytes": models[first]["weight_bytes"], "per_tensor_parallel": models,
-                                    "copy_bandwidth": copy_bw, "read_bandwidth": read_bw,
-                                    "floor_ms": rows[0]["floor_ms"], "rows": rows, "ratios": checks})
+    path = write_result("step", {"config": vars(args), "model": str(model.source), "dtype": args.dtype,
+                                 "weight_bytes": models[first]["weight_bytes"], "per_tensor_parallel": models,
+                                 "copy_bandwidth": copy_bw, "read_bandwidth": read_bw,
+                                 "floor_ms": rows[0]["floor_ms"], "rows": rows, "ratios": checks},
+                        model=model_name(args.model, args.shape), variant=args.name, read_bandwidth=read_bw)
     print(f"wrote {path}")
 
 
@@ -252,7 +263,8 @@ def lora_main(args) -> None:
               "weight_bytes": model.params.nbytes}
     print(f"{model.source} ({args.dtype}, {cfg.num_layers} layers): base {base_ms:.1f} ms, {LORA_ROWS} adapters "
           f"{lora_ms:.1f} ms: {result['ratio']:.3f}x (pairwise median {result['pair_ratio_median']:.3f}x)")
-    path = write_result(args.name, {"config": vars(args), "model": str(model.source), "dtype": args.dtype, **result})
+    path = write_result("step_lora", {"config": vars(args), "model": str(model.source), "dtype": args.dtype, **result},
+                        model=model_name(args.model, args.shape), variant=args.name)
     print(f"wrote {path}")
 
 
@@ -289,8 +301,8 @@ def stored_main(args) -> None:
             print(f"lanes {lanes:2d} live {live:5d}: repacked {row['repacked_ms']:.2f} ms, {' '.join(args.stored)} "
                   f"stored {row['stored_ms']:.2f} ms, repacked / stored {row['pair_ratio_median']:.3f}")
         del engines
-    path = write_result(args.name, {"config": vars(args), "model": str(repacked.source), "dtype": args.dtype,
-                                    "rows": rows})
+    path = write_result("step_stored", {"config": vars(args), "model": str(repacked.source), "dtype": args.dtype,
+                                        "rows": rows}, model=model_name(args.model, args.shape), variant=args.name)
     print(f"wrote {path}")
 
 

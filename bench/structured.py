@@ -9,7 +9,7 @@ in), timed per call and summed per decode wave. Compile: `Grammars.compile` (gra
 computed) for each schema in SCHEMAS: pydantic models as the OpenAI SDK's `parse()` sends them, and tool-parameter
 schemas; p50 and p99 of --compile-reps runs each.
 
-Writes bench/results/structured-<date>-<machine>.json and a plot beside it.
+Writes bench/results/structured-<model>.json.
 Usage:
   python -m bench.structured [--ks 1 8 32] [--reps 3] [--new-tokens 48]
 """
@@ -25,7 +25,7 @@ import time
 import numpy as np
 import pydantic
 
-from bench.common import add_model_args, bench_model, write_result
+from bench.common import add_model_args, bench_model, model_name, write_result
 from bench.workload import make_prompts
 
 ITEM = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "id": {"type": "integer"},
@@ -247,27 +247,6 @@ def throughput(model, grammars, k: int, args) -> dict:
             "mask_ms_per_row": 1e3 * statistics.median(mask_per_wave) / k, "waves": waves_seen}
 
 
-def plot(result: dict, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = result["throughput"]
-    ks = [r["k"] for r in rows]
-    x = np.arange(len(ks))
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.bar(x - 0.2, [r["plain_tok_s"] for r in rows], 0.4, label="unconstrained")
-    ax.bar(x + 0.2, [r["constrained_tok_s"] for r in rows], 0.4, label="JSON schema")
-    for i, r in enumerate(rows):
-        ax.text(i + 0.2, r["constrained_tok_s"], f"{r['ratio']:.2f}x", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(x, [f"K={k}" for k in ks])
-    ax.set_ylabel("generated tokens/s")
-    ax.set_title("Every request held to a JSON schema vs none", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(ap)
@@ -293,8 +272,7 @@ def main() -> None:
         result["throughput"].append(row)
         print(f"K={k}: {row['plain_tok_s']:.1f} vs {row['constrained_tok_s']:.1f} tok/s constrained "
               f"({row['ratio']:.3f}x), masks {row['mask_ms_per_wave']:.2f} ms/wave")
-    path = write_result("structured", result)
-    plot(result, path.with_suffix(".png"))
+    path = write_result("structured", result, model=model_name(args.model, args.shape))
     print(f"wrote {path}")
 
 

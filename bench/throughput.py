@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import add_model_args, bench_model, write_result
+from bench.common import add_model_args, bench_model, model_name, write_result
 from bench.workload import (
     StepTimer,
     concurrent_run,
@@ -267,7 +267,7 @@ def main() -> None:
 
         out["mesh"] = mesh(args, model, prompts, seq_len(args.prompt_len, args.new_tokens, args.chunk, args.block))
         out["targets"] = print_mesh(out["direct"], out["mesh"])
-        print(f"wrote {write_result('throughput_mesh', out)}")
+        print(f"wrote {write_result('throughput_mesh', out, model=model_name(args.model, args.shape))}")
         return
 
     targets = {}
@@ -287,9 +287,7 @@ def main() -> None:
     print_table("HTTP /generate", out["http"])
     print("targets:", {k: round(v, 3) for k, v in targets.items()}, "(want k8/k1 >= 5 direct, >= 4.5 http; "
           "overhead <= 0.10)")
-    lanes = max(args.ks) if args.engine_lanes == "max" else "k"
-    shape = f"_{args.shape}" if args.shape else ""
-    print(f"wrote {write_result(f'throughput{shape}_lanes{lanes}', out)}")
+    print(f"wrote {write_result('throughput', out, model=model_name(args.model, args.shape))}")
 
 
 if __name__ == "__main__":

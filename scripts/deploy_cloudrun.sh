@@ -18,7 +18,7 @@ Subcommands:
             --compile-cache DIR (e.g. gs://BUCKET/jaxstation-cache), --model PATH, --env KEY=VALUE (repeatable).
   burst     Burst-test the canary: bench/throughput.py against its URL (an identity token as the bearer, unless
             --public), every reply checked, then the parity probe against --reference (greedy replies equal to
-            a file made beforehand on CPU: python -m bench.parity_probe make). Exits non-zero on any failure.
+            a file made beforehand on CPU: python -m scripts.parity_probe make). Exits non-zero on any failure.
             --ks "1 8" (concurrency levels), --new-tokens N (64), --url URL (instead of the canary tag's URL).
   promote   Shift traffic to the canary: update-traffic --to-tags canary=N (--percent N, default 100); at 100 the
             service then follows the latest revision (--to-latest).
@@ -89,7 +89,7 @@ MODEL=
 EXTRA_ENV=()
 KS="1 8"
 NEW_TOKENS=64
-REFERENCE="$REPO_ROOT/bench/parity_reference.json"
+REFERENCE="$REPO_ROOT/scripts/parity_reference.json"
 URL=
 PUBLIC=0
 PERCENT=100
@@ -224,7 +224,7 @@ cmd_burst() {
   read -r -a ks <<< "$KS"
   note "burst: throughput at K = $KS with every reply checked, then the parity probe"
   (cd "$REPO_ROOT" && run "$PY" -m bench.throughput --url "$url" --ks "${ks[@]}" --new-tokens "$NEW_TOKENS" --reps 1)
-  (cd "$REPO_ROOT" && run "$PY" -m bench.parity_probe check --url "$url" --reference "$REFERENCE")
+  (cd "$REPO_ROOT" && run "$PY" -m scripts.parity_probe check --url "$url" --reference "$REFERENCE")
 }
 
 cmd_promote() {

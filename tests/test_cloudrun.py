@@ -265,7 +265,7 @@ EXPECTED = {
         f"gcloud run services describe jaxstation {WHERE} --format json",
         "gcloud auth print-identity-token",
         "python3 -m bench.throughput --url CANARY_URL --ks 1 8 --new-tokens 64 --reps 1",
-        f"python3 -m bench.parity_probe check --url CANARY_URL --reference {REPO}/bench/parity_reference.json",
+        f"python3 -m scripts.parity_probe check --url CANARY_URL --reference {REPO}/scripts/parity_reference.json",
     ],
     "promote --percent 10": [
         f"gcloud run services update-traffic jaxstation {WHERE} --to-tags canary=10",
@@ -366,9 +366,9 @@ def test_burst_against_a_running_station(local_station: ServerThread, tmp_path: 
 def test_parity_probe_fails_on_a_different_reply(local_station: ServerThread, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture) -> None:
     sys.path.insert(0, str(REPO))
-    from bench import parity_probe
+    from scripts import parity_probe
 
-    ref = json.loads((REPO / "bench" / "parity_reference.json").read_text())
+    ref = json.loads((REPO / "scripts" / "parity_reference.json").read_text())
     ref["cases"][1]["generated"][3] += 1
     path = tmp_path / "ref.json"
     path.write_text(json.dumps(ref))

@@ -7,8 +7,8 @@ and exits 1 on any failure. The station must run the same model, dtype, prefill 
 (recorded in it).
 
 Usage:
-  python -m bench.parity_probe make [--model PATH] [--dtype float32] [--out bench/parity_reference.json]
-  python -m bench.parity_probe check --url URL [--reference bench/parity_reference.json]
+  python -m scripts.parity_probe make [--model PATH] [--dtype float32] [--out scripts/parity_reference.json]
+  python -m scripts.parity_probe check --url URL [--reference scripts/parity_reference.json]
       (a bearer token, e.g. a Cloud Run identity token, is read from $JAXSTATION_BEARER_TOKEN)
 """
 
