@@ -156,7 +156,8 @@ def _matmul(config: StationConfig, dtype: str, kernel_error: str | None) -> str:
 
 def _layer_loop(config: StationConfig, backend: str, dtype: str, matmul: str) -> str:
     """The layer walk: the setting, or unroll, except for int8 on CPU with XLA's dot, whose per-layer int8 -> float32
-    converts XLA's CPU backend materializes outside a loop (bench/levers.py: 4-6x slower unrolled)."""
+    converts XLA's CPU backend materializes outside a loop: several times slower unrolled (`bench.step
+    --layer-loop`)."""
     if config.layer_loop != "auto":
         return config.layer_loop
     return "scan" if dtype == "int8" and backend != "gpu" and matmul == "xla" else "unroll"

@@ -11,7 +11,7 @@ Two layouts of the per-layer weights, chosen at load (`layer_loop`):
   compile, and what int8 needs on XLA's CPU dot);
 - "unroll": a tuple with one `LayerParams` per layer, walked by a Python loop, so that each matmul reads its own
   weight buffer in place (on a GPU, indexing a stacked weight inside a loop copies it before the GEMM; on CPU it
-  measured as fast or faster for float weights, bench/levers.py).
+  measures as fast or faster for float weights: `bench.step --layer-loop`).
 """
 
 from __future__ import annotations
