@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import add_model_args, bench_model, model_name, write_result
+from bench.common import add_model_args, add_name_arg, bench_model, model_name, write_result
 from bench.workload import (
     StepTimer,
     concurrent_run,
@@ -219,6 +219,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     add_model_args(ap)
+    add_name_arg(ap)
     ap.add_argument("--chunk", type=int, default=32)
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--engine-lanes", choices=("max", "k"), default="max",
@@ -267,7 +268,8 @@ def main() -> None:
 
         out["mesh"] = mesh(args, model, prompts, seq_len(args.prompt_len, args.new_tokens, args.chunk, args.block))
         out["targets"] = print_mesh(out["direct"], out["mesh"])
-        print(f"wrote {write_result('throughput_mesh', out, model=model_name(args.model, args.shape))}")
+        path = write_result("throughput_mesh", out, model=model_name(args.model, args.shape), variant=args.name)
+        print(f"wrote {path}")
         return
 
     targets = {}
@@ -287,7 +289,7 @@ def main() -> None:
     print_table("HTTP /generate", out["http"])
     print("targets:", {k: round(v, 3) for k, v in targets.items()}, "(want k8/k1 >= 5 direct, >= 4.5 http; "
           "overhead <= 0.10)")
-    print(f"wrote {write_result('throughput', out, model=model_name(args.model, args.shape))}")
+    print(f"wrote {write_result('throughput', out, model=model_name(args.model, args.shape), variant=args.name)}")
 
 
 if __name__ == "__main__":

@@ -223,7 +223,8 @@ cmd_burst() {
   local ks
   read -r -a ks <<< "$KS"
   note "burst: throughput at K = $KS with every reply checked, then the parity probe"
-  (cd "$REPO_ROOT" && run "$PY" -m bench.throughput --url "$url" --ks "${ks[@]}" --new-tokens "$NEW_TOKENS" --reps 1)
+  (cd "$REPO_ROOT" && run "$PY" -m bench.throughput --url "$url" --ks "${ks[@]}" --new-tokens "$NEW_TOKENS" --reps 1 \
+    --name burst)
   (cd "$REPO_ROOT" && run "$PY" -m scripts.parity_probe check --url "$url" --reference "$REFERENCE")
 }
 

@@ -264,7 +264,7 @@ EXPECTED = {
     "burst": [
         f"gcloud run services describe jaxstation {WHERE} --format json",
         "gcloud auth print-identity-token",
-        "python3 -m bench.throughput --url CANARY_URL --ks 1 8 --new-tokens 64 --reps 1",
+        "python3 -m bench.throughput --url CANARY_URL --ks 1 8 --new-tokens 64 --reps 1 --name burst",
         f"python3 -m scripts.parity_probe check --url CANARY_URL --reference {REPO}/scripts/parity_reference.json",
     ],
     "promote --percent 10": [
@@ -358,7 +358,7 @@ def test_burst_against_a_running_station(local_station: ServerThread, tmp_path: 
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "parity probe: 4/4 replies equal to the reference" in r.stdout
     assert not (tmp_path / "called").exists()  # --url and --public: gcloud is not needed
-    (result,) = (tmp_path / "results").iterdir()
+    (result,) = (tmp_path / "results" / "runs").iterdir()  # a variant run, not the canonical result
     rows = json.loads(result.read_text())["http"]["rows"]
     assert [row["k"] for row in rows] == [1, 2] and all(row["tokens_per_s"]["median"] > 0 for row in rows)
 
