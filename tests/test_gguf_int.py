@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import packing_reference
 import pytest
 from test_gguf_blocks import random_blocks
 
@@ -27,7 +28,7 @@ from jaxstation.kernels import cpu_kernel, packing
 from jaxstation.model.quant import GGUFBlocks, stored
 
 ROOT = Path(__file__).resolve().parent.parent
-ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 37)
+ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 23, 32, 37)
 MINIMUM_FORMATS = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
 
 
@@ -158,14 +159,15 @@ def check_formats_against_the_reference(formats: tuple[str, ...] = tuple(cpu_ker
 
 
 def check_repacked(n_in: int = 512, n_out: int = 48) -> None:
-    """Every block format repacked into the integer products' tiles (`packing.pack_blocks`): the plain layout's
-    bits for every row alone and among others, and Q8_0's table rows looked up alike (also run in the other builds'
-    subprocesses)."""
+    """Every block format repacked into the integer products' tiles (`packing.pack_blocks`): the bytes the numpy
+    reference lays out, the plain layout's bits for every row alone and among others, and Q8_0's table rows looked
+    up alike (also run in the other builds' subprocesses)."""
     x = activations(37, n_in)
     for packed, fmt in cpu_kernel.REPACKED.items():
         blocks = random_blocks(fmt, n_out, n_in, seed=11)
         tiles = dataclasses.replace(blocks, data=packing.pack_blocks(blocks.data, packed), fmt=packed)
         assert tiles.data.shape == blocks.data.shape and not np.array_equal(tiles.data, blocks.data)
+        assert np.array_equal(tiles.data, packing_reference.pack_blocks(blocks.data, packed)), packed
         full = int_matmul(x, blocks)
         for rows in ROW_COUNTS:
             assert np.array_equal(int_matmul(x[:rows], tiles), full[:rows]), (packed, rows)

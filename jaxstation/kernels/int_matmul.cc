@@ -24,6 +24,7 @@ namespace {
 #if defined(__AVX512F__)
 using IVec = __m512i;
 constexpr int kIntCh = 16;
+constexpr int kIntRows = 8;  // rows a tile, at most: their sums, the weights and the scales fit in 32 registers
 inline IVec ILoad(const void* p) { return _mm512_loadu_si512(p); }
 inline void IStore(void* p, IVec v) { _mm512_storeu_si512(p, v); }
 inline IVec IAdd(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
@@ -97,6 +98,7 @@ inline void Interleave(const uint8_t* in, IVec* out) {
 #else
 using IVec = __m256i;
 constexpr int kIntCh = 8;
+constexpr int kIntRows = 4;  // rows a tile, at most (16 registers)
 inline IVec ILoad(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 inline void IStore(void* p, IVec v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }
 inline IVec IAdd(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
@@ -151,24 +153,23 @@ inline void Interleave(const uint8_t* in, IVec* out) {
   }
 }
 #endif
-constexpr int kIntRows = 4;  // rows a tile, at most
 // Bytes ahead of the block being decoded that the decoder asks for: the rows of a matrix lie one after the other, so
 // the next channels' blocks are in flight while this one decodes.
 constexpr int64_t kIntAhead = 4096;
 
-// The rows of x rounded to 8 bits per 32 columns: q [M, K], d [M, K / 32] (each 32 columns' scale) and halves
-// [M, K / 16] (each 16 columns' sum of q).
+// The rows of x rounded to 8 bits per 32 columns: q [M, K], d [M, K / 32] (each 32 columns' scale), halves
+// [M, K / 16] (each 16 columns' sum of q) and sums [M, K / 32] (each 32 columns' sum of q, as a float: exact, |sum| <=
+// 32 * 127).
 struct IntActs {
   int64_t K = 0;
   std::vector<int8_t> q;
-  std::vector<float> d;
+  std::vector<float> d, sums;
   std::vector<int32_t> halves;
-  int32_t Sum(int64_t at) const { return halves[2 * at] + halves[2 * at + 1]; }
 };
 
 void QuantizeRows(const float* x, int64_t M, int64_t K, IntActs& a) {
   a.K = K;
-  a.q.resize(M * K), a.d.resize(M * K / 32), a.halves.resize(M * K / 16);
+  a.q.resize(M * K), a.d.resize(M * K / 32), a.sums.resize(M * K / 32), a.halves.resize(M * K / 16);
   float rounded[32];
   for (int64_t b = 0; b < M * K / 32; ++b) {
     const float* xb = x + b * 32;
@@ -186,6 +187,7 @@ void QuantizeRows(const float* x, int64_t M, int64_t K, IntActs& a) {
       for (int64_t i = 16 * h; i < 16 * h + 16; ++i) sum += q[i] = static_cast<int8_t>(rounded[i]);
       a.halves[2 * b + h] = sum;
     }
+    a.sums[b] = static_cast<float>(a.halves[2 * b] + a.halves[2 * b + 1]);
   }
 }
 
@@ -251,7 +253,7 @@ template <int kBytesT, int kBiasT, bool kMinT>
 struct IntSmall {
   static constexpr int64_t kBlock = 32, kBytes = kBytesT;
   static constexpr int kBias = kBiasT;
-  static constexpr bool kMin = kMinT, kScaled = false, kSigned = false;
+  static constexpr bool kMin = kMinT, kScaled = false, kOneScale = false, kSigned = false;
 };
 
 struct IntQ4_0 : IntSmall<18, 8, false> {  // d, 16 bytes of nibbles
@@ -287,12 +289,13 @@ struct IntQ8_0 : IntSmall<34, kVnni ? 128 : 0, false> {  // d, 32 int8: with VNN
   }
 };
 
-// The K-quants: 256 columns in 8 groups of 32, each with an integer scale (Q6_K: one per 16 columns) in `scales`.
-template <int kBytesT, int kBiasT, bool kMinT>
+// The K-quants: 256 columns in 8 groups of 32, each with an integer scale (kOneScale: Q4_K, Q5_K) or two (Q6_K: one
+// per 16 columns) in `scales`.
+template <int kBytesT, int kBiasT, bool kMinT, bool kOneScaleT>
 struct IntK {
   static constexpr int64_t kBlock = 256, kBytes = kBytesT;
   static constexpr int kBias = kBiasT;
-  static constexpr bool kMin = kMinT, kScaled = true, kSigned = false;
+  static constexpr bool kMin = kMinT, kScaled = true, kOneScale = kOneScaleT, kSigned = false;
 };
 
 // Q4_K and Q5_K's 6-bit scales and mins of group j (d * sc * q - dmin * mn): the minimum's coefficient is -dmin.
@@ -307,14 +310,14 @@ inline void KScales(const uint8_t* b, int64_t blk, IntChannel& c) {
   }
 }
 
-struct IntQ4_K : IntK<144, 0, true> {  // d, dmin, scales[12], qs[128]: group j, nibble j % 2 of bytes 32 * (j / 2) on
+struct IntQ4_K : IntK<144, 0, true, true> {  // d, dmin, scales[12], qs[128]: group j, nibble j % 2 of bytes 32 * (j / 2) on
   static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
     KScales(b, blk, c);
     for (int j = 0; j < 8; ++j)
       Store32(c.Codes(blk * 8 + j), Field(Load32(b + 16 + 32 * (j / 2)), 4 * (j % 2), 0x0F));
   }
 };
-struct IntQ5_K : IntK<176, 0, true> {  // d, dmin, scales[12], qh[32] (bit j: group j's fifth bit), qs[128]
+struct IntQ5_K : IntK<176, 0, true, true> {  // d, dmin, scales[12], qh[32] (bit j: group j's fifth bit), qs[128]
   static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
     KScales(b, blk, c);
     const __m256i qh = Load32(b + 16);
@@ -324,7 +327,7 @@ struct IntQ5_K : IntK<176, 0, true> {  // d, dmin, scales[12], qh[32] (bit j: gr
     }
   }
 };
-struct IntQ6_K : IntK<210, 32, false> {  // ql[128], qh[64], int8 scales[16] (one per 16 columns), d
+struct IntQ6_K : IntK<210, 32, false, false> {  // ql[128], qh[64], int8 scales[16] (one per 16 columns), d
   static void Decode(const uint8_t* b, int64_t blk, IntChannel& c) {
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
     c.D(blk) = HalfToFloat(b + 208);
@@ -339,32 +342,54 @@ struct IntQ6_K : IntK<210, 32, false> {  // ql[128], qh[64], int8 scales[16] (on
 };
 
 // One group of 32 columns for R rows at once: the 8 code vectors w, the channels' scales dw (and minimums mw; the
-// K-quants' integer scales low and high of columns 0-15 and 16-31, and Q4_K/Q5_K's minimum codes mins): each row's
-// integer sums, then its float epilogue into acc.
+// K-quants' integer scales low and high of columns 0-15 and 16-31, and Q4_K/Q5_K's minimum codes mins as floats):
+// each row's integer sums, then its float epilogue into acc. Where the 32 columns share one integer scale (kOneScale),
+// it multiplies their sum once: the same integer. The minimum's product mins * (the row's sum of q) is at most 63 *
+// 4064 < 2^24, so the float product of the two is that integer exactly.
 template <typename F, int R>
 inline void IntGroup(const IntActs& a, int64_t m0, int64_t group, const IVec* w, Vec dw, Vec mw, IVec low, IVec high,
-                     IVec mins, Vec* acc) {
+                     Vec mins, Vec* acc) {
   const int64_t K = a.K;
   for (int r = 0; r < R; ++r) {
     const int64_t at = (m0 + r) * K / 32 + group;  // the row's 32 columns
     const int8_t* q = a.q.data() + at * 32;
     IVec half[2];
     for (int h = 0; h < 2; ++h) {
-      half[h] = ISet1(-F::kBias * a.halves[2 * at + h]);
+      half[h] = F::kBias ? ISet1(-F::kBias * a.halves[2 * at + h]) : ISet1(0);
       for (int j = 4 * h; j < 4 * h + 4; ++j) {
         int32_t x4;
         std::memcpy(&x4, q + 4 * j, 4);
         half[h] = F::kSigned ? DotS(half[h], w[j], ISet1(x4)) : DotU(half[h], w[j], ISet1(x4));
       }
     }
-    const IVec sum = F::kScaled ? IAdd(IMul(half[0], low), IMul(half[1], high)) : IAdd(half[0], half[1]);
+    IVec sum;
+    if constexpr (F::kOneScale) {
+      sum = IMul(IAdd(half[0], half[1]), low);
+    } else if constexpr (F::kScaled) {
+      sum = IAdd(IMul(half[0], low), IMul(half[1], high));
+    } else {
+      sum = IAdd(half[0], half[1]);
+    }
     const Vec dx = Set1(a.d[at]);
     acc[r] = Add(acc[r], Mul(Mul(dw, dx), ToFloat(sum)));
     if constexpr (F::kMin) {  // the minimum codes (Q4_1, Q5_1: 1) times the row's sum of q
-      const Vec ms = F::kScaled ? ToFloat(IMul(mins, ISet1(a.Sum(at)))) : Set1(static_cast<float>(a.Sum(at)));
+      const Vec ms = F::kScaled ? Mul(mins, Set1(a.sums[at])) : Set1(a.sums[at]);
       acc[r] = Add(acc[r], Mul(Mul(mw, dx), ms));
     }
   }
+}
+
+// tile(rows, m) over M rows in tiles of kIntRows rows from m = 0, then a tile each of the halves of kIntRows that the
+// rest holds (rows: a std::integral_constant, so each tile's row count is a compile-time constant).
+template <typename T>
+inline void ForRowTiles(int64_t M, const T& tile) {
+  int64_t m = 0;
+  for (; m + kIntRows <= M; m += kIntRows) tile(std::integral_constant<int, kIntRows>{}, m);
+  if constexpr (kIntRows > 4) {
+    if (M - m >= 4) tile(std::integral_constant<int, 4>{}, m), m += 4;
+  }
+  if (M - m >= 2) tile(std::integral_constant<int, 2>{}, m), m += 2;
+  if (M - m >= 1) tile(std::integral_constant<int, 1>{}, m);
 }
 
 template <int R>
@@ -388,7 +413,7 @@ void IntTile(const IntActs& a, int64_t m0, const IntCodes& c, float* y, int64_t 
     for (int j = 0; j < 8; ++j) w[j] = ILoad(c.codes.data() + (group * 8 + j) * kIntCh * 4);
     IntGroup<F, R>(a, m0, group, w, LoadW(c.d.data() + blk * kIntCh), LoadW(c.m.data() + blk * kIntCh),
                    ILoad(c.scales.data() + 2 * group * kIntCh), ILoad(c.scales.data() + (2 * group + 1) * kIntCh),
-                   ILoad(c.mins.data() + group * kIntCh), acc);
+                   ToFloat(ILoad(c.mins.data() + group * kIntCh)), acc);
   }
   StoreTile<R>(acc, m0, y, N, n0, valid);
 }
@@ -419,13 +444,7 @@ void IntChannels(const IntActs& a, const uint8_t* w, int64_t row_len, float* y, 
       Interleave(c.raw.data() + group * kIntCh * 32, v);
       for (int j = 0; j < 8; ++j) IStore(c.codes.data() + (group * 8 + j) * kIntCh * 4, v[j]);
     }
-    int64_t m = 0;
-    for (; m + kIntRows <= M; m += kIntRows) IntTile<F, kIntRows>(a, m, c, y, N, n, valid);
-    switch (M - m) {
-      case 3: IntTile<F, 3>(a, m, c, y, N, n, valid); break;
-      case 2: IntTile<F, 2>(a, m, c, y, N, n, valid); break;
-      case 1: IntTile<F, 1>(a, m, c, y, N, n, valid); break;
-    }
+    ForRowTiles(M, [&](auto rows, int64_t m) { IntTile<F, decltype(rows)::value>(a, m, c, y, N, n, valid); });
   }
 }
 
@@ -519,7 +538,7 @@ void PackedTile(const IntActs& a, int64_t m0, const uint8_t* tile, float* y, int
       for (int j = 0; j < 8; ++j) {
         IVec low, high, mins;
         PackedK<F>::Load(block, j, w, low, high, mins);
-        IntGroup<F, R>(a, m0, blk * 8 + j, w, dw, mw, low, high, mins, acc);
+        IntGroup<F, R>(a, m0, blk * 8 + j, w, dw, mw, low, high, ToFloat(mins), acc);
       }
     }
   } else {
@@ -528,7 +547,7 @@ void PackedTile(const IntActs& a, int64_t m0, const uint8_t* tile, float* y, int
       PrefetchAhead(g, Packed<F>::kGroup);
       Vec dw, mw;
       Packed<F>::Load(g, w, dw, mw);
-      IntGroup<F, R>(a, m0, group, w, dw, mw, ISet1(0), ISet1(0), ISet1(0), acc);
+      IntGroup<F, R>(a, m0, group, w, dw, mw, ISet1(0), ISet1(0), Zero(), acc);
     }
   }
   StoreTile<R>(acc, m0, y, N, n0, kIntCh);
@@ -539,13 +558,7 @@ void PackedChannels(const IntActs& a, const uint8_t* w, int64_t row_len, float* 
                     int64_t n_begin, int64_t n_end) {
   for (int64_t n = n_begin; n < n_end; n += kIntCh) {
     const uint8_t* tile = w + n * row_len;
-    int64_t m = 0;
-    for (; m + kIntRows <= M; m += kIntRows) PackedTile<F, kIntRows>(a, m, tile, y, N, n);
-    switch (M - m) {
-      case 3: PackedTile<F, 3>(a, m, tile, y, N, n); break;
-      case 2: PackedTile<F, 2>(a, m, tile, y, N, n); break;
-      case 1: PackedTile<F, 1>(a, m, tile, y, N, n); break;
-    }
+    ForRowTiles(M, [&](auto rows, int64_t m) { PackedTile<F, decltype(rows)::value>(a, m, tile, y, N, n); });
   }
 }
 
