@@ -209,6 +209,12 @@ def int_channels() -> int:
     return int(_library().jaxstation_int_channels())
 
 
+def library() -> ctypes.CDLL:
+    """The built kernel library, for its plain C functions (`packing.pack_blocks`). Raises KernelUnavailable."""
+    require()
+    return _library()
+
+
 def available() -> bool:
     """Whether the kernel can run here: the default backend is the CPU and the library builds and loads."""
     try:
