@@ -21,6 +21,7 @@ import numpy as np
 from conftest import oracle_logits
 from test_sampling import sampled_rows
 
+from bench import shapes
 from jaxstation.kernels import cpu_kernel
 from jaxstation.model.loader import LoadedModel, load_model
 from jaxstation.model.quant import (
@@ -37,19 +38,9 @@ from jaxstation.model.quant import (
 
 ROOT = Path(__file__).resolve().parent.parent
 # where each format keeps its float16 scales: random bytes there could be inf or NaN
-F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-              "Q6_K": (208,)}
-
-
 def random_blocks(fmt: str, n_out: int, n_in: int, seed: int) -> GGUFBlocks:
     """Every quant bit random; the float16 scales of a weight's size (minimums negative or positive)."""
-    per_block, block_bytes = cpu_kernel.BLOCK_FORMATS[fmt]
-    rng = np.random.default_rng(seed)
-    data = rng.integers(0, 256, (n_out, n_in // per_block, block_bytes), dtype=np.uint8)
-    for offset in F16_FIELDS[fmt]:
-        scales = (rng.standard_normal((n_out, n_in // per_block)) * 0.02).astype(np.float16)
-        data[..., offset:offset + 2] = scales.view(np.uint8).reshape(n_out, n_in // per_block, 2)
-    return GGUFBlocks(data.reshape(n_out, -1), fmt, (n_out, n_in))
+    return GGUFBlocks(shapes.random_blocks(fmt, n_out, n_in, np.random.default_rng(seed)), fmt, (n_out, n_in))
 
 
 def check_formats_bitwise(n_in: int = 512, n_out: int = 40) -> None:
