@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES, prefill_all, run_wave, station_plan
 
-from jaxstation.config.memory import check_memory, weight_bytes
+from jaxstation.config.memory import check_memory
 from jaxstation.config.plan import auto_max_seq
 from jaxstation.config.settings import ConfigError, GiB, MiB, StationConfig
 from jaxstation.engine.arena import arena_bytes, arena_layout
@@ -26,7 +26,7 @@ from jaxstation.engine.jobs import Job, Result
 from jaxstation.engine.prefix_cache import PrefixCache, RingHold
 from jaxstation.engine.rows import DecodeRow, PromptPiece, SamplingParams
 from jaxstation.engine.scheduler import Scheduler
-from jaxstation.model.loader import load_model
+from jaxstation.model.loader import checkpoint_weight_bytes, load_model
 from jaxstation.model.shapes import ARCHITECTURES
 
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=11)
@@ -293,21 +293,21 @@ def test_the_real_gemma3_on_a_ring_gives_the_full_arenas_bits(gemma3_270m: Path)
     _same(run_wave(ring, turn, steps=8, restarts={0: 672}), run_wave(full, turn, steps=8))
 
 
-def test_max_seq_defaults_to_the_models_context_as_far_as_memory_allows(caplog) -> None:
-    """Gemma 3 270M's shape at 8 lanes: its whole 32,768-position context where memory is plentiful; where it is
-    not, the longest multiple of the block whose arena, rings counted, and weights take half the free memory."""
+def test_max_seq_defaults_to_the_models_context_as_far_as_memory_allows(caplog, gemma3_270m) -> None:
+    """Gemma 3 270M at 8 lanes: its whole 32,768-position context where memory is plentiful; where it is not, the
+    longest multiple of the block whose arena, rings counted, and the file's weights take 3/4 of the free memory."""
     caplog.set_level("INFO", logger="jaxstation.config.plan")
-    config = StationConfig(lanes=8)
+    config = StationConfig(lanes=8, model=str(gemma3_270m))
     assert auto_max_seq(config, GEMMA3_270M, available=64 * GiB).max_seq == 32768
     assert "max_seq 32768: the model's context length" in caplog.text
-    tight = auto_max_seq(config, GEMMA3_270M, available=2 * GiB)
+    tight = auto_max_seq(config, GEMMA3_270M, available=GiB)
     layout = arena_layout(GEMMA3_270M, tight.max_seq, 128, "ring", "unroll", chunk=32, budget=128, verify_rows=0)
-    room = GiB - weight_bytes(GEMMA3_270M, "gguf")
+    room = int(GiB * 0.75) - checkpoint_weight_bytes(gemma3_270m, "gguf")
     assert 2048 < tight.max_seq < 32768 and tight.max_seq % 128 == 0
-    assert arena_bytes(GEMMA3_270M, 8, tight.max_seq, jnp.float32, *layout) <= room
-    assert arena_bytes(GEMMA3_270M, 8, tight.max_seq + 128, jnp.float32, *layout) > room
-    assert f"max_seq {tight.max_seq}: the longest whose arena fits 1/2 of the free memory" in caplog.text
-    check_memory(GEMMA3_270M, tight, "gguf", available=2 * GiB, layout=layout)
+    assert arena_bytes(GEMMA3_270M, 8, tight.max_seq, jnp.bfloat16, *layout) <= room
+    assert arena_bytes(GEMMA3_270M, 8, tight.max_seq + 128, jnp.bfloat16, *layout) > room
+    assert f"max_seq {tight.max_seq}: the longest whose arena fits 75% of the free memory" in caplog.text
+    check_memory(GEMMA3_270M, tight, "gguf", available=2 * GiB, layout=layout, kv_dtype="bfloat16")
 
 
 def _small_engine(name: str, kv_dtype: str, attention: str) -> Engine:

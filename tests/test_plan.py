@@ -24,7 +24,7 @@ def test_the_plan_on_this_machine_is_logged_once_in_one_line(caplog: pytest.LogC
         plan = startup_plan(config)
     assert [r.getMessage() for r in caplog.records] == [
         f"plan: backend cpu, dtype gguf (integer dot {cpu_kernel.int_dot_isa()}), matmul kernel, layer_loop unroll, "
-        "attention kernel, wave_widths 1,2,4, prefill_budget 128, speculative off"]
+        "attention kernel, wave_widths 1,2,4, prefill_budget 128, speculative off, kv_dtype bfloat16"]
     assert plan == resolve_plan(config, checkpoint_config(None))
 
 
@@ -52,7 +52,8 @@ def test_a_mesh_runs_full_waves_and_no_packing() -> None:
     host = resolve_plan(StationConfig(**SHAPE, stations="http://127.0.0.1:1"), cfg)
     assert station == host
     assert str(host) == (f"backend cpu, dtype gguf (integer dot {cpu_kernel.int_dot_isa()}), matmul kernel, "
-                         "layer_loop unroll, attention kernel, wave_widths 4, prefill_budget off, speculative off")
+                         "layer_loop unroll, attention kernel, wave_widths 4, prefill_budget off, speculative off, "
+                         "kv_dtype float32")
 
 
 def test_speculation_is_planned_where_waves_run_narrow_and_refused_elsewhere() -> None:
@@ -62,6 +63,17 @@ def test_speculation_is_planned_where_waves_run_narrow_and_refused_elsewhere() -
         station_plan(engine_config(speculative="ngram", matmul="xla", dtype="float32"))
     with pytest.raises(ConfigError, match="MOONSHINE_SPECULATIVE='nope' must be one of off, ngram"):
         engine_config(speculative="nope")
+
+
+def test_the_arena_is_bfloat16_for_integer_products_where_the_kernel_reads_it_and_the_activations_elsewhere() -> None:
+    """The integer path's arena halves to bfloat16 by default; float32 and gguf-exact weights keep float32's exact
+    bits, as does the blocked walk (which reads the activations' dtype); a setting is taken as asked."""
+    assert station_plan(engine_config()).kv_dtype == "bfloat16"
+    assert station_plan(engine_config(dtype="gguf-exact")).kv_dtype == "float32"
+    assert station_plan(engine_config(dtype="float32")).kv_dtype == "float32"
+    assert station_plan(engine_config(attention="blocked")).kv_dtype == "float32"
+    assert station_plan(engine_config(kv_dtype="int8")).kv_dtype == "int8"
+    assert station_plan(engine_config(kv_dtype="float32")).kv_dtype == "float32"
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "float32", "bfloat16", "int8"])

@@ -61,7 +61,7 @@ def load_draft(config: StationConfig, observe: Callable[[float], None] | None = 
     if len(plan.wave_widths) < 2 or not plan.prefill_budget:
         raise ConfigError(f"{config.named('draft_model')}: the draft model {config.draft_model} drafts in narrow "
                           f"waves and packed steps, which its plan here cannot run ({plan})")
-    check_memory(cfg, draft_config, plan.dtype, layout=planned_arena(cfg, draft_config, plan))
+    check_memory(cfg, draft_config, plan.dtype, layout=planned_arena(cfg, draft_config, plan), kv_dtype=plan.kv_dtype)
     return DraftModel(planned_engine(load_planned(draft_config, plan), draft_config, plan), observe)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -26,7 +27,8 @@ PREFIX_CACHE_DISK_DEFAULT = 4 * GiB  # the disk tier's bytes unless set
 def weight_bytes(cfg: ModelConfig, dtype: str, shards: int = 1) -> int:
     """Bytes the model's weights take on one device once loaded as `dtype` and split over `shards` devices (int8: one
     byte per projection weight plus a float32 scale per output channel; gguf, gguf-exact: at most Q8_0's 34 bytes
-    per 32 weights, the largest block format the kernel reads; norms and an untied embedding in the compute dtype).
+    per 32 weights, the largest block format the kernel reads, the embedding too; norms and another format's untied
+    embedding in the compute dtype).
     Split, each device
     holds 1/shards of every projection, of the embedding and of the head (where the vocabulary divides), the whole of
     the norms and (at most) of the int8 scales (model/sharding.py)."""
@@ -37,17 +39,54 @@ def weight_bytes(cfg: ModelConfig, dtype: str, shards: int = 1) -> int:
     proj = cfg.num_layers * sum(i * o for i, o in proj_in_out) * weight_size
     head = 0 if cfg.tie_word_embeddings else d * v * weight_size
     scales = 4 * (cfg.num_layers * sum(o for _, o in proj_in_out) + v) if dtype == "int8" else 0
-    embed = v * d * (weight_size if cfg.tie_word_embeddings else float_size)
+    embed = v * d * (weight_size if cfg.tie_word_embeddings or dtype in ("gguf", "gguf-exact") else float_size)
     norms = (2 * cfg.num_layers + 1) * d * float_size
     vocab_shards = shards if v % shards == 0 else 1
     return int(proj / shards + (head + embed) / vocab_shards + scales + norms)
 
 
 def free_ram() -> int | None:
-    """Bytes of host RAM available now (None where the system does not say)."""
+    """Bytes of host memory a new process can take now: Linux's MemAvailable (free pages plus the page cache and
+    slab it can reclaim; MemFree alone counts a recently read file as taken), or, in a container, its cgroup's
+    limit less what it uses (less the page cache it can reclaim), where that is smaller. None where the system says
+    neither."""
+    available = _meminfo_available()
+    if (room := _cgroup_room()) is not None:
+        available = room if available is None else min(available, room)
+    return available
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
+        return None
+
+
+def _cgroup_room(root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")) -> int | None:
+    """This process's memory cgroup's limit less its usage, plus the inactive page cache it can reclaim (what
+    `docker stats` counts as free), from cgroup v2 or v1; None without a limit."""
+    try:
+        groups = [line.split(":", 2) for line in membership.read_text().splitlines()]
+        v1 = next((path for _, names, path in groups if "memory" in names.split(",")), None)
+        if v1 is not None:
+            where, files = root / "memory" / v1.lstrip("/"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            inactive = "total_inactive_file"
+        else:
+            where = root / next(path for _, names, path in groups if names == "").lstrip("/")
+            files, inactive = ("memory.max", "memory.current"), "inactive_file"
+        limit, usage = ((where / f).read_text().strip() for f in files)
+        if not limit.isdigit() or int(limit) >= 1 << 60:  # "max", or v1's "no limit"
+            return None
+        stat = dict(line.split() for line in (where / "memory.stat").read_text().splitlines() if line.strip())
+        return max(0, int(limit) - int(usage) + int(stat.get(inactive, 0)))
+    except (OSError, StopIteration, ValueError):
         return None
 
 
@@ -120,7 +159,8 @@ def arena_summary(arena: KVArena, windowed: tuple[bool, ...]) -> str:
 
 
 def check_memory(cfg: ModelConfig, station: StationConfig, dtype: str, *, weights_resident: bool = False,
-                 available: int | None = None, layout: tuple[int, tuple[bool, ...]] = (0, ())) -> None:
+                 available: int | None = None, layout: tuple[int, tuple[bool, ...]] = (0, ()),
+                 kv_dtype: str | None = None) -> None:
     """Fail at start-up, with the setting to lower, if max_seq exceeds the model or the arena cannot fit.
 
     dtype: the weight format the plan chose (config/plan.py).
@@ -128,6 +168,7 @@ def check_memory(cfg: ModelConfig, station: StationConfig, dtype: str, *, weight
     weights_resident: the weights are already loaded, so the free figure has them taken off already.
     available: bytes free on each device (default: measured by `available_memory`).
     layout: (ring, windowed) of the arena (config/plan.py's `planned_arena`); default every position of every layer.
+    kv_dtype: the arena's dtype as the plan resolved it (default: the setting, "auto" the activations').
     Split over `station.tensor_parallel` devices, each holds 1/N of the arena and its share of the weights: the check
     is per device.
     """
@@ -141,7 +182,7 @@ def check_memory(cfg: ModelConfig, station: StationConfig, dtype: str, *, weight
     if available is None:
         log.warning("cannot measure free memory on %s; skipping the arena memory check", where)
         return
-    arena_dtype = kv_dtype_of(station.kv_dtype, compute_dtype(dtype))
+    arena_dtype = kv_dtype_of(kv_dtype or station.kv_dtype, compute_dtype(dtype))
     arena = arena_bytes(cfg, station.lanes, station.max_seq, arena_dtype, *layout) // shards
     weights = 0 if weights_resident else weight_bytes(cfg, dtype, shards)
     if arena + weights <= available:

@@ -29,7 +29,7 @@ from jaxstation.model import sharding
 from jaxstation.model.choices import GGUF_WEIGHTS
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.layers import compute_dtype, kernel_takes_every_matmul
-from jaxstation.model.loader import LoadedModel, checkpoint_config, load_model
+from jaxstation.model.loader import LoadedModel, checkpoint_config, checkpoint_weight_bytes, load_model
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +51,14 @@ class Plan:
     tensor_parallel: int = 1  # the devices the model is split over (--tensor-parallel)
     int_dot: str | None = None  # dtype gguf: the integer dot's instruction set (avx512-vnni, avx512, avx-vnni, avx2)
     max_loras: int = 0  # LoRA adapters resident at once (--max-loras); 0 serves none
+    kv_dtype: str = "float32"  # the KV arena's dtype (--kv-dtype)
 
     def __str__(self) -> str:
         widths = ",".join(map(str, self.wave_widths))
         dtype = f"{self.dtype} (integer dot {self.int_dot})" if self.int_dot else self.dtype
         return (f"backend {self.backend}, dtype {dtype}, matmul {self.matmul}, layer_loop {self.layer_loop}, "
                 f"attention {self.attention}, wave_widths {widths}, prefill_budget {self.prefill_budget or 'off'}, "
-                f"speculative {self.speculative}"
+                f"speculative {self.speculative}, kv_dtype {self.kv_dtype}"
                 + (f", tensor_parallel {self.tensor_parallel}" if self.tensor_parallel > 1 else "")
                 + (f", max_loras {self.max_loras}" if self.max_loras else ""))
 
@@ -74,9 +75,11 @@ def resolve_plan(config: StationConfig, cfg: ModelConfig) -> Plan:
     layer_loop = _layer_loop(config, backend, dtype, matmul)
     attention = _attention(config, cfg, backend, dtype, kernel_error)
     int_dot = cpu_kernel.int_dot_isa() if dtype == "gguf" else None
-    if config.layers is not None or config.station_urls:
+    mesh = config.layers is not None or bool(config.station_urls)
+    kv_dtype = _kv_dtype(config, dtype, attention, mesh)
+    if mesh:
         return Plan(backend, dtype, matmul, layer_loop, attention, (config.lanes,), 0, tensor_parallel=shards,
-                    int_dot=int_dot)
+                    int_dot=int_dot, kv_dtype=kv_dtype)
     row_invariant = matmul == "kernel" and kernel_takes_every_matmul(cfg)
     widths, budget = _waves(config, row_invariant, attention)
     if config.speculative != "off" and len(widths) < 2:
@@ -89,7 +92,7 @@ def resolve_plan(config: StationConfig, cfg: ModelConfig) -> Plan:
         raise ConfigError(f"{config.named('max_loras')}={loras}: LoRA adapters need the model on one device, and "
                           f"{config.named('tensor_parallel')}={shards}")
     return Plan(backend, dtype, matmul, layer_loop, attention, widths, budget, config.speculative, shards, int_dot,
-                loras)
+                loras, kv_dtype)
 
 
 def _tensor_parallel(config: StationConfig, cfg: ModelConfig) -> int:
@@ -187,6 +190,17 @@ def _attention(config: StationConfig, cfg: ModelConfig, backend: str, dtype: str
     return "kernel" if serves else "blocked"
 
 
+def _kv_dtype(config: StationConfig, dtype: str, attention: str, mesh: bool) -> str:
+    """The arena's dtype: the setting, or bfloat16 for the integer products (gguf) where the CPU attention kernel reads
+    it in place (half float32's bytes; a GGUF model's values are already rounded), else the activations' dtype (float32
+    and gguf-exact weights keep float32's exact bits; a mesh stage's arena holds the activations' dtype)."""
+    if config.kv_dtype != "auto":
+        return config.kv_dtype
+    if dtype == "gguf" and attention == "kernel" and not mesh:
+        return "bfloat16"
+    return jnp.dtype(compute_dtype(dtype)).name
+
+
 def _waves(config: StationConfig, row_invariant: bool, attention: str) -> tuple[tuple[int, ...], int]:
     """The decode wave widths and the packed admission budget (0: off): the settings, or the engine's defaults."""
     narrow, lanes = rules.narrow_waves(row_invariant, attention), config.lanes
@@ -230,14 +244,14 @@ def planned_arena(cfg: ModelConfig, config: StationConfig, plan: Plan) -> tuple[
                         chunk=config.prefill_chunk, budget=plan.prefill_budget, verify_rows=verify_rows)
 
 
-AUTO_MEMORY_SHARE = 2  # max_seq "auto" gives the weights and the arena at most 1/2 of the free memory
+AUTO_MEMORY_SHARE = 3 / 4  # max_seq "auto" gives the weights and the arena at most 3/4 of the free memory
 
 
 def auto_max_seq(config: StationConfig, cfg: ModelConfig, available: int | None = None) -> StationConfig:
     """`config` with max_seq chosen for `cfg` (the `serve` default, where no flag or variable sets it): the model's
     own context length, rounded down to the chunk and the block, or the longest whose arena (its rings counted) and
-    weights take at most 1/AUTO_MEMORY_SHARE of the free memory (`available`, default measured), leaving the rest to
-    the steps' temporaries. Logs what it chose and why."""
+    weights (a GGUF file's as its tensors hold them) take at most AUTO_MEMORY_SHARE of the free memory (`available`,
+    default measured), leaving the rest to the steps' temporaries and the prefix cache. Logs what it chose and why."""
     step = math.lcm(config.prefill_chunk, config.kv_block)
     want = dataclasses.replace(config, max_seq=max(step, cfg.max_position // step * step))
     plan = resolve_plan(want, cfg)
@@ -248,18 +262,18 @@ def auto_max_seq(config: StationConfig, cfg: ModelConfig, available: int | None 
                      where)
             return config
     loaded = sharding.replicated_kv(cfg, plan.tensor_parallel)  # as the loader builds it
-    room = available // AUTO_MEMORY_SHARE - weight_bytes(loaded, plan.dtype, plan.tensor_parallel)
+    weights = checkpoint_weight_bytes(config.model, plan.dtype) if plan.tensor_parallel == 1 else None
+    room = int(available * AUTO_MEMORY_SHARE) - (weights or weight_bytes(loaded, plan.dtype, plan.tensor_parallel))
 
     def arena(n: int) -> int:
         layout = planned_arena(cfg, dataclasses.replace(config, max_seq=n), plan)
-        kv = kv_dtype_of(config.kv_dtype, compute_dtype(plan.dtype))
-        return arena_bytes(loaded, config.lanes, n, kv, *layout) // plan.tensor_parallel
+        return arena_bytes(loaded, config.lanes, n, jnp.dtype(plan.kv_dtype), *layout) // plan.tensor_parallel
 
     n = want.max_seq
     while n > step and arena(n) > room:
         n -= step
     why = ("the model's context length" if n == want.max_seq else
-           f"the longest whose arena fits 1/{AUTO_MEMORY_SHARE} of the free memory beside the weights (the model's "
+           f"the longest whose arena fits {AUTO_MEMORY_SHARE:.0%} of the free memory beside the weights (the model's "
            f"context is {cfg.max_position})")
     log.info("max_seq %d: %s; its arena at %d lanes takes %d bytes (set %s to choose)", n, why, config.lanes,
              arena(n), config.named("max_seq"))
@@ -270,5 +284,5 @@ def planned_engine(model: LoadedModel, config: StationConfig, plan: Plan) -> Eng
     """The local engine of a station of `config` on `model`, as `plan` says."""
     return Engine(model, lanes=config.lanes, max_seq=config.max_seq, chunk=config.prefill_chunk, block=config.kv_block,
                   attention=plan.attention, wave_widths=plan.wave_widths, prefill_budget=plan.prefill_budget,
-                  speculative=plan.speculative != "off", kv_windows=config.kv_windows, kv_dtype=config.kv_dtype,
+                  speculative=plan.speculative != "off", kv_windows=config.kv_windows, kv_dtype=plan.kv_dtype,
                   max_loras=plan.max_loras, max_lora_rank=config.max_lora_rank)

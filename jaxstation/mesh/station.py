@@ -83,7 +83,8 @@ class MeshStation:
             model = self.model or load_planned(c, plan)
             if layers.stop > model.cfg.num_layers:
                 raise ValueError(f"MOONSHINE_LAYERS={layers} reaches past the model's {model.cfg.num_layers} layers")
-            check_memory(model.cfg.layers(layers.start, layers.stop), c, plan.dtype, weights_resident=True)
+            check_memory(model.cfg.layers(layers.start, layers.stop), c, plan.dtype, weights_resident=True,
+                         kv_dtype=plan.kv_dtype)
             stage = Stage(model, layers, c.lanes, c.max_seq, c.prefill_chunk, c.kv_block, attention=plan.attention,
                           weights=plan.dtype)
             self.model = None  # the whole model's weights go; the stage keeps its range

@@ -336,3 +336,17 @@ def checkpoint_config(path: str | Path | None) -> ModelConfig:
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from None
     return gguf_config(reader, source)
+
+
+def checkpoint_weight_bytes(path: str | Path | None, dtype: str) -> int | None:
+    """Bytes a GGUF file's weights take once loaded as `dtype` "gguf" or "gguf-exact", read without its tensors: a
+    matrix in a block format the kernel reads as its blocks, anything else dequantized to float32 (an upper bound
+    where a matrix's shape does not fit the kernel). None for other checkpoints and weight formats."""
+    source = model_source(path)
+    if dtype not in GGUF_WEIGHTS or source.is_dir():
+        return None
+    total = 0
+    for t in open_gguf(source).tensors:
+        blocks = served_type(t, source).name in BLOCK_FORMATS and len(t.shape) == 2
+        total += t.data.nbytes if blocks else int(np.prod(t.shape, dtype=np.int64)) * 4
+    return total

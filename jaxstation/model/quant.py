@@ -156,11 +156,12 @@ def prepare_weight(w: Tensor, weights: str, matmul: str) -> Weight:
 
 
 def prepare_embedding(embed: Tensor, weights: str, matmul: str, tied: bool) -> Weight:
-    """The embedding table [vocab, d]. Tied, its rows are the lm_head's output channels: quantized per row for int8,
-    out-major for the kernel as it stands, or (weights "gguf", "gguf-exact") in its GGUF blocks. Untied, it is only
-    looked up, so it stays in the compute dtype."""
+    """The embedding table [vocab, d]. With weights "gguf" or "gguf-exact", in its GGUF blocks, whose looked-up rows
+    are the dequantized rows bit for bit (tied, they are the lm_head's output channels too). Otherwise tied: quantized
+    per row for int8, out-major for the kernel as it stands; untied, it is only looked up, so it stays in the compute
+    dtype."""
     if isinstance(embed, GGUFBlocks):
-        if tied and (kw := stored(embed, weights, matmul, looked_up=True)):
+        if kw := stored(embed, weights, matmul, looked_up=True):
             return kw
         embed = embed.dequantize()
     if tied and matmul == "kernel" and cpu_kernel.fits(embed.shape[1], embed.shape[0]):

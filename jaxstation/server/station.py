@@ -186,7 +186,8 @@ class Station:
 
 def local_engine(model: LoadedModel, c: StationConfig, plan: Plan) -> Runner:
     """The station's own engine, once its arena is known to fit, with the arena allocated."""
-    check_memory(model.cfg, c, plan.dtype, weights_resident=True, layout=planned_arena(model.cfg, c, plan))
+    check_memory(model.cfg, c, plan.dtype, weights_resident=True, layout=planned_arena(model.cfg, c, plan),
+                 kv_dtype=plan.kv_dtype)
     engine = planned_engine(model, c, plan)
     jax.block_until_ready(engine.arena)
     log.info("KV arena: %s", arena_summary(engine.arena, engine.windowed))
