@@ -17,7 +17,9 @@ from test_prefix_tier import GREEDY, SEEDED, TIMEOUT, assert_same_samples, ids, 
 from jaxstation.config.settings import ConfigError, MiB, resolve
 from jaxstation.engine.arena import KVBuffers
 from jaxstation.engine.engine import Engine
-from jaxstation.engine.prefix_disk import DiskTier, engine_fingerprint
+from jaxstation.engine.prefix_disk import DiskTier
+from jaxstation.engine.prefix_entries import TierEntry
+from jaxstation.engine.prefix_files import engine_fingerprint
 from jaxstation.engine.scheduler import Scheduler
 
 FAKE = {"weights": "fake", "dtype": "float32", "kv_dtype": "float32", "chunk": 4}
@@ -28,7 +30,7 @@ def station(directory: Path, fingerprint: dict = FAKE, capacity: int = MiB) -> t
     """A fresh fake engine and scheduler over the disk tier in `directory`, as a restarted process has."""
     fake = FakeEngine(lanes=2, chunk=4)
     sched = Scheduler(fake, continuous=True, max_queue=64, terminal_ids=frozenset(), prefix_cache_ram=MiB,
-                      prefix_cache_disk=DiskTier(directory, capacity, fingerprint))
+                      prefix_cache_disk=lambda: DiskTier(directory, capacity, fingerprint))
     sched.start()
     return fake, sched
 
@@ -117,7 +119,7 @@ def test_a_half_written_temporary_file_is_ignored(tmp_path: Path, caplog: pytest
     with caplog.at_level("WARNING", logger=LOGGER):
         tier = DiskTier(tmp_path, MiB, FAKE)
     assert len(tier) == 3 and not caplog.records
-    assert all(tier.load(e) is not None for e in list(tier._index.values()))  # the complete files load
+    assert all(tier.load(e) is not None for e in tier.entries())  # the complete files load
     tier.close()
 
 
@@ -139,19 +141,20 @@ def test_an_unusable_directory_turns_the_disk_tier_off(tmp_path: Path, caplog: p
 def test_the_least_recently_used_files_go_first_within_the_bytes(tmp_path: Path) -> None:
     tier = DiskTier(tmp_path, MiB, FAKE)
     for k in range(3):
-        tier.put(tuple(range(10 * k, 10 * k + 8)), 0, np.full((8, 2), k, np.int64))
+        tier.put(TierEntry(tuple(range(10 * k, 10 * k + 8)), 0, np.full((8, 2), k, np.int64)))
     tier.close()
-    files = {e.tokens[0]: e for e in DiskTier(tmp_path, MiB, FAKE)._index.values()}
+    files = {e.tokens[0]: e for e in DiskTier(tmp_path, MiB, FAKE).entries()}
     size = files[10].nbytes + files[20].nbytes  # room for two
     for k, entry in files.items():  # written in order, a second apart
         os.utime(entry.path, (1000 + k, 1000 + k))
     tier = DiskTier(tmp_path, size, FAKE)  # the oldest (0) goes at start
-    assert sorted(e.tokens[0] for e in tier._index.values()) == [10, 20] and tier.evictions == 1
-    found, matched, reused = tier.find(list(range(10, 18)) + [5], 0, 4)
-    assert matched == reused == 8 and (tier.load(found).kv == 1).all()  # touched: 10 is the most recent now
-    tier.put(tuple(range(30, 38)), 0, np.full((8, 2), 3, np.int64))
+    assert sorted(e.tokens[0] for e in tier.entries()) == [10, 20] and tier.evictions == 1
+    found = tier.find(list(range(10, 18)) + [5], 0, 4)
+    assert found.matched == found.reused == 8
+    assert (tier.load(found.entry).kv == 1).all()  # touched: 10 is the most recent now
+    tier.put(TierEntry(tuple(range(30, 38)), 0, np.full((8, 2), 3, np.int64)))
     tier.close()
-    assert sorted(e.tokens[0] for e in tier._index.values()) == [10, 30] and tier.nbytes <= size
+    assert sorted(e.tokens[0] for e in tier.entries()) == [10, 30] and tier.nbytes <= size
     assert len(list(tmp_path.glob("*.kv"))) == 2
 
 
@@ -164,26 +167,26 @@ def test_ring_files_keep_their_restart_points_and_restart_only_there(tmp_path: P
     match; a file that extends another replaces it only where it holds every restart point of the other."""
     tier = DiskTier(tmp_path, MiB, FAKE)
     first, second = tuple(range(100, 108)), tuple(range(100, 116))
-    tier.put(first, 0, _kv(8, 1), ((8, _kv(3, 8)),))
-    tier.put(second[:12] + (7, 7, 7, 7), 0, _kv(16, 2), ((16, _kv(3, 16)),))  # extends first, without its point
+    tier.put(TierEntry(first, 0, _kv(8, 1), ((8, _kv(3, 8)),)))
+    tier.put(TierEntry(second[:12] + (7, 7, 7, 7), 0, _kv(16, 2), ((16, _kv(3, 16)),)))  # extends first, not its point
     tier.close()
     tier = DiskTier(tmp_path, MiB, FAKE)
-    assert sorted(e.restarts for e in tier._index.values()) == [(8,), (16,)]  # first was not replaced
-    found, matched, reused = tier.find(list(second[:12]) + [1, 2], 0, 4)
-    assert (matched, reused, found.tokens) == (8, 8, first)  # the other file matches 12, but restarts only at 16
-    loaded = tier.load(found)
+    assert sorted(e.restarts for e in tier.entries()) == [(8,), (16,)]  # first was not replaced
+    found = tier.find(list(second[:12]) + [1, 2], 0, 4)
+    assert (found.matched, found.reused, found.entry.tokens) == (8, 8, first)  # the other matches 12, restarts at 16
+    loaded = tier.load(found.entry)
     assert loaded.windows[0][0] == 8 and (loaded.windows[0][1].k == 8).all() and (loaded.windows[0][1].v == -8).all()
     assert (loaded.kv.k == 1).all()
     assert tier.covers(first, 0, (8,)) and not tier.covers(first, 0, (4, 8))
-    tier.put(second, 0, _kv(16, 3), ((8, _kv(3, 8)), (16, _kv(3, 16))))  # holds first's point: replaces it
+    tier.put(TierEntry(second, 0, _kv(16, 3), ((8, _kv(3, 8)), (16, _kv(3, 16)))))  # holds first's point: replaces it
     tier.close()
     tier = DiskTier(tmp_path, MiB, FAKE)
-    assert sorted((e.tokens[-1], e.restarts) for e in tier._index.values()) == [(7, (16,)), (115, (8, 16))]
-    found, matched, reused = tier.find(list(second) + [1], 0, 4)
-    assert (found.tokens, reused) == (second, 16)
-    loaded = tier.load(found)
+    assert sorted((e.tokens[-1], e.restarts) for e in tier.entries()) == [(7, (16,)), (115, (8, 16))]
+    found = tier.find(list(second) + [1], 0, 4)
+    assert (found.entry.tokens, found.reused) == (second, 16)
+    loaded = tier.load(found.entry)
     assert [n for n, _ in loaded.windows] == [8, 16] and (loaded.windows[1][1].k == 16).all()
-    assert tier.find(list(second[:7]) + [1], 0, 4)[0] is None  # below every restart point
+    assert tier.find(list(second[:7]) + [1], 0, 4) is None  # below every restart point
 
 
 def test_the_disk_settings() -> None:
@@ -198,7 +201,7 @@ def test_the_disk_settings() -> None:
 def test_a_restart_reuses_the_disk_tier_with_a_fresh_prefills_bits(engine: Engine, tmp_path: Path) -> None:
     fingerprint = engine_fingerprint(engine)
     sched = Scheduler(engine, continuous=True, max_queue=64, terminal_ids=frozenset(), prefix_cache_ram=64 * MiB,
-                      prefix_cache_disk=DiskTier(tmp_path, 64 * MiB, fingerprint))
+                      prefix_cache_disk=lambda: DiskTier(tmp_path, 64 * MiB, fingerprint))
     sched.start()
     first = ids(1, 70)
     try:
@@ -208,7 +211,7 @@ def test_a_restart_reuses_the_disk_tier_with_a_fresh_prefills_bits(engine: Engin
     assert len(list(tmp_path.glob("*.kv"))) == 1
     engine.reset()  # a fresh arena, as a new process has
     sched = Scheduler(engine, continuous=True, max_queue=64, terminal_ids=frozenset(), prefix_cache_ram=64 * MiB,
-                      prefix_cache_disk=DiskTier(tmp_path, 64 * MiB, engine_fingerprint(engine)))
+                      prefix_cache_disk=lambda: DiskTier(tmp_path, 64 * MiB, engine_fingerprint(engine)))
     sched.start()
     try:
         target = first + r1.generated + ids(2, 9)
@@ -235,18 +238,18 @@ def test_a_restart_reuses_a_ring_entry_from_disk_with_a_fresh_prefills_bits(tmp_
     assert fingerprint["layout"]["window"] == ring.cfg.sliding_window and "rings" not in full["layout"]
     assert fingerprint != full
     sched = Scheduler(ring, continuous=True, max_queue=16, terminal_ids=frozenset(), prefix_cache_ram=MiB,
-                      prefix_cache_disk=DiskTier(tmp_path, 16 * MiB, fingerprint))
+                      prefix_cache_disk=lambda: DiskTier(tmp_path, 16 * MiB, fingerprint))
     sched.start()
     first = _prompt(20, 25, vocab)
     try:
         reply = run(sched, first, 30)
     finally:
         assert sched.drain(10)
-    assert [e.restarts for e in DiskTier(tmp_path, 16 * MiB, fingerprint)._index.values()] == [(16, 24)]
-    assert not DiskTier(tmp_path, 16 * MiB, full)._index
+    assert [e.restarts for e in DiskTier(tmp_path, 16 * MiB, fingerprint).entries()] == [(16, 24)]
+    assert not DiskTier(tmp_path, 16 * MiB, full).entries()
     again = _engine("tiny-gemma3", "ring")  # a new process's engine
     sched = Scheduler(again, continuous=True, max_queue=16, terminal_ids=frozenset(), prefix_cache_ram=MiB,
-                      prefix_cache_disk=DiskTier(tmp_path, 16 * MiB, engine_fingerprint(again)))
+                      prefix_cache_disk=lambda: DiskTier(tmp_path, 16 * MiB, engine_fingerprint(again)))
     sched.start()
     try:
         target = first + reply.generated + _prompt(21, 3, vocab)
@@ -257,7 +260,7 @@ def test_a_restart_reuses_a_ring_entry_from_disk_with_a_fresh_prefills_bits(tmp_
         assert sched.drain(TIMEOUT)
     again = _engine("tiny-gemma3", "ring")
     sched = Scheduler(again, continuous=True, max_queue=16, terminal_ids=frozenset(), prefix_cache_ram=MiB,
-                      prefix_cache_disk=DiskTier(tmp_path, 16 * MiB, engine_fingerprint(again)))
+                      prefix_cache_disk=lambda: DiskTier(tmp_path, 16 * MiB, engine_fingerprint(again)))
     sched.start()
     try:
         target = first[:21] + _prompt(22, 9, vocab)  # diverges inside the first prompt, past its inner point

@@ -15,7 +15,8 @@ import numpy as np
 from conftest import FIXTURES
 from server_util import free_port, station_process, wait_for
 
-from jaxstation.engine.prefix_disk import MAGIC, STALE_TMP_S
+from jaxstation.engine.prefix_disk import STALE_TMP_S
+from jaxstation.engine.prefix_files import MAGIC
 
 ROOT = Path(__file__).resolve().parents[1]
 # tiny Gemma 3 (a window of 8) keeps rings of 144 slots: restart points every 32 tokens (two windows, a chunk)

@@ -17,7 +17,8 @@ from jaxstation.config.memory import PREFIX_CACHE_RAM_CAP, prefix_cache_ram
 from jaxstation.config.settings import ConfigError, MiB, StationConfig, resolve
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.jobs import Job, Result, StepFailed
-from jaxstation.engine.prefix_tier import HostTier, TierEntry
+from jaxstation.engine.prefix_entries import TierEntry
+from jaxstation.engine.prefix_tier import HostTier
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.engine.scheduler import Scheduler
 from jaxstation.model.loader import load_model
@@ -53,10 +54,10 @@ def test_the_least_recently_used_entry_goes_first_and_the_bytes_stay_bound() -> 
     tier = HostTier(capacity=20 * 10, chunk=4)  # 20 tokens
     a, b, c = [1] * 8, [2] * 8, [3] * 8
     assert tier.put(entry(a)) == tier.put(entry(b)) == 0
-    found, matched, _ = tier.find(a + [9], adapter=0)
-    tier.used(found)  # a is the most recent now
-    assert matched == 8
-    assert tier.find(b + [9], adapter=1) == (None, 0, 0)  # another adapter's prompt reuses nothing
+    found = tier.find(a + [9], 0, tier.chunk)
+    tier.used(found.entry)  # a is the most recent now
+    assert found.matched == 8
+    assert tier.find(b + [9], 1, tier.chunk) is None  # another adapter's prompt reuses nothing
     assert tier.put(entry(c)) == 1  # 24 tokens: b, the least recently used, goes
     assert tier.keys() == [(0, tuple(a)), (0, tuple(c))] and tier.nbytes == 160 <= tier.capacity
     assert tier.put(entry([4] * 12)) == 1 and tier.keys() == [(0, tuple(c)), (0, (4,) * 12)]
@@ -69,7 +70,7 @@ def test_an_entry_replaces_those_it_extends_and_a_covered_one_is_not_kept() -> N
     tier.put(entry([1] * 4))
     tier.put(entry([1] * 8))
     assert tier.keys() == [(0, (1,) * 8)] and tier.nbytes == 80
-    assert tier.covers((1,) * 4, 0) and not tier.covers((1,) * 4, 7)
+    assert tier.covering((1,) * 4, 0) is not None and tier.covering((1,) * 4, 7) is None
 
 
 def windowed(tokens: list[int], *restarts: int) -> TierEntry:
@@ -84,15 +85,21 @@ def test_with_rings_an_entry_restarts_only_at_its_windows_and_takes_over_those_i
     tier = HostTier(capacity=1000, chunk=4)
     first = [1] * 8
     tier.put(windowed(first, 8))
-    assert tier.find(first + [2] * 5, adapter=0)[1:] == (8, 8)
+    assert reach(tier, first + [2] * 5) == (8, 8)
     second = first + [2] * 8
     tier.put(windowed(second, 16))
     assert tier.keys() == [(0, tuple(second))] and tier.nbytes == 16 * 10 + 2 * 3
-    found, matched, reused = tier.find(first + [2] * 6 + [5] * 3, adapter=0)  # matches 14: restarts at 8
-    assert (found.tokens, matched, reused, found.restarts()) == (tuple(second), 14, 8, (8, 16))
-    assert tier.find(second + [5], adapter=0)[1:] == (16, 16)
-    assert tier.find([1] * 7, adapter=0) == (None, 0, 0)  # matches 6, below the first window
-    assert tier.find([1] * 6 + [3] * 4, adapter=0) == (None, 0, 0)
+    found = tier.find(first + [2] * 6 + [5] * 3, 0, tier.chunk)  # matches 14: restarts at 8
+    assert (found.entry.tokens, found.matched, found.reused, found.entry.restarts) == (tuple(second), 14, 8, (8, 16))
+    assert reach(tier, second + [5]) == (16, 16)
+    assert tier.find([1] * 7, 0, tier.chunk) is None  # matches 6, below the first window
+    assert tier.find([1] * 6 + [3] * 4, 0, tier.chunk) is None
+
+
+def reach(tier: HostTier, prompt: list[int]) -> tuple[int, int]:
+    """(the prompt tokens the tier's best entry matches, its restart point for them)."""
+    found = tier.find(prompt, 0, tier.chunk)
+    return found.matched, found.reused
 
 
 # ---- the scheduler, on the fake engine -------------------------------------------------------------------------
@@ -175,7 +182,7 @@ def test_with_rings_a_next_turn_restarts_at_the_previous_prompts_end_and_only_th
         a, b, c = [[10 * k + i for i in range(9)] for k in (1, 2, 3)]
         run(sched, a, 3)
         fake.fail_next_window = True
-        with caplog.at_level("WARNING", logger="jaxstation.engine.prefix_tier"):
+        with caplog.at_level("WARNING", logger="jaxstation.engine.prefix_windows"):
             run(sched, b, 3)
         assert [r.getMessage() for r in caplog.records] == [
             "prefix cache in host memory: saving lane 1's window before 8 failed (MemoryError: no host memory for "

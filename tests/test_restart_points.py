@@ -1,9 +1,9 @@
-"""Restart points inside a prompt (engine/prefix_tier.py, `PrefixTier.fed`): with rings, a long prompt's prefill
-copies the window before every multiple of `restart_spacing` tokens it passes, so a prompt that shares a long prefix
-with it and diverges inside it restarts just below the divergence. On the fake engine, which points are copied and
-kept across a lane's next turn, and their bound; on tiny Gemma 3, a restart from memory with a fresh prefill's bits,
-alone and beside another request, in packed and chunked prefill, also from a free lane's copies, and the tier's
-bytes holding the windows."""
+"""Restart points inside a prompt (engine/prefix_windows.py, `WindowCopies.prefill_passed`): with rings, a long
+prompt's prefill copies the window before every multiple of `restart_spacing` tokens it passes, so a prompt that
+shares a long prefix with it and diverges inside it restarts just below the divergence. On the fake engine, which
+points are copied and kept across a lane's next turn, and their bound; on tiny Gemma 3, a restart from memory with a
+fresh prefill's bits, alone and beside another request, in packed and chunked prefill, also from a free lane's
+copies, and the tier's bytes holding the windows."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from test_prefix_tier import (
 
 from jaxstation.config.settings import MiB
 from jaxstation.engine.engine import Engine
-from jaxstation.engine.prefix_tier import restart_spacing
+from jaxstation.engine.prefix_windows import restart_spacing
 from jaxstation.engine.scheduler import Scheduler
 from jaxstation.model.loader import load_model
 
@@ -55,7 +55,7 @@ def test_a_long_prompt_keeps_a_restart_point_every_spacing_and_a_next_turn_on_it
         assert [c for c in fake.calls if c[0] == "window"] == [("window", lane, n) for n in (8, 16, 24, 32, 36)]
         run(sched, [5] * 9, 3)
         run(sched, [6] * 9, 3)
-        assert sched.prefix_tier.host.get(tuple(second[:36]), 0).restarts() == (8, 16, 24, 32, 36)
+        assert sched.prefix_tier.host.get(tuple(second[:36]), 0).restarts == (8, 16, 24, 32, 36)
         target = first[:21] + [1] * 8
         r = run(sched, target, 2)
         assert (r.generated, r.timing["cached_tokens"]) == (expected(target, 2), 16)
@@ -106,7 +106,7 @@ def test_a_session_diverging_inside_a_long_prompt_restarts_below_the_divergence(
         turn(sched, first, 2, SEEDED).future.result(TIMEOUT)
         take_the_lanes(sched, engine, 10)
         entry = sched.prefix_tier.host.get(tuple(first[:48]), 0)
-        assert entry.restarts() == (16, 32, 48)
+        assert entry.restarts == (16, 32, 48)
         global_part, window = 48 * 1 * 2 * 32 * 4 * 2, 7 * 2 * 2 * 32 * 4 * 2  # positions x layers x heads x dim x
         assert entry.nbytes == sched.prefix_tier.host.nbytes == global_part + 3 * window == 46_080  # 4 B x (k, v)
         assert sched.metrics.registry.get_sample_value("jaxstation_prefix_cache_memory_bytes") == 46_080
@@ -132,7 +132,7 @@ def test_a_session_beside_the_first_ones_free_lane_restarts_from_its_copies(tiny
         hit = turn(sched, target, 6, SEEDED)
         got = hit.future.result(TIMEOUT)
         assert hit.cached_tokens == 32 and saved(sched, "memory") == 32
-        assert sched.prefix_tier.host.get(tuple(first[:48]), 0).restarts() == (16, 32, 48)
+        assert sched.prefix_tier.host.get(tuple(first[:48]), 0).restarts == (16, 32, 48)
         assert_same_samples(got, turn(sched, target, 6, SEEDED, reuse=False).future.result(TIMEOUT))
     finally:
         assert sched.drain(10)

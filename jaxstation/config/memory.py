@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,8 @@ import jax.numpy as jnp
 
 from jaxstation.config.settings import ConfigError, GiB, MiB, StationConfig
 from jaxstation.engine.arena import KVArena, arena_bytes, kv_dtype_of
-from jaxstation.engine.prefix_disk import DiskTier, engine_fingerprint
-from jaxstation.engine.prefix_tier import tier_refusal
+from jaxstation.engine.prefix_disk import DiskTier
+from jaxstation.engine.prefix_files import engine_fingerprint
 from jaxstation.model.config import ModelConfig
 from jaxstation.model.layers import compute_dtype, projection_shapes
 
@@ -106,13 +107,11 @@ def prefix_cache_ram(station: StationConfig, available: int | None = None) -> in
     return n
 
 
-def prefix_cache_disk(station: StationConfig, engine: Any, ram: int) -> DiskTier | None:
-    """The prefix cache's disk tier in `station.prefix_cache_dir` (None: none, or off where the host tier of `ram`
-    bytes is, logged), its bytes logged once; the weights' fingerprint is read here, once."""
+def prefix_cache_disk(station: StationConfig, engine: Any) -> Callable[[], DiskTier] | None:
+    """How to open the prefix cache's disk tier in `station.prefix_cache_dir` (None: none set). The host tier opens it
+    where it is on (engine/prefix_tier.py decides): then its bytes are logged and the weights' fingerprint is read,
+    once."""
     if not station.prefix_cache_dir:
-        return None
-    if refusal := (tier_refusal(engine) or (None if ram else "the host memory tier is off")):
-        log.info("prefix cache on disk: off, since %s", refusal)
         return None
     if station.prefix_cache_disk_mb is not None:
         n = station.prefix_cache_disk_mb * MiB
@@ -120,8 +119,12 @@ def prefix_cache_disk(station: StationConfig, engine: Any, ram: int) -> DiskTier
     else:
         n = PREFIX_CACHE_DISK_DEFAULT
         why = f"the default; set {station.named('prefix_cache_disk_mb')} (MiB) to choose"
-    log.info("prefix cache on disk: %d MiB in %s (%s)", n // MiB, station.prefix_cache_dir, why)
-    return DiskTier(station.prefix_cache_dir, n, engine_fingerprint(engine))
+
+    def open_disk() -> DiskTier:
+        log.info("prefix cache on disk: %d MiB in %s (%s)", n // MiB, station.prefix_cache_dir, why)
+        return DiskTier(station.prefix_cache_dir, n, engine_fingerprint(engine))
+
+    return open_disk
 
 
 def available_memory(shards: int = 1) -> tuple[int | None, str]:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 from jaxstation.engine.metrics import StationMetrics
-from jaxstation.engine.prefix_cache import PrefixCache
+from jaxstation.engine.prefix_cache import LanePrefix, PrefixCache
 from jaxstation.engine.turns import Lane
 
 BUCKET_S = 5  # seconds per throughput bucket
@@ -128,8 +128,8 @@ class Activity:
                         self.hits, self.reused_tokens, tuple(self._buckets))
 
 
-def _view(lane: Lane | None, cached: tuple[tuple[int, ...], int] | None) -> LaneView:
+def _view(lane: Lane | None, cached: LanePrefix | None) -> LaneView:
     if lane is None:
-        return LaneView("cached", len(cached[0])) if cached else LaneView("free")
+        return LaneView("cached", len(cached.tokens)) if cached else LaneView("free")
     kind: LaneKind = "prefilling" if lane.prefilling else "decoding"
     return LaneView(kind, len(lane.job.tokens), lane.fed, len(lane.samples))

@@ -31,7 +31,6 @@ from jaxstation.engine.arena import (
 from jaxstation.engine.choices import ATTENTIONS
 from jaxstation.engine.penalties import lane_rows, start_lane
 from jaxstation.engine.prefix_cache import LaneVersions, RingHold
-from jaxstation.engine.prefix_tier import tier_refusal
 from jaxstation.engine.rows import (
     DecodeRow,
     PackedRows,
@@ -51,6 +50,7 @@ from jaxstation.engine.rules import (
     narrow_waves,
     pack_slots,
     pack_widths,
+    tier_refusal,
     widths_refusal,
 )
 from jaxstation.engine.steps import prefill_chunk, step_rows
@@ -137,7 +137,7 @@ class Engine:
 
     def save_window(self, lane: int, n: int) -> KVBuffers | None:
         """A host copy of `lane`'s rings' window before position n, which a restart at n reads (None without rings),
-        taken while the rings still hold it (`reuse_floor`): as a prompt's prefill passes n (`PrefixTier.fed`)."""
+        taken while the rings still hold it (`reuse_floor`): as a prompt's prefill passes n (prefix_windows.py)."""
         return None if self.arena.rings is None else read_window(self.arena.rings, lane, n, self.cfg.sliding_window - 1)
 
     def restore_prefix(self, lane: int, kv: KVBuffers, n: int, window: KVBuffers | None = None) -> None:

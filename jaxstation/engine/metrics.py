@@ -50,6 +50,8 @@ class StationMetrics:
         self.prefix_disk_evictions = Counter("jaxstation_prefix_cache_disk_evictions",
                                              "Disk tier files deleted, least recently used, to stay in its bytes",
                                              registry=r)
+        self.prefix_disk_dropped = Counter("jaxstation_prefix_cache_disk_dropped",
+                                           "Disk tier writes dropped: the writer's queue was full", registry=r)
         self.prefix_disk_load = Histogram("jaxstation_prefix_cache_disk_load_seconds", "Reading and checking a "
                                           "disk tier file into the host tier", registry=r, buckets=LATENCY_BUCKETS)
         self.spec_drafts = Counter("jaxstation_spec_decode_num_drafts", "Drafts verified (one per request per step)",

@@ -112,6 +112,26 @@ def common_prefix(a: tuple[int, ...], b: tuple[int, ...], step: int = 64) -> int
     return i
 
 
+def reusable(cached: tuple[int, ...], prompt: tuple[int, ...]) -> int:
+    """The prompt tokens a request may take from KV cached for `cached`: their common prefix, but never the prompt's
+    last token, whose logits give the first generated token."""
+    return min(common_prefix(cached, prompt), len(prompt) - 1)
+
+
+def chunk_floor(n: int, chunk: int) -> int:
+    """`n` rounded down to a multiple of `chunk`: the last chunk boundary at or below it."""
+    return n // chunk * chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class LanePrefix:
+    """A free lane's cached prefix: the token ids its prefill wrote and the LoRA adapter load that wrote them."""
+
+    lane: int
+    tokens: tuple[int, ...]
+    adapter: int
+
+
 class PrefixCache:
     """Which free lane a request takes, by the longest reusable prefix; ties and victims least recently used."""
 
@@ -137,24 +157,23 @@ class PrefixCache:
             if entry is not None and entry.version != versions[lane]:
                 entry = self._entries[lane] = None  # the lane's KV changed under us
             same = reuse and entry is not None and entry.adapter == adapter
-            matched = min(common_prefix(entry.tokens, prompt), len(prompt) - 1) if same else 0
-            reused = matched // self.chunk * self.chunk
+            matched = reusable(entry.tokens, prompt) if same else 0
+            reused = chunk_floor(matched, self.chunk)
             reused = reused if entry is None or reused >= entry.floor else 0  # the rings lost the window before it
             key = (-reused, entry.last_used if entry else -1, lane)
             if best is None or key < best[0]:
                 best = (key, Pick(lane, matched if reused else 0, reused))
         return best[1]
 
-    def cached(self, lane: int) -> tuple[tuple[int, ...], int] | None:
-        """The tokens and adapter load of `lane`'s entry, as `pick` left it (checked against the lane's stamp when
-        the lane was among its free lanes); None without one."""
+    def cached(self, lane: int) -> LanePrefix | None:
+        """`lane`'s entry, as `pick` left it (checked against the lane's stamp when the lane was among its free
+        lanes); None without one."""
         entry = self._entries[lane]
-        return None if entry is None else (entry.tokens, entry.adapter)
+        return None if entry is None else LanePrefix(lane, entry.tokens, entry.adapter)
 
-    def held(self, versions: Sequence[int] | LaneVersions) -> list[tuple[int, tuple[int, ...], int]]:
-        """(lane, tokens, adapter load) of every entry that still describes its lane's KV (`versions`: the engine's
-        current lane stamps)."""
-        return [(lane, e.tokens, e.adapter) for lane, e in enumerate(self._entries)
+    def held(self, versions: Sequence[int] | LaneVersions) -> list[LanePrefix]:
+        """Every entry that still describes its lane's KV (`versions`: the engine's current lane stamps)."""
+        return [LanePrefix(lane, e.tokens, e.adapter) for lane, e in enumerate(self._entries)
                 if e is not None and e.version == versions[lane]]
 
     def take(self, lane: int) -> None:

@@ -1,36 +1,18 @@
 """A disk tier under the prefix cache's host tier (engine/prefix_tier.py): entries as files that outlive the process.
 
-With `--prefix-cache-dir`, every entry the host tier keeps for the base model (adapter 0: a LoRA adapter's load
-number names another adapter in another process) is also written to a file in that directory, and the lanes' cached
-prefixes are written at a clean stop (`Scheduler.drain`). A station started later over the same directory reads the
-files' headers and reuses their KV as the host tier's: a request whose prompt matches a file's tokens further than
-memory and the lanes do has the file loaded into the host tier and restored into its lane, bit for bit what its own
-prefill would have written.
+Every entry the host tier keeps for the base model (a LoRA load's number names nothing in another process) is also
+written to a file (engine/prefix_files.py), and a clean stop writes the lanes' prefixes; a later station over the same
+directory finds a prompt's entry among the files' headers (`DiskTier.find`, in memory) and loads it into the host
+tier. A file of another fingerprint, short or corrupt is skipped with one log line, never fatal; an unusable directory
+turns the tier off with one line (docs/prefix-reuse.md).
 
-A file is `<magic><header length, 8 bytes little-endian><JSON header><arrays>`. The header holds the token ids, the
-adapter, the fingerprint (`engine_fingerprint`: a hash of the weights, the weights' dtype, the KV dtype, the
-arena's per-position layout, its rings' layout and window, the prefill chunk and the rest of what may change a KV bit
-or a restart's boundary), the restart points (with rings; null without), each array's name, dtype and shape, and the
-sha256 of the arrays' bytes. The arrays are the global layers' KV at [0, n) and, with rings, each restart point's
-window (`TierEntry.windows`, named `window<n>.<leaf>`): a file restarts at its restart points only, as its host tier
-entry does, and a file replaces another it extends only where it holds all of the other's restart points.
-
-At start the directory's headers are read into an index (`DiskTier.find` looks there, in memory); a file of another
-fingerprint, with a header that does not parse or of the wrong size is skipped with one log line, and one whose
-arrays fail the checksum when loaded is skipped and dropped from the index: never loaded, never fatal. An unreadable
-directory turns the tier off with one line.
-
-Writes run on a writer thread of their own (`put` only queues the host copy the decode thread already holds; a full
-queue drops the write): each goes to a temporary file in the same directory, is fsynced and renamed over its name
-(os.replace), so a process killed at any moment leaves complete files and at worst a temporary one, which the index
-never reads; a start deletes those older than an hour. `close` writes what is queued and stops the thread; `clear`
-(the scheduler's reset_prefix_cache) deletes this tier's files and drops the writes queued before it. The files'
-bytes stay within `capacity`: after each write the least recently used (by mtime; a load touches its file) go first.
+Threads. The decode thread looks up, loads and queues (`put`); a writer thread of its own writes each file, then
+deletes the least recently used (by mtime) past `capacity`. `_lock` guards the index, the queue's generation and its
+bytes, which both read.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -43,119 +25,24 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from jaxstation.engine.arena import KVBuffers
 from jaxstation.engine.metrics import StationMetrics
-from jaxstation.engine.prefix_cache import common_prefix
+from jaxstation.engine.prefix_entries import Found, PrefixIndex, TierEntry
+from jaxstation.engine.prefix_files import (
+    SUFFIX,
+    DiskEntry,
+    ForeignFile,
+    encode,
+    payload_bytes,
+    read_entry,
+    read_header,
+    write_file,
+)
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"JXPREFIX2\n"  # the format: 2 holds restart points and their windows (rings)
-SUFFIX = ".kv"
-MAX_HEADER = 64 << 20  # a header's bytes at most (its tokens, as JSON)
-QUEUE, QUEUE_BYTES = 64, 1 << 30  # writes waiting at most, and their bytes (but one); past them a write is dropped
+QUEUE = 64  # writes waiting at most; past them a write is dropped
+QUEUE_BYTES = 1 << 30  # the waiting writes' bytes at most (but one); past them a write is dropped
 STALE_TMP_S = 3600  # a temporary file older than this is a killed writer's (a write takes seconds): deleted at start
-
-
-def engine_fingerprint(engine: Any) -> dict[str, Any]:
-    """What fixes a KV bit of `engine`'s arena besides the tokens and the adapter: a sha256 of the base weights
-    (their tree, whose static fields name how each projection multiplies, and every array's bytes, read once; LoRA
-    stacks left out), the weights' dtype, the KV dtype, the global layers' per-position buffer shapes and dtypes, with
-    rings their buffers' shapes and dtypes, which layers are windowed and the window, the prefill chunk, the KV block,
-    the attention, the packed-step budget, the device kind and the jax version."""
-    t0, digest = time.perf_counter(), hashlib.sha256()
-    params = _base(engine.model.params)
-    digest.update(str(jax.tree_util.tree_structure(params)).encode())
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        array = np.asarray(leaf)
-        digest.update(f"{jax.tree_util.keystr(path)}:{array.dtype}:{array.shape};".encode())
-        digest.update(np.ascontiguousarray(array).tobytes())
-    full = engine.arena.full
-    layout = {f.name: [str(b.dtype), b.shape[0], *b.shape[3:]] for f in dataclasses.fields(full)
-              if (b := getattr(full, f.name)) is not None}
-    if (rings := engine.arena.rings) is not None:  # a window copy's slots and shapes: [layers, ring + 1, ...]
-        layout["rings"] = {f.name: [str(b.dtype), b.shape[0], *b.shape[2:]] for f in dataclasses.fields(rings)
-                           if (b := getattr(rings, f.name)) is not None}
-        layout["windowed"] = list(engine.arena.windowed)
-        layout["window"] = engine.cfg.sliding_window
-    fingerprint = {"weights": digest.hexdigest(), "dtype": str(engine.model.params.dtype),
-                   "kv_dtype": str(engine.kv_dtype), "layout": layout, "chunk": engine.chunk, "block": engine.block,
-                   "attention": engine.attention, "budget": engine.prefill_budget,
-                   "device": engine.arena.k.devices().pop().device_kind, "jax": jax.__version__}
-    log.info("prefix cache on disk: the weights' fingerprint %s took %.1f s", fingerprint["weights"][:12],
-             time.perf_counter() - t0)
-    return fingerprint
-
-
-def _base(params: Any) -> Any:
-    """`params` without LoRA stacks (which hold whatever adapters are loaded)."""
-    def strip(layer: Any) -> Any:
-        return dataclasses.replace(layer, lora=None) if getattr(layer, "lora", None) is not None else layer
-
-    layers = tuple(map(strip, params.layers)) if isinstance(params.layers, tuple) else strip(params.layers)
-    return dataclasses.replace(params, layers=layers)
-
-
-Windows = tuple[tuple[int, Any], ...] | None  # restart points and their windows, as `TierEntry.windows`
-
-
-def _leaves(kv: Any, prefix: str = "") -> dict[str, np.ndarray]:
-    """A host copy's arrays by name: a KVBuffers' fields (those present), or one array."""
-    if isinstance(kv, KVBuffers):
-        return {prefix + f.name: np.asarray(a) for f in dataclasses.fields(kv)
-                if (a := getattr(kv, f.name)) is not None}
-    return {prefix + "array": np.asarray(kv)}
-
-
-def _arrays(kv: Any, windows: Windows = None) -> dict[str, np.ndarray]:
-    """An entry's arrays by name: the global layers' KV's, then each restart point's window's (`window<n>.<leaf>`)."""
-    arrays = _leaves(kv)
-    for n, window in windows or ():
-        arrays.update(_leaves(window, f"window{n}."))
-    return arrays
-
-
-def _from_leaves(arrays: dict[str, np.ndarray]) -> Any:
-    return arrays["array"] if set(arrays) == {"array"} else KVBuffers(**arrays)
-
-
-def _from_arrays(arrays: dict[str, np.ndarray], restarts: tuple[int, ...] | None) -> tuple[Any, Windows]:
-    """(the global layers' KV, the windows) of a file's arrays (`_arrays`)."""
-    kv = _from_leaves({name: a for name, a in arrays.items() if not name.startswith("window")})
-    if restarts is None:
-        return kv, None
-    return kv, tuple((n, _from_leaves({name.split(".", 1)[1]: a for name, a in arrays.items()
-                                       if name.startswith(f"window{n}.")})) for n in restarts)
-
-
-@dataclasses.dataclass
-class DiskEntry:
-    path: Path
-    tokens: tuple[int, ...]
-    adapter: int
-    nbytes: int  # the file's
-    mtime: float
-    arrays: list[tuple[str, str, tuple[int, ...]]]  # name, dtype, shape
-    offset: int  # where the arrays start
-    sha256: str
-    restarts: tuple[int, ...] | None = None  # with rings, the restart points, ascending; None: every chunk boundary
-
-    def restart(self, matched: int, chunk: int) -> int:
-        """The furthest restart point at or below `matched` tokens (0: none), as `TierEntry.restart`."""
-        if self.restarts is None:
-            return matched // chunk * chunk
-        return max((n for n in self.restarts if n <= matched), default=0)
-
-
-@dataclasses.dataclass(frozen=True)
-class Loaded:
-    tokens: tuple[int, ...]
-    adapter: int
-    kv: Any
-    windows: Windows = None
 
 
 class DiskTier:
@@ -163,12 +50,15 @@ class DiskTier:
 
     def __init__(self, directory: str | os.PathLike, capacity: int, fingerprint: dict[str, Any],
                  metrics: StationMetrics | None = None) -> None:
-        self.directory, self.capacity, self.metrics = Path(directory), capacity, metrics
+        self.directory = Path(directory)
+        self.capacity = capacity
+        self.metrics = metrics or StationMetrics()  # the tier above gives the station's (`attach`)
         self.fingerprint = json.loads(json.dumps(fingerprint))  # as a header reads back
         self.key = hashlib.sha256(json.dumps(self.fingerprint, sort_keys=True).encode()).hexdigest()[:16]
-        self.evictions = self.dropped = 0
+        self.evictions = 0
+        self.dropped = 0  # writes dropped: the queue was full
         self._lock = threading.Lock()  # guards the index (the decode thread's lookups, the writer's writes)
-        self._index: dict[tuple[int, tuple[int, ...]], DiskEntry] = {}
+        self._index: PrefixIndex[DiskEntry] = PrefixIndex()
         self._queue: queue.Queue = queue.Queue(QUEUE)
         self._writer: threading.Thread | None = None
         self._serial = 0
@@ -198,7 +88,7 @@ class DiskTier:
         for path in names:
             entry = self._read_header(path)
             if entry is not None:
-                self._index[(entry.adapter, entry.tokens)] = entry
+                self._index.add(entry)
         log.info("prefix cache on disk: %d entries, %d MiB in %s (at most %d MiB)", len(self._index),
                  self.nbytes >> 20, self.directory, self.capacity >> 20)
         return True
@@ -219,27 +109,10 @@ class DiskTier:
     def _read_header(self, path: Path) -> DiskEntry | None:
         """The entry `path` holds, or None (logged) where it is not one of this tier's complete files."""
         try:
-            with path.open("rb") as f:
-                if f.read(len(MAGIC)) != MAGIC:
-                    raise ValueError("not a prefix cache file")
-                (length,) = struct.unpack("<Q", f.read(8))
-                if length > MAX_HEADER:
-                    raise ValueError(f"a header of {length} bytes")
-                raw = f.read(length)
-                if len(raw) != length:
-                    raise ValueError("truncated header")
-                header = json.loads(raw)
-            stat = path.stat()
-            offset = len(MAGIC) + 8 + length
-            arrays = [(name, dtype, tuple(shape)) for name, dtype, shape in header["arrays"]]
-            if header["fingerprint"] != self.fingerprint:
-                log.info("prefix cache on disk: skipping %s, written for another model or settings", path.name)
-                return None
-            if stat.st_size != offset + header["bytes"]:
-                raise ValueError(f"{stat.st_size} bytes, not {offset + header['bytes']}: truncated")
-            restarts = None if header["restarts"] is None else tuple(sorted(int(n) for n in header["restarts"]))
-            return DiskEntry(path, tuple(int(t) for t in header["tokens"]), int(header["adapter"]), stat.st_size,
-                             stat.st_mtime, arrays, offset, header["sha256"], restarts)
+            return read_header(path, self.fingerprint)
+        except ForeignFile:
+            log.info("prefix cache on disk: skipping %s, written for another model or settings", path.name)
+            return None
         except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
             log.warning("prefix cache on disk: skipping %s (%s: %s)", path.name, type(e).__name__, e)
             return None
@@ -247,77 +120,70 @@ class DiskTier:
     @property
     def nbytes(self) -> int:
         with self._lock:
-            return sum(e.nbytes for e in self._index.values())
+            return self._bytes()
+
+    def _bytes(self) -> int:
+        """The files' bytes. Holds the lock."""
+        return sum(e.nbytes for e in self._index)
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._index)
 
-    def find(self, prompt: Sequence[int], adapter: int, chunk: int) -> tuple[DiskEntry | None, int, int]:
-        """(the entry with the furthest restart point for `prompt` of `adapter`, the prompt tokens it matches (at most
-        len(prompt) - 1), that restart point: `DiskEntry.restart`); (None, 0, 0) where none has one."""
-        prompt, best, matched, reused = tuple(prompt), None, 0, 0
+    def entries(self) -> list[DiskEntry]:
+        """The files the index holds."""
         with self._lock:
-            for (load, tokens), entry in self._index.items():
-                if load == adapter:
-                    n = min(common_prefix(tokens, prompt), len(prompt) - 1)
-                    if (restart := entry.restart(n, chunk)) > reused:
-                        best, matched, reused = entry, n, restart
-        return best, matched, reused
+            return list(self._index)
 
-    def covers(self, tokens: tuple[int, ...], adapter: int, restarts: tuple[int, ...] | None = None) -> bool:
-        """Whether a file of `adapter` starts with `tokens` (so holds their KV) and, with rings, holds every one of
-        `restarts`."""
+    def find(self, prompt: Sequence[int], adapter: int, chunk: int) -> Found[DiskEntry] | None:
+        """The file of `adapter` with the furthest restart point for `prompt` (`PrefixIndex.find`)."""
         with self._lock:
-            return any(load == adapter and have[:len(tokens)] == tokens and _holds(entry.restarts, restarts)
-                       for (load, have), entry in self._index.items())
+            return self._index.find(prompt, adapter, chunk)
 
-    def load(self, entry: DiskEntry) -> Loaded | None:
+    def covers(self, tokens: tuple[int, ...], adapter: int, restarts: tuple[int, ...] | None) -> bool:
+        """Whether a file of `adapter` starts with `tokens` (so holds their KV) and holds the restart points
+        `restarts` (None: every chunk boundary)."""
+        with self._lock:
+            return self._index.covering(tokens, adapter, restarts) is not None
+
+    def load(self, entry: DiskEntry) -> TierEntry | None:
         """`entry`'s KV, its file touched (the most recently used now); None (logged, the entry forgotten) where the
         file is gone, short or fails its checksum."""
         try:
-            with entry.path.open("rb") as f:
-                f.seek(entry.offset)
-                payload = f.read()
-            if len(payload) != entry.nbytes - entry.offset:
-                raise ValueError("truncated")
-            if hashlib.sha256(payload).hexdigest() != entry.sha256:
-                raise ValueError("the checksum does not match: corrupt")
-            arrays, at = {}, 0  # views of the payload: read-only, as a host copy is to the tier
-            for name, dtype, shape in entry.arrays:
-                dt = jnp.dtype(dtype)
-                count = int(np.prod(shape, dtype=np.int64))
-                arrays[name] = np.frombuffer(payload, dt, count, at).reshape(shape)
-                at += count * dt.itemsize
+            loaded = read_entry(entry)
             os.utime(entry.path)
             entry.mtime = time.time()
-            return Loaded(entry.tokens, entry.adapter, *_from_arrays(arrays, entry.restarts))
+            return loaded
         except (OSError, ValueError, TypeError) as e:
             log.warning("prefix cache on disk: skipping %s (%s: %s)", entry.path.name, type(e).__name__, e)
             with self._lock:
-                if self._index.get((entry.adapter, entry.tokens)) is entry:
-                    del self._index[(entry.adapter, entry.tokens)]
+                if self._index.get(entry.tokens, entry.adapter) is entry:
+                    self._index.remove(entry)
             self._gauges()
             return None
 
     # ---- writes ----------------------------------------------------------------------------------------------
-    def put(self, tokens: tuple[int, ...], adapter: int, kv: Any, windows: Windows = None) -> bool:
-        """Queue a write of `kv` (a host copy no one writes to) for `tokens` of `adapter`, with rings with its restart
-        points' `windows`; False where the tier is off or the queue full (dropped)."""
+    def put(self, entry: TierEntry) -> bool:
+        """Queue a write of `entry` (a host copy no one writes to); False where the tier is off or the queue full
+        (dropped, and counted)."""
         if not self.on:
             return False
-        nbytes = sum(a.nbytes for a in _arrays(kv, windows).values())
+        nbytes = payload_bytes(entry)
         with self._lock:
             if self._pending and self._pending + nbytes > QUEUE_BYTES:
-                self.dropped += 1
-                return False
+                return self._drop()
             try:
-                self._queue.put_nowait((self._generation, tokens, adapter, kv, windows))
+                self._queue.put_nowait((self._generation, entry))
             except queue.Full:
-                self.dropped += 1
-                return False
+                return self._drop()
             self._pending += nbytes
         return True
+
+    def _drop(self) -> bool:
+        """Count a write dropped; returns False, as `put` does then. Holds the lock."""
+        self.dropped += 1
+        self.metrics.prefix_disk_dropped.inc()
+        return False
 
     def clear(self) -> int:
         """Forget and delete every file of this tier, and drop the writes queued so far; returns how many files. A
@@ -326,7 +192,7 @@ class DiskTier:
             return 0
         with self._lock:
             self._generation += 1
-            gone = list(self._index.values())
+            gone = list(self._index)
             self._index.clear()
         for entry in gone:
             entry.path.unlink(missing_ok=True)
@@ -343,76 +209,56 @@ class DiskTier:
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
+            generation, entry = item
             try:
-                self._write(*item)
+                self._write(generation, entry)
             except Exception as e:  # a full disk, a directory gone: the entry stays in memory only
-                log.warning("prefix cache on disk: writing %d tokens failed (%s: %s)", len(item[1]),
+                log.warning("prefix cache on disk: writing %d tokens failed (%s: %s)", len(entry.tokens),
                             type(e).__name__, e)
             finally:
                 with self._lock:
-                    self._pending -= sum(a.nbytes for a in _arrays(item[3], item[4]).values())
+                    self._pending -= payload_bytes(entry)
 
-    def _write(self, generation: int, tokens: tuple[int, ...], adapter: int, kv: Any, windows: Windows) -> None:
-        restarts = None if windows is None else tuple(n for n, _ in windows)
-        if generation != self._generation or self.covers(tokens, adapter, restarts):
+    def _write(self, generation: int, entry: TierEntry) -> None:
+        """Write `entry`'s file, unless `clear` came since it was queued or a file holds it already; then forget the
+        files it covers and delete the least recently used past the capacity."""
+        if generation != self._generation or self.covers(entry.tokens, entry.adapter, entry.restarts):
             return
-        arrays = _arrays(kv, windows)
-        blobs = [np.ascontiguousarray(a).tobytes() for a in arrays.values()]
-        digest = hashlib.sha256()
-        for blob in blobs:
-            digest.update(blob)
-        header = json.dumps({"fingerprint": self.fingerprint, "adapter": adapter, "tokens": list(tokens),
-                             "restarts": None if restarts is None else list(restarts),
-                             "arrays": [[n, a.dtype.name, list(a.shape)] for n, a in arrays.items()],
-                             "bytes": sum(map(len, blobs)), "sha256": digest.hexdigest()}).encode()
-        size = len(MAGIC) + 8 + len(header) + sum(map(len, blobs))
-        if size > self.capacity:
+        encoded = encode(entry, self.fingerprint)
+        if encoded.size > self.capacity:
             return
-        name = f"{self.key}-{adapter}-{hashlib.sha256(repr(tokens).encode()).hexdigest()[:24]}{SUFFIX}"
+        name = encoded.name(self.key)
         path = self.directory / name
         self._serial += 1
-        tmp = self.directory / f".{name}.{os.getpid()}.{self._serial}.tmp"
-        try:
-            with tmp.open("wb") as f:
-                f.write(MAGIC)
-                f.write(struct.pack("<Q", len(header)))
-                f.write(header)
-                for blob in blobs:
-                    f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        _fsync_dir(self.directory)
-        entry = DiskEntry(path, tokens, adapter, size, path.stat().st_mtime, [(n, a.dtype.name, a.shape)
-                          for n, a in arrays.items()], size - sum(map(len, blobs)), digest.hexdigest(), restarts)
+        write_file(encoded, path, self.directory / f".{name}.{os.getpid()}.{self._serial}.tmp")
+        written = encoded.described(path)
         with self._lock:
-            if generation != self._generation:  # cleared while it was written
-                gone = [path]
-            else:
-                covered = [k for k, e in self._index.items() if k[0] == adapter and tokens[:len(k[1])] == k[1] and
-                           k[1] != tokens and _holds(restarts, e.restarts)]
-                gone = [self._index.pop(k).path for k in covered]
-                self._index[(adapter, tokens)] = entry
+            gone = [path] if generation != self._generation else self._replace(written)  # else: cleared meanwhile
         for old in gone:
             old.unlink(missing_ok=True)
         self._evict()
         self._gauges()
 
+    def _replace(self, written: DiskEntry) -> list[Path]:
+        """Index the file just `written`; returns the files of those it covers, forgotten. A file of the same tokens
+        was replaced in place (its name is theirs). Holds the lock."""
+        covered = [e for e in self._index.covered_by(written) if e.tokens != written.tokens]
+        for e in covered:
+            self._index.remove(e)
+        self._index.add(written)
+        return [e.path for e in covered]
+
     def _evict(self) -> None:
         """Delete the least recently used files (by mtime) while the bytes exceed the capacity."""
         while True:
             with self._lock:
-                if sum(e.nbytes for e in self._index.values()) <= self.capacity or not self._index:
+                if self._bytes() <= self.capacity or not len(self._index):
                     return
-                key = min(self._index, key=lambda k: self._index[k].mtime)
-                victim = self._index.pop(key)
+                victim = min(self._index, key=lambda e: e.mtime)
+                self._index.remove(victim)
             victim.path.unlink(missing_ok=True)
             self.evictions += 1
-            if self.metrics is not None:
-                self.metrics.prefix_disk_evictions.inc()
+            self.metrics.prefix_disk_evictions.inc()
 
     def attach(self, metrics: StationMetrics) -> None:
         """Report on `metrics` from now on (the station's, given by the tier above)."""
@@ -420,26 +266,7 @@ class DiskTier:
         self._gauges()
 
     def _gauges(self) -> None:
-        if self.metrics is not None:
-            with self._lock:
-                self.metrics.prefix_disk_bytes.set(sum(e.nbytes for e in self._index.values()))
-                self.metrics.prefix_disk_entries.set(len(self._index))
+        with self._lock:
+            self.metrics.prefix_disk_bytes.set(self._bytes())
+            self.metrics.prefix_disk_entries.set(len(self._index))
 
-
-def _holds(have: tuple[int, ...] | None, want: tuple[int, ...] | None) -> bool:
-    """Whether restart points `have` include `want` (None: every chunk boundary, without rings)."""
-    return have is None or want is not None and set(want) <= set(have)
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename in `directory` durable (where the platform allows)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

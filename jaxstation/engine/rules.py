@@ -1,5 +1,6 @@
 """What an engine can run, as rules in one place: which decode attention serves a model, which decode wave widths and
-which packed admission budget its weights allow, and the defaults of both.
+which packed admission budget its weights allow, the defaults of both, and whether its arena feeds the prefix cache's
+host tier.
 
 `Engine` applies them to what its caller passes; the station's plan (config/plan.py) applies the same rules to the
 settings at start-up, so that a refusal names the flag or environment variable that asked for it. Each refusal is a
@@ -11,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxstation.engine.choices import PACK_BUDGET_AUTO
+from jaxstation.engine.runner import Runner
 from jaxstation.kernels import cpu_kernel
 from jaxstation.model.config import ModelConfig
 
@@ -98,3 +100,12 @@ def pack_slots(width: int, lanes: int) -> tuple[int, ...]:
     runs the head and the sampling over few rows (each count one more compiled program)."""
     full = min(width, lanes)
     return (SLOT_FLOOR, full) if full > 2 * SLOT_FLOOR else (full,)
+
+
+def tier_refusal(engine: Runner) -> str | None:
+    """Why `engine`'s arena cannot feed the prefix cache's host tier (engine/prefix_tier.py), or None."""
+    if engine.arena is None:
+        return "the KV lives on mesh stations"
+    if len(engine.arena.k.devices()) > 1:
+        return "the arena is split over devices (--tensor-parallel), and the copies are checked on one device only"
+    return None

@@ -20,7 +20,7 @@ Backpressure. `submit` past `max_queue` queued jobs raises QueueFull (a 503 with
 Prefix reuse (engine/prefix_cache.py): `_fill` gives a job the free lane with the longest reusable prefix (of its
 adapter), or copies a longer one into a lane from the host tier (engine/prefix_tier.py) or its disk tier
 (engine/prefix_disk.py; `drain` writes the lanes' prefixes there), and starts its prefill at the last chunk boundary
-at or below the match (with rings, at a restart point: `PrefixTier.fed`), so its tokens equal a fresh run's.
+at or below the match (with rings, at a restart point: engine/prefix_windows.py), so its tokens equal a fresh run's.
 Speculation (engine/speculative.py, engine/draft.py): where the engine verifies drafts and a turn admits no prompt
 pieces, decode rows carry drafts and run as one `verify` step; each row's accepted tokens go through `postprocess`.
 
@@ -71,7 +71,7 @@ T = TypeVar("T")
 class Scheduler:
     def __init__(self, engine: Runner, *, continuous: bool, max_queue: int, terminal_ids: frozenset[int],
                  metrics: StationMetrics | None = None, speculation: Speculation | None = None,
-                 prefix_cache_ram: int = 0, prefix_cache_disk: DiskTier | None = None) -> None:
+                 prefix_cache_ram: int = 0, prefix_cache_disk: Callable[[], DiskTier] | None = None) -> None:
         self.engine, self.speculation = engine, (speculation if engine.verify_rows > 1 else None)
         self.continuous, self.max_queue, self.terminal_ids = continuous, max_queue, terminal_ids
         self.metrics = metrics or StationMetrics()
@@ -329,7 +329,7 @@ class Scheduler:
             sample, _ = self._step("prefill", lambda: self.engine.prefill(i, job.tokens, lane.fed, job.sampling,
                                                                           mask=mask))
         lane.fed = min(lane.fed + self.engine.chunk, len(job.tokens))
-        self.prefix_tier.fed(i, job, lane.fed)
+        self.prefix_tier.prefill_passed(i, job, lane.fed)
         if sample is None:
             return
         self.activity.prefilled(len(job.tokens) - job.cached_tokens)
@@ -349,7 +349,7 @@ class Scheduler:
         for p in plan.pieces:
             lane = self.lanes[p.lane]
             lane.fed += p.length
-            self.prefix_tier.fed(p.lane, lane.job, lane.fed)
+            self.prefix_tier.prefill_passed(p.lane, lane.job, lane.fed)
             if p.last:
                 self.prefill_order.remove(p.lane)
                 if not lane.repacked:  # a scored prompt was counted when it was scored

@@ -119,7 +119,7 @@ class Station:
                                   terminal_ids=tok.terminal_ids if tok is not None else frozenset(),
                                   metrics=self.metrics, speculation=speculation(c, self.plan, draft),
                                   prefix_cache_ram=ram,
-                                  prefix_cache_disk=prefix_cache_disk(c, self.engine, ram))
+                                  prefix_cache_disk=prefix_cache_disk(c, self.engine))
             with self._lock:
                 if self._stopped:  # shut down while loading
                     scheduler.prefix_tier.close()
