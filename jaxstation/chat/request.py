@@ -23,7 +23,14 @@ from jaxstation.engine.constraints import ConstraintSpec
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.model.tokenizer import Tokenizer
 from jaxstation.server.errors import ApiError, describe
-from jaxstation.server.protocol import NO_TOKEN_STATE, TokenControls, check_allowed, request_field, token_controls
+from jaxstation.server.protocol import (
+    NO_TOKEN_STATE,
+    IgnoredFields,
+    TokenControls,
+    check_allowed,
+    request_field,
+    token_controls,
+)
 
 M = TypeVar("M", bound=BaseModel)
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -37,17 +44,22 @@ def unsupported(param: str, message: str) -> ApiError:
     return ApiError(400, message, param, "unsupported_parameter")
 
 
-def validate(model: type[M], body: Any, refused: Mapping[str, str] | None = None) -> M:
-    """`body` as `model`, or a 400 naming the first field that does not fit (with why, for a `refused` field)."""
+def validate(model: type[M], body: Any, refused: Mapping[str, str] | None = None,
+             ignored: IgnoredFields | None = None) -> M:
+    """`body` as `model`, or a 400 naming the first field that does not fit (with why, for a `refused` field); the
+    ignored fields it sets are noted in `ignored`."""
     if not isinstance(body, dict):
         raise bad("body", "the body must be a JSON object")
     try:
-        return model.model_validate(body)
+        req = model.model_validate(body)
     except ValidationError as e:
         field, message, kind = describe(e, body)
         if kind == "unknown" and field in (refused or {}):
             message = f"{message}: {refused[field]}"
         raise (unsupported(field, message) if kind == "unknown" else bad(field, message)) from None
+    if ignored is not None:
+        ignored.note(req)
+    return req
 
 
 def _arguments(arguments: Any) -> Any:

@@ -38,7 +38,7 @@ from jaxstation.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from jaxstation.server.protocol import constraint_spec
+from jaxstation.server.protocol import IgnoredFields, constraint_spec
 
 
 def _formats(req: SamplingFields) -> tuple[ConstraintSpec, ...]:
@@ -76,8 +76,9 @@ def _sampling(req: SamplingFields, logprobs: int | None, max_tokens: int | None)
 
 
 def parse_completion(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: int, eos_ids: frozenset[int],
-                     on_device: bool) -> RunRequest:
-    req = validate(CompletionRequest, body, REFUSED_FIELDS)
+                     on_device: bool, ignored: IgnoredFields | None = None) -> RunRequest:
+    """A completions body as the station runs it; the ignored fields it sets are noted in `ignored`."""
+    req = validate(CompletionRequest, body, REFUSED_FIELDS, ignored)
     if req.best_of is not None and req.best_of not in (1, req.n or 1):
         raise unsupported("best_of", f"best_of={req.best_of!r} is not supported (only 1 or n is accepted)")
     texts: list[str] | None = None
@@ -130,10 +131,12 @@ def chat_request(req: ChatCompletionRequest, cap: bool = False) -> ChatRequest:
 
 
 def parse_chat(body: Any, tok: Tokenizer, vocab: int, max_request_tokens: int, eos_ids: frozenset[int],
-               on_device: bool, reasoning: str | None = None, cap: bool = False) -> RunRequest:
+               on_device: bool, reasoning: str | None = None, cap: bool = False,
+               ignored: IgnoredFields | None = None) -> RunRequest:
     """A chat completions body as the station runs it: how the /v1/chat/completions route prepares every request.
-    reasoning: the station's reasoning parser (None: the thinking stays in the text); cap: as `chat_request`'s."""
-    return plan_chat(chat_request(validate(ChatCompletionRequest, body, REFUSED_FIELDS), cap), tok, vocab,
+    reasoning: the station's reasoning parser (None: the thinking stays in the text); cap: as `chat_request`'s;
+    the ignored fields it sets are noted in `ignored`."""
+    return plan_chat(chat_request(validate(ChatCompletionRequest, body, REFUSED_FIELDS, ignored), cap), tok, vocab,
                      max_request_tokens, eos_ids, on_device, reasoning)
 
 

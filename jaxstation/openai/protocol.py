@@ -2,9 +2,11 @@
 unknown fields refused by name) and reply bodies (the documented shapes, in `/openapi.json`).
 
 A field the station does not support but that arrives as null is treated as absent, as OpenAI's own clients send
-nulls freely. What a type cannot say is checked in `openai.parse` and `chat.request`: token ids below the vocabulary
-size, a prompt plus `max_tokens` that fits the context, and rules between fields (`top_logprobs` needs `logprobs`,
-`echo` not with `stream`).
+nulls freely. A field that cannot change the tokens the station returns is declared `ignored` (docs/api.md lists
+them); any other field the station does not serve is refused by name, with why for those in REFUSED_FIELDS. What a
+type cannot say is checked in `openai.parse` and `chat.request`: token ids below the vocabulary size, a prompt plus
+`max_tokens` that fits the context, and rules between fields (`top_logprobs` needs `logprobs`, `echo` not with
+`stream`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from jaxstation.chat.protocol import Body, Reply
 from jaxstation.engine.sampling import TOP_LOGPROBS
-from jaxstation.server.protocol import StructuredOutputs, TokenControls
+from jaxstation.server.protocol import StructuredOutputs, TokenControls, ignored
 
 MAX_N = 8
 MAX_PROMPTS = 256
@@ -54,7 +56,7 @@ class JsonSchemaSpec(Body):
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema", description="the JSON schema; absent: any JSON "
                                            "object")
-    strict: bool | None = Field(None, description="accepted; the output always follows the schema")
+    strict: bool | None = ignored("the output always follows the schema")
 
 
 class TextFormat(Body):
@@ -91,7 +93,7 @@ class SamplingFields(Body, TokenControls):
     stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = Field(
         None, description="matched on the detokenized text across token boundaries, trimmed from the output")
     n: int | None = Field(None, ge=1, le=MAX_N)
-    user: str | None = None
+    user: str | None = ignored("client metadata")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     top_k: int | None = Field(None, ge=-1, description="vLLM's: 0 or -1 is off")
@@ -101,8 +103,8 @@ class SamplingFields(Body, TokenControls):
                                                     "choice in its text")
     skip_special_tokens: bool | None = Field(None, description="vLLM's: leave special tokens out of the text "
                                              "(default true)")
-    spaces_between_special_tokens: bool | None = Field(None, description="vLLM's; accepted and ignored: decoding "
-                                                       "joins token bytes, as a fast tokenizer does")
+    spaces_between_special_tokens: bool | None = ignored("vLLM's; decoding joins token bytes, as a fast tokenizer "
+                                                         "does")
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="vLLM's: keep only the prompt's last this "
                                                "many tokens")
     response_format: ResponseFormat | None = Field(None, description="text, any JSON object, or a JSON schema the "

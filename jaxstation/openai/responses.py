@@ -42,6 +42,7 @@ from jaxstation.server.errors import ApiError
 from jaxstation.server.http_common import read_json
 from jaxstation.server.openapi import Endpoint
 from jaxstation.server.outcomes import API_INVALID, OUTCOMES, Failure, check_ready
+from jaxstation.server.protocol import IgnoredFields
 from jaxstation.server.routes import rejected
 from jaxstation.server.station import Station
 
@@ -148,6 +149,7 @@ class ResponsesRoutes:
     def __init__(self, station: Station) -> None:
         self.station = station
         self.store = ResponseStore(station.config.responses_store_size, station.config.responses_store_age_s)
+        self.ignored = IgnoredFields("/v1/responses")
 
     def _head(self, req: r.ResponsesRequest) -> dict[str, Any]:
         """The response object's fields that echo the request."""
@@ -177,7 +179,8 @@ class ResponsesRoutes:
         station = self.station
         try:
             check_ready(station)
-            req = validate(r.ResponsesRequest, await read_json(request, station.config.max_body_bytes), REFUSED_FIELDS)
+            req = validate(r.ResponsesRequest, await read_json(request, station.config.max_body_bytes), REFUSED_FIELDS,
+                           self.ignored)
             history: list[dict] = []
             if req.previous_response_id is not None:
                 stored = self.store.get(req.previous_response_id)

@@ -1,10 +1,11 @@
 """OpenAI's Responses API (`/v1/responses`) as the station serves it, declared once as pydantic models: the request
 (validated strictly, unknown fields refused by name), the response object, its output items and the stream's events.
 
-Accepted and ignored, as they mean nothing to a local station: `include`, `prompt_cache_key` (prefix reuse is
-automatic), `client_metadata` (Codex's), `service_tier`, `safety_identifier`, `stream_options`, `reasoning.summary`,
-`reasoning.generate_summary`, `text.verbosity`, and the `id` and `status` of input items. `truncation` is accepted as
-"disabled" only.
+Declared `ignored`, as they cannot change the tokens the station returns (docs/api.md lists them): `include`,
+`prompt_cache_key` (prefix reuse is automatic), `client_metadata` (Codex's), `service_tier`, `safety_identifier`,
+`stream_options`, `reasoning.summary`, `reasoning.generate_summary`, `text.verbosity`, and the `id`, `status` and
+`phase` of input items and the `annotations` and `logprobs` of their text. `truncation` is accepted as "disabled"
+only.
 """
 
 from __future__ import annotations
@@ -15,27 +16,28 @@ from pydantic import Discriminator, Field, Tag
 
 from jaxstation.chat.hosted_tools import FUNCTION_TOOL, HOSTED_TOOL, HostedTool, tool_kind
 from jaxstation.chat.protocol import Body, Reply
+from jaxstation.server.protocol import ignored
 
 
 class InputText(Body):
     type: Literal["input_text", "output_text"]
     text: str
-    annotations: list[Any] | None = None
-    logprobs: list[Any] | None = None
+    annotations: list[Any] | None = ignored("an earlier output's")
+    logprobs: list[Any] | None = ignored("an earlier output's")
 
 
 class Item(Body):
-    """An input item; its id and status (from an earlier response) are ignored."""
+    """An input item."""
 
-    id: str | None = None
-    status: str | None = None
+    id: str | None = ignored("an earlier response's")
+    status: str | None = ignored("an earlier response's")
 
 
 class MessageItem(Item):
     type: Literal["message"] | None = None
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[InputText]
-    phase: str | None = None
+    phase: str | None = ignored("the client's label of an earlier message")
 
 
 class FunctionCallItem(Item):
@@ -103,14 +105,14 @@ class TextFormatJsonSchema(Body):
 class TextConfig(Body):
     format: Annotated[TextFormatText | TextFormatJsonObject | TextFormatJsonSchema,
                       Field(discriminator="type")] | None = None
-    verbosity: str | None = Field(None, description="ignored")
+    verbosity: str | None = ignored("the model has no verbosity setting")
 
 
 class ReasoningConfig(Body):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
         None, description="none turns the chat template's thinking off (enable_thinking), any other effort on")
-    summary: str | None = Field(None, description="ignored")
-    generate_summary: str | None = Field(None, description="ignored")
+    summary: str | None = ignored("the thinking comes back whole, never summarized")
+    generate_summary: str | None = ignored("the thinking comes back whole, never summarized")
 
 
 class ResponsesRequest(Body):
@@ -134,12 +136,12 @@ class ResponsesRequest(Body):
     previous_response_id: str | None = None
     stream: bool | None = None
     truncation: Literal["disabled"] | None = None
-    include: list[str] | None = Field(None, description="ignored")
-    prompt_cache_key: str | None = Field(None, description="ignored: prefix reuse is automatic")
-    client_metadata: dict[str, Any] | None = Field(None, description="ignored")
-    service_tier: str | None = Field(None, description="ignored")
-    safety_identifier: str | None = Field(None, description="ignored")
-    stream_options: dict[str, Any] | None = Field(None, description="ignored")
+    include: list[str] | None = ignored("extra output the station does not keep (encrypted reasoning, sources)")
+    prompt_cache_key: str | None = ignored("prefix reuse is automatic")
+    client_metadata: dict[str, Any] | None = ignored("client metadata")
+    service_tier: str | None = ignored("one station serves every request alike")
+    safety_identifier: str | None = ignored("client metadata")
+    stream_options: dict[str, Any] | None = ignored("the stream's events are always the same")
 
 
 # ---- replies -----------------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from jaxstation.server.errors import ApiError
 from jaxstation.server.http_common import read_json
 from jaxstation.server.openapi import Endpoint
 from jaxstation.server.outcomes import API_INVALID, OUTCOMES, Failure, NotReady, check_ready
+from jaxstation.server.protocol import IgnoredFields
 from jaxstation.server.routes import rejected
 from jaxstation.server.station import Station
 
@@ -59,6 +60,7 @@ class OpenAIRoutes:
 
     def __init__(self, station: Station) -> None:
         self.station = station
+        self.ignored = {True: IgnoredFields("/v1/chat/completions"), False: IgnoredFields("/v1/completions")}
 
     async def _body(self, request: Request) -> Any:
         return await read_json(request, self.station.config.max_body_bytes)
@@ -79,8 +81,9 @@ class OpenAIRoutes:
         tok, vocab = station.model.tokenizer, station.model.cfg.vocab_size
         limits = (station.config.max_request_tokens, station.eos_ids, station.engine.token_controls)
         if chat:
-            return await start_run(station, parse_chat(body, tok, vocab, *limits, station_reasoning(station)))
-        return await start_run(station, parse_completion(body, tok, vocab, *limits))
+            return await start_run(station, parse_chat(body, tok, vocab, *limits, station_reasoning(station),
+                                                       ignored=self.ignored[True]))
+        return await start_run(station, parse_completion(body, tok, vocab, *limits, self.ignored[False]))
 
     async def completions(self, request: Request, chat: bool) -> Response:
         try:

@@ -7,11 +7,16 @@ and a prompt plus `max_new_tokens` that fits the station's context.
 
 `TokenControls` are the penalties, logit bias and vLLM's length controls that `/generate` and the OpenAI routes
 share; `token_controls` turns them into `SamplingParams` fields, checking what their types cannot.
+
+Fields the station does not implement follow one rule (docs/api.md#fields-the-station-does-not-implement): a field
+that cannot change the tokens the station returns is declared with `ignored`, accepted, and logged once by name
+(`IgnoredFields`); any other field the station does not implement is refused by name.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -24,12 +29,55 @@ from jaxstation.engine.penalties import MAX_LOGIT_BIAS
 from jaxstation.engine.rows import FLOAT32_MAX, FLOAT32_TINY, SEED_LIMIT, SamplingParams
 from jaxstation.server.errors import StationError, describe
 
+log = logging.getLogger(__name__)
+
 TokenId = Annotated[int, Field(ge=0)]
 BiasKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$")]  # a token id, in decimal
 Bias = Annotated[float, Field(ge=-100, le=100)]
 NO_TOKEN_STATE = "is not supported here: this station keeps no per-lane token state (a mesh host)"
 NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {},
            "allowed_token_ids": [], "min_tokens": 0}  # the device controls' values that ask for nothing
+
+
+IGNORED = "x-jaxstation-ignored"  # the schema's mark of a field accepted and ignored
+
+
+def ignored(why: str, **bounds: Any) -> Any:
+    """A field the station accepts (within `bounds`) and ignores, since it cannot change the tokens the station
+    returns; `why` says so in the schema, which marks the field with IGNORED."""
+    return Field(None, description=f"accepted and ignored: {why}", json_schema_extra={IGNORED: True}, **bounds)
+
+
+def ignored_fields(value: Any, path: str = "") -> set[str]:
+    """The ignored fields a validated body sets, each named by its path with list indices left out
+    (`messages[].output_config`)."""
+    if isinstance(value, list):
+        return set().union(*(ignored_fields(v, f"{path}[]") for v in value))
+    if not isinstance(value, BaseModel):
+        return set()
+    out: set[str] = set()
+    for name, info in type(value).model_fields.items():
+        if (v := getattr(value, name)) is None:
+            continue
+        at = f"{path}.{info.alias or name}" if path else info.alias or name
+        extra = info.json_schema_extra
+        out |= {at} if isinstance(extra, dict) and extra.get(IGNORED) else ignored_fields(v, at)
+    return out
+
+
+class IgnoredFields:
+    """The ignored fields one route of a station has been sent, each logged at INFO the first time. The names are
+    the declared fields', so the set stays small."""
+
+    def __init__(self, route: str) -> None:
+        self.route = route
+        self.logged: set[str] = set()
+
+    def note(self, body: BaseModel) -> None:
+        for name in sorted(ignored_fields(body) - self.logged):
+            self.logged.add(name)
+            log.info("%s: accepting and ignoring %s, which cannot change the tokens the station returns", self.route,
+                     name)
 
 
 class TokenControls(BaseModel):
