@@ -8,6 +8,7 @@ One continuous-batching station on the default model serves the module, with an 
 from __future__ import annotations
 
 import json
+import logging
 
 import anthropic
 import httpx
@@ -19,6 +20,7 @@ from jaxstation.anthropic.protocol import MessagesRequest
 from jaxstation.anthropic.translate import BILLING_HEADER, chat_request
 from jaxstation.app import create_app
 from jaxstation.chat.request import chat_prompt
+from jaxstation.chat.tools import parse_calls
 from jaxstation.config.settings import StationConfig
 from jaxstation.model.loader import LoadedModel
 from jaxstation.server.station import Station
@@ -168,6 +170,77 @@ def test_what_claude_code_sends_is_accepted(station) -> None:
     assert r.json()["type"] == "message" and r.json()["model"] == MODEL
 
 
+# Claude Code's first request of a session, in its shape: an environment block as a system message after the user's
+# turn, cache marks, a per-message output_config, a deferred tool, adaptive thinking without display, context edits
+ENVIRONMENT = {"role": "system", "content": [{"type": "text", "text": "# Environment\nPlatform: linux",
+                                              "cache_control": {"type": "ephemeral"}}],
+               "output_config": {"effort": "medium"}}
+PLACEHOLDER = {"name": "DeferredToolPlaceholder", "description": "Reserved placeholder; never call this tool.",
+               "input_schema": {"type": "object", "properties": {}}, "defer_loading": True}
+AGENT = {"system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332.1c9;"},
+                    {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}],
+         "messages": HELLO + [ENVIRONMENT], "tools": [WEATHER, PLACEHOLDER],
+         "thinking": {"type": "adaptive", "display": "omitted"}, "output_config": {"effort": "medium"},
+         "metadata": {"user_id": '{"device_id": "d", "session_id": "s"}'}}
+AGENT_EXTRA = {"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+               "temperature": 0}  # the current SDK takes these two only in extra_body
+IGNORED_LOG = "jaxstation.server.protocol"
+
+
+def test_claude_codes_request_is_taken_whole(station, caplog: pytest.LogCaptureFixture) -> None:
+    """Claude Code's request answers 200, created and streamed alike; each ignored field is logged once by name."""
+    _, _, client = station
+    with caplog.at_level(logging.INFO, logger=IGNORED_LOG):
+        msg = client.messages.create(model=MODEL, max_tokens=16, **AGENT, extra_body=AGENT_EXTRA)
+    assert "/v1/messages: accepting and ignoring messages[].output_config.effort" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=IGNORED_LOG):
+        same_reply(msg, streamed(client, max_tokens=16, **AGENT, extra_body=AGENT_EXTRA))
+    assert "messages[].output_config.effort" not in caplog.text  # once per station
+    assert msg.content and msg.usage.output_tokens <= 16
+    # the deferred placeholder is not in the prompt: the request counts as many tokens without it
+    count = {k: v for k, v in AGENT.items() if k != "metadata"}
+    without = {**count, "tools": [WEATHER]}
+    assert client.messages.count_tokens(model=MODEL, **count).input_tokens == \
+        client.messages.count_tokens(model=MODEL, **without).input_tokens
+
+
+def test_the_connection_check_answers_without_the_key(station) -> None:
+    _, _, client = station
+    url = f"{client.base_url}".rstrip("/") + "/api/hello"
+    assert httpx.head(url).status_code == 200 and httpx.get(url).json() == {"status": "ok"}
+
+
+SEARCH = {"name": "ToolSearch", "description": "Loads deferred tools by name",
+          "input_schema": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}
+
+
+def test_a_deferred_tool_is_shown_where_the_conversation_loads_it(default_model: LoadedModel) -> None:
+    """A deferred tool is out of the prompt until a tool_reference names it; then its definition is in the tool
+    result, the prompt's head is unchanged (the earlier prompt is the later one's prefix), and it can be called."""
+    tok = default_model.tokenizer
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tools = [SEARCH, {**WEATHER, "defer_loading": True}]
+
+    def prompt(messages: list[dict]) -> tuple:
+        return chat_prompt(chat_request(MessagesRequest.model_validate(
+            {"model": MODEL, "max_tokens": 8, "tools": tools, "messages": messages})), tok)
+
+    plan, before = prompt(ask)
+    assert plan.names == {"ToolSearch"} and "get_weather" not in tok.decode(before)
+    load = ask + [{"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch",
+                                                     "input": {"query": "select:get_weather"}}]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+                      {"type": "tool_reference", "tool_name": "get_weather"}]}]}]
+    plan, after = prompt(load)
+    assert after[:len(before)] == before and plan.names == {"ToolSearch", "get_weather"}
+    shown = json.dumps({"description": WEATHER["description"], "name": "get_weather",
+                        "parameters": WEATHER["input_schema"]})
+    assert f"<functions>\n<function>{shown}</function>\n</functions>" in tok.decode(after)
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    assert parse_calls(call, plan)[1] == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+
+
 def test_claude_codes_billing_block_is_not_prompt(default_model: LoadedModel) -> None:
     """Two real Claude Code sessions, whose first system blocks are billing lines with different hashes, give prompts
     that agree up to the user's turn, so that the second session reuses the first one's cached prefix."""
@@ -198,6 +271,10 @@ def _system_text(request: dict) -> str:
 
 @pytest.mark.parametrize("change, field", [
     ({"mcp_servers": []}, "mcp_servers"),
+    ({"min_p": 0.1}, "min_p"),  # a sampling control the station does not take here: it would change the output
+    ({"messages": [{"role": "user", "content": "hi", "output_config": {"format": {"type": "json_schema",
+                                                                                "schema": {}}}}]},
+     "messages[0].output_config.format"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ({"stop_sequences": [""]}, "stop_sequences[0]"),
@@ -225,8 +302,13 @@ BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "strnig"}}}
                                                 {"type": "text", "text": "x", "source": {}}]}]},
      "messages[0].content[1].source", "unsupported"),
     ({"system": 5}, "system", "no accepted form"),
+    ({"tools": [WEATHER], "messages": HELLO + [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "text", "text": "found"}, {"type": "tool_reference", "tool_name": "nope"}]}]}]},
+     "messages[2].content[0].content[1].tool_name", "not among the tools"),
 ], ids=["bad schema", "two constraints", "choice without tools", "unknown tool", "no turn", "field in a block",
-        "system"])
+        "system", "reference to no tool"])
 def test_refusals_name_the_messages_field_the_client_sent(station, change, field, words) -> None:
     """The request is checked as Messages, not as a chat completion: the error names the Messages field, never a
     chat completions one (response_format, stop) that the client did not send."""

@@ -30,6 +30,7 @@ from jaxstation.config.settings import StationConfig
 from jaxstation.model.loader import LoadedModel
 from jaxstation.openai import responses_protocol
 from jaxstation.openai.protocol import ChatCompletionChunk, CompletionResponse, OpenAIErrorResponse
+from jaxstation.server.protocol import IGNORED
 from jaxstation.server.station import Station
 
 # A short context keeps every valid request quick: at most 48 positions, 8 choices on 4 lanes; a 16-row packed step
@@ -79,7 +80,8 @@ def test_openapi_lists_every_route_with_its_schemas(live) -> None:
                       ("/tokenize", "post"), ("/detokenize", "post"), ("/tokenizer_info", "get"),
                       ("/v1/responses", "post"), ("/v1/responses/{response_id}", "get"),
                       ("/v1/responses/{response_id}", "delete"), ("/v1/responses/{response_id}/cancel", "post"),
-                      ("/v1/messages", "post"), ("/v1/messages/count_tokens", "post"), ("/openapi.json", "get")}
+                      ("/v1/messages", "post"), ("/v1/messages/count_tokens", "post"), ("/api/hello", "get"),
+                      ("/openapi.json", "get")}
     schemas = doc["components"]["schemas"]
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
@@ -94,6 +96,26 @@ def test_openapi_lists_every_route_with_its_schemas(live) -> None:
     assert error == {"$ref": "#/components/schemas/OpenAIErrorResponse"}
     error = doc["paths"]["/generate"]["post"]["responses"]["422"]["content"]["application/json"]["schema"]
     assert error == {"$ref": "#/components/schemas/ErrorResponse"}
+
+
+def test_the_ignored_fields_are_declared_as_accepted(live) -> None:
+    """A field that cannot change the tokens is in the schema, marked ignored, so the fuzzer sends it as valid; a
+    field that shapes the output is declared without the mark."""
+    _, http = live
+    schemas = http.get("/openapi.json").json()["components"]["schemas"]
+    marked = {(name, field) for name, schema in schemas.items()
+              for field, prop in schema.get("properties", {}).items() if prop.get(IGNORED)}
+    assert marked >= {("MessagesRequest", "metadata"), ("MessagesInput", "context_management"),
+                      ("OutputConfig", "effort"), ("MessageOutputConfig", "effort"), ("Thinking", "budget_tokens"),
+                      ("TextBlock", "cache_control"), ("CustomTool", "cache_control"),
+                      ("ResponsesRequest", "prompt_cache_key"), ("ResponsesRequest", "client_metadata"),
+                      ("ResponsesRequest", "include"), ("ReasoningConfig", "summary"),
+                      ("ChatCompletionRequest", "user")}
+    assert "output_config" in schemas["InputMessage"]["properties"]
+    assert "function" in schemas["ToolDefinition"]["properties"]  # OpenAI's, apart from Anthropic's CustomTool
+    served = [("CustomTool", "defer_loading"), ("Thinking", "display"), ("OutputConfig", "format"),
+              ("ResponsesRequest", "store"), ("GenerateRequest", "resume")]
+    assert all(field in schemas[name]["properties"] and (name, field) not in marked for name, field in served)
 
 
 @pytest.fixture(scope="module")

@@ -281,6 +281,14 @@ def test_thinking_comes_back_where_each_api_puts_it(station, monkeypatch) -> Non
         streamed_msg = s.get_final_message()
     assert [(b.type, b.thinking) for b in msg.content] == [(b.type, b.thinking) for b in streamed_msg.content] == [
         ("thinking", thinking)]
+    omitted = {"type": "adaptive", "display": "omitted"}  # the blocks come back without their text
+    msg = messages.messages.create(model=MODEL, messages=ask, max_tokens=12, thinking=omitted,
+                                   extra_body={"temperature": 0})
+    with messages.messages.stream(model=MODEL, messages=ask, max_tokens=12, thinking=omitted,
+                                  extra_body={"temperature": 0}) as s:
+        streamed_msg = s.get_final_message()
+    assert [(b.type, b.thinking) for b in msg.content] == [(b.type, b.thinking) for b in streamed_msg.content] == [
+        ("thinking", "")] and msg.usage.output_tokens == 12
 
 
 def fail_decode_after(st: Station, monkeypatch: pytest.MonkeyPatch, ok_calls: int) -> None:

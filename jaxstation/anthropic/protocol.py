@@ -2,10 +2,10 @@
 `POST /v1/messages` and `/v1/messages/count_tokens` (unknown fields refused by name), the reply, the stream's events
 and the error shape.
 
-What Anthropic's clients send that means nothing to a local station is accepted and ignored (docs/api.md lists it):
-prompt caching marks, the request's metadata, the service tier, context management, the thinking budget and display,
-the output effort, and whether a tool result is an error. Everything else that is not served is refused with a 400
-naming the field.
+A field that cannot change the tokens the station returns is declared `ignored` (docs/api.md lists them): prompt
+caching marks, the request's metadata, the service tier, context management, the thinking budget, the output effort
+(of the request or of a message), and whether a tool result is an error. Everything else that is not served is
+refused with a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from pydantic import Discriminator, Field, Tag
 
 from jaxstation.chat.hosted_tools import FUNCTION_TOOL, HOSTED_TOOL, HostedTool, tool_kind
 from jaxstation.chat.protocol import Body, Reply
+from jaxstation.server.protocol import ignored
 
 ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
 
 class Ignorable(Body):
-    cache_control: dict[str, Any] | None = Field(None, description="ignored: prefix reuse is automatic")
+    cache_control: dict[str, Any] | None = ignored("prefix reuse is automatic")
 
 
 class TextBlock(Ignorable):
@@ -36,11 +37,17 @@ class ToolUseBlock(Ignorable):
     input: dict[str, Any]
 
 
+class ToolReferenceBlock(Ignorable):
+    type: Literal["tool_reference"]
+    tool_name: str = Field(description="a tool of the request's tools, whose definition the tool result shows: a "
+                           "deferred tool is loaded so")
+
+
 class ToolResultBlock(Ignorable):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlock] | None = None
-    is_error: bool | None = Field(None, description="ignored: the content says what happened")
+    content: str | list[Annotated[TextBlock | ToolReferenceBlock, Field(discriminator="type")]] | None = None
+    is_error: bool | None = ignored("the content says what happened")
 
 
 class ThinkingBlock(Body):
@@ -58,21 +65,29 @@ InputBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBloc
                        Field(discriminator="type")]
 
 
+class MessageOutputConfig(Body):
+    effort: str | None = ignored("the model has no effort levels")
+
+
 class InputMessage(Body):
     role: Literal["user", "assistant", "system"] = Field(description="system: a system turn mid-conversation (as "
-                                                         "Claude Code sends)")
+                                                         "Claude Code sends), rendered where the chat template puts "
+                                                         "system text")
     content: str | list[InputBlock] = Field(description="earlier turns' thinking blocks are dropped from the prompt")
+    output_config: MessageOutputConfig | None = None
 
 
-class ToolDefinition(Ignorable):
+class CustomTool(Ignorable):
     type: Literal["custom"] | None = None
     name: ToolName
     description: str | None = None
     input_schema: dict[str, Any] = Field(description="a JSON schema of the tool's input")
+    defer_loading: bool | None = Field(None, description="true: left out of the prompt until a tool_reference block "
+                                       "in a tool result names it, which shows its definition there")
 
 
 # a server tool (web_search_20250305, bash_20250124, ...) is left out of the prompt and named in a header
-Tool = Annotated[Annotated[ToolDefinition, Tag(FUNCTION_TOOL)] | Annotated[HostedTool, Tag(HOSTED_TOOL)],
+Tool = Annotated[Annotated[CustomTool, Tag(FUNCTION_TOOL)] | Annotated[HostedTool, Tag(HOSTED_TOOL)],
                  Discriminator(tool_kind(("custom", None)))]
 
 
@@ -102,8 +117,9 @@ ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolCho
 class Thinking(Body):
     type: Literal["enabled", "disabled", "adaptive"] = Field(
         description="enabled or adaptive turn the chat template's thinking on (enable_thinking), disabled off")
-    budget_tokens: int | None = Field(None, ge=0, description="ignored: max_tokens bounds the whole output")
-    display: str | None = Field(None, description="ignored")
+    budget_tokens: int | None = ignored("max_tokens bounds the whole output", ge=0)
+    display: str | None = Field(None, description="omitted: thinking blocks come back without their text; any other "
+                                "value shows it whole")
 
 
 class JsonSchemaOutput(Body):
@@ -113,7 +129,7 @@ class JsonSchemaOutput(Body):
 
 class OutputConfig(Body):
     format: JsonSchemaOutput | None = Field(None, description="the output follows this JSON schema")
-    effort: str | None = Field(None, description="ignored")
+    effort: str | None = ignored("the model has no effort levels")
 
 
 class MessagesInput(Body):
@@ -127,7 +143,8 @@ class MessagesInput(Body):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
-    context_management: dict[str, Any] | None = Field(None, description="ignored")
+    context_management: dict[str, Any] | None = ignored("the station runs no context edit: the conversation is "
+                                                        "the prompt as sent, earlier thinking left out")
 
 
 class MessagesRequest(MessagesInput):
@@ -137,8 +154,8 @@ class MessagesRequest(MessagesInput):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, description="0 is off")
-    metadata: dict[str, Any] | None = Field(None, description="ignored")
-    service_tier: str | None = Field(None, description="ignored")
+    metadata: dict[str, Any] | None = ignored("client metadata")
+    service_tier: str | None = ignored("one station serves every request alike")
 
 
 # ---- replies -----------------------------------------------------------------------------------------------------
@@ -184,6 +201,12 @@ class MessageReply(Reply):
 
 class CountTokensReply(Reply):
     input_tokens: int
+
+
+class HelloReply(Reply):
+    """`GET /api/hello`: the server answers (Claude Code sends `HEAD /api/hello` to open its connection)."""
+
+    status: Literal["ok"]
 
 
 class MessageStart(Reply):

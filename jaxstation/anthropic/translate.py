@@ -10,6 +10,12 @@ name the Messages fields (`max_tokens`, `stop_sequences`, `output_config.format`
 
 A system text block that starts with `x-anthropic-billing-header:` is not prompt: Claude Code opens its system prompt
 with one whose hash changes every session, and kept, it would end every session's cached prefix at its first line.
+
+A tool with `defer_loading` is left out of the prompt until a `tool_reference` block in a tool result names it. The
+reference shows the tool's definition there, in the tool's turn, as Anthropic's API does (a `<functions>` block of
+`<function>` lines, what Claude Code's tool search tells the model to expect), and from then on the tool can be
+called. The chat template's tool list, at the head of the prompt, stays the same as tools load, so the prefix cache
+keeps the conversation's prompt.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import json
 from typing import Any
 
 from jaxstation.anthropic import protocol as a
-from jaxstation.chat.request import ChatRequest, Sampling, function_tool, sampling_params, turn
+from jaxstation.chat.request import ChatRequest, Sampling, bad, function_tool, sampling_params, turn
 from jaxstation.chat.run import Choice, Run
 from jaxstation.engine.constraints import ConstraintSpec
 
@@ -40,10 +46,27 @@ def _system(content: str | list) -> str:
     return _text(content)
 
 
-def _user_turns(content: str | list) -> list[dict]:
+def _references(block: a.ToolResultBlock) -> list[tuple[int, a.ToolReferenceBlock]]:
+    """The tool_reference blocks of a tool result, with their indices in its content."""
+    content = block.content if isinstance(block.content, list) else []
+    return [(k, b) for k, b in enumerate(content) if isinstance(b, a.ToolReferenceBlock)]
+
+
+def _result(block: a.ToolResultBlock, tools: dict[str, dict]) -> str:
+    """A tool result's text, each tool it references shown by its definition."""
+    text, refs = _text(block.content), [tools[b.tool_name]["function"] for _, b in _references(block)]
+    if not refs:
+        return text
+    shown = [{"description": f.get("description", ""), "name": f["name"], "parameters": f["parameters"]} for f in refs]
+    functions = "<functions>\n" + "".join(f"<function>{json.dumps(d)}</function>\n" for d in shown) + "</functions>"
+    return f"{text}\n{functions}" if text else functions
+
+
+def _user_turns(content: str | list, tools: dict[str, dict]) -> list[dict]:
     if isinstance(content, str):
         return [turn("user", content)]
-    out = [turn("tool", _text(b.content), call_id=b.tool_use_id) for b in content if isinstance(b, a.ToolResultBlock)]
+    out = [turn("tool", _result(b, tools), call_id=b.tool_use_id) for b in content
+           if isinstance(b, a.ToolResultBlock)]
     texts = [b.text for b in content if isinstance(b, a.TextBlock)]
     return out + ([turn("user", "\n".join(texts))] if texts else [])
 
@@ -55,8 +78,8 @@ def _assistant_turn(content: str | list) -> dict:
                 calls=[(b.id, b.name, b.input) for b in content if isinstance(b, a.ToolUseBlock)])
 
 
-def messages(req: a.MessagesInput) -> list[dict]:
-    """The request's system prompt and messages as the chat template's messages."""
+def messages(req: a.MessagesInput, tools: dict[str, dict]) -> list[dict]:
+    """The request's system prompt and messages as the chat template's messages; `tools`: the custom tools by name."""
     out: list[dict] = []
     if req.system and (system := _system(req.system)):
         out.append(turn("system", system))
@@ -64,8 +87,21 @@ def messages(req: a.MessagesInput) -> list[dict]:
         if m.role == "system":
             out.append(turn("system", _system(m.content)))
         else:
-            out += _user_turns(m.content) if m.role == "user" else [_assistant_turn(m.content)]
+            out += _user_turns(m.content, tools) if m.role == "user" else [_assistant_turn(m.content)]
     return out
+
+
+def loaded(req: a.MessagesInput, tools: dict[str, dict]) -> set[str]:
+    """The tools the conversation's tool results reference, or a 400 naming a reference to no tool of the request."""
+    names = set()
+    for i, m in enumerate(req.messages):
+        for j, block in enumerate(m.content if isinstance(m.content, list) else ()):
+            for k, ref in _references(block) if isinstance(block, a.ToolResultBlock) else ():
+                if ref.tool_name not in tools:
+                    field = f"messages[{i}].content[{j}].content[{k}].tool_name"
+                    raise bad(field, f"{field} names {ref.tool_name!r}, which is not among the tools")
+                names.add(ref.tool_name)
+    return names
 
 
 def chat_request(req: a.MessagesInput) -> ChatRequest:
@@ -78,10 +114,13 @@ def chat_request(req: a.MessagesInput) -> ChatRequest:
     if req.output_config is not None and req.output_config.format is not None:
         schema = req.output_config.format.schema_ or {"type": "object"}
         sampling = dataclasses.replace(sampling, formats=(ConstraintSpec("json", schema, "output_config.format"),))
+    custom = [t for t in req.tools or () if isinstance(t, a.CustomTool)]
+    tools = {t.name: function_tool(t.name, t.description or None, t.input_schema) for t in custom}
+    references = loaded(req, tools)
     return ChatRequest(
-        messages=messages(req), sampling=sampling,
-        tools=tuple(function_tool(t.name, t.description or None, t.input_schema) for t in req.tools or ()
-                    if isinstance(t, a.ToolDefinition)),
+        messages=messages(req, tools), sampling=sampling,
+        tools=tuple(tools[t.name] for t in custom if not t.defer_loading),
+        loaded_tools=tuple(tools[t.name] for t in custom if t.defer_loading and t.name in references),
         tool_choice={a.ToolChoiceAuto: "auto", a.ToolChoiceAny: "required", a.ToolChoiceNone: "none"}.get(type(choice)),
         named_tool=choice.name if isinstance(choice, a.ToolChoiceTool) else None,
         parallel_tool_calls=not getattr(choice, "disable_parallel_tool_use", None),
@@ -115,12 +154,17 @@ def usage(run: Run) -> a.MessagesUsage:
                            cache_creation_input_tokens=0, cache_read_input_tokens=n.cached)
 
 
-def reply(run: Run, head: dict) -> a.MessageReply:
-    """The Messages reply of a finished run (one choice)."""
+def shows_thinking(req: a.MessagesRequest) -> bool:
+    """Whether the reply's thinking blocks carry their text: not with `thinking.display: "omitted"`."""
+    return req.thinking is None or req.thinking.display != "omitted"
+
+
+def reply(run: Run, head: dict, show_thinking: bool) -> a.MessageReply:
+    """The Messages reply of a finished run (one choice); its thinking without its text unless `show_thinking`."""
     c = run.choices[0]
     blocks: list[a.ContentBlock] = []
     if c.thinking:
-        blocks.append(a.ThinkingOut(type="thinking", thinking=c.thinking, signature=""))
+        blocks.append(a.ThinkingOut(type="thinking", thinking=c.thinking if show_thinking else "", signature=""))
     if c.content:
         blocks.append(a.TextOut(type="text", text=c.content))
     for call in c.calls:

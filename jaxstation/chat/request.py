@@ -132,7 +132,8 @@ class ChatRequest:
 
     messages: list[dict]
     sampling: Sampling
-    tools: tuple[dict, ...] = ()
+    tools: tuple[dict, ...] = ()  # listed in the prompt by the chat template
+    loaded_tools: tuple[dict, ...] = ()  # callable too, their definitions in the conversation (a deferred tool loaded)
     tool_choice: str | None = None  # none, auto or required; None: auto with tools, else none
     named_tool: str | None = None  # the function a named tool choice calls
     parallel_tool_calls: bool = True
@@ -251,20 +252,21 @@ def plan_run(prompts: list[list[int]], s: Sampling, chat: bool, max_request_toke
 def tool_plan(req: ChatRequest) -> ToolPlan | None:
     """The request's tools and tool choice as a plan, or None when no tool may be called."""
     choice_param, tools_param = req.names.get("tool_choice", "tool_choice"), req.names.get("tools", "tools")
-    choice = "named" if req.named_tool is not None else (req.tool_choice or ("auto" if req.tools else "none"))
-    if not req.tools:
+    tools = req.tools + req.loaded_tools
+    choice = "named" if req.named_tool is not None else (req.tool_choice or ("auto" if tools else "none"))
+    if not tools:
         if choice != "none":
             raise bad(choice_param, f"{choice_param} needs {tools_param}")
         return None
     if choice == "none":
         return None
-    names = [t["function"]["name"] for t in req.tools]
+    names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise bad(tools_param, f"{tools_param} must have distinct function names")
     if req.named_tool is not None and req.named_tool not in names:
         raise bad(choice_param, f"{choice_param} names {req.named_tool!r}, which is not among the {tools_param} "
                                 f"({', '.join(names)})")
-    return ToolPlan(choice, req.tools, req.named_tool, req.parallel_tool_calls)
+    return ToolPlan(choice, tools, req.named_tool, req.parallel_tool_calls)
 
 
 def render_chat(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = True,
@@ -286,7 +288,7 @@ def chat_prompt(req: ChatRequest, tok: Tokenizer) -> tuple[ToolPlan | None, list
     if not req.messages:
         raise bad(param, f"{param} holds no message for the prompt")
     tools = tool_plan(req)
-    messages, variables = template_messages(tok, req.messages, list(tools.tools) if tools else None)
+    messages, variables = template_messages(tok, req.messages, list(req.tools) if tools else None)
     prompt = render_chat(tok, messages, req.add_generation_prompt, req.add_special_tokens,
                          {**variables, **req.template_kwargs}, param)
     if req.truncate_prompt_tokens is not None:

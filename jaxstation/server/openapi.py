@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 _REF = "#/components/schemas/{model}"
+OPEN_PATHS = frozenset({"/health", "/ready", "/api/hello"})  # never need the API key
 _STATUS_TEXT = {400: "Bad request: the error names the field", 401: "A missing or wrong API key",
                 404: "No such resource", 409: "A conflict: a name already taken, or no room left",
                 413: "The body is over the size limit",
@@ -79,7 +80,7 @@ class _Schemas:
 
 
 def openapi_document(endpoints: Sequence[Endpoint], *, title: str, version: str, api_key: bool) -> dict[str, Any]:
-    """OpenAPI 3.1 for `endpoints`. api_key: whether the routes other than /health and /ready need a bearer key."""
+    """OpenAPI 3.1 for `endpoints`. api_key: whether the routes other than OPEN_PATHS need a bearer key."""
     schemas = _Schemas()
     paths: dict[str, Any] = {}
     for e in endpoints:
@@ -97,7 +98,7 @@ def openapi_document(endpoints: Sequence[Endpoint], *, title: str, version: str,
             content["text/event-stream"] = {"schema": {"type": "object", "required": ["data"],
                                                        "properties": {"event": {"type": "string"}, "data": data}}}
         error = {"application/json": {"schema": error_ref}}
-        statuses = e.statuses + ((401,) if api_key and e.path not in ("/health", "/ready") else ())
+        statuses = e.statuses + ((401,) if api_key and e.path not in OPEN_PATHS else ())
         op: dict[str, Any] = {
             "summary": e.summary,
             "operationId": e.method.lower() + e.path.replace("/", "_"),
@@ -105,7 +106,7 @@ def openapi_document(endpoints: Sequence[Endpoint], *, title: str, version: str,
                              for s in e.ok_statuses},
                           **{str(s): {"description": _STATUS_TEXT[s], "content": error} for s in sorted(statuses)}},
         }
-        if api_key and e.path in ("/health", "/ready"):
+        if api_key and e.path in OPEN_PATHS:
             op["security"] = []
         if names := re.findall(r"{(\w+)}", e.path):
             op["parameters"] = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}

@@ -33,7 +33,7 @@ from jaxstation.engine.jobs import Job, Result
 from jaxstation.server.access_log import AccessLogMiddleware
 from jaxstation.server.errors import OPENAI_PATHS, StationError, error_response
 from jaxstation.server.http_common import read_json, until_disconnect
-from jaxstation.server.openapi import Endpoint, openapi_endpoint, routes
+from jaxstation.server.openapi import OPEN_PATHS, Endpoint, openapi_endpoint, routes
 from jaxstation.server.outcomes import OUTCOMES, STATION_INVALID, Disconnected, check_ready, failure, wait_for
 from jaxstation.server.protocol import (
     ErrorResponse,
@@ -51,11 +51,9 @@ from jaxstation.server.protocol import (
 from jaxstation.server.station import Station
 from jaxstation.server.web.page import is_web_path, web_routes
 
-OPEN_PATHS = frozenset({"/health", "/ready"})  # never need the API key
-
 
 class ApiKeyMiddleware:
-    """Pure ASGI: with the station's api_key set, every HTTP route but /health, /ready and the chat page's files (the
+    """Pure ASGI: with the station's api_key set, every HTTP route but OPEN_PATHS and the chat page's files (the
     page itself asks for the key and sends it on its API calls) needs the key, sent as
     `Authorization: Bearer <key>` or (Anthropic's clients) `x-api-key: <key>`."""
 
