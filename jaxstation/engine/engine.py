@@ -1,24 +1,23 @@
-"""The runner: owns the weights, the KV arena and the compiled steps, and speaks in host-side lanes and tokens. Only one
-thread may call an Engine (the scheduler's decode thread, or a caller holding the serialize lock). Every call runs one
-of a fixed set of compiled programs whose shapes depend only on the station's settings (lanes, chunk, block, wave
-widths): that is what keeps a request's tokens independent of its neighbours. A decode wave runs at the narrowest of the
-engine's `wave_widths` that holds its live lanes. Narrower widths than the arena exist only when every matmul runs on
-the CPU kernel, which computes a row alike at any width; otherwise every wave is full width. Prefill and decode steps
-always return the logits they compute, and the host drops them unless asked: one program per shape whether or not a
-caller reads logits. The warm-up times one greedy run of each decode and packed step after compiling it; `turn_rows`
-reads those times to keep a packed turn that carries decode rows within DECODE_WAIT of their plain wave, so running
-lanes keep their pace while prompts enter.
+"""The runner: owns the weights, the KV arena and the compiled steps, and speaks in host-side lanes and tokens.
+
+Only one thread may call an Engine (the scheduler's decode thread, or a caller holding the serialize lock). Every call
+runs one of a fixed set of compiled programs whose shapes depend only on the station's settings (lanes, chunk, block,
+wave widths): that is what keeps a request's tokens independent of its neighbours. A decode wave runs at the narrowest
+of the engine's `wave_widths` that holds its live lanes. Narrower widths than the arena exist only when every matmul
+runs on the CPU kernel, which computes a row alike at any width; otherwise every wave is full width. Prefill and decode
+steps always return the logits they compute, and the host drops them unless asked: one program per shape whether or
+not a caller reads logits. Every step of rows is built by `rows.step_arrays`; the warm-up is engine/warmup.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
+from jaxstation.engine import warmup
 from jaxstation.engine.arena import (
     KVBuffers,
     allocate_arena,
@@ -33,14 +32,17 @@ from jaxstation.engine.penalties import lane_rows, start_lane
 from jaxstation.engine.prefix_cache import LaneVersions, RingHold
 from jaxstation.engine.rows import (
     DecodeRow,
-    PackedRows,
+    FedRow,
     PromptPiece,
     Sample,
+    SampledRow,
     SamplingParams,
     packed_rows,
     penalty_arrays,
     read_samples,
     sampling_arrays,
+    step_arrays,
+    wave_rows,
 )
 from jaxstation.engine.rules import (
     attention_refusal,
@@ -50,19 +52,16 @@ from jaxstation.engine.rules import (
     narrow_waves,
     pack_slots,
     pack_widths,
-    tier_refusal,
     widths_refusal,
 )
+from jaxstation.engine.runner import ChunkPrefill, PromptChunk
 from jaxstation.engine.steps import prefill_chunk, step_rows
-from jaxstation.kernels import host_memory
 from jaxstation.model.layers import with_lora, write_adapter
 from jaxstation.model.loader import LoadedModel
 from jaxstation.model.sharding import mesh_of
 
-DECODE_WAIT = 2.0  # a packed turn that carries decode rows takes at most about this many of their plain waves
 
-
-class Engine:
+class Engine(ChunkPrefill):
     """Lanes over one KV arena: `begin` sets a lane's token state, `prefill` fills it, `decode` advances the lanes."""
 
     token_controls = True  # penalties, logit_bias and min_tokens are applied (from the arena's token state)
@@ -87,28 +86,25 @@ class Engine:
         self.kv_dtype = kv_dtype_of(kv_dtype, model.params.dtype)
         if refusal := attention_refusal(model.cfg, attention, model.params.dtype, max_seq, self.kv_dtype):
             raise ValueError(f"attention={attention!r} {refusal}")
-        row_invariant = model.params.row_invariant
-        narrow = narrow_waves(row_invariant, attention)
-        widths = default_wave_widths(lanes, narrow) if wave_widths is None else tuple(sorted(set(wave_widths)))
-        budget = default_prefill_budget(lanes, narrow) if prefill_budget is None else prefill_budget
-        if refusal := (widths_refusal(widths, lanes, row_invariant, attention)
-                       or budget_refusal(budget, lanes, row_invariant, attention)):
-            raise ValueError(refusal)
-        self.wave_widths = widths
-        self.verify_rows = lanes if speculative and len(widths) > 1 else 0  # verify steps are narrow waves' rows
-        self.prefill_budget = budget
-        self.pack_widths = pack_widths(budget) if budget else ()
-        if jax.default_backend() == "cpu":
-            host_memory.keep_freed_memory()  # a step's temporary buffer is not paged in afresh every call
-        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self.wave_widths, self.prefill_budget = _shapes(lanes, model.params.row_invariant, attention, wave_widths,
+                                                        prefill_budget)
+        self.verify_rows = lanes if speculative and len(self.wave_widths) > 1 else 0  # narrow waves' rows
+        self.pack_widths = pack_widths(self.prefill_budget) if self.prefill_budget else ()
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
         if max_loras:
             model = dataclasses.replace(model, params=with_lora(model.cfg, model.params, max_loras + 1, max_lora_rank))
         self.lane_lora = np.zeros(lanes, np.int32)  # each lane's LoRA slot, set by `begin`
-        self.model, self.cfg = model, model.cfg
-        self.lanes, self.max_seq, self.chunk, self.block, self.attention = lanes, max_seq, chunk, block, attention
+        self.model = model
+        self.cfg = model.cfg
+        self.lanes = lanes
+        self.max_seq = max_seq
+        self.chunk = chunk
+        self.block = block
+        self.attention = attention
         self.scratch_pos = max_seq - 1  # never holds a request's k/v: prompt + new tokens <= max_seq - 1 fed
         self.ring, self.windowed = arena_layout(self.cfg, max_seq, block, kv_windows, model.params.layer_loop,
-                                                chunk=chunk, budget=budget, verify_rows=self.verify_rows)
+                                                chunk=chunk, budget=self.prefill_budget, verify_rows=self.verify_rows)
         self.arena = None
         self.lane_versions = LaneVersions(lanes)
         self.ring_hold = RingHold(lanes, self.ring, self.cfg.sliding_window or 0)
@@ -128,7 +124,8 @@ class Engine:
         self.arena = allocate_arena(self.cfg, self.lanes, self.max_seq, self.kv_dtype, token_state=True,
                                     mesh=mesh_of(self.params), ring=self.ring, windowed=self.windowed)
 
-    def reuse_floor(self, lane: int) -> int:  # the lowest restart above 0 whose window `lane`'s rings still hold
+    def reuse_floor(self, lane: int) -> int:
+        """The lowest restart above 0 whose window `lane`'s rings still hold (0: any)."""
         return self.ring_hold.floor(lane)
 
     def save_prefix(self, lane: int, n: int) -> KVBuffers:
@@ -176,44 +173,17 @@ class Engine:
         tokens = start_lane(self.arena.tokens, np.int32(lane), marks, bias)
         self.arena = dataclasses.replace(self.arena, tokens=tokens)
 
-    def prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
-                return_logits: bool = False, mask: np.ndarray | None = None) -> tuple[Sample | None, jax.Array | None]:
-        """Feed prompt[start:start + chunk] into `lane`. When that reaches the prompt's end, sample its first token
-        (from the tokens `mask` [words] allows, when given).
-
-        `start` must be a multiple of the chunk; chunks of one prompt go in order, after `begin`.
-        """
-        sample, logits, _ = self._prefill(lane, prompt, start, sampling, return_logits, False, mask)
-        return sample, logits
-
-    def prefill_scored(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
-                       mask: np.ndarray | None = None) -> tuple[Sample | None, list[Sample]]:
-        """`prefill`, and for every prompt position p in (start, start + chunk] the model's log-probability of
-        prompt[p] given prompt[:p], with its top alternatives (one Sample each, in order; token is prompt[p])."""
-        sample, _, scored = self._prefill(lane, prompt, start, sampling, False, True, mask)
-        return sample, scored
-
-    def _prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams, return_logits: bool,
-                 scored: bool, mask: np.ndarray | None) -> tuple[Sample | None, jax.Array | None, list[Sample]]:
-        if start % self.chunk:
-            raise ValueError(f"prefill start {start} is not a multiple of the chunk {self.chunk}")
-        piece = list(prompt[start:start + self.chunk])
-        last = start + len(piece) >= len(prompt)
-        tokens = np.zeros(self.chunk, np.int32)
-        tokens[:len(piece)] = piece
-        targets = None
-        if scored:
-            following = list(prompt[start + 1:start + 1 + self.chunk])  # row r's next prompt token
-            targets = np.zeros(self.chunk, np.int32)
-            targets[:len(following)] = following
-        self._wrote([lane] * self.chunk, range(start, start + self.chunk))
+    def _prefill(self, lane: int, chunk: PromptChunk, sampling: SamplingParams, return_logits: bool, scored: bool,
+                 mask: np.ndarray | None) -> tuple[Sample | None, jax.Array | None, list[Sample]]:
+        """One `prefill_chunk` step of `chunk` into `lane` (`ChunkPrefill`)."""
+        self._wrote([lane] * self.chunk, range(chunk.start, chunk.start + self.chunk))
         self.arena, out, logits, rows = prefill_chunk(
-            self.cfg, self.params, self.arena, np.int32(lane), np.int32(start), tokens, np.int32(len(piece)),
-            sampling_arrays([(sampling, 0)]), targets, penalty_arrays([(sampling, 0)], self.cfg.vocab_size, [mask]),
-            self._adapters(lane), block=self.block, last=last, return_logits=True, prompt_logprobs=scored,
-            attention=self.attention)
-        logits = logits if return_logits else None
-        return (read_samples(out)[0] if last else None), logits, (read_samples(rows)[:len(following)] if scored else [])
+            self.cfg, self.params, self.arena, np.int32(lane), np.int32(chunk.start), chunk.tokens,
+            np.int32(len(chunk.piece)), sampling_arrays([(sampling, 0)]), chunk.targets if scored else None,
+            penalty_arrays([(sampling, 0)], self.cfg.vocab_size, [mask]), self._adapters(lane), block=self.block,
+            last=chunk.last, return_logits=True, prompt_logprobs=scored, attention=self.attention)
+        sample = read_samples(out)[0] if chunk.last else None
+        return sample, logits if return_logits else None, read_samples(rows)[:len(chunk.following)] if scored else []
 
     def decode(self, rows: Sequence[DecodeRow | None], return_logits: bool = False
                ) -> tuple[list[Sample | None], jax.Array | None]:
@@ -235,25 +205,17 @@ class Engine:
                              f"{self.wave_widths})")
         full = width == self.lanes
         order = list(range(self.lanes)) if full else live + [i for i, r in enumerate(rows) if r is None]
-        order = order[:width]
-        wave = [rows[i] for i in order]
-        positions = np.array([r.position if r else self.scratch_pos for r in wave], np.int32)
-        tokens = np.array([r.token if r else 0 for r in wave], np.int32)
-        n_blocks = np.int32(max(rows[i].position for i in live) // self.block + 1)
-        per_row = [(r.sampling, r.counter) if r else None for r in wave]
-        self._wrote(live, [rows[i].position for i in live])  # idle rows write only the scratch slot
-        self.arena, out, logits = step_rows(
-            self.cfg, self.params, self.arena, positions, tokens, n_blocks, sampling_arrays(per_row),
-            None if full else np.array(order, np.int32),
-            penalty_arrays(per_row, self.cfg.vocab_size, [r.mask if r else None for r in wave]),
-            adapters=self._adapters(order), block=self.block, attention=self.attention, return_logits=True)
-        logits = logits if return_logits else None
+        fed, samplers = wave_rows([(i, rows[i]) for i in order[:width]], width)
+        out, logits = self._run(fed, samplers, by_lane=not full, picks=False, return_logits=True)
         samples: list[Sample | None] = [None] * self.lanes
-        for lane, sample, r in zip(order, read_samples(out), wave, strict=True):
-            if r is not None:
-                samples[lane] = sample
-        if logits is not None and not full:
-            logits = jax.numpy.zeros((self.lanes, logits.shape[1]), logits.dtype).at[np.array(order)].set(logits)
+        for row, sample in zip(fed, out, strict=True):
+            if row.position is not None:
+                samples[row.lane] = sample
+        if not return_logits:
+            return samples, None
+        if not full:
+            logits = jax.numpy.zeros((self.lanes, logits.shape[1]), logits.dtype).at[np.array(order[:width])].set(
+                logits)
         return samples, logits
 
     def verify(self, rows: Sequence[DecodeRow | None]) -> list[list[Sample] | None]:
@@ -269,20 +231,10 @@ class Engine:
         if not 0 < len(steps) <= self.verify_rows:
             raise ValueError(f"{len(steps)} rows cannot run as a verify step (at most {self.verify_rows})")
         width = next(w for w in self.wave_widths if w >= len(steps))
-        pad = width - len(steps)
-        per_row = [(r.sampling, r.counter) for _, r in steps] + [None] * pad
-        self._wrote([lane for lane, _ in steps], [r.position for _, r in steps])
-        self.arena, out, _ = step_rows(
-            self.cfg, self.params, self.arena, np.array([r.position for _, r in steps] + [self.scratch_pos] * pad,
-                                                        np.int32),
-            np.array([r.token for _, r in steps] + [0] * pad, np.int32),
-            np.int32(max(r.position for _, r in steps) // self.block + 1), sampling_arrays(per_row),
-            np.array([lane for lane, _ in steps] + [0] * pad, np.int32),
-            penalty_arrays(per_row, self.cfg.vocab_size, [r.mask for _, r in steps] + [None] * pad),
-            adapters=self._adapters([lane for lane, _ in steps] + [0] * pad), block=self.block,
-            attention=self.attention, return_logits=True)
+        fed, samplers = wave_rows(steps, width)
+        out, _ = self._run(fed, samplers, by_lane=True, picks=False, return_logits=True)
         samples: list[list[Sample] | None] = [None] * self.lanes
-        for (lane, _), sample in zip(steps, read_samples(out), strict=False):
+        for (lane, _), sample in zip(steps, out, strict=False):
             samples[lane] = (samples[lane] or []) + [sample]
         return samples
 
@@ -290,20 +242,27 @@ class Engine:
              ) -> list[Sample | None]:
         """One packed step: every piece's prompt tokens and every decode row (rows[i] feeds lane i) as rows of one
         call, at the narrowest pack width that holds them, sampling `sampled` rows (default: the fewest of the width's
-        `pack_slots` that hold them). Returns, per lane, the sample of its decode row or of its piece that ends its
-        prompt (None elsewhere). Pieces of one lane go in order, after `begin`."""
+        `pack_slots` that hold them). Padding rows feed token 0 into lane 0's scratch slot, idle slots sample row 0
+        greedily. Returns, per lane, the sample of its decode row or of its piece that ends its prompt (None
+        elsewhere). Pieces of one lane go in order, after `begin`."""
         if not self.prefill_budget:
             raise ValueError("this engine does not pack (prefill_budget 0)")
         if len(rows) != self.lanes:
             raise ValueError(f"pack needs one decode row per lane ({self.lanes}), got {len(rows)}")
         packed = packed_rows(pieces, rows)
-        if not packed.tokens:
+        if not packed.rows:
             return [None] * self.lanes
-        if len(packed.tokens) > self.prefill_budget or len({s.lane for s in packed.sampled}) < len(packed.sampled):
-            raise ValueError(f"{len(packed.tokens)} rows exceed the prefill budget ({self.prefill_budget}), or a lane "
+        if len(packed.rows) > self.prefill_budget or len({s.lane for s in packed.sampled}) < len(packed.sampled):
+            raise ValueError(f"{len(packed.rows)} rows exceed the prefill budget ({self.prefill_budget}), or a lane "
                              "samples twice")
-        width, slots = self._packed_shape(len(packed.tokens), len(packed.sampled), sampled)
-        return self._run_packed(packed, width, slots)
+        width, slots = self._packed_shape(len(packed.rows), len(packed.sampled), sampled)
+        fed = [*packed.rows, *[FedRow(0)] * (width - len(packed.rows))]
+        samplers: list[SampledRow | None] = [*packed.sampled, *[None] * (slots - len(packed.sampled))]
+        out, _ = self._run(fed, samplers, by_lane=True, picks=True, return_logits=False)
+        samples: list[Sample | None] = [None] * self.lanes
+        for s, sample in zip(packed.sampled, out, strict=False):
+            samples[s.lane] = sample
+        return samples
 
     def _packed_shape(self, rows: int, sampling_rows: int, sampled: int | None) -> tuple[int, int]:
         """(rows, sampled rows) of the compiled packed step that runs `rows` rows of which `sampling_rows` sample: the
@@ -315,23 +274,19 @@ class Engine:
             raise ValueError(f"{sampling_rows} sampled rows cannot run as {slots} of a {width}-row step ({options})")
         return width, slots
 
-    def _run_packed(self, packed: PackedRows, width: int, slots: int) -> list[Sample | None]:
-        """Run `packed` as one `width`-row step sampling `slots` rows: padding rows feed token 0 into lane 0's scratch
-        slot, idle slots sample row 0 greedily. Returns the samples by lane."""
-        pad, idle = width - len(packed.tokens), [None] * (slots - len(packed.sampled))
-        per_slot = [(s.sampling, s.counter) for s in packed.sampled] + idle
-        self._wrote(packed.lanes, packed.positions)  # padding rows write only lane 0's scratch slot
-        self.arena, out, _ = step_rows(
-            self.cfg, self.params, self.arena, np.array(packed.positions + [self.scratch_pos] * pad, np.int32),
-            np.array(packed.tokens + [0] * pad, np.int32), np.int32(max(packed.positions) // self.block + 1),
-            sampling_arrays(per_slot), np.array(packed.lanes + [0] * pad, np.int32),
-            penalty_arrays(per_slot, self.cfg.vocab_size, [s.mask for s in packed.sampled] + idle),
-            np.array([s.row for s in packed.sampled] + [0] * len(idle), np.int32),
-            self._adapters(packed.lanes + [0] * pad), block=self.block, attention=self.attention)
-        samples: list[Sample | None] = [None] * self.lanes
-        for s, sample in zip(packed.sampled, read_samples(out), strict=False):
-            samples[s.lane] = sample
-        return samples
+    def _run(self, fed: Sequence[FedRow], samplers: Sequence[SampledRow | None], *, by_lane: bool, picks: bool,
+             return_logits: bool) -> tuple[list[Sample], jax.Array | None]:
+        """One `step_rows` step of the rows `fed`, sampling `samplers` (`rows.step_arrays`). by_lane: the step names
+        each row's lane (else row r is lane r: a full-width wave); picks: `samplers` name the rows they sample (else
+        every row samples). Returns the samples, one per sampler, and the logits where asked."""
+        arrays = step_arrays(fed, samplers, self.scratch_pos, self.block, self.cfg.vocab_size)
+        live = [r for r in fed if r.position is not None]
+        self._wrote([r.lane for r in live], [r.position for r in live])  # idle rows write only scratch slots
+        self.arena, out, logits = step_rows(
+            self.cfg, self.params, self.arena, arrays.positions, arrays.tokens, arrays.n_blocks, arrays.sampling,
+            arrays.lanes if by_lane else None, arrays.penalties, arrays.picks if picks else None,
+            self._adapters(arrays.lanes), block=self.block, attention=self.attention, return_logits=return_logits)
+        return read_samples(out), logits
 
     def _adapters(self, lanes: int | Sequence[int]) -> np.ndarray | None:
         """The LoRA slot of each of `lanes` (rows of a step; one lane for a prefill chunk), or None where the engine
@@ -346,78 +301,30 @@ class Engine:
         self.model = dataclasses.replace(self.model, params=write_adapter(self.params, slot, layers))
 
     def turn_rows(self, decode_rows: int) -> int:
-        """The most rows of a packed turn that carries `decode_rows` decode rows: the widest packed step whose warm-up
-        run (sampling those rows and one more) took at most DECODE_WAIT times the plain wave of those rows, and at
-        least the narrowest with room for one prompt row (every width before the warm-up has timed them)."""
-        if not decode_rows:
-            return self.prefill_budget
-        wave = self.step_s.get(("decode", next(w for w in self.wave_widths if w >= decode_rows)))
-
-        def took(w: int) -> float:
-            n = next((n for n in pack_slots(w, self.lanes) if n > decode_rows), None)
-            return float("inf") if n is None else self.step_s.get(("pack", w, n), float("inf"))
-
-        fits = [w for w in self.pack_widths if w > decode_rows and (wave is None or took(w) <= DECODE_WAIT * wave)]
-        room = next((w for w in self.pack_widths if w > decode_rows), self.prefill_budget)
-        return max([*fits, room])
-
-    def _timed(self, key: tuple[str, int] | tuple[str, int, int], run: Callable[[], object]) -> None:
-        t0 = time.perf_counter()
-        run()
-        jax.block_until_ready(self.arena)
-        self.step_s[key] = time.perf_counter() - t0
+        """The most rows of a packed turn that carries `decode_rows` decode rows (`warmup.turn_rows`)."""
+        return warmup.turn_rows(self, decode_rows)
 
     def warmup_steps(self) -> list[tuple[str, Callable[[], object]]]:
-        """Every step shape the station runs, as (name, run it once on lane 0, and on more lanes where a packed step is
-        wider than one context); the first run of each compiles it."""
-        prompt = [0] * (self.chunk + 1)
-        idle: list[DecodeRow | None] = [None] * (self.lanes - 1)
-        sampled = [DecodeRow(0, len(prompt), SamplingParams(temperature=1.0, top_p=0.9), 0)] + idle
-        greedy = [DecodeRow(0, len(prompt), SamplingParams(), 0)] + idle
-        penalized = SamplingParams(repetition_penalty=1.1)
-        steps: list[tuple[str, Callable[[], object]]] = [
-            ("begin", lambda: self.begin(0, prompt, penalized, frozenset())),
-            ("prefill", lambda: self.prefill(0, prompt, 0, SamplingParams())),  # a middle chunk
-            ("prefill_last", lambda: self.prefill(0, prompt, self.chunk, SamplingParams())),  # a last chunk: samples
-        ]
-        if tier_refusal(self) is None:  # the prefix cache's host tier copies a chunk each way
-            steps.append(("prefix_copy", lambda: self.restore_prefix(0, self.save_prefix(0, self.chunk), self.chunk,
-                                                                     self.save_window(0, self.chunk))))
-        for w in self.wave_widths:
-            name = "decode" if w == self.lanes else f"decode_{w}"
-            steps.append((name, lambda w=w: (self._wave(sampled, w, False), self._wave(greedy, w, False),
-                                             self._timed(("decode", w), lambda: self._wave(greedy, w, False)))))
-        if self.verify_rows:  # the full-width verify step: the narrower ones are the narrow waves' programs
-            drafted = [dataclasses.replace(r[0], drafts=(0,) * (self.lanes - 1)) for r in (sampled, greedy)]
-            steps.append(("verify", lambda: [self.verify([r] + idle) for r in drafted]))
-        for w in self.pack_widths:
-            for n in pack_slots(w, self.lanes):
-                if len(self._warmup_pieces(w, greedy[0].sampling)) > n:  # a context too short to fill w from n lanes
-                    continue
-                name = f"pack_{w}" if n == min(w, self.lanes) else f"pack_{w}_{n}"
-                steps.append((name, lambda w=w, n=n: (
-                    self.pack(self._warmup_pieces(w, sampled[0].sampling), [None] * self.lanes, n),
-                    self._timed(("pack", w, n), lambda: self.pack(self._warmup_pieces(w, greedy[0].sampling),
-                                                                  [None] * self.lanes, n)))))
-        return steps
-
-    def _warmup_pieces(self, rows: int, sampling: SamplingParams) -> list[PromptPiece]:
-        """Whole prompts that fill `rows` rows of a packed step: lane 0 first, each lane at most a context's worth
-        (max_seq - 1 tokens), so a budget wider than the context spreads over lanes. A budget wider than every lane's
-        context together runs the widest step those prompts reach, the widest any request can."""
-        pieces, left = [], rows
-        for lane in range(self.lanes):
-            n = min(left, self.max_seq - 1)
-            if n < 1:
-                break
-            pieces.append(PromptPiece(lane, [0] * n, 0, n, sampling))
-            left -= n
-        return pieces
+        """Every step shape the station runs, as (name, run it once): `warmup.warmup_steps`."""
+        return warmup.warmup_steps(self)
 
     def warmup(self) -> None:
         """Compile and run every step the station uses (`warmup_steps`), leaving no request state behind."""
         for _, run in self.warmup_steps():
             run()
+
+
+def _shapes(lanes: int, row_invariant: bool, attention: str, wave_widths: Sequence[int] | None,
+            prefill_budget: int | None) -> tuple[tuple[int, ...], int]:
+    """(the decode wave widths, the packed admission budget) of an engine: those given, or the rules' defaults;
+    raises ValueError where the rules refuse them."""
+    narrow = narrow_waves(row_invariant, attention)
+    widths = default_wave_widths(lanes, narrow) if wave_widths is None else tuple(sorted(set(wave_widths)))
+    budget = default_prefill_budget(lanes, narrow) if prefill_budget is None else prefill_budget
+    if refusal := (widths_refusal(widths, lanes, row_invariant, attention)
+                   or budget_refusal(budget, lanes, row_invariant, attention)):
+        raise ValueError(refusal)
+    return widths, budget
 
 
 def generate(engine: Engine, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,

@@ -131,8 +131,17 @@ class PromptPiece:
 
 
 @dataclasses.dataclass(frozen=True)
+class FedRow:
+    """A row of a step: `token` fed into `lane` at `position`, or, idle (position None), the lane's scratch slot."""
+
+    lane: int
+    token: int = 0
+    position: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class SampledRow:
-    """A row of a packed step that samples: its index among the step's rows, its lane, and how it samples."""
+    """A row of a step that samples: its index among the step's rows, its lane, and how it samples."""
 
     row: int
     lane: int
@@ -143,22 +152,18 @@ class SampledRow:
 
 @dataclasses.dataclass
 class PackedRows:
-    """A packed step's rows before padding: per row its token, position and lane, and the rows that sample."""
+    """A packed step's rows before padding, and the rows that sample."""
 
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    positions: list[int] = dataclasses.field(default_factory=list)
-    lanes: list[int] = dataclasses.field(default_factory=list)
+    rows: list[FedRow] = dataclasses.field(default_factory=list)
     sampled: list[SampledRow] = dataclasses.field(default_factory=list)
 
     def add(self, lane: int, tokens: Sequence[int], start: int) -> None:
         """Rows feeding `tokens` into `lane` at positions start, start + 1, ..."""
-        self.tokens.extend(tokens)
-        self.positions.extend(range(start, start + len(tokens)))
-        self.lanes.extend([lane] * len(tokens))
+        self.rows.extend(FedRow(lane, token, start + i) for i, token in enumerate(tokens))
 
     def sample_last(self, lane: int, sampling: SamplingParams, counter: int, mask: np.ndarray | None) -> None:
         """The last row added samples the request on `lane`."""
-        self.sampled.append(SampledRow(len(self.tokens) - 1, lane, sampling, counter, mask))
+        self.sampled.append(SampledRow(len(self.rows) - 1, lane, sampling, counter, mask))
 
 
 def packed_rows(pieces: Sequence[PromptPiece], rows: Sequence[DecodeRow | None]) -> PackedRows:
@@ -177,6 +182,48 @@ def packed_rows(pieces: Sequence[PromptPiece], rows: Sequence[DecodeRow | None])
         if p.last:
             packed.sample_last(p.lane, p.sampling, 0, p.mask)
     return packed
+
+
+def wave_rows(rows: Sequence[tuple[int, DecodeRow | None]], width: int
+              ) -> tuple[list[FedRow], list[SampledRow | None]]:
+    """The rows of a step where every row samples (a decode wave, a verify step), padded to `width`: each (lane, row)
+    feeds its row's token and samples as its request does; a lane without a row, and each padding row (lane 0), idles
+    at its scratch slot and samples greedily, unread."""
+    padded = [*rows, *[(0, None)] * (width - len(rows))]
+    fed = [FedRow(lane) if r is None else FedRow(lane, r.token, r.position) for lane, r in padded]
+    samplers = [None if r is None else SampledRow(i, lane, r.sampling, r.counter, r.mask)
+                for i, (lane, r) in enumerate(padded)]
+    return fed, samplers
+
+
+@dataclasses.dataclass(frozen=True)
+class StepArrays:
+    """The host arrays of one compiled step (`steps.step_rows`): per row its position, token and lane, the KV blocks
+    that cover the furthest live row, and per sampling slot its sampling, penalties and row."""
+
+    positions: np.ndarray
+    tokens: np.ndarray
+    lanes: np.ndarray
+    n_blocks: np.int32
+    sampling: SamplingArrays
+    penalties: PenaltyArrays
+    picks: np.ndarray
+
+
+def step_arrays(fed: Sequence[FedRow], samplers: Sequence[SampledRow | None], scratch: int, block: int,
+                vocab: int) -> StepArrays:
+    """`fed` and `samplers` (None: an idle slot, greedy, unread) as a step's arrays: an idle row at position
+    `scratch`, KV blocks of `block` positions, masks of a `vocab`-token vocabulary."""
+    per_slot = [None if s is None else (s.sampling, s.counter) for s in samplers]
+    return StepArrays(
+        positions=np.array([scratch if r.position is None else r.position for r in fed], np.int32),
+        tokens=np.array([r.token for r in fed], np.int32),
+        lanes=np.array([r.lane for r in fed], np.int32),
+        n_blocks=np.int32(max(r.position for r in fed if r.position is not None) // block + 1),
+        sampling=sampling_arrays(per_slot),
+        penalties=penalty_arrays(per_slot, vocab, [None if s is None else s.mask for s in samplers]),
+        picks=np.array([0 if s is None else s.row for s in samplers], np.int32),
+    )
 
 
 def sampling_arrays(rows: Sequence[tuple[SamplingParams, int] | None]) -> SamplingArrays:

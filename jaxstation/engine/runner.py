@@ -1,11 +1,13 @@
 """What the scheduler needs of an engine, as a Protocol: the local `Engine` and the mesh's `MeshEngine` both fit it.
 
 The scheduler only ever reads the lane geometry and calls these methods from its one decode thread, so it cannot
-tell whether the layers run in this process or across stations.
+tell whether the layers run in this process or across stations. Both runners feed a prompt chunk the same way, so
+the prefill calls and the chunk they feed are written once here (`ChunkPrefill`, `PromptChunk`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -81,3 +83,63 @@ class Runner(Protocol):
 
     def warmup(self) -> None:
         """Compile and run every step the runner uses, leaving no request state behind."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptChunk:
+    """prompt[start:start + chunk] as a prefill step feeds it."""
+
+    start: int
+    piece: tuple[int, ...]  # the prompt tokens it feeds
+    tokens: np.ndarray  # [chunk] int32: the piece, zero past the prompt's end
+    last: bool  # it reaches the prompt's end, so it samples the first token
+    following: tuple[int, ...]  # each row's next prompt token, where it has one (what a scored prefill scores)
+
+    @classmethod
+    def of(cls, prompt: Sequence[int], start: int, chunk: int) -> PromptChunk:
+        """The chunk of `prompt` at `start`, which must be a multiple of `chunk`."""
+        if start % chunk:
+            raise ValueError(f"prefill start {start} is not a multiple of the chunk {chunk}")
+        piece = tuple(prompt[start:start + chunk])
+        tokens = np.zeros(chunk, np.int32)
+        tokens[:len(piece)] = piece
+        return cls(start, piece, tokens, start + len(piece) >= len(prompt), tuple(prompt[start + 1:start + 1 + chunk]))
+
+    @property
+    def targets(self) -> np.ndarray:
+        """[chunk] int32: `following`, zero past it."""
+        targets = np.zeros(len(self.tokens), np.int32)
+        targets[:len(self.following)] = self.following
+        return targets
+
+
+class ChunkPrefill:
+    """`prefill` and `prefill_scored` over a runner's `_prefill`, which feeds one `PromptChunk` and scores its rows
+    where asked."""
+
+    chunk: int
+
+    def prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
+                return_logits: bool = False, mask: np.ndarray | None = None) -> tuple[Sample | None, Any]:
+        """Feed prompt[start:start + chunk] into `lane`. When that reaches the prompt's end, sample its first token
+        (from the tokens `mask` [words] allows, when given), and return the logits if asked.
+
+        `start` must be a multiple of the chunk; chunks of one prompt go in order, after `begin`.
+        """
+        sample, logits, _ = self._prefill(lane, PromptChunk.of(prompt, start, self.chunk), sampling, return_logits,
+                                          False, mask)
+        return sample, logits
+
+    def prefill_scored(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
+                       mask: np.ndarray | None = None) -> tuple[Sample | None, list[Sample]]:
+        """`prefill`, and for every prompt position p in (start, start + chunk] the model's log-probability of
+        prompt[p] given prompt[:p], with its top alternatives (one Sample each, in order; token is prompt[p])."""
+        sample, _, scored = self._prefill(lane, PromptChunk.of(prompt, start, self.chunk), sampling, False, True,
+                                          mask)
+        return sample, scored
+
+    def _prefill(self, lane: int, chunk: PromptChunk, sampling: SamplingParams, return_logits: bool, scored: bool,
+                 mask: np.ndarray | None) -> tuple[Sample | None, Any, list[Sample]]:
+        """Feed `chunk` into `lane`: (the first token's sample where it is the last, the logits where asked, the
+        scored rows where `scored`)."""
+        raise NotImplementedError

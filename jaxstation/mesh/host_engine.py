@@ -37,6 +37,7 @@ from jaxstation.config.plan import Plan
 from jaxstation.config.settings import StationConfig
 from jaxstation.engine.prefix_cache import LaneVersions
 from jaxstation.engine.rows import DecodeRow, Sample, SamplingParams, read_samples, sampling_arrays
+from jaxstation.engine.runner import ChunkPrefill, PromptChunk
 from jaxstation.engine.sampling import SampleOut
 from jaxstation.mesh.client import MeshError, StationClient, StationLost, check_mesh, describe_field, wait_info
 from jaxstation.mesh.stage import SAMPLING_FIELDS
@@ -56,7 +57,7 @@ class _Entry:
     tokens: tuple[int, ...]
 
 
-class MeshEngine:
+class MeshEngine(ChunkPrefill):
     """The scheduler's engine over mesh stations (see the module docstring). One caller thread at a time.
 
     It keeps no per-lane token state, so the routes refuse penalties, logit_bias, min_tokens and constraints on a mesh
@@ -111,43 +112,26 @@ class MeshEngine:
         if sampling.controls or lora:
             raise ValueError("a mesh host applies no penalties, logit_bias, min_tokens or LoRA adapters")
 
-    def prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
-                return_logits: bool = False, mask: np.ndarray | None = None) -> tuple[Sample | None, np.ndarray | None]:
-        sample, logits, _ = self._prefill(lane, prompt, start, sampling, return_logits, False, mask)
-        return sample, logits
-
-    def prefill_scored(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams,
-                       mask: np.ndarray | None = None) -> tuple[Sample | None, list[Sample]]:
-        """`prefill`, and each prompt position's log-probability given the tokens before it (see `Engine`)."""
-        sample, _, scored = self._prefill(lane, prompt, start, sampling, False, True, mask)
-        return sample, scored
-
-    def _prefill(self, lane: int, prompt: Sequence[int], start: int, sampling: SamplingParams, return_logits: bool,
-                 scored: bool, mask: np.ndarray | None) -> tuple[Sample | None, np.ndarray | None, list[Sample]]:
+    def _prefill(self, lane: int, chunk: PromptChunk, sampling: SamplingParams, return_logits: bool, scored: bool,
+                 mask: np.ndarray | None) -> tuple[Sample | None, np.ndarray | None, list[Sample]]:
+        """`chunk` through the stations into `lane`, then the head on the last (`ChunkPrefill`)."""
         if mask is not None:
             raise ValueError("a mesh host applies no constraint masks")
-        if start % self.chunk:
-            raise ValueError(f"prefill start {start} is not a multiple of the chunk {self.chunk}")
-        piece = tuple(prompt[start:start + self.chunk])
-        last = start + len(piece) >= len(prompt)
-        following = list(prompt[start + 1:start + 1 + self.chunk])  # row r's next prompt token
 
         def step() -> tuple[Sample | None, np.ndarray | None, list[Sample]]:
-            x = self._prefill_forward(lane, start, piece, self.clients)
+            x = self._prefill_forward(lane, chunk.start, chunk.piece, self.clients)
             rows: list[Sample] = []
             if scored:
-                targets = np.zeros(self.chunk, np.int32)
-                targets[:len(following)] = following
                 rows = read_samples(_sample_out(self.clients[-1].post("/score", {"wave": "prefill"},
-                                                                   {"x": x[0], "targets": targets})))
-            if not last:
-                return None, None, rows[:len(following)]
-            samples, logits = self._head("prefill", x[0, len(piece) - 1][None], [(sampling, 0)], return_logits)
-            return samples[0], logits, rows[:len(following)]
+                                                                   {"x": x[0], "targets": chunk.targets})))
+            if not chunk.last:
+                return None, None, rows[:len(chunk.following)]
+            samples, logits = self._head("prefill", x[0, len(chunk.piece) - 1][None], [(sampling, 0)], return_logits)
+            return samples[0], logits, rows[:len(chunk.following)]
 
         self.lane_versions.touch([lane])
         out = self._step(step)
-        self._record(lane, _Entry(start, "prefill", piece))
+        self._record(lane, _Entry(chunk.start, "prefill", chunk.piece))
         return out
 
     def decode(self, rows: Sequence[DecodeRow | None], return_logits: bool = False
