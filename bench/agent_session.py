@@ -1,10 +1,10 @@
 """A coding agent's real sessions against a running station: Claude Code (`claude -p`) or Codex (`codex exec`), as
 installed from npm: the newest version, or the one `--agent-version` names, installed once into
-~/.cache/jaxstation-agents ($JAXSTATION_AGENTS_CACHE). Three runs: session 1, its second turn, and a new session 2
-with another prompt. For each, from the station's /metrics before and after: the prompt tokens it prefilled (not
-reused), its requests and their time to first token, and the wall time; the agent's exit code and last line; and,
-given the station's log (`--station-log`, the text format), the access lines with a 4xx status written during the
-run. Writes JSON, with the agent's version.
+~/.cache/jaxstation-agents ($JAXSTATION_AGENTS_CACHE). Three runs, from a cold prefix cache (the station's is reset
+first): session 1, its second turn, and a new session 2 with another prompt. For each, from the station's /metrics
+before and after: the prompt tokens it prefilled (not reused), its requests and their time to first token, and the
+wall time; the agent's exit code and last line; and, given the station's log (`--station-log`, the text format), the
+access lines with a 4xx status written during the run. Writes JSON, with the agent's version.
 
 Usage (a station on 127.0.0.1:8012 first, logging to a file, e.g. `jaxstation serve --model gemma-3-270m-q4_k_m.gguf
 --max-seq 32768 --lanes 2 --chat-template docs/chat-templates/gemma3.jinja --continuous-batch --port 8012
@@ -102,6 +102,7 @@ def main() -> None:
     args = ap.parse_args()
     binary, version = install(args.agent, args.agent_version)
     info = httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]
+    httpx.post(f"{args.url}/reset_prefix_cache", timeout=30).raise_for_status()
     with tempfile.TemporaryDirectory() as home:
         extra = shlex.split(args.extra)
         runs = [run(argv, env, args.url, args.timeout, args.station_log)
