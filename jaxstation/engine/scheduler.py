@@ -1,41 +1,14 @@
 """The scheduler: one decode thread owns the engine and runs continuous batching over its lanes.
 
-Threads. Request handlers (any thread, e.g. the server's event loop) `submit` Jobs into a bounded pending queue and get
-Futures. The one decode thread is the only caller of the engine. Each turn it fills free lanes from the queue and
-`schedule()`s: retires cancelled or early-finished lanes, picks the prompt work (below) and the decode rows of every
-lane past its prompt. It runs them, then `postprocess()`es the samples: a token joins its request, which retires on a
-stop id, `terminal_prosody`, `max_new_tokens`, `finish_early` (a host matched a stop string) or cancellation, and its
-Future is answered (after at least `sampling.min_tokens` tokens). A constrained job (engine/constraints.py) gets its
-mask before each step that samples for it, and its grammar takes each token after. Idle, the thread waits on `cond`.
-
-Who owns what (docs/design.md has the map). `cond`, a re-entrant lock, guards `pending`, `_accepting`, `_stop`,
-`_prefix_resets`, each job's `cancelled` and `stop_requested`, and `lanes` (written by the decode thread under it).
-The decode thread alone owns the engine, the prefix cache, `prefill_order` and each `Lane`'s progress; other threads
-set flags under `cond` (`cancel`, which also drops a queued job, and `finish_early`), queue a Future it answers between
-turns (`reset_prefix_cache`) or wait on `cond` (`drain`). `jobs.answer` leaves a Future its caller cancelled as is.
-What it is doing, other threads read from the snapshot it publishes after its turns (`activity.snapshot`).
-
-Backpressure. `submit` past `max_queue` queued jobs raises QueueFull (a 503 with Retry-After); draining, ShuttingDown.
-
-Prefix reuse (engine/prefix_cache.py): `_fill` gives a job the free lane with the longest reusable prefix (of its
-adapter), or copies a longer one into a lane from the host tier (engine/prefix_tier.py) or its disk tier
-(engine/prefix_disk.py; `drain` writes the lanes' prefixes there), and starts its prefill at the last chunk boundary
-at or below the match (with rings, at a restart point: engine/prefix_windows.py), so its tokens equal a fresh run's.
-Speculation (engine/speculative.py, engine/draft.py): where the engine verifies drafts and a turn admits no prompt
-pieces, decode rows carry drafts and run as one `verify` step; each row's accepted tokens go through `postprocess`.
-
-Admission (engine/turns.py). On an engine that packs, a turn's prompt work is pieces of every prefilling lane's
-prompt, run with the decode rows as one packed step (`Engine.pack`); a turn without pieces runs a decode wave.
-Otherwise (and for a job that scores its prompt) a turn prefills at most one chunk, the oldest prefilling lane's next,
-then runs the decode wave. Serialize-all (continuous=False) admits a job only when no lane is busy.
-
-Invariance. The steps come from a fixed set of shapes and never mix rows (narrow waves only where a row computes
-alike at every width), and each request samples with its own seed and counter: a job's tokens never depend on its
-lane, on what runs beside it, or on the mode.
-
-Failure: a step that raises fails every job in a lane (StepFailed), rebuilds the arena, drops every cached prefix and
-goes on. The host tier's copies for the jobs a turn admits run inside its step, once those jobs hold their lanes.
-LoRA (docs/lora.md): a job carries its adapter's slot; `lora_slots` says which slots jobs still read.
+Request threads `submit` jobs into a bounded queue (engine/job_queue.py) and get Futures. Each turn the decode thread
+fills free lanes from the queue, each job into the lane with the longest reusable prefix or one the prefix cache's
+tiers copy a longer prefix into (engine/prefix_tier.py), plans the turn's prompt work and decode rows (`schedule`,
+engine/turns.py), runs them as engine steps and folds each sample into its request (`postprocess`), which retires on
+a stop id, a sentence end, `max_new_tokens`, `finish_early` or cancellation. The steps come from a fixed set of shapes
+and never mix rows, and each request samples with its own seed and counter: a job's tokens never depend on its lane,
+on what runs beside it, or on the mode. A step that raises fails the jobs in its lanes, rebuilds the arena, drops
+every cached prefix and serving goes on. The decode thread alone owns the engine, the prefix cache and its tiers,
+`prefill_order` and each `Lane`'s progress; `cond` guards the rest (docs/design.md, "Threads and who owns what").
 """
 
 from __future__ import annotations
@@ -53,7 +26,8 @@ import numpy as np
 
 from jaxstation.engine.activity import Activity
 from jaxstation.engine.constraints import ConstraintFailed
-from jaxstation.engine.jobs import Cancelled, Job, QueueFull, ShuttingDown, StepFailed, answer
+from jaxstation.engine.job_queue import JobQueue
+from jaxstation.engine.jobs import Cancelled, ShuttingDown, StepFailed, answer
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.prefix_cache import PrefixCache
 from jaxstation.engine.prefix_disk import DiskTier
@@ -68,77 +42,37 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class Scheduler:
+class Scheduler(JobQueue):
+    """Continuous batching of the queued jobs over `engine`'s lanes (`continuous`=False: one job at a time), ending a
+    job at a sentence end on `terminal_ids`, with the prefix cache's tiers of `prefix_cache_ram` bytes over the disk
+    tier `prefix_cache_disk` opens, and with `speculation` where the engine verifies drafts."""
+
     def __init__(self, engine: Runner, *, continuous: bool, max_queue: int, terminal_ids: frozenset[int],
                  metrics: StationMetrics | None = None, speculation: Speculation | None = None,
                  prefix_cache_ram: int = 0, prefix_cache_disk: Callable[[], DiskTier] | None = None) -> None:
-        self.engine, self.speculation = engine, (speculation if engine.verify_rows > 1 else None)
-        self.continuous, self.max_queue, self.terminal_ids = continuous, max_queue, terminal_ids
-        self.metrics = metrics or StationMetrics()
-        self.lanes: list[Lane | None] = [None] * engine.lanes  # written under cond
-        self.pending: deque[Job] = deque()
-        self.cond = threading.Condition()  # re-entrant; what it guards: the module's "Who owns what"
-        self.waves, self._idle = 0, host_memory.IdleRelease()  # turns that ran a step; idle waits (the decode thread's)
-        self.prefill_order: deque[int] = deque()  # lanes waiting for prefill, oldest first (the decode thread's)
-        self.prefix_cache = PrefixCache(engine.lanes, engine.chunk)  # the decode thread's, as is the tier
+        super().__init__(engine.lanes, max_queue, metrics or StationMetrics())
+        self.engine = engine
+        self.speculation = speculation if engine.verify_rows > 1 else None
+        self.continuous = continuous
+        self.terminal_ids = terminal_ids
+        # the decode thread's: its turns that ran a step, its idle waits, the lanes waiting for prefill (oldest first),
+        # the prefix cache and its tiers, and what it publishes (`activity.snapshot`, which anyone reads)
+        self.waves = 0
+        self._idle = host_memory.IdleRelease()
+        self.prefill_order: deque[int] = deque()
+        self.prefix_cache = PrefixCache(engine.lanes, engine.chunk)
         self.prefix_tier = PrefixTier(engine, self.prefix_cache, prefix_cache_ram, self.metrics, prefix_cache_disk)
-        self.activity = Activity(engine.lanes, self.metrics)  # the decode thread's; its `snapshot`, anyone's
-        self._prefix_resets: list[Future] = []  # reset_prefix_cache requests for the next turn (under cond)
-        self._accepting, self._stop = True, False  # under cond
+        self.activity = Activity(engine.lanes, self.metrics)
         self._thread: threading.Thread | None = None
 
-    # ---- called from request threads -------------------------------------------------------------------------
     def start(self) -> None:
+        """Start the decode thread."""
         self._thread = threading.Thread(target=self._run, name="jaxstation-decode", daemon=True)
         self._thread.start()
 
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
-
-    @property
-    def busy_lanes(self) -> int:
-        with self.cond:
-            return sum(lane is not None for lane in self.lanes)
-
-    def lora_slots(self) -> set[int]:
-        """The LoRA slots that queued and running jobs read."""
-        with self.cond:
-            return {job.lora for job in self.pending} | {lane.job.lora for lane in self.lanes if lane is not None}
-
-    @property
-    def accepting(self) -> bool:  # whether `submit` takes new jobs (False once `drain` starts)
-        with self.cond:
-            return self._accepting
-
-    def submit(self, job: Job) -> Future:
-        with self.cond:
-            if not self._accepting:
-                raise ShuttingDown("the station is shutting down")
-            if len(self.pending) >= self.max_queue:
-                raise QueueFull(f"the queue is full ({self.max_queue} jobs waiting)")
-            job.submitted_at = time.perf_counter()
-            self.pending.append(job)
-            self.metrics.queue_depth.set(len(self.pending))
-            self.cond.notify()
-        return job.future
-
-    def cancel(self, job: Job) -> None:
-        """Drop `job`: a queued job leaves the queue at once, failed with Cancelled; a running one frees its lane."""
-        with self.cond:
-            job.cancelled = True
-            if any(waiting is job for waiting in self.pending):
-                self.pending = deque(waiting for waiting in self.pending if waiting is not job)
-                self._fail_job(job, Cancelled("the request was cancelled"), "cancelled")
-            self.metrics.queue_depth.set(len(self.pending))
-            self.cond.notify()
-
-    def finish_early(self, job: Job) -> None:
-        """End a running job with finish_reason "stop" and what it has generated (e.g. a host matched a stop
-        string); its lane is freed within one wave."""
-        with self.cond:
-            job.stop_requested = True
-            self.cond.notify()
 
     def reset_prefix_cache(self) -> Future:
         """Forget every free lane's cached prefix (vLLM's /reset_prefix_cache): the next requests prefill in full,
@@ -218,7 +152,8 @@ class Scheduler:
     def _fill(self) -> list[Admission]:
         """Move pending jobs into free lanes (in serialize-all mode only when every lane is free), each into the
         lane with the longest reusable prefix; `_admit` sets what each reuses. Holds cond."""
-        now, admissions = time.perf_counter(), []
+        now = time.perf_counter()
+        admissions = []
         while True:
             free = [i for i, lane in enumerate(self.lanes) if lane is None]
             if not self.pending or not free or (not self.continuous and self.busy_lanes):
@@ -240,7 +175,8 @@ class Scheduler:
         """Start each admitted lane at the prompt tokens it reuses (`PrefixTier.admit`: a failed copy costs reuse)."""
         for a in admissions:
             lane = self.lanes[a.pick.lane]
-            lane.fed = lane.job.cached_tokens = self.prefix_tier.admit(a)
+            lane.fed = self.prefix_tier.admit(a)
+            lane.job.cached_tokens = lane.fed
             self.activity.looked_up(a.reuse, lane.fed)
 
     def schedule(self, ending: dict[int, str] | None = None) -> Plan:
@@ -250,23 +186,39 @@ class Scheduler:
                 self._fail_job(self._free(i).job, Cancelled("the request was cancelled"), "cancelled")
             else:
                 self._retire(i, "stop")
-        packs, lanes = self.engine.prefill_budget > 0, self.lanes
-        prefill_lane, prefill_mask = None, None
-        while prefill_lane is None and (chunked := [i for i in self.prefill_order if not packs or lanes[i].scores]):
-            prefill_lane, lane = chunked[0], self.lanes[chunked[0]]
-            if lane.fed + self.engine.chunk >= len(lane.job.tokens):  # its last chunk samples the first token
-                ok, prefill_mask = self._mask(prefill_lane)
-                prefill_lane = prefill_lane if ok else None
-        rows: list[DecodeRow | None] = [None] * len(self.lanes)
-        for i, lane in enumerate(self.lanes):
-            if lane is not None and not lane.prefilling and (masked := self._mask(i))[0]:
-                rows[i] = lane.decode_row(masked[1])
+        prefill_lane, prefill_mask = self._chunked_prefill()
+        rows = self._decode_rows()
         decoding = sum(r is not None for r in rows)
-        pieces = self._pieces(self.engine.turn_rows(decoding) - decoding) if packs else []
+        pieces = self._pieces(self.engine.turn_rows(decoding) - decoding) if self.engine.prefill_budget else []
         if not pieces and self.speculation is not None:
             cap = self.speculation.verify_cap(decoding, self.engine.wave_widths, self.engine.verify_rows)
             draft_rows(self.lanes, rows, cap, self.speculation.proposer)
         return Plan(prefill_lane, rows, prefill_mask, pieces)
+
+    def _chunked_prefill(self) -> tuple[int | None, np.ndarray | None]:
+        """(the lane whose next prompt chunk this turn prefills, its constraint's mask where that chunk is its last
+        and samples the first token): the oldest prefilling lane that takes chunks (any, on an engine that does not
+        pack; one that scores its prompt, on one that does), past any that its constraint fails."""
+        packs = self.engine.prefill_budget > 0
+        while chunked := [i for i in self.prefill_order if not packs or self.lanes[i].scores]:
+            lane = self.lanes[chunked[0]]
+            if lane.fed + self.engine.chunk < len(lane.job.tokens):
+                return chunked[0], None
+            ok, mask = self._mask(chunked[0])  # a failed lane leaves `prefill_order`
+            if ok:
+                return chunked[0], mask
+        return None, None
+
+    def _decode_rows(self) -> list[DecodeRow | None]:
+        """This turn's decode row of every lane past its prompt (None elsewhere), with its constraint's mask."""
+        rows: list[DecodeRow | None] = [None] * len(self.lanes)
+        for i, lane in enumerate(self.lanes):
+            if lane is None or lane.prefilling:
+                continue
+            ok, mask = self._mask(i)
+            if ok:
+                rows[i] = lane.decode_row(mask)
+        return rows
 
     def _pieces(self, budget: int) -> list[PromptPiece]:
         """This turn's packed-step prompt pieces (`prompt_pieces`); one that ends its prompt carries its mask."""
@@ -319,7 +271,8 @@ class Scheduler:
     def _prefill_chunk(self, i: int, mask: np.ndarray | None) -> None:
         """Prefill lane i's next chunk; the last one samples the first token (or, for a scored prompt on a packing
         engine, sends the prompt back to be prefilled again in packed steps)."""
-        lane, job = self.lanes[i], self.lanes[i].job
+        lane = self.lanes[i]
+        job = lane.job
         self._begin(i)
         if job.prompt_logprobs:
             sample, scored = self._step("prefill", lambda: self.engine.prefill_scored(i, job.tokens, lane.fed,
@@ -336,7 +289,8 @@ class Scheduler:
         if job.max_new_tokens == 0:  # scoring only
             self._retire(i, "length")
         elif self.engine.prefill_budget:  # generate from a packed prefill, as the same request unscored does
-            lane.fed, lane.repacked = 0, True
+            lane.fed = 0
+            lane.repacked = True
         else:
             self.prefill_order.remove(i)
             self.postprocess(i, sample)
@@ -374,7 +328,9 @@ class Scheduler:
 
     def postprocess(self, i: int, sample: Sample) -> None:
         """Fold a lane's new token into its request; retire the request when it is done."""
-        lane, job, now = self.lanes[i], self.lanes[i].job, time.perf_counter()
+        lane = self.lanes[i]
+        job = lane.job
+        now = time.perf_counter()
         if sample.token in job.stop_ids:
             lane.stop_sample = sample
             return self._retire(i, "stop")
@@ -421,11 +377,6 @@ class Scheduler:
         self.prefix_cache.store(i, kept, self.engine.lane_versions[i], self.engine.reuse_floor(i), lane.job.lora_load)
         return lane
 
-    def _fail_job(self, job: Job, error: Exception, outcome: str = "error") -> None:
-        """Answer `job` with `error`, counted under `outcome`."""
-        self.metrics.requests.labels(outcome).inc()
-        answer(job.future, error=error)
-
     def _fail(self, i: int, error: Exception) -> None:
         """Free lane i and fail its job with `error`."""
         self._fail_job(self._free(i).job, error)
@@ -433,12 +384,6 @@ class Scheduler:
     def _fail_lanes(self, error: Exception) -> None:
         for i in [i for i, lane in enumerate(self.lanes) if lane is not None]:
             self._fail(i, error)
-
-    def _fail_pending(self, error: Exception) -> None:
-        """Fail every queued job. Holds cond."""
-        while self.pending:
-            self._fail_job(self.pending.popleft(), error)
-        self.metrics.queue_depth.set(0)
 
     def _fail_all(self, error: Exception) -> None:
         """Fail every job and answer every reset request: the decode thread has ended (or is stuck past a drain's
