@@ -28,6 +28,13 @@ With --stored, the model as a station loads it (its block formats repacked into 
 the same model with the named formats read as stored, decode waves of the two engines interleaved in one process:
   python -m bench.step --model gemma-3-270m.gguf --lanes 1 8 --live 512 --max-seq 1024 --stored Q4_K Q5_K Q6_K
 
+Each row also gives the step's integer operations a second (a multiply and an add per weight a row, over the
+projections and the head) and, where the station multiplies in integers, the integer dot's peak measured beside it
+(`cpu_kernel.int_dot_peak`: the kernels' dot instruction on registers alone, every core). With --matmuls, each of the
+model's matrices (the first layer's projections and the head) is multiplied alone by as many rows as each --lanes,
+and the rows say the kernel's operations a second against that peak:
+  python -m bench.step --model llama-3.1-8b-q4_k_m.gguf --matmuls --lanes 1 8 16 32 64
+
 With --lora, one decode step of 8 rows, each on its own rank-16 LoRA adapter on every projection (docs/lora.md),
 against the same step of an engine without adapters, the two interleaved in one process (A, B, A, B, ...) so that
 whatever else runs on the machine weighs on both alike; reports the ratio of their medians:
@@ -62,8 +69,10 @@ from jaxstation.engine import penalties, steps
 from jaxstation.engine.arena import arena_bytes
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import DecodeRow, SamplingParams
-from jaxstation.model.layers import layer_list, lora_shapes
+from jaxstation.kernels import cpu_kernel
+from jaxstation.model.layers import layer_list, lora_shapes, projection_shapes
 from jaxstation.model.lora import slot_arrays
+from jaxstation.model.quant import matmul, matmul_transposed
 from jaxstation.model.sharding import device_bytes, make_mesh, shard_params
 
 
@@ -89,12 +98,17 @@ def main() -> None:
     ap.add_argument("--baseline-sampling", default=None, help="another sampling.py to time the sampled wave with")
     ap.add_argument("--stored", nargs="+", default=None, metavar="FORMAT",
                     help="also load the model with these block formats as stored (not repacked), interleaved")
+    ap.add_argument("--matmuls", action="store_true",
+                    help="each matrix alone at each --lanes rows: the kernel's operations a second against its peak")
     args = ap.parse_args()
     if args.lora:
         lora_main(args)
         return
     if args.stored:
         stored_main(args)
+        return
+    if args.matmuls:
+        matmuls_main(args)
         return
 
     probe = ReadProbe()
@@ -132,6 +146,8 @@ def sweep(args, model, engine_kw: dict, n: int, bandwidth: float, probe: ReadPro
     """One row per lane count and live length: ms per step of a full decode wave, and the bytes one device reads."""
     weights = device_bytes(model.params)
     floor_ms = 1e3 * weights / bandwidth
+    ops = matmul_ops(model.cfg)
+    integer = args.dtype in (None, "gguf") and cpu_kernel.available() and model.source.suffix == ".gguf"
     rows = []
     for lanes in args.lanes:
         engine = Engine(model, lanes=lanes, max_seq=args.max_seq, chunk=32, block=128, kv_windows=args.kv_windows,
@@ -148,7 +164,10 @@ def sweep(args, model, engine_kw: dict, n: int, bandwidth: float, probe: ReadPro
                    "weight_bytes_per_device": weights, "kv_bytes_per_device": kv, "arena_bytes": engine.arena.nbytes,
                    "weight_gb_per_s": weights / s["median"] / 1e9, "floor_ms": floor_ms,
                    "fraction_of_roofline": paired,
-                   "read_bandwidth_beside": statistics.median(beside)}
+                   "read_bandwidth_beside": statistics.median(beside),
+                   "gops": lanes * ops / s["median"] / 1e9}
+            if integer:
+                row["int_dot_peak_gops"] = cpu_kernel.int_dot_peak() / 1e9
             if greedy:
                 row.update(greedy_ms_per_step=1e3 * statistics.median(greedy), sampled_over_greedy=statistics.median(
                     [b / a for a, b in zip(greedy, times, strict=True)]))
@@ -159,13 +178,55 @@ def sweep(args, model, engine_kw: dict, n: int, bandwidth: float, probe: ReadPro
             rows.append(row)
             print(f"tp {n} lanes {lanes:2d} live {live:5d}: {ms:7.1f} ms/step  {row['tokens_per_s']:7.1f} tok/s  "
                   f"{(weights + kv) / 1e6:6.0f} MB a device  ({100 * paired:.0f}% of roofline, "
-                  f"{row['read_bandwidth_beside'] / 1e9:.1f} GB/s beside)"
+                  f"{row['read_bandwidth_beside'] / 1e9:.1f} GB/s beside; {row['gops']:.0f} GOPS"
+                  + (f" of {row['int_dot_peak_gops']:.0f}" if integer else "") + ")"
                   + (f"  greedy {row['greedy_ms_per_step']:.1f} ms, sampled/greedy {row['sampled_over_greedy']:.3f}"
                      if greedy else "")
                   + (f"  baseline {row['baseline_ms_per_step']:.1f} ms, baseline/greedy "
                      f"{row['baseline_over_greedy']:.3f}" if baseline else ""))
         del engine
     return rows
+
+
+def matmul_ops(cfg) -> int:
+    """Integer (or float) operations of one row's projections and head: a multiply and an add per weight."""
+    return 2 * (cfg.num_layers * sum(i * o for i, o in projection_shapes(cfg)) + cfg.hidden_size * cfg.vocab_size)
+
+
+def matmuls_main(args) -> None:
+    """The --matmuls sweep: the first layer's projections and the head, each multiplied alone by `lanes` rows of
+    random activations, timed in turn, args.reps times; a row's operations a second over the sum of the medians, and
+    the integer dot's peak measured just before each lane count."""
+    model, _ = bench_model(args, args.max_seq)
+    layer = layer_list(model.params)[0]
+    head = model.params.lm_head or model.params.embed
+    weights = {"wqkv": layer.wqkv, "wo": layer.wo, "w_gate_up": layer.w_gate_up, "w_down": layer.w_down,
+               "lm_head": head}
+    shapes_ = dict(zip(("wqkv", "wo", "w_gate_up", "w_down"), projection_shapes(model.cfg), strict=True))
+    shapes_["lm_head"] = (model.cfg.hidden_size, model.cfg.vocab_size)
+    rng = np.random.default_rng(0)
+    mm = jax.jit(matmul_transposed if model.params.lm_head is None else matmul)
+    rows = []
+    for lanes in args.lanes:
+        peak = cpu_kernel.int_dot_peak()
+        per = {}
+        for name, w in weights.items():
+            x = jax.numpy.asarray(rng.standard_normal((lanes, shapes_[name][0]), np.float32))
+            f = mm if name == "lm_head" else jax.jit(matmul)
+            f(x, w).block_until_ready()
+            per[name] = statistics.median(timed(lambda f=f, x=x, w=w: f(x, w).block_until_ready())
+                                          for _ in range(args.reps))
+        ops = {name: 2 * lanes * i * o for name, (i, o) in shapes_.items()}
+        row = {"rows": lanes, "ms": {k: 1e3 * v for k, v in per.items()},
+               "gops": {k: ops[k] / per[k] / 1e9 for k in per}, "int_dot_peak_gops": peak / 1e9,
+               "total_gops": sum(ops.values()) / sum(per.values()) / 1e9}
+        row["fraction_of_peak"] = row["total_gops"] * 1e9 / peak
+        rows.append(row)
+        print(f"rows {lanes:3d}: " + ", ".join(f"{k} {row['gops'][k]:.0f}" for k in per)
+              + f" GOPS; all {row['total_gops']:.0f} of {peak / 1e9:.0f} ({100 * row['fraction_of_peak']:.0f}%)")
+    path = write_result("step_matmuls", {"config": vars(args), "model": str(model.source), "rows": rows},
+                        model=model_name(args.model, args.shape), variant=args.name)
+    print(f"wrote {path}")
 
 
 def baseline_step(path: str):
@@ -271,8 +332,6 @@ def lora_main(args) -> None:
 def stored_main(args) -> None:
     """The --stored comparison: the model with its matrices repacked as a station loads them, against the same model
     with the named block formats read as stored, decode waves interleaved on two engines in one process."""
-    from jaxstation.kernels import cpu_kernel
-
     repacked, _ = bench_model(args, args.max_seq)
     kept = dict(cpu_kernel.REPACKED)
     for fmt in args.stored:

@@ -146,9 +146,10 @@ def test_int8_a_request_alone_equals_it_among_others() -> None:
 def test_a_station_serves_the_family_over_http(name: str, fmt: str) -> None:
     ref = tiny_reference(name)
     n = int(ref["greedy_prompt_len"])
+    # a float32 arena: transformers' reference keeps its keys and values in float32
     station = Station(StationConfig(model=path_of(name, fmt), lanes=4, max_seq=64, prefill_chunk=8, kv_block=16,
                                     prefill_budget="16", layer_loop="scan" if name == "tiny-gemma2" else "auto",
-                                    continuous=True, drain_s=5))
+                                    continuous=True, drain_s=5, kv_dtype="float32"))
     with ServerThread(create_app(station)) as server, server.client(timeout=120) as http:
         wait_for(lambda: http.get("/ready").status_code == 200, 120, "the station did not turn ready", 0.1)
         r = http.post("/generate", json={"tokens": ref["input_ids"][:n].tolist(), "max_new_tokens": 16})

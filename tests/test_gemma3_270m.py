@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import json
 import os
 import time
@@ -85,8 +86,10 @@ def gemma_engine(gemma: LoadedModel, config: StationConfig, plan: Plan) -> Engin
 
 
 @pytest.fixture(scope="module")
-def exact_engine(exact: LoadedModel, config: StationConfig, plan: Plan) -> Engine:
-    return planned_engine(exact, config, plan)
+def exact_engine(exact: LoadedModel, config: StationConfig) -> Engine:
+    """A station of gguf-exact weights: float32's bits, its arena float32 too."""
+    exact_config = dataclasses.replace(config, dtype="gguf-exact")
+    return planned_engine(exact, exact_config, station_plan(exact_config))
 
 
 def test_gguf_multiplies_in_integers(gemma3_270m: Path, plan: Plan, gemma: LoadedModel) -> None:
@@ -110,9 +113,10 @@ def test_the_file_is_a_q4_k_m_mix(gemma3_270m: Path, gemma: LoadedModel) -> None
     assert p.nbytes < os.path.getsize(gemma3_270m)  # every matrix served as the file stores it
 
 
-# greedy tokens the integer path shares with transformers' from the start, per prompt (measured; where they part,
-# the paths' top tokens are near ties that 8-bit activations move: " mendatang" or " 衣装", " Mr." or " John")
-INTEGER_AGREES = (16, 16, 4, 3)
+# greedy tokens the integer path over the station's bfloat16 arena shares with transformers' from the start, per
+# prompt (measured; where they part, the paths' top tokens are near ties that 8-bit activations and the arena's
+# rounding move: " capital" or " largest", " mendatang" or " 衣装", " Mr." or " John")
+INTEGER_AGREES = (11, 16, 4, 3)
 
 
 @pytest.mark.parametrize("case", range(len(GREEDY)))

@@ -18,8 +18,8 @@ from jaxstation.mesh.stage import Stage, slice_params
 from jaxstation.model.choices import LayerRange
 
 
-def _stages(model, splits: list[str], attention: str = "blocked") -> list[Stage]:
-    return [Stage(model, LayerRange.parse(s), **SHAPE, attention=attention) for s in splits]
+def _stages(model, splits: list[str], attention: str = "blocked", kv_dtype: str | None = None) -> list[Stage]:
+    return [Stage(model, LayerRange.parse(s), **SHAPE, attention=attention, kv_dtype=kv_dtype) for s in splits]
 
 
 def _forward(stages: list[Stage], wave: str, inputs: np.ndarray, positions: np.ndarray, lane0: int,
@@ -34,7 +34,7 @@ def _forward(stages: list[Stage], wave: str, inputs: np.ndarray, positions: np.n
 
 def _check_split(engine: Engine, splits: list[str], sampling: SamplingParams) -> None:
     model = engine.model
-    stages = _stages(model, splits, engine.attention)
+    stages = _stages(model, splits, engine.attention, engine.kv_dtype.name)
     lanes, chunk, block, scratch = SHAPE["lanes"], SHAPE["chunk"], SHAPE["block"], SHAPE["max_seq"] - 1
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(0, model.cfg.vocab_size, 45)]
@@ -77,7 +77,7 @@ def test_stage_prefill_chunks_give_a_packed_steps_bits(engine):
     in its last bit would move activations' 8-bit codes)."""
     assert engine.prefill_budget and engine.attention == "kernel"
     assert engine.params.layers[0].wqkv.integer  # the default: dtype gguf
-    stages = _stages(engine.model, ["0:7", "7:19", "19:30"], engine.attention)
+    stages = _stages(engine.model, ["0:7", "7:19", "19:30"], engine.attention, engine.kv_dtype.name)
     chunk, block, lane = SHAPE["chunk"], SHAPE["block"], 3
     sampling = SamplingParams(temperature=0.8, top_k=50, seed=3)
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, engine.cfg.vocab_size, 45)]

@@ -25,7 +25,7 @@ from jaxstation.mesh.host_engine import MeshEngine
 from jaxstation.server.errors import StationError
 from jaxstation.server.protocol import parse_generate
 
-TARGET = [504, 3575, 282, 4649, 314, 7042, 30, 198, 1780, 314, 260, 2988, 282]  # "The capital of France is ..."
+TARGET = [17872, 42, 1812, 314, 216, 34, 1232, 216, 34, 47, 198, 21350, 42]  # "Question: What is 2 + 2?\nAnswer:"
 STEPS = 8
 EOS = 2  # SmolLM2's
 VOCAB = 49152

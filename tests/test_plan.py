@@ -53,7 +53,7 @@ def test_a_mesh_runs_full_waves_and_no_packing() -> None:
     assert station == host
     assert str(host) == (f"backend cpu, dtype gguf (integer dot {cpu_kernel.int_dot_isa()}), matmul kernel, "
                          "layer_loop unroll, attention kernel, wave_widths 4, prefill_budget off, speculative off, "
-                         "kv_dtype float32")
+                         "kv_dtype bfloat16")
 
 
 def test_speculation_is_planned_where_waves_run_narrow_and_refused_elsewhere() -> None:

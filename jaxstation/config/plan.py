@@ -75,9 +75,8 @@ def resolve_plan(config: StationConfig, cfg: ModelConfig) -> Plan:
     layer_loop = _layer_loop(config, backend, dtype, matmul)
     attention = _attention(config, cfg, backend, dtype, kernel_error)
     int_dot = cpu_kernel.int_dot_isa() if dtype == "gguf" else None
-    mesh = config.layers is not None or bool(config.station_urls)
-    kv_dtype = _kv_dtype(config, dtype, attention, mesh)
-    if mesh:
+    kv_dtype = _kv_dtype(config, dtype, attention)
+    if config.layers is not None or config.station_urls:
         return Plan(backend, dtype, matmul, layer_loop, attention, (config.lanes,), 0, tensor_parallel=shards,
                     int_dot=int_dot, kv_dtype=kv_dtype)
     row_invariant = matmul == "kernel" and kernel_takes_every_matmul(cfg)
@@ -190,13 +189,13 @@ def _attention(config: StationConfig, cfg: ModelConfig, backend: str, dtype: str
     return "kernel" if serves else "blocked"
 
 
-def _kv_dtype(config: StationConfig, dtype: str, attention: str, mesh: bool) -> str:
+def _kv_dtype(config: StationConfig, dtype: str, attention: str) -> str:
     """The arena's dtype: the setting, or bfloat16 for the integer products (gguf) where the CPU attention kernel reads
     it in place (half float32's bytes; a GGUF model's values are already rounded), else the activations' dtype (float32
-    and gguf-exact weights keep float32's exact bits; a mesh stage's arena holds the activations' dtype)."""
+    and gguf-exact weights keep float32's exact bits)."""
     if config.kv_dtype != "auto":
         return config.kv_dtype
-    if dtype == "gguf" and attention == "kernel" and not mesh:
+    if dtype == "gguf" and attention == "kernel":
         return "bfloat16"
     return jnp.dtype(compute_dtype(dtype)).name
 

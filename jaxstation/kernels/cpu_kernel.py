@@ -70,11 +70,9 @@ TARGETS = {"int8": ("jaxstation_rowwise_matmul_s8", "RowwiseMatmulS8"),
            **{f"matmul_{f}": (f"jaxstation_rowwise_matmul_{f.lower()}", f"RowwiseMatmul{f}") for f in BLOCK_FORMATS},
            **{f"int_{f}": (f"jaxstation_int_matmul_{f.lower()}", f"IntMatmul{f}") for f in BLOCK_FORMATS},
            **{f"rows_{f}": (f"jaxstation_block_rows_{f.lower()}", f"BlockRows{f}") for f in BLOCK_FORMATS},
-           **{f"int_{f}R": (f"jaxstation_int_matmul_{f.lower()}r", f"IntMatmul{f}R")
-              for f in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")},
-           "rows_Q8_0R": ("jaxstation_block_rows_q8_0r", "BlockRowsQ8_0R")}
-# Block formats repacked at load for the integer products (`packing.pack_blocks`), and the format each was stored in;
-# a table that is looked up (a tied embedding) only in Q8_0
+           **{f"int_{f}R": (f"jaxstation_int_matmul_{f.lower()}r", f"IntMatmul{f}R") for f in BLOCK_FORMATS},
+           **{f"rows_{f}R": (f"jaxstation_block_rows_{f.lower()}r", f"BlockRows{f}R") for f in BLOCK_FORMATS}}
+# Block formats repacked at load for the integer products (`packing.pack_blocks`), and the format each was stored in
 REPACKED = {"Q8_0R": "Q8_0", "Q4_0R": "Q4_0", "Q4_1R": "Q4_1", "Q5_0R": "Q5_0", "Q5_1R": "Q5_1", "Q4_KR": "Q4_K",
             "Q5_KR": "Q5_K", "Q6_KR": "Q6_K"}
 K_MULTIPLE, N_MULTIPLE = 32, 4  # the kernel's shape contract
@@ -203,6 +201,20 @@ def int_dot_isa() -> str:
     return library.jaxstation_int_dot_isa().decode()
 
 
+def int_dot_peak(threads: int | None = None, seconds: float = 0.5) -> float:
+    """The integer dot's peak on this machine, in integer operations per second (a multiply and an add each):
+    `threads` threads (default: every core) running the kernels' dot instruction on registers alone."""
+    require()
+    library = _library()
+    library.jaxstation_int_dot_peak.restype = ctypes.c_double
+    library.jaxstation_int_dot_peak.argtypes = [ctypes.c_int, ctypes.c_int64]
+    threads = threads or os.cpu_count() or 1
+    iters = 1 << 16
+    while (took := library.jaxstation_int_dot_peak(threads, iters)) < seconds / 4:
+        iters *= 4
+    return threads * iters * 16 * 4 * int_channels() * 2 / took
+
+
 def int_channels() -> int:
     """Channels a tile of the built kernels' integer products: 16 for the AVX-512 variant, 8 for AVX2."""
     require()
@@ -329,13 +341,11 @@ def fits(in_features: int, out_features: int) -> bool:
     return in_features % K_MULTIPLE == 0 and out_features % N_MULTIPLE == 0
 
 
-def repacked_format(fmt: str, out_features: int, looked_up: bool = False) -> str | None:
-    """The repacked format the integer products read a matrix stored in `fmt` as, if any: every block format but
-    whose channels fill the kernel's tiles (a looked-up table: Q8_0 only)."""
+def repacked_format(fmt: str, out_features: int) -> str | None:
+    """The repacked format the integer products read a matrix stored in `fmt` as, if any: every block format, where
+    its channels fill the kernel's tiles (a looked-up table's rows too: `block_rows` lays a lane back out)."""
     packed = f"{fmt}R"
-    if REPACKED.get(packed) != fmt or (looked_up and f"rows_{packed}" not in TARGETS):
-        return None
-    return packed if out_features % int_channels() == 0 else None
+    return packed if REPACKED.get(packed) == fmt and out_features % int_channels() == 0 else None
 
 
 def fits_blocks(fmt: str, in_features: int, out_features: int) -> bool:

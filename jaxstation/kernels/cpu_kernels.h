@@ -41,6 +41,13 @@ namespace jaxstation {
 // having run nothing, where the pool is off or running another caller's job.
 bool RunOnWorkers(int64_t helpers, void (*job)(void*), void* arg);
 
+// The channels of a repacked tile (pack.cc): 16 with AVX-512, 8 with AVX2.
+int TileChannels();
+
+// Lane `lane` of a repacked tile (at `tile`, rows of `row_len` bytes) of format fmt + "R" ("Q4_K", ...), written to
+// `out` as its row's blocks are stored (pack.cc). Returns false for an unknown format or lane.
+bool UnpackRow(const uint8_t* tile, int64_t row_len, int lane, const char* fmt, uint8_t* out);
+
 }  // namespace jaxstation
 
 namespace {

@@ -19,6 +19,8 @@
 
 #include "cpu_kernels.h"
 
+#include <chrono>
+
 namespace {
 
 #if defined(__AVX512F__)
@@ -595,32 +597,32 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   return IntMatmul<F, true>(pool, x, w, y);
 }
 
-// Rows `ids` of a repacked Q8_0 table as float32 [M, K]: the plain layout's weights (d * q, as BlockRows<Q8_0>). (A
-// table that is looked up is repacked only in Q8_0.)
-ffi::Error PackedRows(ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> y) {
-  const auto wd = w.dimensions(), yd = y->dimensions();
-  if (wd.size() != 2 || yd.size() != 2 || size_t(yd[0]) != ids.element_count() || yd[1] % 32 ||
-      wd[1] != yd[1] / 32 * 34 || wd[0] % kIntCh)
-    return ffi::Error::InvalidArgument("block_rows (repacked): w [N, K / 32 * 34], ids [M], y [M, K]");
-  const int64_t n = wd[0], row_len = wd[1], K = yd[1];
-  const int32_t* id = ids.typed_data();
-  float* out = y->typed_data();
-  for (int64_t m = 0; m < yd[0]; ++m) {
-    if (id[m] < 0 || id[m] >= n) return ffi::Error::InvalidArgument("block_rows: id out of range");
-    const uint8_t* tile = w.typed_data() + id[m] / kIntCh * kIntCh * row_len;
-    const int64_t lane = id[m] % kIntCh;
-    for (int64_t group = 0; group < K / 32; ++group) {
-      const uint8_t* g = tile + group * Packed<IntQ8_0>::kGroup;
-      int8_t q[32];
-      for (int j = 0; j < 8; ++j) std::memcpy(q + 4 * j, g + 2 * kIntCh + (j * kIntCh + lane) * 4, 4);
-      const Vec d = Set1(HalfToFloat(g + 2 * lane));
-      for (int64_t i = 0; i < 32; i += kLanes) Store(out + m * K + group * 32 + i, Mul(d, LoadW(q + i)));
-    }
-  }
-  return ffi::Error::Success();
-}
-
 }  // namespace
+
+// The integer dot's peak on this machine, for benchmarks: `threads` threads each run `iters` rounds of 16 independent
+// DotU (the kernels' integer dot: one vpdpbusd, or maddubs + madd) on registers only; returns the seconds they took.
+// Each DotU is 4 * kIntCh multiply-adds.
+extern "C" double jaxstation_int_dot_peak(int threads, int64_t iters) {
+  const auto run = [iters] {
+    IVec acc[16], u = ISet1(0x01010101), s = ISet1(0x02020202);
+    for (int i = 0; i < 16; ++i) acc[i] = ISet1(i);
+    for (int64_t n = 0; n < iters; ++n) {
+      for (int i = 0; i < 16; ++i) acc[i] = DotU(acc[i], u, s);
+      asm volatile("" : "+v"(u), "+v"(s));  // the operands change as far as the compiler knows: no folding
+    }
+    IVec sum = acc[0];
+    for (int i = 1; i < 16; ++i) sum = IAdd(sum, acc[i]);
+    alignas(64) int32_t out[kIntCh];
+    IStore(out, sum);
+    asm volatile("" : : "r"(out[0]));
+  };
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(run);
+  run();
+  for (std::thread& t : pool) t.join();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
 
 // The integer dot products' instruction set: avx512-vnni, avx-vnni or avx2.
 extern "C" const char* jaxstation_int_dot_isa() { return kIntIsa; }
@@ -645,10 +647,6 @@ JAXSTATION_PACKED_FORMAT(Q5_1)
 JAXSTATION_PACKED_FORMAT(Q4_K)
 JAXSTATION_PACKED_FORMAT(Q5_K)
 JAXSTATION_PACKED_FORMAT(Q6_K)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockRowsQ8_0R, PackedRows,
-                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::S32>>().Ret<
-                                  ffi::Buffer<ffi::F32>>());
-
 // Per block format, the integer matmul: IntMatmulQ4_0, IntMatmulQ4_1, ...
 #define JAXSTATION_INT_FORMAT(F)                                                                            \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(IntMatmul##F, IntMatmul<Int##F>,                                           \

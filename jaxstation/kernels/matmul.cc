@@ -428,25 +428,36 @@ ffi::Error MatmulBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 }
 
 // Rows `ids` of block weights w [N, K / kBlock * kBytes], rebuilt as float32 (the same weights the matmul uses):
-// an embedding table looked up in its stored form. y [M, K].
-template <typename F>
-ffi::Error BlockRows(ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> y) {
+// an embedding table looked up in its stored form, or (kPacked) in the integer products' repacked tiles, whose lane
+// pack.cc lays back out as stored first. y [M, K].
+template <typename F, bool kPacked>
+ffi::Error Rows(ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> y, const char* name) {
   const auto wd = w.dimensions(), yd = y->dimensions();
   if (wd.size() != 2 || yd.size() != 2 || size_t(yd[0]) != ids.element_count() || yd[1] % F::kBlock ||
-      wd[1] != yd[1] / F::kBlock * F::kBytes)
+      wd[1] != yd[1] / F::kBlock * F::kBytes || (kPacked && wd[0] % jaxstation::TileChannels()))
     return ffi::Error::InvalidArgument("block_rows: w [N, K / block * block bytes], ids [M], y [M, K]");
-  const int64_t n = wd[0], row_len = wd[1], K = yd[1];
+  const int64_t n = wd[0], row_len = wd[1], K = yd[1], c = jaxstation::TileChannels();
   const int32_t* id = ids.typed_data();
   float* out = y->typed_data();
+  std::vector<uint8_t> unpacked(kPacked ? row_len : 0);
   for (int64_t m = 0; m < yd[0]; ++m) {
     if (id[m] < 0 || id[m] >= n) return ffi::Error::InvalidArgument("block_rows: id out of range");
     const uint8_t* row = w.typed_data() + id[m] * row_len;
+    if constexpr (kPacked) {
+      jaxstation::UnpackRow(w.typed_data() + id[m] / c * c * row_len, row_len, id[m] % c, name, unpacked.data());
+      row = unpacked.data();
+    }
     for (int64_t k = 0; k < K; k += kGroup) {
       const typename F::Group g = F::Decode(row, k);
       for (int64_t i = 0; i < kGroup; i += kLanes) Store(out + m * K + k + i, F::Weight(g, i));
     }
   }
   return ffi::Error::Success();
+}
+
+template <typename F>
+ffi::Error BlockRows(ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> y) {
+  return Rows<F, false>(w, ids, y, nullptr);
 }
 
 }  // namespace
@@ -481,6 +492,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RowwiseMatmulF32, MatmulF32,
                                 ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::S32>>().Ret< \
                                     ffi::Buffer<ffi::F32>>());
 
+// Per block format, the row lookup from its repacked tiles: BlockRowsQ4_0R, ...
+#define JAXSTATION_PACKED_ROWS(F)                                                                           \
+  static ffi::Error BlockRowsPacked##F(ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> ids,                 \
+                                       ffi::ResultBuffer<ffi::F32> y) {                                     \
+    return Rows<F, true>(w, ids, y, #F);                                                               \
+  }                                                                                                         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockRows##F##R, BlockRowsPacked##F,                                       \
+                                ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::S32>>().Ret< \
+                                    ffi::Buffer<ffi::F32>>());
+
 JAXSTATION_BLOCK_FORMAT(Q4_0)
 JAXSTATION_BLOCK_FORMAT(Q4_1)
 JAXSTATION_BLOCK_FORMAT(Q5_0)
@@ -489,3 +510,11 @@ JAXSTATION_BLOCK_FORMAT(Q8_0)
 JAXSTATION_BLOCK_FORMAT(Q4_K)
 JAXSTATION_BLOCK_FORMAT(Q5_K)
 JAXSTATION_BLOCK_FORMAT(Q6_K)
+JAXSTATION_PACKED_ROWS(Q4_0)
+JAXSTATION_PACKED_ROWS(Q4_1)
+JAXSTATION_PACKED_ROWS(Q5_0)
+JAXSTATION_PACKED_ROWS(Q5_1)
+JAXSTATION_PACKED_ROWS(Q8_0)
+JAXSTATION_PACKED_ROWS(Q4_K)
+JAXSTATION_PACKED_ROWS(Q5_K)
+JAXSTATION_PACKED_ROWS(Q6_K)

@@ -140,20 +140,130 @@ void PackK(const Tile& t, int64_t blocks, uint8_t* out) {
   }
 }
 
+// Lane `lane`'s 32 codes of a nibble group (4 dwords of kCh lanes' 4 bytes, Nibbles' layout) into code[32].
+void LaneNibbles(const uint8_t* group, int lane, uint8_t* code) {
+  for (int i = 0; i < 4; ++i)
+    for (int t = 0; t < 4; ++t) {
+      const uint8_t byte = group[i * 4 * kCh + 4 * lane + t];
+      code[4 * i + t] = byte & 15, code[16 + 4 * i + t] = byte >> 4;
+    }
+}
+
+// Lane `lane`'s fifth-bit word (bit k: code k's) out of FifthBits' layout.
+uint32_t LaneFifthBits(const uint8_t* bits, int lane) {
+  uint32_t word = 0;
+  for (int j = 0; j < 8; ++j) word |= static_cast<uint32_t>(bits[j * kCh / 2 + lane / 2] >> 4 * (lane % 2) & 15) << 4 * j;
+  return word;
+}
+
+// The inverse of PackSmall for one lane: its row's blocks as stored.
+void UnpackSmall(const uint8_t* tile, int lane, int64_t groups, int bytes, int head, int high, uint8_t* out) {
+  const int dwords = (bytes - head - high) / 4;
+  for (int64_t g = 0; g < groups; ++g, out += bytes) {
+    const uint8_t* in = tile + g * kCh * bytes;
+    for (int f = 0; f < head; f += 2) std::memcpy(out + f, in + f * kCh + 2 * lane, 2);
+    for (int i = 0; i < dwords; ++i) std::memcpy(out + head + high + 4 * i, in + (head + 4 * i) * kCh + 4 * lane, 4);
+    if (high) {
+      const uint32_t word = LaneFifthBits(in + (head + 4 * dwords) * kCh, lane);
+      std::memcpy(out + head, &word, 4);
+    }
+  }
+}
+
+// The inverse of PackK for one lane: its row's 256-column blocks as stored.
+void UnpackK(const uint8_t* tile, int lane, int64_t blocks, int bytes, uint8_t* out) {
+  const bool q6 = bytes == 210, q5 = bytes == 176;
+  uint8_t code[32];
+  for (int64_t b = 0; b < blocks; ++b, out += bytes) {
+    const uint8_t* in = tile + b * kCh * bytes;
+    std::memset(out, 0, bytes);
+    int sc[8], mn[8];
+    if (q6) {
+      std::memcpy(out + 208, in + 2 * lane, 2);
+    } else {
+      std::memcpy(out, in + 2 * lane, 2);
+      std::memcpy(out + 2, in + 2 * kCh + 2 * lane, 2);
+      for (int j = 0; j < 8; ++j) {
+        const uint8_t a = in[(4 + j) * kCh + lane], high = in[(12 + j % 4) * kCh + lane];
+        sc[j] = a & 63, mn[j] = a >> 6 | (high >> 4 * (j / 4) & 15) << 2;
+      }
+      for (int j = 0; j < 4; ++j) {  // KScale's 12 bytes
+        out[4 + j] = static_cast<uint8_t>(sc[j] | (sc[j + 4] >> 4) << 6);
+        out[8 + j] = static_cast<uint8_t>(mn[j] | (mn[j + 4] >> 4) << 6);
+        out[12 + j] = static_cast<uint8_t>((sc[j + 4] & 15) | (mn[j + 4] & 15) << 4);
+      }
+    }
+    const int64_t head = (q6 ? 2 : 16) * kCh, group = (q6 ? 26 : q5 ? 20 : 16) * kCh;
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* g = in + head + j * group;
+      if (q6) {
+        out[192 + 2 * j] = g[lane], out[193 + 2 * j] = g[kCh + lane];
+        g += 2 * kCh;
+      }
+      LaneNibbles(g, lane, code);
+      if (q5) {
+        const uint32_t word = LaneFifthBits(g + 16 * kCh, lane);
+        for (int k = 0; k < 32; ++k) code[k] |= (word >> k & 1) << 4;
+      }
+      if (q6) {
+        for (int h = 0; h < 2; ++h)
+          for (int t = 0; t < 4; ++t) {
+            const uint8_t bits = g[16 * kCh + (h * kCh + lane) * 4 + t];
+            for (int k = 0; k < 4; ++k) code[16 * h + 4 * k + t] |= (bits >> 2 * k & 3) << 4;
+          }
+        const int half = j / 4, quarter = j % 4;
+        for (int k = 0; k < 32; ++k) {
+          out[64 * half + 32 * (quarter % 2) + k] |= (code[k] & 15) << 4 * (quarter / 2);
+          out[128 + 32 * half + k] |= (code[k] >> 4) << 2 * quarter;
+        }
+      } else {
+        uint8_t* qs = out + (q5 ? 48 : 16);
+        for (int k = 0; k < 32; ++k) {
+          qs[32 * (j / 2) + k] |= (code[k] & 15) << 4 * (j % 2);
+          if (q5) out[16 + k] |= (code[k] >> 4) << j;
+        }
+      }
+    }
+  }
+}
+
+const Format* FindFormat(const char* fmt) {
+  for (const Format& f : kFormats)
+    if (std::string(fmt) == f.name) return &f;
+  return nullptr;
+}
+
+int Head(const Format& f) { return std::string(f.name) == "Q4_1" || std::string(f.name) == "Q5_1" ? 4 : 2; }
+int High(const Format& f) { return std::string(f.name) == "Q5_0" || std::string(f.name) == "Q5_1" ? 4 : 0; }
+
 }  // namespace
+
+namespace jaxstation {
+
+int TileChannels() { return kCh; }
+
+bool UnpackRow(const uint8_t* tile, int64_t row_len, int lane, const char* fmt, uint8_t* out) {
+  const Format* f = FindFormat(fmt);
+  if (f == nullptr || row_len % f->bytes || lane < 0 || lane >= kCh) return false;
+  if (f->block == 256) {
+    UnpackK(tile, lane, row_len / f->bytes, f->bytes, out);
+  } else {
+    UnpackSmall(tile, lane, row_len / f->bytes, f->bytes, Head(*f), High(*f), out);
+  }
+  return true;
+}
+
+}  // namespace jaxstation
 
 // Block weights src [n, row_len] stored in format `fmt` ("Q4_K", ...) into dst (as many bytes) laid out as fmt + "R"
 // reads them, with `threads` threads. Returns 0, or -1 for an unknown format or a shape it cannot lay out (n not a
 // multiple of the tile's channels, row_len not whole blocks).
 extern "C" int jaxstation_pack_blocks(const uint8_t* src, uint8_t* dst, int64_t n, int64_t row_len, const char* fmt,
                                       int threads) {
-  const Format* format = nullptr;
-  for (const Format& f : kFormats)
-    if (std::string(fmt) == f.name) format = &f;
+  const Format* format = FindFormat(fmt);
   if (format == nullptr || n % kCh || row_len % format->bytes) return -1;
   const int64_t tiles = n / kCh, blocks = row_len / format->bytes, tile_bytes = kCh * row_len;
-  const std::string name = format->name;
-  const int head = name == "Q4_1" || name == "Q5_1" ? 4 : 2, high = name == "Q5_0" || name == "Q5_1" ? 4 : 0;
+  const int head = Head(*format), high = High(*format);
   auto pack = [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Tile t{src + i * tile_bytes, row_len, format->bytes};

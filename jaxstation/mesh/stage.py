@@ -104,10 +104,11 @@ def score_step(cfg: ModelConfig, params: Params, x: jax.Array, targets: jax.Arra
 class Stage:
     """Layers [start, stop) of `model` over `lanes` lanes of `max_seq` positions. One caller at a time. `weights`:
     the weight format the plan loaded (`--dtype`: gguf and gguf-exact hold the same bytes and multiply them in two
-    ways), which /info reports for the host to check."""
+    ways), which /info reports for the host to check; `kv_dtype`: the arena's (default: the activations')."""
 
     def __init__(self, model: LoadedModel, layers: LayerRange, lanes: int, max_seq: int, chunk: int,
-                 block: int, attention: str = "blocked", weights: str | None = None) -> None:
+                 block: int, attention: str = "blocked", weights: str | None = None, kv_dtype: str | None = None
+                 ) -> None:
         total = model.cfg.num_layers
         if layers.stop > total:
             raise ValueError(f"layers {layers} reach past the model's {total} layers")
@@ -123,7 +124,8 @@ class Stage:
         self.layer_loop = self.params.layer_loop
         self.lanes, self.max_seq, self.chunk, self.block = lanes, max_seq, chunk, block
         self.attention, self.weights = attention, weights
-        self.arena = allocate_arena(self.cfg, lanes, max_seq, self.dtype, mesh=mesh_of(self.params))
+        self.kv_dtype = np.dtype(kv_dtype) if kv_dtype else self.dtype
+        self.arena = allocate_arena(self.cfg, lanes, max_seq, self.kv_dtype, mesh=mesh_of(self.params))
 
     @property
     def dtype_name(self) -> str:
@@ -295,7 +297,7 @@ class Stage:
     def reset(self) -> None:
         """A fresh arena, e.g. after a failed step left the donated one unusable."""
         self.arena = None
-        self.arena = allocate_arena(self.cfg, self.lanes, self.max_seq, self.dtype, mesh=mesh_of(self.params))
+        self.arena = allocate_arena(self.cfg, self.lanes, self.max_seq, self.kv_dtype, mesh=mesh_of(self.params))
 
     def warmup(self) -> None:
         """Compile the prefill and decode shapes (and the head's). Whatever this writes precedes every request,

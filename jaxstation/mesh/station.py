@@ -86,7 +86,7 @@ class MeshStation:
             check_memory(model.cfg.layers(layers.start, layers.stop), c, plan.dtype, weights_resident=True,
                          kv_dtype=plan.kv_dtype)
             stage = Stage(model, layers, c.lanes, c.max_seq, c.prefill_chunk, c.kv_block, attention=plan.attention,
-                          weights=plan.dtype)
+                          weights=plan.dtype, kv_dtype=plan.kv_dtype)
             self.model = None  # the whole model's weights go; the stage keeps its range
             t0 = time.perf_counter()
             stage.warmup()

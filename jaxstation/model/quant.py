@@ -101,12 +101,12 @@ def on_kernel(w: Weight) -> bool:
     return isinstance(w, KernelWeight | JoinedWeight)
 
 
-def stored(w: GGUFBlocks, weights: str, matmul: str, looked_up: bool = False) -> KernelWeight | None:
+def stored(w: GGUFBlocks, weights: str, matmul: str) -> KernelWeight | None:
     """GGUF blocks as stored, for the kernel: where weights "gguf" or "gguf-exact" ask for them and the kernel reads
     that format at that shape (for the integer products repacked into their tiles where the channels fill them,
-    `packing.pack_blocks`; a table whose rows are `looked_up`, Q8_0 only); else None."""
+    `packing.pack_blocks`, a table's looked-up rows included); else None."""
     if weights in GGUF_WEIGHTS and matmul == "kernel" and cpu_kernel.fits_blocks(w.fmt, w.shape[-1], w.shape[-2]):
-        if weights == "gguf" and (packed := cpu_kernel.repacked_format(w.fmt, w.shape[-2], looked_up)):
+        if weights == "gguf" and (packed := cpu_kernel.repacked_format(w.fmt, w.shape[-2])):
             return KernelWeight(jnp.asarray(packing.pack_blocks(w.data, packed)), None, packed, True)
         return KernelWeight(jnp.asarray(w.data), None, w.fmt, weights == "gguf")
     return None
@@ -161,7 +161,7 @@ def prepare_embedding(embed: Tensor, weights: str, matmul: str, tied: bool) -> W
     per row for int8, out-major for the kernel as it stands; untied, it is only looked up, so it stays in the compute
     dtype."""
     if isinstance(embed, GGUFBlocks):
-        if kw := stored(embed, weights, matmul, looked_up=True):
+        if kw := stored(embed, weights, matmul):
             return kw
         embed = embed.dequantize()
     if tied and matmul == "kernel" and cpu_kernel.fits(embed.shape[1], embed.shape[0]):
