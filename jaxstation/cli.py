@@ -15,16 +15,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from jaxstation import __version__
+from jaxstation.config.flags import COMMANDS, SETTINGS
 from jaxstation.config.gpu_memory import use_gpu_memory_fraction
-from jaxstation.config.settings import (
-    COMMANDS,
-    DTYPES,
-    SETTINGS,
-    ConfigError,
-    StationConfig,
-    add_arguments,
-    resolve,
-)
+from jaxstation.config.settings import DTYPES, ConfigError, StationConfig, add_arguments, resolve
 from jaxstation.model.source import CheckpointError, model_source
 
 if TYPE_CHECKING:
