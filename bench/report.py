@@ -427,14 +427,15 @@ def replay_rows(runs: Runs) -> Rows:
     return rows
 
 
-SESSIONS = ("session 1", "its second turn (`--continue`)", "session 2")
+SESSIONS = ("session 1", "its second turn", "session 2")
+SESSION_HEADER = ["model", "version", "run", "requests", "4xx", "prompt tokens prefilled", "mean TTFT", "wall", "exit"]
 
 
 def session_rows(runs: Runs) -> Rows:
-    """Claude Code sessions against the station: the agent's version, the requests and those the station answered
-    with a 4xx (from its access log), prompt tokens prefilled (the rest reused from the prefix cache), the mean time
-    to first token and the wall time, s, and the agent's exit code."""
-    return [[label(m) if i == 0 else "", d["agent"].split()[0] if i == 0 else "", name, str(r["requests"]),
+    """Sessions of {package} from npm against the station: the agent's version, the requests and those the station
+    answered with a 4xx (from its access log), prompt tokens prefilled (the rest reused from the prefix cache), the
+    mean time to first token and the wall time, s, and the agent's exit code."""
+    return [[label(m) if i == 0 else "", d["package"].rpartition("@")[2] if i == 0 else "", name, str(r["requests"]),
              str(len(r["client_errors"])) if "client_errors" in r else "-", f"{r['prefilled']:,}",
              f"{r['mean_ttft_s']:.2f}", f"{r['wall_s']:.1f}", str(r["exit"])]
             for m, d in runs for i, (name, r) in enumerate(zip(SESSIONS, d["runs"], strict=True))]
@@ -540,9 +541,8 @@ TABLES = {
     "agent-replay": Table(("agent_replay",), ["model", "turn 2 prompt tokens", "prefilled", "tier after turn 1",
                                               "tier after turn 2", "RSS MiB: loaded, after turn 1, after turn 2"],
                           replay_rows),
-    "agent-session": Table(("agent_session_claude",), ["model", "Claude Code", "run", "requests", "4xx",
-                                                       "prompt tokens prefilled", "mean TTFT", "wall", "exit"],
-                           session_rows),
+    "agent-session": Table(("agent_session_claude",), SESSION_HEADER, session_rows),
+    "agent-session-codex": Table(("agent_session_codex",), SESSION_HEADER, session_rows),
     "structured": Table(("structured",), ["K", "unconstrained tok/s", "JSON schema tok/s", "ratio", "mask ms a wave",
                                           "a row"], structured_rows, model="smollm2"),
     "soak": Table(("soak",), ["s", "clients", "requests", "completed", "cut", "errors", "lanes free, queue empty",
