@@ -81,25 +81,27 @@ void KScale(const uint8_t* block, int j, int& sc, int& mn) {
   mn = j < 4 ? s[j + 4] & 0x3F : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
 }
 
-// The 32 codes (0..63) of group j of a K-quant block.
-void KCodes(const uint8_t* block, int bytes, int j, uint8_t* code) {
-  for (int k = 0; k < 32; ++k) {
-    if (bytes == 210) {  // Q6_K: ql[128], qh[64]
-      const int half = j / 4, quarter = j % 4;
-      const int low = block[64 * half + 32 * (quarter % 2) + k] >> 4 * (quarter / 2) & 15;
-      code[k] = static_cast<uint8_t>(low | (block[128 + 32 * half + k] >> 2 * quarter & 3) << 4);
-    } else {  // Q4_K: qs at 16; Q5_K: qh[32] at 16, qs at 48
-      const uint8_t* qs = block + (bytes == 176 ? 48 : 16);
-      const int low = qs[32 * (j / 2) + k] >> 4 * (j % 2) & 15;
-      code[k] = static_cast<uint8_t>(bytes == 176 ? low | (block[16 + k] >> j & 1) << 4 : low);
-    }
+// The 32 codes (0..63) of group j of a K-quant block of kBytes bytes.
+template <int kBytes>
+void KCodes(const uint8_t* block, int j, uint8_t* code) {
+  if constexpr (kBytes == 210) {  // Q6_K: ql[128], qh[64]
+    const int half = j / 4, quarter = j % 4;
+    const uint8_t* ql = block + 64 * half + 32 * (quarter % 2);
+    const uint8_t* qh = block + 128 + 32 * half;
+    for (int k = 0; k < 32; ++k) code[k] = (ql[k] >> 4 * (quarter / 2) & 15) | (qh[k] >> 2 * quarter & 3) << 4;
+  } else {  // Q4_K: qs at 16; Q5_K: qh[32] at 16, qs at 48
+    const uint8_t* qs = block + (kBytes == 176 ? 48 : 16) + 32 * (j / 2);
+    for (int k = 0; k < 32; ++k) code[k] = qs[k] >> 4 * (j % 2) & 15;
+    if constexpr (kBytes == 176)
+      for (int k = 0; k < 32; ++k) code[k] |= (block[16 + k] >> j & 1) << 4;
   }
 }
 
 // A K-quant's 256-column blocks: Q4_K and Q5_K d, dmin, each group's scale and minimum's low bits, the minimums' high
 // bits, then each group's nibbles (Q5_K: and fifth bits); Q6_K d, then each group's two scales, nibbles and high bits.
+template <int kBytes>
 void PackK(const Tile& t, int64_t blocks, uint8_t* out) {
-  const bool q6 = t.bytes == 210, q5 = t.bytes == 176;
+  constexpr bool q6 = kBytes == 210, q5 = kBytes == 176;
   uint8_t codes[kCh * 32];
   for (int64_t b = 0; b < blocks; ++b) {
     if (q6) {
@@ -116,7 +118,7 @@ void PackK(const Tile& t, int64_t blocks, uint8_t* out) {
         for (int c = 0; c < kCh; ++c) *out++ = static_cast<uint8_t>(mn[c][j] >> 2 | (mn[c][j + 4] >> 2) << 4);
     }
     for (int j = 0; j < 8; ++j) {
-      for (int c = 0; c < kCh; ++c) KCodes(t.Block(c, b), t.bytes, j, codes + 32 * c);
+      for (int c = 0; c < kCh; ++c) KCodes<kBytes>(t.Block(c, b), j, codes + 32 * c);
       if (q6) {
         for (int h = 0; h < 2; ++h) out = SideBySide(t, b, 192 + 2 * j + h, 1, out);
       }
@@ -267,8 +269,12 @@ extern "C" int jaxstation_pack_blocks(const uint8_t* src, uint8_t* dst, int64_t 
   auto pack = [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Tile t{src + i * tile_bytes, row_len, format->bytes};
-      if (format->block == 256) {
-        PackK(t, blocks, dst + i * tile_bytes);
+      if (format->bytes == 144) {
+        PackK<144>(t, blocks, dst + i * tile_bytes);
+      } else if (format->bytes == 176) {
+        PackK<176>(t, blocks, dst + i * tile_bytes);
+      } else if (format->bytes == 210) {
+        PackK<210>(t, blocks, dst + i * tile_bytes);
       } else {
         PackSmall(t, blocks, head, high, dst + i * tile_bytes);
       }

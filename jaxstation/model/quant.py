@@ -71,17 +71,27 @@ class JoinedWeight:
 
 @dataclasses.dataclass(frozen=True)
 class GGUFBlocks:
-    """A matrix as a GGUF file stores it: data uint8 [..., out, in / block * block bytes] in block format `fmt`."""
+    """A matrix as a GGUF file stores it: data uint8 [..., out, in / block * block bytes] in block format `fmt`, or
+    the row runs that join along out into it (a projection's parts, as the file holds each)."""
 
-    data: np.ndarray
+    data: np.ndarray | tuple[np.ndarray, ...]
     fmt: str
     shape: tuple[int, ...]  # the matrix's: [..., out, in]
+
+    @property
+    def parts(self) -> tuple[np.ndarray, ...]:
+        return self.data if isinstance(self.data, tuple) else (self.data,)
+
+    @property
+    def joined(self) -> np.ndarray:
+        """The blocks in one array (a copy where they are parts)."""
+        return self.data if isinstance(self.data, np.ndarray) else np.concatenate(self.data, axis=-2)
 
     def dequantize(self) -> np.ndarray:
         """float32 [..., out, in], as the gguf package computes it."""
         from gguf import GGMLQuantizationType, dequantize
 
-        return np.asarray(dequantize(self.data, GGMLQuantizationType[self.fmt]), np.float32).reshape(self.shape)
+        return np.asarray(dequantize(self.joined, GGMLQuantizationType[self.fmt]), np.float32).reshape(self.shape)
 
 
 Weight = jax.Array | QuantWeight | KernelWeight | JoinedWeight
@@ -107,8 +117,10 @@ def stored(w: GGUFBlocks, weights: str, matmul: str) -> KernelWeight | None:
     `packing.pack_blocks`, a table's looked-up rows included); else None."""
     if weights in GGUF_WEIGHTS and matmul == "kernel" and cpu_kernel.fits_blocks(w.fmt, w.shape[-1], w.shape[-2]):
         if weights == "gguf" and (packed := cpu_kernel.repacked_format(w.fmt, w.shape[-2])):
-            return KernelWeight(jnp.asarray(packing.pack_blocks(w.data, packed)), None, packed, True)
-        return KernelWeight(jnp.asarray(w.data), None, w.fmt, weights == "gguf")
+            # the packed array is the weight's memory: JAX takes it as it is
+            return KernelWeight(jax.device_put(packing.pack_blocks(w.parts, packed), may_alias=True), None, packed,
+                                True)
+        return KernelWeight(jnp.asarray(w.joined), None, w.fmt, weights == "gguf")
     return None
 
 
@@ -118,7 +130,7 @@ def projection(parts: list[Tensor]) -> Tensor:
     [in, sum(out_i)]."""
     if all(isinstance(p, GGUFBlocks) for p in parts):
         runs = [list(run) for _, run in itertools.groupby(parts, key=lambda p: p.fmt)]
-        joined = tuple(GGUFBlocks(np.concatenate([p.data for p in run]), run[0].fmt,
+        joined = tuple(GGUFBlocks(tuple(q for p in run for q in p.parts), run[0].fmt,
                                   (sum(p.shape[0] for p in run), run[0].shape[1])) for run in runs)
         return joined[0] if len(joined) == 1 else joined
     if len(parts) == 1:
@@ -129,7 +141,7 @@ def projection(parts: list[Tensor]) -> Tensor:
 def stack(layers: list[Tensor]) -> Tensor:
     """Per-layer tensors on a leading layer axis (GGUF blocks of one format stay as stored)."""
     if all(isinstance(w, GGUFBlocks) and w.fmt == layers[0].fmt for w in layers):
-        return GGUFBlocks(np.stack([w.data for w in layers]), layers[0].fmt, (len(layers), *layers[0].shape))
+        return GGUFBlocks(np.stack([w.joined for w in layers]), layers[0].fmt, (len(layers), *layers[0].shape))
     return np.stack([_in_out(w) for w in layers])
 
 
