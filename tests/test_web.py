@@ -1,7 +1,9 @@
 """The chat page at `/`, driven in a real headless Chromium (the system's `chromium` and `chromium-driver`) against a
 real station on the default model: a streamed answer, the stop button cancelling the request on the station,
 conversations surviving a reload, model output that cannot run script however hostile its markdown, the model picker,
-code blocks highlighted and copied, the context left, attached files, dark mode and the station panel.
+code blocks highlighted and copied, the context left, attached files, dark mode and the station panel. A long answer
+streamed by a stand-in for the station's stream draws each block once; a bad import, a malformed event and a full
+localStorage each show a notice, never an uncaught error.
 
 The station serves two names (`--served-model-name`) for the picker; it holds no LoRA slots, which would compile
 programs of their own: tests/test_lora.py picks an adapter on the page against its LoRA station. A recording
@@ -79,8 +81,9 @@ def test_page_is_static_and_strict(station) -> None:
         reply = http.get(f"/web/{name}")
         assert reply.headers["content-type"].startswith("text/javascript"), name
         assert reply.headers["content-security-policy"] == csp
+        assert "window.jaxstation" not in reply.text, name  # no hook for tests in the page users get
         modules += [m for m in re.findall(r'from "\./([\w-]+\.js)"', reply.text) if m not in seen]
-    assert {"markdown.js", "highlight.js", "models.js", "files.js", "station.js"} <= seen
+    assert {"answer.js", "markdown.js", "highlight.js", "models.js", "files.js", "station.js"} <= seen
     assert http.get("/web/nothing.js").status_code == 404
     assert http.post("/v1/chat/completions", json={"messages": []}).status_code == 401  # the API keeps its key
     assert http.get("/station/status").status_code == 401
@@ -128,13 +131,21 @@ def test_stop_cancels_the_request_on_the_station(station, page: WebDriver) -> No
     assert metric(text, "jaxstation_requests_total", {"outcome": "cancelled"}) == cancelled + 1
 
 
+def rendered(driver: WebDriver, text: str, box_id: str) -> str:
+    """`text` rendered by the page's own markdown module into a new element `box_id`; its HTML."""
+    return driver.execute_async_script("""
+        const [text, id, done] = arguments;
+        import('/web/markdown.js').then(({ renderMarkdown }) => {
+          const box = document.createElement('div');
+          box.id = id;
+          box.append(renderMarkdown(text));
+          document.body.append(box);
+          done(box.innerHTML);
+        });""", text, box_id)
+
+
 def test_hostile_markdown_renders_as_text(page: WebDriver) -> None:
-    html = page.execute_script("""
-        const box = document.createElement('div');
-        box.id = 'hostile';
-        box.append(window.jaxstation.renderMarkdown(arguments[0]));
-        document.body.append(box);
-        return box.innerHTML;""", HOSTILE)
+    html = rendered(page, HOSTILE, "hostile")
     page.execute_script("return new Promise((done) => setTimeout(done, 300))")  # let any onerror/onload fire
     assert page.execute_script("return window.__pwned") is None
     assert no_active_content(page, "#hostile"), html
@@ -182,6 +193,9 @@ def test_regenerate_edit_and_import(page: WebDriver, tmp_path) -> None:
     area.clear()
     area.send_keys("Say bye.")
     page.find_element(By.XPATH, "//div[contains(@class, 'user')]/button[text()='Send']").click()
+    # the page checks the edited turn's length with the station before it sends it, showing the old turn meanwhile
+    wait(page, lambda d: [m.text.split("\n")[0] for m in d.find_elements(By.CSS_SELECTOR, ".msg.user")] == ["Say bye."],
+         "the edited turn was not sent")
     wait(page, lambda d: "tokens/s" in answer_meta(d), "the answer to the edit did not finish")
     assert [m.text.split("\n")[0] for m in page.find_elements(By.CSS_SELECTOR, ".msg.user")] == ["Say bye."]
     assert len(page.find_elements(By.CSS_SELECTOR, ".msg")) == 2
@@ -379,3 +393,126 @@ def test_the_station_panel_shows_the_lanes_busy_then_free(station, page: WebDriv
     waves = st.scheduler.waves
     time.sleep(1.5)  # the panel polls each second; the decode thread, idle, runs no turn for it
     assert st.scheduler.waves == waves
+
+
+# ---- a stand-in for the station's stream: long answers, malformed events --------------------------------------------
+
+FAKE_STREAM = """const [events] = arguments;
+const real = window.fetch.bind(window);
+window.__reads = 0;
+window.fetch = (url, init) => {
+  if (!String(url).endsWith('/v1/chat/completions')) return real(url, init);
+  const encoder = new TextEncoder();
+  let i = 0;
+  const body = new ReadableStream({pull(controller) {
+    if (i === events.length) return controller.close();
+    window.__reads += 1;
+    controller.enqueue(encoder.encode(events[i++]));
+  }});
+  return Promise.resolve(new Response(body, {headers: {'Content-Type': 'text/event-stream'}}));
+};"""
+WATCH = """window.__errors = [];
+addEventListener('error', (e) => window.__errors.push(String(e.message)));
+addEventListener('unhandledrejection', (e) => window.__errors.push(String(e.reason)));
+window.__removed = 0;
+new MutationObserver((records) => {
+  for (const record of records) {
+    for (const node of record.removedNodes) {
+      if (node.nodeType === 1) window.__removed += node.matches('.code') + node.querySelectorAll('.code').length;
+    }
+  }
+  const codes = document.querySelectorAll('.msg.assistant .code');
+  if (codes.length >= 2 && !window.__first) window.__first = codes[0];
+}).observe(document.getElementById('messages'), {childList: true, subtree: true});"""
+
+
+def events(pieces: list[str], completion: int) -> list[str]:
+    """A chat completion's stream of `pieces`, one event each, then its usage and the end."""
+    chunks = [{"choices": [{"index": 0, "delta": {"content": p}}]} for p in pieces]
+    chunks.append({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": completion,
+                                            "total_tokens": 7 + completion}})
+    return [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+
+
+def long_answer(tokens: int) -> list[str]:
+    """A reply of `tokens` pieces of four characters: paragraphs, each followed by a Python code block."""
+    parts, b = [], 0
+    while sum(map(len, parts)) < 4 * tokens:
+        parts.append(f"Step {b}: the function below squares a number and adds {b} to it.\n\n"
+                     f"```python\ndef step_{b}(x):\n    # {b}\n    return x * x + {b}\n```\n\n")
+        b += 1
+    text = "".join(parts)[:4 * tokens]
+    return [text[i:i + 4] for i in range(0, len(text), 4)]
+
+
+def test_a_long_streamed_answer_draws_each_block_once(page: WebDriver) -> None:
+    """4,000 tokens, one network read each, with a code block every 30 or so: no block is drawn again once a later
+    one has begun (the first code block stays the same node to the end), the code blocks removed from the page are at
+    most one a read (the block still streaming in), and the answer drawn piece by piece is the one drawn whole."""
+    pieces = long_answer(4000)
+    page.execute_script(FAKE_STREAM, events(pieces, len(pieces)))
+    page.execute_script(WATCH)
+    ask(page, "Write the steps.", 8)
+    wait(page, lambda d: "completion 4000" in answer_meta(d), "the long answer did not finish", timeout=120)
+    reads, removed, errors = page.execute_script("return [window.__reads, window.__removed, window.__errors]")
+    codes = page.find_elements(By.CSS_SELECTOR, ".msg.assistant .code")
+    assert len(pieces) == 4000 and reads == 4002 and len(codes) > 100 and not errors
+    assert page.execute_script("return window.__first.isConnected && window.__first === "
+                               "document.querySelector('.msg.assistant .code')")
+    assert removed <= reads
+    answer = page.execute_script("return document.querySelector('.msg.assistant .answer').innerHTML")
+    assert answer == rendered(page, "".join(pieces), "whole")
+
+
+def test_a_malformed_event_shows_a_notice_and_the_answer_goes_on(page: WebDriver) -> None:
+    good = events(["Hello", " world."], 2)
+    page.execute_script(FAKE_STREAM, ["data: {not json\n\n", good[0], "data: null\n\n", 'data: {"choices": 5}\n\n',
+                                      *good[1:]])
+    page.execute_script(WATCH)
+    ask(page, "Say hello.", 8)
+    finished(page)
+    assert page.find_element(By.ID, "notice").text == (
+        "The station sent an event this page could not read; the answer goes on without it.")
+    assert page.find_element(By.CSS_SELECTOR, ".msg.assistant .answer").text == "Hello world."
+    assert page.execute_script("return window.__errors") == []
+
+
+def test_a_file_that_is_no_export_shows_a_notice(page: WebDriver, tmp_path) -> None:
+    page.execute_script(WATCH)
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "empty.json").write_text(json.dumps([{"title": "no messages"}]))
+    page.find_element(By.ID, "import").send_keys(str(tmp_path / "bad.json"))
+    notice = wait(page, lambda d: d.find_element(By.ID, "notice").is_displayed() and d.find_element(By.ID, "notice"),
+                  "no notice of a file that is not JSON")
+    assert notice.text.startswith("bad.json was not imported: it is not JSON (")
+    page.find_element(By.ID, "import").send_keys(str(tmp_path / "empty.json"))
+    wait(page, lambda d: "empty.json" in d.find_element(By.ID, "notice").text, "no notice of an empty export")
+    assert page.find_element(By.ID, "notice").text == "empty.json was not imported: it holds no conversations."
+    assert [e.text for e in page.find_elements(By.CSS_SELECTOR, "#chats li .title")] == ["New chat"]
+    assert page.execute_script("return window.__errors") == []
+
+
+FILL_STORAGE = """let i = 0;
+for (let size = 1 << 20; size >= 1; ) {
+  try {
+    localStorage.setItem('filler' + i, 'x'.repeat(size));
+    i += 1;
+  } catch {
+    size >>= 1;
+  }
+}"""
+
+
+def test_a_full_local_storage_shows_a_notice_and_the_answer_still_streams(page: WebDriver) -> None:
+    page.execute_script(WATCH)
+    page.execute_script(FILL_STORAGE)
+    ask(page, "Say hi.", 8)
+    finished(page)
+    assert page.find_element(By.ID, "notice").text == (
+        "This browser's storage is full: what the page keeps (conversations, settings) is not saved. Delete or export "
+        "conversations to make room.")
+    assert [m.get_attribute("class") for m in page.find_elements(By.CSS_SELECTOR, ".msg")] == [
+        "msg user", "msg assistant"]
+    assert page.find_element(By.CSS_SELECTOR, ".msg.assistant .answer").text.strip()
+    assert page.find_element(By.CSS_SELECTOR, "#chats li.current .title").text == "Say hi."
+    assert page.execute_script("return window.__errors") == []

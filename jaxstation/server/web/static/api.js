@@ -1,7 +1,7 @@
 // The station's API as the page calls it. The API key lives in localStorage and goes out as an Authorization header,
 // never in a URL; the first call answered 401 asks for it (once, however many calls were refused together).
 
-import { $ } from "./dom.js";
+import { $, write } from "./dom.js";
 
 const KEY = "jaxstation.key";
 let asking = null;
@@ -11,7 +11,7 @@ function askKey() {
     const dialog = $("key-dialog");
     $("key").value = "";
     dialog.addEventListener("close", () => {
-      localStorage.setItem(KEY, $("key").value.trim());
+      write(KEY, $("key").value.trim());
       asking = null;
       resolve();
     }, { once: true });

@@ -1,12 +1,12 @@
 // The chat page: conversations, sending and streaming, and the page's start. Each other concern is a module of its
-// own: markdown.js (rendering answers as DOM nodes, never HTML), code.js and highlight.js (code blocks), api.js (the
-// key and the station's API), models.js (the picker), context.js (the context left), files.js (attached files),
-// settings.js, theme.js and station.js (the live panel). Conversations live in localStorage.
+// own: answer.js (an assistant turn, drawn as it streams), markdown.js (rendering answers as DOM nodes, never HTML),
+// code.js and highlight.js (code blocks), api.js (the key and the station's API), models.js (the picker), context.js
+// (the context left), files.js (attached files), settings.js, theme.js and station.js (the live panel). Conversations
+// live in localStorage; where it is full, or a file or an event cannot be read, a notice says so and the page goes on.
 
-import { $, button, element, notice, read } from "./dom.js";
+import { $, button, element, notice, read, write } from "./dom.js";
 import { api, errorText, forgetKey, readEvents } from "./api.js";
-import { renderMarkdown, splitThinking } from "./markdown.js";
-import { highlight, languageOf } from "./highlight.js";
+import { AnswerView } from "./answer.js";
 import { contextOf, loadModels, pickedModel, showModel } from "./models.js";
 import { chatTokens, showContext, wontFit } from "./context.js";
 import { clearFiles, fileChips, waitingFiles, wireFiles, withFiles } from "./files.js";
@@ -18,7 +18,7 @@ const CHATS = "jaxstation.chats";
 const state = { chats: read(CHATS, []), current: null, controller: null, ready: false };
 
 function save() {
-  localStorage.setItem(CHATS, JSON.stringify(state.chats));
+  write(CHATS, JSON.stringify(state.chats));
 }
 
 function newId() {
@@ -45,21 +45,33 @@ function requestBody(chat) {
   return { model: chat.model, messages, stream: true, stream_options: { include_usage: true }, ...sampling };
 }
 
+const listed = (value) => (Array.isArray(value) ? value : []);
+
 function applyDelta(reply, delta) {
   if (delta.content) reply.content += delta.content;
   if (delta.reasoning_content) reply.reasoning += delta.reasoning_content;
-  for (const call of delta.tool_calls ?? []) {
+  for (const call of listed(delta.tool_calls)) {
     const slot = (reply.tools[call.index ?? 0] ??= { name: "", arguments: "" });
     slot.name += call.function?.name ?? "";
     slot.arguments += call.function?.arguments ?? "";
   }
 }
 
+// One event of the stream; one that is not a JSON object is left out, and a notice says so.
 function applyEvent(reply, data) {
   if (data === "[DONE]") return;
-  const chunk = JSON.parse(data);
+  let chunk = null;
+  try {
+    chunk = JSON.parse(data);
+  } catch {
+    // below
+  }
+  if (chunk === null || typeof chunk !== "object") {
+    notice("The station sent an event this page could not read; the answer goes on without it.");
+    return;
+  }
   if (chunk.error) reply.error = chunk.error.message ?? JSON.stringify(chunk.error);
-  for (const choice of chunk.choices ?? []) applyDelta(reply, choice.delta ?? {});
+  for (const choice of listed(chunk.choices)) applyDelta(reply, choice?.delta ?? {});
   if (chunk.usage) reply.usage = chunk.usage;
 }
 
@@ -71,14 +83,12 @@ async function generate(body) {
   chat.messages.push(reply);
   state.controller = new AbortController();
   setBusy();
-  const node = renderChat();
+  const view = renderChat();
   const start = performance.now();
   try {
     const res = await api("/v1/chat/completions", request, state.controller.signal);
-    if (res.ok) {
-      await readEvents(res, (data) => applyEvent(reply, data),
-                       () => fillAssistant(node, reply, chat.messages.length - 1, true));
-    } else reply.error = await errorText(res);
+    if (res.ok) await readEvents(res, (data) => applyEvent(reply, data), () => view.update(reply));
+    else reply.error = await errorText(res);
   } catch (e) {
     if (e.name === "AbortError") reply.stopped = true;
     else reply.error = String(e.message ?? e);
@@ -86,8 +96,10 @@ async function generate(body) {
     state.controller = null;
     if (reply.usage) reply.stats = { seconds: (performance.now() - start) / 1000, ...reply.usage };
     setBusy();
+    view.update(reply, true);
+    view.node.append(meta(statsText(reply), chat.messages.length - 1));
     save();
-    renderChat();
+    showChat(chat);
   }
 }
 
@@ -120,24 +132,12 @@ function statsText(reply) {
   return `${rate} tokens/s · prompt ${p} · completion ${c}`;
 }
 
-function fillAssistant(node, reply, index, streaming) {
-  const split = splitThinking(reply.content);
-  const reasoning = (reply.reasoning + "\n" + split.reasoning).trim();
-  node.replaceChildren();
-  if (reasoning) {
-    const details = element("details", element("summary", "Reasoning"), element("div", reasoning));
-    details.lastChild.className = "reasoning";
-    node.append(details);
-  }
-  for (const call of reply.tools) {
-    const tool = element("div", element("strong", "Tool call: "), element("code", call.name),
-                         element("pre", call.arguments));
-    tool.className = "tool";
-    node.append(tool);
-  }
-  node.append(renderMarkdown(split.answer));
-  if (reply.error) node.append(Object.assign(element("p", reply.error), { className: "error" }));
+// Draw an assistant turn into `node`; a finished one (not `streaming`) with its figures. Returns its view.
+function showAssistant(node, reply, index, streaming) {
+  const view = new AnswerView(node);
+  view.update(reply, !streaming);
   if (!streaming) node.append(meta(statsText(reply), index));
+  return view;
 }
 
 function meta(text, index) {
@@ -175,22 +175,29 @@ function editUser(node, message, index) {
   area.focus();
 }
 
+// Draw the current conversation; returns the view of its last turn where that is an assistant's.
 function renderChat() {
   const chat = currentChat();
   const box = $("messages");
   box.replaceChildren();
   let last = null;
   chat.messages.forEach((message, index) => {
-    last = element("div");
-    last.className = "msg " + (message.role === "user" ? "user" : "assistant");
-    if (message.role === "user") fillUser(last, message, index);
-    else fillAssistant(last, message, index, state.controller !== null && index === chat.messages.length - 1);
-    box.append(last);
+    const node = element("div");
+    node.className = "msg " + (message.role === "user" ? "user" : "assistant");
+    box.append(node);
+    if (message.role === "user") fillUser(node, message, index);
+    else last = showAssistant(node, message, index, state.controller !== null && index === chat.messages.length - 1);
   });
+  showChat(chat);
+  return last;
+}
+
+// What goes with the conversation on screen: scrolled to its end, the context it leaves, the list of conversations.
+function showChat(chat) {
+  const box = $("messages");
   box.scrollTop = box.scrollHeight;
   showContext(chatTokens(chat), contextOf(showModel(chat.model)));
   renderList();
-  return last;
 }
 
 function renderList() {
@@ -264,14 +271,30 @@ function cleanMessage(m) {
   return message;
 }
 
-function importChats(text) {
-  const given = JSON.parse(text);
+// The conversations an exported file holds, or the reason it holds none.
+function exported(text) {
+  let given;
+  try {
+    given = JSON.parse(text);
+  } catch (e) {
+    return { refused: `it is not JSON (${e.message})` };
+  }
   const chats = (Array.isArray(given) ? given : [given]).filter((c) => Array.isArray(c?.messages)).map((c) => ({
     id: newId(), title: String(c.title ?? "Imported chat"), messages: c.messages.map(cleanMessage).filter(Boolean),
     ...(typeof c.model === "string" ? { model: c.model } : {}),
   }));
+  return chats.length ? { chats } : { refused: "it holds no conversations" };
+}
+
+function importChats(name, text) {
+  const { chats, refused } = exported(text);
+  if (refused) {
+    notice(`${name} was not imported: ${refused}.`);
+    return;
+  }
+  notice("");
   state.chats.unshift(...chats);
-  if (chats.length) state.current = chats[0].id;
+  state.current = chats[0].id;
   save();
   renderChat();
 }
@@ -330,7 +353,7 @@ function wire() {
   $("export").addEventListener("click", exportChats);
   $("import").addEventListener("change", async (e) => {
     const file = e.target.files[0];
-    if (file) importChats(await file.text());
+    if (file) importChats(file.name, await file.text());
     e.target.value = "";
   });
   $("forget-key").addEventListener("click", forgetKey);
@@ -348,5 +371,4 @@ function start() {
   waitReady();
 }
 
-window.jaxstation = { renderMarkdown, splitThinking, highlight, languageOf };
 start();

@@ -30,9 +30,10 @@ async function copyText(text) {
   }
 }
 
-export function codeView(text, info) {
+// `highlighted` false: the code as plain text (a block still streaming in, highlighted once it is whole).
+export function codeView(text, info, highlighted = true) {
   const lang = languageOf(info);
-  const code = element("code", lang ? highlight(text, lang) : text);
+  const code = element("code", lang && highlighted ? highlight(text, lang) : text);
   if (info) code.className = "language-" + info;
   const copy = button("Copy", async () => {
     copy.textContent = (await copyText(text)) ? "Copied" : "Copy failed";

@@ -24,6 +24,24 @@ export function notice(text) {
   box.hidden = !text;
 }
 
+const FULL = "This browser's storage is full: what the page keeps (conversations, settings) is not saved. Delete or "
+  + "export conversations to make room.";
+const refused = new Set(); // the keys whose last write the browser refused
+
+// Keep `value` under `key` in localStorage. Where the browser refuses (its storage is full: attached files are kept in
+// every conversation), a notice says so and the page goes on; the notice goes once every key is kept again.
+export function write(key, value) {
+  try {
+    localStorage.setItem(key, value);
+  } catch (e) {
+    refused.add(key);
+    notice(e.name === "QuotaExceededError" ? FULL : `This browser did not keep it (${e.name}: ${e.message}).`);
+    return false;
+  }
+  if (refused.delete(key) && !refused.size) notice("");
+  return true;
+}
+
 export function read(key, fallback) {
   try {
     return JSON.parse(localStorage.getItem(key)) ?? fallback;

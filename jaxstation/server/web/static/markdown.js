@@ -54,44 +54,83 @@ const FENCE = /^\s*(```|~~~)\s*([\w+.#-]*)/;
 const ITEM = /^\s*([-*+]|\d+[.)])\s+(.*)$/;
 const HEADING = /^(#{1,6})\s+(.*)$/;
 
-function codeBlock(rows, i, out) {
+// Each block reader takes the rows and the row its block starts at, and says what it made: the block's node (none for
+// a blank row), the row after it, and the last row it read (a paragraph or a list reads the row that ends it).
+
+function codeBlock(rows, i, highlighted) {
   const [, fence, lang] = rows[i].match(FENCE);
   const body = [];
   for (i += 1; i < rows.length && !rows[i].trim().startsWith(fence); i += 1) body.push(rows[i]);
-  out.append(codeView(body.join("\n"), lang));
-  return i + 1;
+  // an unterminated fence (an answer still streaming) is shown plain, and highlighted once it closes
+  return { node: codeView(body.join("\n"), lang, highlighted || i < rows.length), next: i + 1, read: i };
 }
 
-function list(rows, i, out) {
+function list(rows, i) {
   const ordered = /\d/.test(rows[i].match(ITEM)[1]);
   const node = document.createElement(ordered ? "ol" : "ul");
   for (; i < rows.length && ITEM.test(rows[i]); i += 1) node.append(element("li", ...inline(rows[i].match(ITEM)[2])));
-  out.append(node);
-  return i;
+  return { node, next: i, read: i };
 }
 
-function paragraph(rows, i, out) {
+function paragraph(rows, i) {
   const body = [];
   for (; i < rows.length && rows[i].trim() && !FENCE.test(rows[i]) && !ITEM.test(rows[i]); i += 1) body.push(rows[i]);
-  out.append(element("p", ...lines(body)));
-  return i;
+  return { node: element("p", ...lines(body)), next: i, read: i };
 }
+
+function block(rows, i, highlighted) {
+  const heading = rows[i].match(HEADING);
+  if (!rows[i].trim()) return { node: null, next: i + 1, read: i };
+  if (FENCE.test(rows[i])) return codeBlock(rows, i, highlighted);
+  if (ITEM.test(rows[i])) return list(rows, i);
+  if (heading) {
+    const node = element("h" + Math.min(heading[1].length + 2, 6), ...inline(heading[2]));
+    return { node, next: i + 1, read: i };
+  }
+  return paragraph(rows, i);
+}
+
+const normal = (text) => String(text).replace(/\r\n?/g, "\n");
 
 export function renderMarkdown(text) {
   const out = document.createDocumentFragment();
-  const rows = String(text).replace(/\r\n?/g, "\n").split("\n");
-  let i = 0;
-  while (i < rows.length) {
-    const heading = rows[i].match(HEADING);
-    if (!rows[i].trim()) i += 1;
-    else if (FENCE.test(rows[i])) i = codeBlock(rows, i, out);
-    else if (ITEM.test(rows[i])) i = list(rows, i, out);
-    else if (heading) {
-      out.append(element("h" + Math.min(heading[1].length + 2, 6), ...inline(heading[2])));
-      i += 1;
-    } else i = paragraph(rows, i, out);
+  const rows = normal(text).split("\n");
+  for (let i = 0; i < rows.length;) {
+    const { node, next } = block(rows, i, true);
+    if (node) out.append(node);
+    i = next;
   }
   return out;
+}
+
+// Markdown that streams into `box`, drawn in time linear in its length: a block that no later text can change (every
+// row it read is complete, so not the last row) is drawn once and kept; each update draws again only the blocks from
+// the first that may still change. Text that does not extend what was kept (a <think> that opens late) starts over.
+export class MarkdownView {
+  constructor(box) {
+    this.box = box;
+    this.kept = ""; // the text of the blocks drawn for good
+    this.live = []; // the nodes of the blocks that may still change
+  }
+
+  update(text, final = false) {
+    text = normal(text);
+    if (!text.startsWith(this.kept)) {
+      this.box.replaceChildren();
+      this.kept = "";
+    }
+    for (const node of this.live) node.remove();
+    this.live = [];
+    const rows = text.slice(this.kept.length).split("\n");
+    for (let i = 0; i < rows.length;) {
+      const { node, next, read } = block(rows, i, final);
+      const done = !final && !this.live.length && read < rows.length - 1;
+      if (node) this.box.append(node);
+      if (done) this.kept += rows.slice(i, next).map((row) => row + "\n").join("");
+      else if (node) this.live.push(node);
+      i = next;
+    }
+  }
 }
 
 // Without a reasoning parser on the station, the thinking arrives inline as <think>...</think>.

@@ -2,7 +2,7 @@
 // The picked name goes out as each request's `model` (an adapter's name runs the adapter), is kept per conversation,
 // and its card's `max_model_len` is the context the page measures the conversation against.
 
-import { $, element } from "./dom.js";
+import { $, element, write } from "./dom.js";
 import { api } from "./api.js";
 
 const LAST = "jaxstation.model"; // the last name picked: a new conversation starts on it
@@ -45,7 +45,7 @@ export function showModel(name) {
 // The name the picker shows, remembered as the one new conversations start on.
 export function pickedModel() {
   const name = $("model").value || undefined;
-  if (name) localStorage.setItem(LAST, name);
+  if (name) write(LAST, name);
   return name;
 }
 

@@ -2,14 +2,14 @@
 // defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05) until the user changes it. An emptied field sends
 // nothing, so the station's own default applies; Reset restores the page's defaults.
 
-import { $ } from "./dom.js";
+import { $, write } from "./dom.js";
 
 const STORE = "jaxstation.settings";
 const DEFAULTS = { temperature: "0.8", "top-k": "40", "top-p": "0.95", "min-p": "0.05" };
 const FIELDS = ["system", "temperature", "top-k", "top-p", "min-p", "max-tokens", "seed"];
 
 function keep() {
-  localStorage.setItem(STORE, JSON.stringify(Object.fromEntries(FIELDS.map((f) => [f, $(f).value]))));
+  write(STORE, JSON.stringify(Object.fromEntries(FIELDS.map((f) => [f, $(f).value]))));
 }
 
 function show(values) {

@@ -2,7 +2,7 @@
 // dark, which the browser keeps. The style sheet's colours are light-dark() pairs; the choice sets the root's
 // color-scheme through its data-theme attribute.
 
-import { $ } from "./dom.js";
+import { $, write } from "./dom.js";
 
 const STORE = "jaxstation.theme";
 const NEXT = { auto: "dark", dark: "light", light: "auto" };
@@ -19,7 +19,7 @@ export function wireTheme() {
   apply(Object.hasOwn(NEXT, saved ?? "") ? saved : "auto");
   $("theme").addEventListener("click", () => {
     const theme = NEXT[document.documentElement.dataset.theme ?? "auto"];
-    localStorage.setItem(STORE, theme);
+    write(STORE, theme);
     apply(theme);
   });
 }
