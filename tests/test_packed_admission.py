@@ -22,6 +22,7 @@ from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample, SamplingParam
 from jaxstation.engine.rules import pack_slots, pack_widths
 from jaxstation.engine.scheduler import Scheduler
 from jaxstation.engine.turns import Lane, prompt_pieces
+from jaxstation.engine.warmup import DECODE_WAIT
 from jaxstation.model.loader import LoadedModel
 
 GREEDY = SamplingParams()
@@ -140,13 +141,19 @@ def test_pack_widths_and_refusals(default_model: LoadedModel, xla_model: LoadedM
 
 
 def test_a_budget_wider_than_the_context_warms_up_and_serves() -> None:
-    """A 64-row budget over a 32-token context: warm-up fills the wide steps from several lanes, and a prompt that
-    fills the context gets the tokens it gets in 16-row pieces."""
+    """A 64-row budget over a 32-token context: warm-up fills the wide steps from several lanes (timing each, from
+    the narrowest, until one takes more than DECODE_WAIT widest waves; compiling the rest), and a prompt that fills
+    the context gets the tokens it gets in 16-row pieces."""
     model = tiny_model("tiny-llama3", layer_loop="unroll", matmul="kernel")
     wide = Engine(model, lanes=4, max_seq=32, chunk=16, block=16, attention="kernel", prefill_budget=64)
     narrow = Engine(model, lanes=4, max_seq=32, chunk=16, block=16, attention="kernel", prefill_budget=16)
     wide.warmup()
-    assert set(wide.step_s) == {("decode", w) for w in wide.wave_widths} | {("pack", w, 4) for w in wide.pack_widths}
+    timed = [w for w in wide.pack_widths if ("pack", w, 4) in wide.step_s]
+    assert {("decode", w) for w in wide.wave_widths} | {("pack", w, 4) for w in timed} == set(wide.step_s)
+    assert timed == list(wide.pack_widths[:len(timed)]) and timed  # the narrowest up
+    limit = DECODE_WAIT * wide.step_s["decode", 4]
+    assert all(wide.step_s["pack", w, 4] <= limit for w in timed[:-1])
+    assert timed == list(wide.pack_widths) or wide.step_s["pack", timed[-1], 4] > limit
     assert all(t > 0 for t in wide.step_s.values())
     prompt = list(range(3, 30))
     assert generate(wide, prompt, 4, SEEDED, lane=2) == generate(narrow, prompt, 4, SEEDED, lane=2)

@@ -110,6 +110,7 @@ class Engine(ChunkPrefill):
         self.ring_hold = RingHold(lanes, self.ring, self.cfg.sliding_window or 0)
         # one greedy run at warm-up: ("decode", width) and ("pack", width, sampled rows) -> seconds
         self.step_s: dict[tuple[str, int] | tuple[str, int, int], float] = {}
+        self.compile_only = False  # the warm-up's: `_run` compiles its step and runs nothing (`warmup.compiled`)
         self.reset()
 
     @property
@@ -280,12 +281,16 @@ class Engine(ChunkPrefill):
         each row's lane (else row r is lane r: a full-width wave); picks: `samplers` name the rows they sample (else
         every row samples). Returns the samples, one per sampler, and the logits where asked."""
         arrays = step_arrays(fed, samplers, self.scratch_pos, self.block, self.cfg.vocab_size)
+        args = (self.cfg, self.params, self.arena, arrays.positions, arrays.tokens, arrays.n_blocks, arrays.sampling,
+                arrays.lanes if by_lane else None, arrays.penalties, arrays.picks if picks else None,
+                self._adapters(arrays.lanes))
+        kwargs = {"block": self.block, "attention": self.attention, "return_logits": return_logits}
+        if self.compile_only:
+            step_rows.lower(*args, **kwargs).compile()  # later calls of the same shapes find it compiled
+            return [None] * len(samplers), None
         live = [r for r in fed if r.position is not None]
         self._wrote([r.lane for r in live], [r.position for r in live])  # idle rows write only scratch slots
-        self.arena, out, logits = step_rows(
-            self.cfg, self.params, self.arena, arrays.positions, arrays.tokens, arrays.n_blocks, arrays.sampling,
-            arrays.lanes if by_lane else None, arrays.penalties, arrays.picks if picks else None,
-            self._adapters(arrays.lanes), block=self.block, attention=self.attention, return_logits=return_logits)
+        self.arena, out, logits = step_rows(*args, **kwargs)
         return read_samples(out), logits
 
     def _adapters(self, lanes: int | Sequence[int]) -> np.ndarray | None:

@@ -1,16 +1,20 @@
 """An engine's warm-up, and the step times it leaves for the scheduler's packed turns.
 
-The warm-up runs every step shape a station uses once, on lane 0 (and on more lanes where a packed step is wider than
-one context), so that each is compiled before the first request and no request waits on a compiler. Each decode and
-packed step then runs once more, greedy, timed into `Engine.step_s`; `turn_rows` reads those times to keep a packed
-turn that carries decode rows within DECODE_WAIT of their plain wave, so running lanes keep their pace while prompts
-enter. The caller of the engine runs it (the station's start-up, on the thread that later hands the engine over).
+The warm-up compiles every step shape a station uses, so that no request waits on a compiler, and runs each on lane 0
+(and on more lanes where a packed step is wider than one context): a decode wave sampled, then greedy, timed into
+`Engine.step_s`; a packed step the same, from the narrowest up, until one takes more than DECODE_WAIT of the widest
+wave. `turn_rows` reads those times to keep a packed turn that carries decode rows within DECODE_WAIT of their plain
+wave, so running lanes keep their pace while prompts enter; a wider step than that can serve only a turn without
+decode rows, so it is compiled and not run (on an 8B model a 128-row step is seconds of arithmetic). An engine that
+packs prompts never runs a plain prefill chunk (a scored prompt's compiles on first use), so it compiles none. The
+caller of the engine runs it (the station's start-up, on the thread that later hands the engine over).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -33,11 +37,10 @@ Step = tuple[str, Callable[[], object]]
 def warmup_steps(engine: Engine) -> list[Step]:
     """Every step shape `engine` runs, as (name, run it once); the first run of each compiles it."""
     prompt = [0] * (engine.chunk + 1)
-    steps: list[Step] = [
-        ("begin", partial(engine.begin, 0, prompt, PENALIZED, frozenset())),
-        ("prefill", partial(engine.prefill, 0, prompt, 0, GREEDY)),  # a middle chunk
-        ("prefill_last", partial(engine.prefill, 0, prompt, engine.chunk, GREEDY)),  # a last chunk: it samples
-    ]
+    steps: list[Step] = [("begin", partial(engine.begin, 0, prompt, PENALIZED, frozenset()))]
+    if not engine.prefill_budget:  # a middle chunk, and a last one, which samples
+        steps += [("prefill", partial(engine.prefill, 0, prompt, 0, GREEDY)),
+                  ("prefill_last", partial(engine.prefill, 0, prompt, engine.chunk, GREEDY))]
     if tier_refusal(engine) is None:
         steps.append(("prefix_copy", partial(_prefix_copy, engine)))
     for width in engine.wave_widths:
@@ -66,7 +69,6 @@ def _lone_row(engine: Engine, sampling: SamplingParams, drafts: tuple[int, ...] 
 def _decode(engine: Engine, width: int) -> None:
     """A `width`-row wave, sampled then greedy, the greedy one timed."""
     engine._wave(_lone_row(engine, SAMPLED), width, False)
-    engine._wave(_lone_row(engine, GREEDY), width, False)
     _timed(engine, ("decode", width), partial(engine._wave, _lone_row(engine, GREEDY), width, False))
 
 
@@ -77,10 +79,26 @@ def _verify(engine: Engine) -> None:
 
 
 def _pack(engine: Engine, width: int, slots: int) -> None:
-    """A `width`-row packed step sampling `slots` rows, sampled then greedy, the greedy one timed."""
+    """A `width`-row packed step sampling `slots` rows, sampled then greedy, the greedy one timed; compiled only
+    where a narrower one took more than DECODE_WAIT times the widest wave (no turn with decode rows could take it)."""
+    widest = engine.step_s.get(("decode", engine.lanes), float("inf"))
+    if any(key[0] == "pack" and key[1] < width and t > DECODE_WAIT * widest for key, t in engine.step_s.items()):
+        with compiled(engine):
+            engine.pack(_pieces(engine, width, GREEDY), [None] * engine.lanes, slots)
+        return
     engine.pack(_pieces(engine, width, SAMPLED), [None] * engine.lanes, slots)
     _timed(engine, ("pack", width, slots), partial(engine.pack, _pieces(engine, width, GREEDY),
                                                    [None] * engine.lanes, slots))
+
+
+@contextlib.contextmanager
+def compiled(engine: Engine) -> Iterator[None]:
+    """Within it, `engine`'s steps compile and run nothing (`Engine.compile_only`)."""
+    engine.compile_only = True
+    try:
+        yield
+    finally:
+        engine.compile_only = False
 
 
 def _pieces(engine: Engine, rows: int, sampling: SamplingParams) -> list[PromptPiece]:
