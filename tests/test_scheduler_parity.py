@@ -4,7 +4,7 @@
 steps, the decode attention kernel; conftest's `engine`). They mix prompt lengths from 1 to over 300 tokens
 (real text and random ids), max_new_tokens 1..24, greedy and seeded temperature sampling (some with top_k / top_p),
 penalties, logit biases, allowed_token_ids and min_tokens (greedy and sampled), the model's EOS plus an explicit
-stop id found by a serial greedy run, and terminal_prosody. Each job's tokens and
+stop id found by a serial greedy run, and a sentence end. Each job's tokens and
 finish_reason must equal its run through a serialize-all (continuous=False) Scheduler on the same engine (flag on ==
 flag off), and greedy jobs must also equal `jaxstation.engine.engine.generate`, token for token.
 """
@@ -39,7 +39,7 @@ class Spec:
 
     def job(self) -> Job:
         return Job(tokens=list(self.prompt), max_new_tokens=self.max_new, sampling=self.sampling,
-                   stop_ids=self.stop, terminal_prosody=self.terminal)
+                   stop_ids=self.stop, stop_at_sentence_end=self.terminal)
 
 
 class RecordingEngine:
@@ -174,7 +174,7 @@ def test_finish_reasons_follow_the_stop_rules(gate):
         assert not set(r.generated) & s.stop, f"job {i}: a stop id was included"
         if r.finish_reason == "length":
             assert len(r.generated) == s.max_new
-        if r.finish_reason == "terminal_prosody":
+        if r.finish_reason == "sentence_end":
             assert s.terminal and r.generated[-1] in terminal_ids
         if s.terminal:
             assert not set(r.generated[:-1]) & terminal_ids
@@ -186,7 +186,7 @@ def test_finish_reasons_follow_the_stop_rules(gate):
     allowed = gate["on"][4].generated  # allowed_token_ids: the even ids only
     assert allowed and all(t % 2 == 0 for t in allowed)
     reasons = Counter(r.finish_reason for r in gate["on"])
-    assert reasons["stop"] >= 1 and reasons["length"] >= 1 and reasons["terminal_prosody"] >= 1, reasons
+    assert reasons["stop"] >= 1 and reasons["length"] >= 1 and reasons["sentence_end"] >= 1, reasons
 
 
 def test_job_mix_and_lane_reuse(gate):

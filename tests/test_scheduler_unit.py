@@ -202,16 +202,16 @@ def test_stop_id_is_not_included(stations):
     assert (r0.generated, r0.finish_reason) == ([], "stop")
 
 
-def test_terminal_prosody_includes_the_terminal_token(stations):
+def test_a_sentence_end_is_included_and_ends_the_request(stations):
     prompt = [7, 8]
     seq = expected(prompt, 10)
     terminal = _first_unique_at(seq, 2)
     _, sched = stations(lanes=2, terminal_ids=frozenset({terminal}))
-    f_on = sched.submit(Job(tokens=prompt, max_new_tokens=10, terminal_prosody=True))
+    f_on = sched.submit(Job(tokens=prompt, max_new_tokens=10, stop_at_sentence_end=True))
     f_off = sched.submit(Job(tokens=prompt, max_new_tokens=10))
     sched.start()
     r_on, r_off = f_on.result(TIMEOUT), f_off.result(TIMEOUT)
-    assert (r_on.generated, r_on.finish_reason) == (seq[:3], "terminal_prosody")
+    assert (r_on.generated, r_on.finish_reason) == (seq[:3], "sentence_end")
     assert (r_off.generated, r_off.finish_reason) == (seq, "length")
 
 

@@ -118,7 +118,7 @@ CASES = [
     ("top_k a float", {**OK, "top_k": 2.5}, 422, "top_k"),
     ("seed negative", {**OK, "seed": -1}, 422, "seed"),
     ("stop id out of range", {**OK, "stop_token_ids": [VOCAB]}, 422, "stop_token_ids"),
-    ("terminal_prosody not bool", {**OK, "terminal_prosody": "yes"}, 422, "terminal_prosody"),
+    ("stop_at_sentence_end not bool", {**OK, "stop_at_sentence_end": "yes"}, 422, "stop_at_sentence_end"),
     ("resume not bool", {**OK, "resume": 1}, 422, "resume"),
     ("unknown field", {**OK, "max_tokens": 4}, 422, "max_tokens"),
     ("presence_penalty > 2", {**OK, "presence_penalty": 2.5}, 422, "presence_penalty"),

@@ -53,7 +53,7 @@ class Job:
     max_new_tokens: int
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     stop_ids: frozenset[int] = frozenset()
-    terminal_prosody: bool = False
+    stop_at_sentence_end: bool = False  # end after the first token that closes a sentence (`terminal_ids`)
     reuse_prefix: bool = True
     prompt_logprobs: bool = False
     on_token: Callable[[Sample], None] | None = None
@@ -71,7 +71,7 @@ class Job:
 @dataclasses.dataclass(frozen=True)
 class Result:
     generated: list[int]
-    finish_reason: str  # "stop" | "length" | "terminal_prosody"
+    finish_reason: str  # "stop" | "length" | "sentence_end"
     prompt_tokens: int
     samples: list[Sample]
     timing: dict[str, float]  # queue_s, ttft_s, total_s, and cached_tokens (prompt tokens not prefilled)

@@ -355,8 +355,9 @@ class Scheduler(JobQueue):
                 return self._fail(i, e)
             if job.constraint.finished:  # the grammar is complete: the output ends here
                 return self._retire(i, "stop")
-        if job.terminal_prosody and sample.token in self.terminal_ids and len(lane.samples) >= job.sampling.min_tokens:
-            self._retire(i, "terminal_prosody")
+        ends_sentence = sample.token in self.terminal_ids and len(lane.samples) >= job.sampling.min_tokens
+        if job.stop_at_sentence_end and ends_sentence:
+            self._retire(i, "sentence_end")
         elif len(lane.samples) >= job.max_new_tokens:
             self._retire(i, "length")
 

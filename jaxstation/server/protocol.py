@@ -188,7 +188,7 @@ class GenerateRequest(Strict, TokenControls):
     top_k: int | None = Field(None, ge=0, description="0 or null is off")
     top_p: float | None = Field(None, gt=0, le=1)
     stop_token_ids: list[TokenId] | None = Field(None, description="more ids that end the request, beside EOS")
-    terminal_prosody: bool = Field(False, description="end at the first token that closes a sentence")
+    stop_at_sentence_end: bool = Field(False, description="end at the first token that closes a sentence")
     resume: bool = Field(False, description="the prompt continues an earlier request: its cached KV may be reused")
     structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's: the output follows a JSON "
                                                          "schema, a regex, a choice or a grammar")
@@ -207,7 +207,7 @@ class GenerateTiming(BaseModel):
 
 class GenerateResponse(BaseModel):
     generated: list[int]
-    finish_reason: Literal["stop", "length", "terminal_prosody"]
+    finish_reason: Literal["stop", "length", "sentence_end"]
     prompt_tokens: int
     timing: GenerateTiming
 
@@ -323,5 +323,6 @@ def parse_generate(body: Any, vocab: int, max_request_tokens: int, eos_ids: froz
     if spec is not None and not on_device:
         raise StationError(422, f"structured_outputs {NO_TOKEN_STATE}", "structured_outputs")
     job = Job(tokens=req.tokens, max_new_tokens=req.max_new_tokens, sampling=sampling, stop_ids=stops,
-              terminal_prosody=req.terminal_prosody, reuse_prefix=reuse_prefix(req.resume), speculate=req.speculative)
+              stop_at_sentence_end=req.stop_at_sentence_end, reuse_prefix=reuse_prefix(req.resume),
+              speculate=req.speculative)
     return job, spec
