@@ -1,16 +1,9 @@
 """The attentions a step can run, each one function over a layer's slab of the KV arena (`LayerKV`: its full buffer
 or its ring, engine/arena.py), and `attend`, which picks one.
 
-- `blocked_attention`: online softmax over fixed-size KV blocks; any number of query rows (prefill chunks and decode
-  waves), any wave width. A block fully masked for a row leaves that row's running state untouched (`where`, not
-  arithmetic), so how many blocks a wave runs never changes a row's bits: a windowed layer starts at the first
-  block any row's window reaches. A ring's logical block is a contiguous run of its slots, read in the same order and
-  shape as the full buffer's, so both give a row the same bits.
-- `kernel_decode_attention`: the CPU decode attention kernel (kernels/cpu_kernel.py), each row reading its own lane's
-  positions in place (around a ring, in position order; float32, bfloat16 or int8 KV, widened as `LayerKV.read`
-  widens it); any wave width, and a prefill chunk's rows.
-- `dense_decode_attention`: `jax.nn.dot_product_attention` ("xla" or "cudnn") over each lane's whole slab, masked to
-  its length; full-width decode waves only (row r is lane r), never over a ring (rules.attention_refusal).
+Each reads only its row's own lane, so a row's bits never depend on the rows beside it: `blocked_attention` (any wave
+width, prefill chunks and waves), `kernel_decode_attention` (the CPU kernel, any wave width, in place) and
+`dense_decode_attention` (XLA's or cuDNN's, full-width waves only, never over a ring: rules.attention_refusal).
 """
 
 from __future__ import annotations
@@ -31,6 +24,10 @@ def blocked_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, kv: Laye
     """Online-softmax attention of q over each row's arena lane, block by block (layer `layer`, its slab `kv`).
 
     q: [rows, Q, kv_heads, group, head_dim]; q_pos: [rows, Q]; lanes: [rows] -> [rows, Q, heads * head_dim].
+    Any number of query rows (prefill chunks and decode waves), any wave width. A block fully masked for a row leaves
+    that row's running state untouched (`where`, not arithmetic), so how many blocks a wave runs never changes a row's
+    bits: a windowed layer starts at the first block any row's window reaches. A ring's logical block is a contiguous
+    run of its slots, read in the same order and shape as the full buffer's, so both give a row the same bits.
     """
     rows, nq = q.shape[:2]
     kvh, hd = cfg.num_kv_heads, cfg.head_dim
@@ -67,7 +64,9 @@ def blocked_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, kv: Laye
 
 def dense_decode_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
                             implementation: str) -> jax.Array:
-    """One query per lane over that lane's whole slab, masked to its own length, in one fused call.
+    """One query per lane over that lane's whole slab, masked to its own length, in one fused call
+    (`jax.nn.dot_product_attention`, "xla" or "cudnn"): full-width decode waves only (row r is lane r), never over a
+    ring.
 
     q: [lanes, heads, hd]; q_pos: [lanes]; k, v: [lanes, max_seq, kv_heads, hd] -> [lanes, heads * hd]. The
     shapes never change, so neither do a lane's bits; what lies past a lane's length is masked, never read into it.
@@ -87,8 +86,10 @@ def first_block(q_pos: jax.Array, window: jax.Array | int | None, block: int) ->
 
 def kernel_decode_attention(cfg: ModelConfig, q: jax.Array, q_pos: jax.Array, kv: LayerKV, layer: jax.Array | int,
                             lanes: jax.Array) -> jax.Array:
-    """q: [rows, heads, hd]; q_pos, lanes: [rows] -> [rows, heads * hd], each row over its own lane in place. The
-    window is an attribute of the kernel's call: in a stacked walk a layer's comes from a choice of two calls."""
+    """The CPU decode attention kernel (kernels/cpu_kernel.py), each row reading its own lane's positions in place
+    (around a ring, in position order; float32, bfloat16 or int8 KV, widened as `LayerKV.read` widens it): any wave
+    width, and a prefill chunk's rows. q: [rows, heads, hd]; q_pos, lanes: [rows] -> [rows, heads * hd]. The window is
+    an attribute of the kernel's call: in a stacked walk a layer's comes from a choice of two calls."""
 
     def call(window: int | None) -> jax.Array:
         b = kv.buffers  # float32, bfloat16 or int8 with its scales, read in place

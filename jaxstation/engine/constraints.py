@@ -5,18 +5,10 @@ model's `tokenizer.json`, compiles a JSON schema in about a millisecond, and wri
 bitmask of 32-bit words (token t is bit t % 32 of word t // 32). It brings no other dependency.
 
 Threads. `Grammars.compile` runs on the request's handler thread, never the decode thread, and under a time limit,
-so a slow or bad constraint is a 400 and never stalls a wave. A compiled `Constraint` rides on its Job. The decode
-thread asks each constrained lane for its mask before a step (`fill`) and feeds it the sampled token after
-(`advance`); the device masks the row's logits (engine/penalties.py), so the choice among the allowed tokens is the
-model's and the sampler's, and a row's bits never depend on another row.
-
-End of output. The grammar decides it: EOS is allowed only where the grammar accepts, and a grammar that can go no
-further ends its request ("stop") without a sampled EOS. A row left with no token to choose (a grammar that only
-accepts EOS while min_tokens holds it back, or an allowed_token_ids list outside the grammar) ends its request with
-`ConstraintFailed`, before the step, so no masked-out token is ever sampled.
-
-Whitespace in JSON is bounded: at most `JSON_WHITESPACE` characters between two tokens, so a small model cannot pad
-with spaces until max_tokens.
+so a slow or bad constraint is a 400 and never stalls a wave. A compiled `Constraint` rides on its Job; the decode
+thread asks it for its mask before a step and feeds it the sampled token after. The device masks the row's logits
+(engine/penalties.py), so the choice among the allowed tokens is the model's and the sampler's, and a row's bits
+never depend on another row.
 """
 
 from __future__ import annotations
@@ -35,7 +27,8 @@ import numpy as np
 from jaxstation.model.tokenizer import Tokenizer
 
 WORD_BITS = 32  # tokens per mask word
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,12}"  # between two JSON tokens: a newline and an indent, not a padding run
+# between two JSON tokens: a newline and an indent, not a padding run (a small model would pad until max_tokens)
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,12}"
 COMPILE_TIMEOUT_S = 5.0
 Kind = Literal["json", "regex", "choice", "grammar"]
 
@@ -95,7 +88,12 @@ class ConstraintSpec:
 
 
 class Constraint:
-    """One request's position in its grammar (an llguidance matcher), advanced by each generated token."""
+    """One request's position in its grammar (an llguidance matcher), advanced by each generated token.
+
+    The grammar decides where the output ends: EOS is allowed only where the grammar accepts, and a grammar that can go
+    no further ends its request ("stop") without a sampled EOS. A row left with no token to choose (a grammar that only
+    accepts EOS while min_tokens holds it back, or an allowed_token_ids list outside the grammar) ends its request with
+    `ConstraintFailed`, before the step, so no masked-out token is ever sampled."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab: int, field: str) -> None:
         self._matcher, self.vocab, self.field = matcher, vocab, field

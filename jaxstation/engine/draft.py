@@ -2,20 +2,9 @@
 
 The draft engine has its own KV arena and one lane per target lane; a request's drafts come from its lane there, so
 drafting never touches the target's arena and the target's tokens are verified exactly as with any other proposer
-(engine/speculative.py): they are plain decoding's, whatever the draft model says.
-
-One drafting round for the requests of a verify step, k tokens each, greedy (argmax):
-1. Catch up and draft the first token in packed steps (`Engine.pack`): each lane's tokens past those its arena holds
-   go in as prompt pieces, and the piece that ends them samples the first draft. The first round of a request feeds
-   its whole prompt this way; later rounds feed what the target generated since, usually one to k + 1 tokens.
-2. k - 1 decode waves over the lanes still drafting, each feeding the last draft and sampling the next.
-
-What a lane's arena holds is the tokens it was last fed (`written`): position p holds the k/v of those tokens up to p,
-so the positions before the first that differs from the request's tokens are valid, and the rest are overwritten
-before anything reads them. A new request on the lane reuses the prefix it shares with the last one.
-
-A draft step that fails drafts nothing that turn and rebuilds the draft arena: the target decodes on as without
-drafts, with the same tokens.
+(engine/speculative.py): they are plain decoding's, whatever the draft model says. A draft step that fails drafts
+nothing that turn and rebuilds the draft arena: the target decodes on as without drafts, with the same tokens. The
+decode thread owns the draft engine, as it owns the target's.
 """
 
 from __future__ import annotations
@@ -68,6 +57,9 @@ class DraftModel:
         return drafts
 
     def _draft(self, asks: Sequence[Ask]) -> dict[int, list[int]]:
+        """One drafting round, k tokens an ask, greedy: a catch-up in packed steps that samples each lane's first draft
+        (`_catch_up`), then k - 1 decode waves over the lanes still drafting, each feeding the last draft and sampling
+        the next. A lane's arena then holds the tokens it was fed (`written`)."""
         drafts = self._catch_up({lane: tokens for lane, tokens, _ in asks})
         for j in range(1, max(k for _, _, k in asks)):  # feed draft j at the position after the tokens' j - 1
             rows: list[DecodeRow | None] = [None] * self.engine.lanes
@@ -84,7 +76,8 @@ class DraftModel:
 
     def _catch_up(self, tokens: dict[int, Sequence[int]]) -> dict[int, list[int]]:
         """Feed each lane its tokens past the prefix its arena holds, in packed steps of the engine's budget (oldest
-        lane first); per lane, the first draft: the sample after its last token."""
+        lane first); per lane, the first draft: the sample after its last token. A request's first round feeds its
+        whole prompt this way; later rounds feed what the target generated since, usually one to k + 1 tokens."""
         fed = {lane: self.held(lane, t) for lane, t in tokens.items()}
         drafts: dict[int, list[int]] = {}
         while len(drafts) < len(tokens):
@@ -106,7 +99,10 @@ class DraftModel:
         return [(f"draft_{name}", run) for name, run in steps if name.startswith(("decode", "pack"))]
 
     def held(self, lane: int, tokens: Sequence[int]) -> int:
-        """How many of `tokens` the lane's arena holds (at most all but the last, which the catch-up feeds)."""
+        """How many of `tokens` the lane's arena holds (at most all but the last, which the catch-up feeds). Position
+        p holds the k/v of the tokens it was last fed up to p (`written`), so the positions before the first that
+        differs from `tokens` are valid, and the rest are overwritten before anything reads them: a new request on
+        the lane reuses the prefix it shares with the last one."""
         n = min(len(self.written[lane]), len(tokens) - 1)
         differ = np.flatnonzero(np.asarray(self.written[lane][:n]) != np.asarray(tokens[:n]))
         n = int(differ[0]) if differ.size else n

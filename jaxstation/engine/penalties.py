@@ -1,21 +1,12 @@
 """Penalties, logit biases, min_tokens and constraint masks on the device, from per-lane token state kept in the
 arena and per-row inputs.
 
-The state (`TokenState`, three [lanes, vocab] arrays) describes the request a lane runs: how often it has generated
-each token, which tokens its prompt holds and which are its stop ids, and its logit bias (-inf outside its allowed
-tokens, when it names them). `start_lane` writes a lane's
-rows when a request takes it (the whole prompt, whatever prefill skips on a prefix-cache hit); the compiled steps
-read the rows of their lanes and scatter-add each sampled token into its lane's counts.
-
-What a request asks for travels per row (`PenaltyArrays`). The logits a token is chosen from are, in this order:
-the model's logits + logit_bias; its stop ids at -inf while it has generated fewer than min_tokens; a logit of a
-token in the prompt or already generated divided by repetition_penalty if positive, else multiplied by it; minus
-frequency_penalty * count + presence_penalty * (count > 0); last, a constrained row's tokens outside its mask
-(engine/constraints.py) at -inf, a mask that needs no lane state. Every operation is elementwise on a row and its own
-lane's state, so a row's bits never depend on the wave. The whole pass, and the choice of tokens from its result,
-runs under `lax.cond` on whether any row of the wave asks for it (the penalties and the mask each under their own
-too), and a row that asks for nothing keeps its logits' bits (a per-row select), so a wave without controls pays
-two predicates and a count update of one element per row, and never copies its logits.
+The state (`TokenState`) describes the request a lane runs: how often it has generated each token, which tokens its
+prompt holds and which are its stop ids, and its logit bias; what a request asks for travels per row
+(`PenaltyArrays`). Every operation is elementwise on a row and its own lane's state, so a row's bits never depend on
+the wave. The whole pass runs under `lax.cond` on whether any row of the wave asks for it, and a row that asks for
+nothing keeps its logits' bits (a per-row select), so a wave without controls pays two predicates and a count update
+of one element per row, and never copies its logits.
 """
 
 from __future__ import annotations
@@ -79,7 +70,9 @@ def lane_rows(vocab: int, prompt: Iterable[int], held: Iterable[int], logit_bias
 
 @partial(jax.jit, donate_argnames=("state",))
 def start_lane(state: TokenState, lane: jax.Array, marks: jax.Array, bias: jax.Array) -> TokenState:
-    """A request takes `lane`: zero its counts, write its marks and bias rows ([vocab] each)."""
+    """A request takes `lane`: zero its counts, write its marks and bias rows ([vocab] each): its whole prompt,
+    whatever prefill skips on a prefix-cache hit, and a bias of -inf outside its allowed tokens where it names them.
+    The compiled steps read the rows of their lanes and scatter-add each sampled token into its lane's counts."""
     return TokenState(counts=state.counts.at[lane].set(0), marks=state.marks.at[lane].set(marks),
                       bias=state.bias.at[lane].set(bias))
 
@@ -92,8 +85,12 @@ def unpack_mask(mask: jax.Array, vocab: int) -> jax.Array:
 
 def penalize(logits: jax.Array, state: TokenState, lanes: jax.Array, p: PenaltyArrays, counter: jax.Array
              ) -> jax.Array:
-    """The logits each row's token is chosen from (see the module docstring). logits: [rows, vocab]; lanes: [rows]
-    the lane of each row; counter: [rows] tokens each row's request has generated."""
+    """The logits each row's token is chosen from, in this order: the model's logits + logit_bias; its stop ids at
+    -inf while it has generated fewer than min_tokens; a logit of a token in the prompt or already generated divided
+    by repetition_penalty if positive, else multiplied by it; minus frequency_penalty * count + presence_penalty *
+    (count > 0); last, a constrained row's tokens outside its mask (engine/constraints.py) at -inf, a mask that needs
+    no lane state. The penalties and the mask each run under a `lax.cond` of their own. logits: [rows, vocab]; lanes:
+    [rows] the lane of each row; counter: [rows] tokens each row's request has generated."""
 
     def apply(logits: jax.Array) -> jax.Array:
         counts = state.counts[lanes]  # [rows, vocab]

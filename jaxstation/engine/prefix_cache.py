@@ -1,17 +1,13 @@
 """Exact prefix reuse over the arena's lanes, decided on the host.
 
-A lane keeps its KV after its request retires. The part of it another request may reuse, bit for bit, is what
-prefill wrote: every prefill chunk has the same shape (`[chunk]` rows at a chunk-aligned start) and a row never reads
-later rows, so the KV a prefill wrote at positions [0, n) is exactly what a fresh prefill of any sequence starting
-with those n tokens writes there. Decode writes the same positions with a different shape (`[lanes]` rows), and its
-bits differ, so generated tokens are never reused. A reusing request restarts prefill at the last chunk boundary at
-or below the matched length: every position from there on is written by the same chunks, at the same starts, as in
-a fresh run, and its tokens are bit-identical to a fresh run's.
-
-The cache is host bookkeeping only: per lane, the token ids prefill wrote and the engine's `lane_versions` stamp
-taken when the lane was freed. A stamp that changed since (another caller wrote the lane, or `Engine.reset` rebuilt
-the arena) voids the entry, so a rebuilt or overwritten lane is never reused. An entry also names the LoRA adapter
-its KV was computed with: only a request with the same adapter (the same load of it) reuses it.
+A lane keeps its KV after its request retires. The part another request may reuse, bit for bit, is what prefill
+wrote: every prefill chunk has the same shape (`[chunk]` rows at a chunk-aligned start) and a row never reads later
+rows, so the KV a prefill wrote at positions [0, n) is what a fresh prefill of any sequence starting with those n
+tokens writes there. Decode writes with another shape, so generated tokens are never reused. A reusing request
+restarts prefill at the last chunk boundary at or below the match, so every later position is written as in a fresh
+run. The cache is host bookkeeping only, the decode thread's: per lane, the token ids prefill wrote, the LoRA adapter
+load that wrote them, and the engine's `lane_versions` stamp when the lane was freed; a stamp that changed since
+(another caller wrote the lane, or `Engine.reset` rebuilt the arena) voids the entry.
 """
 
 from __future__ import annotations

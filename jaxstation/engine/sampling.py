@@ -3,14 +3,9 @@
 A sampled row keeps exactly the tokens its filters define and draws by inverse CDF: the first kept token, in
 vocabulary order, whose running probability exceeds the row's uniform, which comes from its seed folded with the
 lane's generated-token count. So a seed repeats its tokens, and a lane's token never depends on the other rows: each
-row is sampled from its own logits and uniform, with float sums in fixed orders, whatever the wave's width.
-
-On CPU with the kernels (kernels/sample.cc) one call per wave finds each row's cut-offs by histograms over the
-values' order and draws, in double, in about one pass over the row: on a 262,144-token vocabulary the JAX path's 64
-passes (two 32-step bisections) cost several times a greedy step's sampling; the row's bits come from the kernels'
-Threefry, the bits `row_bits` gives, in one call rather than XLA's loop of rounds. Elsewhere that JAX path finds the
-cut-offs by bisection (`_filter_mask`) and draws the same way in float32 with `rowwise` sums. A wave with no sampled
-row runs neither (`lax.cond`); greedy rows take the first maximum either way.
+row is sampled from its own logits and uniform, with float sums in fixed orders, whatever the wave's width. On CPU the
+kernels draw (`draw_kernel`); elsewhere the JAX path does (`draw_xla`), with the same row bits (`row_bits`). A wave
+with no sampled row runs neither (`lax.cond`); greedy rows take the first maximum either way.
 """
 
 from __future__ import annotations
@@ -157,7 +152,9 @@ def _inverse_cdf(scaled: jax.Array, keep: jax.Array, u: jax.Array) -> jax.Array:
 
 
 def draw_xla(logits: jax.Array, s: SamplingArrays) -> jax.Array:
-    """The JAX path's sampled token of each row (a greedy row's is meaningless). logits: [rows, vocab] -> [rows]."""
+    """The JAX path's sampled token of each row (a greedy row's is meaningless). logits: [rows, vocab] -> [rows].
+    It finds the cut-offs by bisection (`_filter_mask`: 64 passes over a row, two 32-step bisections) and draws in
+    float32 with `rowwise` sums."""
     sampling = s.temperature > 0.0
     scaled = logits / jnp.where(sampling, s.temperature, 1.0)[:, None]
     filtered = (s.top_k > 0) | (s.top_p < 1.0) | (s.min_p > 0.0)
@@ -167,7 +164,10 @@ def draw_xla(logits: jax.Array, s: SamplingArrays) -> jax.Array:
 
 
 def draw_kernel(logits: jax.Array, s: SamplingArrays) -> jax.Array:
-    """The CPU kernel's sampled token of each row (a greedy row's is 0). logits: [rows, vocab] -> [rows]."""
+    """The CPU kernel's sampled token of each row (a greedy row's is 0). logits: [rows, vocab] -> [rows].
+    kernels/sample.cc finds each row's cut-offs by histograms over the values' order and draws, in double, in about
+    one pass over the row (on a 262,144-token vocabulary the JAX path's 64 passes cost several times a greedy step's
+    sampling); its row bits are the kernels' Threefry, the bits `row_bits` gives, in one call."""
     bits = cpu_kernel.row_bits(s.seed, s.counter)  # the bits `row_bits` gives, in one call
     return cpu_kernel.sample(logits, s.temperature, s.top_k, s.top_p, s.min_p, bits)[0]
 

@@ -4,13 +4,9 @@ A lane that speculates feeds its last token and k drafted tokens as k + 1 rows a
 and every row is sampled with the request's own key at its position, as plain decoding samples that position. Row j's
 sample is the token plain decoding would produce after the first j drafts, so the drafts are accepted while each
 equals the sample before it (`accept`); the first mismatch's sample is the next token, and a step always yields at
-least one token. The tokens are then those of plain decoding by construction, whatever was drafted.
-
-Drafts (`NgramProposer`, prompt lookup as vLLM's and llama.cpp's n-gram modes): the longest suffix of the request's
-tokens (prompt and output), from `max_n` tokens down to `min_n`, found earlier in them; the tokens that followed its
-latest earlier occurrence are the draft. `DraftLength` adapts k to the request's acceptance and stops drafting for a
-request whose drafts keep failing. A draft model (engine/draft.py) is the other proposer: both answer
-`propose_batch`, the requests of one step at once.
+least one token. The tokens are then those of plain decoding by construction, whatever was drafted. Proposers answer
+`propose_batch` for the requests of one step at once: prompt lookup (`NgramProposer`) or a draft model
+(engine/draft.py).
 """
 
 from __future__ import annotations
@@ -47,7 +43,9 @@ class LookupProposer:
 
 @dataclasses.dataclass(frozen=True)
 class NgramProposer(LookupProposer):
-    """Prompt lookup over a request's tokens (see the module docstring)."""
+    """Prompt lookup over a request's tokens, as vLLM's and llama.cpp's n-gram modes: the longest suffix of its tokens
+    (prompt and output), from `max_n` tokens down to `min_n`, found earlier in them; the tokens that followed its
+    latest earlier occurrence are the draft."""
 
     min_n: int = 1
     max_n: int = 4

@@ -2,17 +2,12 @@
 pieces and decode rows) and `prefill_chunk` (a fixed-size chunk of one lane's prompt, optionally scoring every prompt
 row for `echo`).
 
-Batch invariance is built in, not tested in:
-- shapes are fixed per station (lanes, chunk, block), so every request goes through the same compiled programs;
-- rows never mix: matmuls, norms and sampling are row-wise and attention reads only the row's own lane;
-- each attention (engine/attention.py) reads only a row's own lane, and the blocked walk's number of blocks never
-  changes a row's bits;
-- a decode wave may run narrower than the arena (a few rows gathered from chosen lanes) only when every matmul runs
-  on the CPU kernel, whose rows are computed alike at any width (jaxstation/kernels/cpu_kernel.py); the other row-wise
-  operations do not depend on the row count.
-An idle row is pointed at the arena's last slot (`scratch_pos`), which no request ever uses.
-With `penalties`, a step picks each token from its penalized logits and counts it in the arena's token state
-(engine/penalties.py); row-wise too, and the same programs serve rows with and without them.
+Batch invariance is built in, not tested in: shapes are fixed per station (lanes, chunk, block), so every request goes
+through the same compiled programs; rows never mix (matmuls, norms and sampling are row-wise, and each attention,
+engine/attention.py, reads only a row's own lane); a decode wave runs narrower than the arena only when every matmul
+runs on the CPU kernel, whose rows are computed alike at any width. An idle row is pointed at the arena's last slot
+(`scratch_pos`), which no request ever uses. With `penalties`, a step picks each token from its penalized logits and
+counts it in the arena's token state (engine/penalties.py): row-wise too, one program for rows with and without them.
 """
 
 from __future__ import annotations
