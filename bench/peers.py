@@ -11,12 +11,14 @@ Systems (each skipped with a note when it is not available):
 Workload: throughput at K concurrent requests (default K = 1 and 8; 128 new tokens, greedy, no early stop, the fixed
 prompt set of bench.throughput; with --sampled each K also at temperature 0.8 and top_p 0.95, seeded, on the station
 and llama-server, whose own top_k and min_p are turned off) and an open-loop Poisson latency run (the mixed prompt
-lengths of bench.latency; end-to-end latency, server-side TTFT where the reply says it), and the prefill of a
+lengths of bench.latency; end-to-end latency, server-side TTFT where the reply says it), and the prefill of each
 --prefill-len prompt (default 512) with one new token, alone, in prompt tokens per second of server-side TTFT (a new
-prompt each repetition, so no prefix cache helps). Each measurement runs on every system in turn, seconds apart (K =
-1 greedy on each, then K = 8 greedy on each, ..., the first system rotating with the repetition), so that a machine
-whose speed drifts over minutes slows both sides of a ratio alike. One side-by-side
-table is printed and written as JSON. Peers are the optional `peers` extra: pip install -e '.[peers]'.
+prompt each repetition, so no prefix cache helps). Each server's start to ready (the station's with its compilation
+cache in the peers cache: with --cold-start first emptied, started once and stopped, then started again warm) and its
+resident memory after the runs (VmRSS, and its peak VmHWM) are in the result, and llama-server's build. Each
+measurement runs on every system in turn, seconds apart (K = 1 greedy on each, then K = 8 greedy on each, ..., the
+first system rotating with the repetition), so that a machine whose speed drifts over minutes slows both sides of a
+ratio alike. One side-by-side table is printed and written as JSON. Peers are the optional `peers` extra: pip install -e '.[peers]'.
 
 Usage:
   scripts/build_llama_server.sh                   # once, ~15 min; cached in ~/.cache/jaxstation-peers
@@ -24,6 +26,8 @@ Usage:
   python -m bench.peers --quick                   # 16 new tokens, 1 rep, 6 latency requests
   python -m bench.peers --sampled --ks 1 8 32     # each K greedy and sampled (temperature 0.8, top_p 0.95)
   python -m bench.peers --only jaxstation llama-server --llama-server /path/to/llama-server
+  python -m bench.peers --shape llama-3.1-8b --only jaxstation llama-server --sampled --ks 1 8 32 --no-latency \
+      --prefill-len 512 2048 --cold-start          # a random-weight 8B file (bench.shapes)
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ import argparse
 import contextlib
 import importlib.util
 import os
+import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -182,6 +188,39 @@ def find_llama_server(arg: str | None) -> str | None:
     return first_executable(arg, str(CACHE / "llama-server"), shutil.which("llama-server"))
 
 
+def llama_server_build(binary: str) -> dict:
+    """Which llama-server ran: its --version, and the flags scripts/build_llama_server.sh built it with."""
+    version = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+    flags = Path(binary).resolve().parent.parent / "build-flags.txt"
+    if not flags.exists():
+        flags = Path(binary).parent / "build-flags.txt"
+    return {"binary": binary, "version": (version.stdout + version.stderr).strip().splitlines()[-2:],
+            "build": flags.read_text().strip() if flags.exists() else None}
+
+
+PROGRAMS = re.compile(r"start-up programs: (\d+) compiled, (\d+) read from the persistent compilation cache")
+
+
+def startup_programs(log: Path) -> dict:
+    """The station's count of the programs it compiled and read from its cache, from its log (none for others)."""
+    found = PROGRAMS.search(log.read_text(errors="replace")) if log.exists() else None
+    return {"compiled": int(found[1]), "from_cache": int(found[2])} if found else {}
+
+
+def cold_start(cmd: list[str], ready: str, timeout: float, env: dict, log: Path) -> dict:
+    """A station started with its compilation cache empty: seconds to ready and what it compiled; then stopped."""
+    t0 = time.perf_counter()
+    with server_process(cmd, ready, timeout, log=log, env=env):
+        took = time.perf_counter() - t0
+    return {"ready_s": took, **startup_programs(log)}
+
+
+def resident(pid: int) -> dict:
+    """A process's resident memory now (VmRSS) and at its peak (VmHWM), in MiB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return {key: int(fields[key].split()[0]) // 1024 for key in ("VmRSS", "VmHWM")}
+
+
 def latency_run(system: System, prompts, arrivals, new: int) -> dict:
     """Open-loop Poisson run: one thread per request, started at its arrival time."""
     import httpx
@@ -225,13 +264,17 @@ def main() -> None:
                     help="also measure each K sampled (temperature 0.8, top_p 0.95) on the HTTP systems that sample")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--prefill-len", type=int, default=512, help="the prefill run's prompt length (0: no prefill run)")
+    ap.add_argument("--prefill-len", type=int, nargs="+", default=[512],
+                    help="the prefill runs' prompt lengths (0: no prefill run)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rate", type=float, default=2.0, help="latency run: Poisson arrivals, requests/s")
     ap.add_argument("--latency-requests", type=int, default=24)
     ap.add_argument("--latency-new-tokens", type=int, default=64)
     ap.add_argument("--no-latency", action="store_true")
     ap.add_argument("--model", help="a GGUF file both systems serve (default: the default model)")
+    ap.add_argument("--shape", help="a random-weight GGUF file at a named model's shape (bench.shapes) instead")
+    ap.add_argument("--cold-start", action="store_true",
+                    help="start the station once with its compilation cache emptied, then again to measure")
     ap.add_argument("--slots", type=int, default=8, help="llama-server -np and jaxstation --lanes")
     ap.add_argument("--dtype", default=None, help="jaxstation's weights: gguf, gguf-exact, float32 or int8 (default: "
                                                   "the station's, gguf on CPU; llama.cpp reads the GGUF's blocks as "
@@ -249,28 +292,38 @@ def main() -> None:
 
     from bench.common import copy_bandwidth, read_bandwidth
     from jaxstation.model.default_model import default_model_path
-    from jaxstation.model.loader import load_model
+    from jaxstation.model.loader import load_tokenizer
 
     bandwidth = {"read": read_bandwidth(), "copy": copy_bandwidth()}  # this machine, in this run
     print(f"read bandwidth {bandwidth['read'] / 1e9:.1f} GB/s, copy {bandwidth['copy'] / 1e9:.1f} GB/s", flush=True)
+    if args.shape:
+        from bench.shapes import ensure
+
+        args.model = str(ensure(args.shape))
     gguf = Path(args.model) if args.model else default_model_path()
-    model = load_model(gguf)
-    tok = model.tokenizer
+    prefill_lens = [n for n in args.prefill_len if n]
+    tok = load_tokenizer(gguf)
     prompts = make_prompts(tok, max(args.ks), args.prompt_len, seed=args.seed)  # == bench.throughput's prompts
     lengths = mixed_lengths(args.latency_requests, args.seed)  # == bench.latency's mix
     lat_prompts = make_prompts(tok, args.latency_requests, lengths, seed=args.seed)
     arrivals = poisson_arrivals(args.rate, args.latency_requests, args.seed)
-    long_prompts = make_prompts(tok, args.reps + 1, args.prefill_len, seed=args.seed + 1) if args.prefill_len else []
-    longest = max(lengths + [args.prompt_len, args.prefill_len])
+    long_prompts = {n: make_prompts(tok, args.reps + 1, n, seed=args.seed + 1) for n in prefill_lens}
+    longest = max(lengths + [args.prompt_len, *prefill_lens])
     ctx = 1024 * -(-(longest + max(args.new_tokens, args.latency_new_tokens) + 1) // 1024)
     tmp = Path(tempfile.gettempdir())
     notes: dict[str, str] = {}
     systems: list[System] = []
+    started: dict[str, dict] = {}  # each server's start: its process, seconds to ready, what its log says
+    compile_cache = CACHE / "compile-cache" / model_name(args.model, args.shape)
+    station_env = {"MOONSHINE_COMPILE_CACHE_DIR": str(compile_cache)}
 
     with contextlib.ExitStack() as stack:
-        def serve(name: str, cmd: list[str], ready: str, make) -> None:
+        def serve(name: str, cmd: list[str], ready: str, make, env: dict | None = None) -> None:
             try:
-                stack.enter_context(server_process(cmd, ready, args.server_timeout, log=tmp / f"peers-{name}.log"))
+                log = tmp / f"peers-{name}.log"
+                t0 = time.perf_counter()
+                proc = stack.enter_context(server_process(cmd, ready, args.server_timeout, log=log, env=env))
+                started[name] = {"proc": proc, "ready_s": time.perf_counter() - t0, **startup_programs(log)}
                 systems.append(make())
             except (RuntimeError, OSError) as e:
                 notes[name] = f"could not start: {str(e).splitlines()[0]}"
@@ -280,9 +333,12 @@ def main() -> None:
             if why is None:
                 port = free_port()
                 base = f"http://127.0.0.1:{port}"
-                serve("jaxstation", station_cmd(port, args.slots, ctx, dtype=args.dtype, model=args.model),
-                      f"{base}/ready",
-                      lambda b=base: Station(b))
+                cmd = station_cmd(port, args.slots, ctx, dtype=args.dtype, model=args.model)
+                if args.cold_start:
+                    shutil.rmtree(compile_cache, ignore_errors=True)
+                    started["jaxstation cold"] = cold_start(cmd, f"{base}/ready", args.server_timeout, station_env,
+                                                            tmp / "peers-jaxstation-cold.log")
+                serve("jaxstation", cmd, f"{base}/ready", lambda b=base: Station(b), station_env)
             else:
                 notes["jaxstation"] = why
             if not any(s.name == "jaxstation" for s in systems):
@@ -336,7 +392,10 @@ def main() -> None:
                     s.sampling = GREEDY
                     tput[s.name][mode][k].append(generated / wall)
                     print(f"rep {rep} {s.name:17s} {mode} K={k}: {generated / wall:7.1f} tok/s ({generated} tokens)")
-        prefill = {s.name: prefill_run(s, long_prompts) for s in systems if long_prompts}
+        prefill: dict[str, dict[str, dict]] = {s.name: {} for s in systems if long_prompts}
+        for n, long in long_prompts.items():
+            for s in systems:
+                prefill[s.name][str(n)] = prefill_run(s, long)
         latency = {}
         if not args.no_latency:
             for s in systems:
@@ -347,6 +406,7 @@ def main() -> None:
                 print(f"latency {s.name:17s}: e2e p50 {latency[s.name]['e2e_s']['p50']:.2f}s "
                       f"p99 {latency[s.name]['e2e_s']['p99']:.2f}s  {latency[s.name]['achieved_tokens_per_s']:.1f} "
                       f"tok/s  failed {latency[s.name]['failed']}")
+        memory = {name: resident(info["proc"].pid) for name, info in started.items() if "proc" in info}
         for s in systems:
             if isinstance(s, DirectStation):
                 s.sched.drain(5)
@@ -363,6 +423,10 @@ def main() -> None:
             row["prefill_tokens_per_s"] = prefill[name]
         if name in latency:
             row["latency"] = latency[name]
+        if name in started:
+            row["start"] = {k: v for k, v in started[name].items() if k != "proc"} | {"memory_mib": memory.get(name)}
+            if f"{name} cold" in started:
+                row["cold_start"] = started[f"{name} cold"]
         rows.append(row)
     by = {r["system"]: r for r in rows}
     ratios = {}
@@ -376,9 +440,9 @@ def main() -> None:
                         pair = [r.get(field, {}).get(k, {}).get("median") for r in (by["jaxstation"], by[name])]
                         if all(pair):
                             ratios[f"jaxstation_k{k}{tag}_over_{name}"] = pair[0] / pair[1]
-            if name in prefill and "jaxstation" in prefill:
-                ratios[f"jaxstation_prefill_over_{name}_prefill"] = (prefill["jaxstation"]["median"] /
-                                                                     prefill[name]["median"])
+            for n in (n for n in prefill.get(name, {}) if n in prefill.get("jaxstation", {})):
+                ratios[f"jaxstation_prefill{n}_over_{name}"] = (prefill["jaxstation"][n]["median"] /
+                                                                prefill[name][n]["median"])
 
     ks = args.ks
     print("\n| system | " + " | ".join(f"K={k} tok/s" for k in ks) + " | best | latency e2e p50 / p99 s | "
@@ -394,13 +458,20 @@ def main() -> None:
         if "sampled_tokens_per_s" in r:
             cells = [f"{r['sampled_tokens_per_s'][str(k)]['median']:.1f}" for k in ks]
             print(f"| {r['system']} sampled | " + " | ".join(cells) + " | - | - | - | temperature 0.8, top_p 0.95 |")
-    for name, rate in prefill.items():
-        print(f"prefill {name:17s}: {args.prefill_len}-token prompt, {rate['median']:.1f} tok/s "
-              f"(median of {rate['n']})")
+    for name, rates in prefill.items():
+        for n, rate in rates.items():
+            print(f"prefill {name:17s}: {n}-token prompt, {rate['median']:.1f} tok/s (median of {rate['n']})")
+    for r in rows:
+        if "start" in r:
+            print(f"{r['system']:17s}: ready in {r['start']['ready_s']:.1f} s"
+                  + (f" (cold: {r['cold_start']['ready_s']:.1f} s)" if "cold_start" in r else "")
+                  + f", memory {r['start']['memory_mib']} MiB")
     print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
+    build = llama_server_build(binary) if "llama-server" in started else None
     path = write_result("peers", {"config": dict(vars(args)), "model": str(gguf), "bandwidth": bandwidth,
+                                  "llama_server": build,
                                   "rows": rows, "ratios": ratios},
-                        model=model_name(args.model), variant=args.name, read_bandwidth=bandwidth["read"])
+                        model=model_name(args.model, args.shape), variant=args.name, read_bandwidth=bandwidth["read"])
     print(f"wrote {path}")
 
 

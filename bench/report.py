@@ -28,8 +28,8 @@ BLOCK = re.compile(r"(<!-- bench:([\w-]+) -->\n)(.*?)(<!-- /bench -->)", re.S)
 MODELS = {  # the order of rows, and each model's label; a model not named here comes after these, by its file name
     "smollm2": "SmolLM2-135M Q4_1 (the default)",
     "gemma-3-270m-q4_k_m": "Gemma 3 270M Q4_K_M",
-    "llama-3.2-1b": "Llama 3.2 1B",
-    "llama-3.1-8b": "Llama 3.1 8B",
+    "llama-3.2-1b": "Llama 3.2 1B's shape, random weights, Q4_K_M",
+    "llama-3.1-8b": "Llama 3.1 8B's shape, random weights, Q4_K_M",
     "qwen3-0.6b": "Qwen3-0.6B's shape, random weights",
     "mistral-7b": "Mistral 7B's shape, random weights",
 }
@@ -150,29 +150,54 @@ class Table:
 
 def peers_header(runs: Runs) -> list[str]:
     ks = sorted({int(k) for _, d in runs for k in d["config"]["ks"]})
-    prefill = any(r.get("prefill_tokens_per_s") for _, d in runs for r in d["rows"])
-    return ["model", "sampling", *(f"K = {k}" for k in ks)] + (["a long prompt's prefill, tokens/s"] if prefill else [])
+    return ["model", "sampling", *(f"K = {k}" for k in ks)]
 
 
 def peers_rows(runs: Runs) -> Rows:
     """Whole requests, tokens/s, jaxstation vs llama.cpp's llama-server on the same GGUF file, K requests at once
     ({config[slots]} lanes and slots; a {config[prompt_len]}-token prompt, then {config[new_tokens]} new tokens, EOS
     ignored; medians of {config[reps]}; sampled: temperature 0.8, top_p 0.95)."""
-    header = peers_header(runs)
-    ks = [h.removeprefix("K = ") for h in header if h.startswith("K = ")]
+    ks = [h.removeprefix("K = ") for h in peers_header(runs) if h.startswith("K = ")]
     rows = []
     for model, d in runs:
-        by = {r["system"]: r for r in d["rows"]}
-        ours, theirs = by["jaxstation"], by["llama-server"]
+        ours, theirs = _pair(d)
         for mode, key in (("greedy", "tokens_per_s"), ("sampled", "sampled_tokens_per_s")):
-            if key not in ours:
-                continue
-            cells = [versus(med(ours.get(key), k), med(theirs.get(key), k)) for k in ks]
-            if len(header) > len(ks) + 2:
-                long = versus(med(ours, "prefill_tokens_per_s"), med(theirs, "prefill_tokens_per_s"), ".0f")
-                cells.append(f"{long} ({d['config']['prefill_len']:,} tokens)" if mode == "greedy" and long != "-"
-                             else "")
-            rows.append([label(model) if mode == "greedy" else "", mode, *cells])
+            if key in ours:
+                cells = [versus(med(ours.get(key), k), med(theirs.get(key), k)) for k in ks]
+                rows.append([label(model) if mode == "greedy" else "", mode, *cells])
+    return rows
+
+
+def _pair(d: dict) -> tuple[dict, dict]:
+    """A peers result's jaxstation and llama-server rows."""
+    by = {r["system"]: r for r in d["rows"]}
+    return by["jaxstation"], by["llama-server"]
+
+
+def _started(d: dict) -> bool:
+    """A peers run that timed both servers' start."""
+    return all("start" in r for r in _pair(d))
+
+
+def peers_start_header(runs: Runs) -> list[str]:
+    lengths = sorted({int(n) for _, d in runs for r in d["rows"] for n in r.get("prefill_tokens_per_s") or {}})
+    return ["model", "start -> ready s: station cold / warm cache", "llama-server", "memory MiB (VmRSS)",
+            *(f"prefill of {n:,} tokens, tokens/s" for n in lengths)]
+
+
+def peers_start_rows(runs: Runs) -> Rows:
+    """Each server's start, process start to ready (the station's with its compilation cache emptied, then warm),
+    its resident memory after the runs, and a prompt's prefill alone (one new token; tokens/s of the server-side
+    time to first token, median of {config[reps]}): jaxstation vs llama-server, on the files of the speed table."""
+    lengths = [h.split()[2].replace(",", "") for h in peers_start_header(runs)[4:]]
+    rows = []
+    for model, d in runs:
+        ours, theirs = _pair(d)
+        cold = ours.get("cold_start", {}).get("ready_s")
+        rows.append([label(model), f"{f(cold)} / {f(ours['start']['ready_s'])}", f(theirs["start"]["ready_s"]),
+                     versus(ours["start"]["memory_mib"]["VmRSS"], theirs["start"]["memory_mib"]["VmRSS"], ".0f"),
+                     *(versus(med(ours.get("prefill_tokens_per_s"), n), med(theirs.get("prefill_tokens_per_s"), n),
+                              ".0f") for n in lengths)])
     return rows
 
 
@@ -495,6 +520,7 @@ def scored(result: dict) -> bool:
 
 TABLES = {
     "peers": Table(("peers",), peers_header, peers_rows),
+    "peers-start": Table(("peers",), peers_start_header, peers_start_rows, keep=_started),
     "throughput": Table(("throughput",), ["K", "scheduler tok/s", "vs K = 1", "overhead", "HTTP tok/s"],
                         throughput_rows, model="smollm2"),
     "latency": Table(("latency",), ["rate/s", "TTFT p50 / p99 s", "ITL p50 / p99 ms", "queue p99 s", "tok/s",
