@@ -23,7 +23,7 @@ import argparse
 
 from bench.common import add_name_arg, model_name, write_result
 from bench.workload import make_prompts
-from jaxstation.kernels.host_memory import resident_bytes
+from jaxstation.engine.host_memory import resident_bytes
 
 
 def tier_state(sched) -> dict:

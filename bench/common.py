@@ -182,14 +182,22 @@ def add_lane_sweep_args(ap, reps: int) -> None:
     add_name_arg(ap)
 
 
+def keep_freed_memory() -> None:
+    """Keep freed memory in this process, as a station does at start-up (jaxstation/engine/host_memory.py)."""
+    from jaxstation.engine import host_memory
+
+    host_memory.keep_freed_memory()
+
+
 def bench_model(args, max_seq: int, tensor_parallel: int = 1):
     """(LoadedModel, Engine keyword arguments) for the model args, as a station with max_seq split over
-    `tensor_parallel` devices would plan them."""
+    `tensor_parallel` devices would plan them; the process keeps freed memory as a station's does."""
     from jaxstation.config.plan import load_planned, resolve_plan
     from jaxstation.config.settings import StationConfig
     from jaxstation.model.loader import checkpoint_config
     from jaxstation.model.shapes import ARCHITECTURES, random_model
 
+    keep_freed_memory()
     station = StationConfig(model=f"random:{args.shape}" if args.shape else args.model,  # random weights: no file
                             dtype=args.dtype, layer_loop=args.layer_loop, matmul=args.matmul, attention=args.attention,
                             max_seq=max_seq, prefill_chunk=1, kv_block=1, tensor_parallel=tensor_parallel)
@@ -203,11 +211,13 @@ def bench_model(args, max_seq: int, tensor_parallel: int = 1):
 
 
 def planned_model(**settings):
-    """(LoadedModel, Plan): the default model as a station of `settings` on this machine plans and loads it."""
+    """(LoadedModel, Plan): the default model as a station of `settings` on this machine plans and loads it; the
+    process keeps freed memory as a station's does."""
     from jaxstation.config.plan import load_planned, resolve_plan
     from jaxstation.config.settings import StationConfig
     from jaxstation.model.loader import checkpoint_config
 
+    keep_freed_memory()
     station = StationConfig(**settings)
     plan = resolve_plan(station, checkpoint_config(station.model))
     return load_planned(station, plan), plan

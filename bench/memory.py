@@ -29,9 +29,9 @@ import numpy as np
 from bench.common import add_name_arg, model_name, write_result
 from jaxstation.config.coldstart import StartupClock
 from jaxstation.config.settings import resolve
+from jaxstation.engine import host_memory
 from jaxstation.engine.jobs import Job
 from jaxstation.engine.rows import SamplingParams
-from jaxstation.kernels import host_memory
 from jaxstation.server.station import Station
 
 MiB = 2**20

@@ -27,6 +27,7 @@ from jax._src import config as jax_config
 from jaxstation.config.coldstart import enable_compile_cache
 from jaxstation.config.plan import Plan, load_planned, planned_engine, resolve_plan
 from jaxstation.config.settings import StationConfig
+from jaxstation.engine import host_memory
 from jaxstation.engine.constraints import Grammars
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import DecodeRow, SamplingParams
@@ -66,6 +67,13 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[_CACHE_KEY] = cache
         os.environ[COMPILE_CACHE_ENV] = cache
     enable_compile_cache(cache)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def keeps_freed_memory() -> None:
+    """A test process keeps freed memory as a station does from its start-up (`local_engine`), so that the engines
+    the tests build page their steps' buffers in once, as the station's do."""
+    host_memory.keep_freed_memory()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

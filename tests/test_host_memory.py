@@ -1,4 +1,4 @@
-"""Freed host memory stays in the process (jaxstation/kernels/host_memory.py): a large buffer allocated again after it
+"""Freed host memory stays in the process (jaxstation/engine/host_memory.py): a large buffer allocated again after it
 was freed is not paged in afresh, as a compiled step's temporary buffer is not."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 SCRIPT = textwrap.dedent("""
     import resource, sys
     import numpy as np
-    from jaxstation.kernels import host_memory
+    from jaxstation.engine import host_memory
     if sys.argv[1] == "keep":
         assert host_memory.keep_freed_memory()
     def faults() -> int:
@@ -45,7 +45,7 @@ def test_a_freed_buffer_is_not_paged_in_again() -> None:
 
 RELEASE = textwrap.dedent("""
     import numpy as np
-    from jaxstation.kernels import host_memory
+    from jaxstation.engine import host_memory
     assert host_memory.keep_freed_memory()
     a = np.ones(64 << 20, np.uint8)
     del a  # kept: still resident
@@ -61,7 +61,7 @@ def test_freed_memory_is_handed_back_on_request() -> None:
 
 EXECUTION = textwrap.dedent("""
     import jax, jax.numpy as jnp
-    from jaxstation.kernels import host_memory
+    from jaxstation.engine import host_memory
     assert host_memory.keep_freed_memory()
     f = jax.jit(lambda c: jnp.sort(jnp.arange(2 << 20, dtype=jnp.float32) * c)[0])  # 8 MiB of temporary buffer
     jax.block_until_ready([f(jnp.float32(i)) for i in range(16)])  # dispatched together: on XLA's execution threads
@@ -94,7 +94,7 @@ def _smaps_of(address: int) -> dict[str, int]:
 
 def _kernel_collapses() -> bool:
     """Whether this kernel backs a written 2 MiB range with a 2 MiB page on request."""
-    from jaxstation.kernels import host_memory
+    from jaxstation.engine import host_memory
 
     region = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.write(b"\1" * (4 << 20))
@@ -106,7 +106,7 @@ def _kernel_collapses() -> bool:
 def test_resident_memory_goes_onto_2_mib_pages_and_nothing_is_paged_in() -> None:
     """An 8 MiB mapping with its first 5 MiB written: the two whole 2 MiB ranges in them go onto 2 MiB pages; the
     range half written and the one never written stay as they are."""
-    from jaxstation.kernels import host_memory
+    from jaxstation.engine import host_memory
 
     region = mmap.mmap(-1, 10 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = ctypes.addressof(ctypes.c_char.from_buffer(region))
@@ -173,7 +173,7 @@ def test_a_cpu_arrays_span_is_its_buffer() -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxstation.kernels import host_memory
+    from jaxstation.engine import host_memory
 
     a = jnp.arange(1 << 20, dtype=jnp.float32)
     ((address, size),) = host_memory.array_spans({"a": a, "b": None})
@@ -187,7 +187,7 @@ SPLIT = textwrap.dedent("""
     import jax.numpy as jnp
     sys.path.insert(0, sys.argv[1])
     from test_host_memory import _smaps_of
-    from jaxstation.kernels import host_memory
+    from jaxstation.engine import host_memory
     a = jnp.ones(4 << 20, jnp.float32)  # 16 MiB
     huge, total = host_memory.keep_on_huge_pages({"w": a, "scale": None})
     inside = -(-a.unsafe_buffer_pointer() // host_memory.HUGE_PAGE) * host_memory.HUGE_PAGE

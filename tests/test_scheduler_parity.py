@@ -207,7 +207,7 @@ def test_job_mix_and_lane_reuse(gate):
 def test_an_idle_release_changes_no_bits(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """Jobs before and after the decode thread's idle release (malloc_trim and the execution threads' arenas, with
     the trim threshold lowered meanwhile) give the same tokens, greedy and seeded."""
-    from jaxstation.kernels import host_memory
+    from jaxstation.engine import host_memory
 
     released: list[int] = []
     real = host_memory.release_freed_memory

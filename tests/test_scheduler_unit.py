@@ -15,13 +15,13 @@ import time
 import pytest
 from fake_engine import FakeEngine, expected
 
+from jaxstation.engine import host_memory
 from jaxstation.engine.activity import BUCKET_S, BUCKETS, Activity, LaneView
 from jaxstation.engine.jobs import Cancelled, Job, QueueFull, ShuttingDown, StepFailed
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.prefix_cache import PrefixCache
 from jaxstation.engine.rows import SamplingParams
 from jaxstation.engine.scheduler import Scheduler
-from jaxstation.kernels import host_memory
 
 TIMEOUT = 5.0
 

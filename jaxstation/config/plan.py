@@ -21,10 +21,10 @@ import jax.numpy as jnp
 
 from jaxstation.config.memory import available_memory, weight_bytes
 from jaxstation.config.settings import ConfigError, StationConfig
-from jaxstation.engine import rules
+from jaxstation.engine import host_memory, rules
 from jaxstation.engine.arena import arena_bytes, arena_layout, kv_dtype_of
 from jaxstation.engine.engine import Engine
-from jaxstation.kernels import cpu_kernel, host_memory
+from jaxstation.kernels import cpu_kernel
 from jaxstation.model import sharding
 from jaxstation.model.choices import GGUF_WEIGHTS
 from jaxstation.model.config import ModelConfig

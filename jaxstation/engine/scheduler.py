@@ -24,6 +24,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from jaxstation.engine import host_memory
 from jaxstation.engine.activity import Activity
 from jaxstation.engine.constraints import ConstraintFailed
 from jaxstation.engine.job_queue import JobQueue
@@ -36,7 +37,6 @@ from jaxstation.engine.rows import DecodeRow, PromptPiece, Sample
 from jaxstation.engine.runner import Runner
 from jaxstation.engine.speculative import Speculation, accept
 from jaxstation.engine.turns import Lane, Plan, draft_rows, ending_lanes, prompt_pieces
-from jaxstation.kernels import host_memory
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

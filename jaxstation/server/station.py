@@ -21,13 +21,13 @@ from jaxstation.config.draft import load_draft, speculation
 from jaxstation.config.memory import arena_summary, check_memory, prefix_cache_disk, prefix_cache_ram
 from jaxstation.config.plan import Plan, load_planned, planned_arena, planned_engine, startup_plan
 from jaxstation.config.settings import StationConfig
+from jaxstation.engine import host_memory
 from jaxstation.engine.constraints import Constraint, ConstraintError, ConstraintSpec, Grammars
 from jaxstation.engine.draft import DraftModel
 from jaxstation.engine.jobs import Job
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.runner import Runner
 from jaxstation.engine.scheduler import Scheduler
-from jaxstation.kernels import host_memory
 from jaxstation.model.loader import CheckpointError, LoadedModel
 from jaxstation.model.lora_files import AdapterError
 from jaxstation.server.adapters import Adapters
@@ -185,7 +185,9 @@ class Station:
 
 
 def local_engine(model: LoadedModel, c: StationConfig, plan: Plan) -> Runner:
-    """The station's own engine, once its arena is known to fit, with the arena allocated."""
+    """The station's own engine, once its arena is known to fit, with the arena allocated. The process keeps freed
+    memory from here on (`host_memory.keep_freed_memory`), so that a step's buffers are not paged in every call."""
+    host_memory.keep_freed_memory()
     check_memory(model.cfg, c, plan.dtype, weights_resident=True, layout=planned_arena(model.cfg, c, plan),
                  kv_dtype=plan.kv_dtype)
     engine = planned_engine(model, c, plan)

@@ -1,27 +1,13 @@
-"""Keep freed host memory in the process, so that a compiled step does not page its buffers in again every call.
+"""The host memory under the engine's steps, as the process's malloc and the kernel's pages hold it: freed memory kept
+in the process while steps run, handed back when they do not, and the weights on 2 MiB pages.
 
-XLA's CPU runtime allocates one temporary buffer per execution of a compiled step (52 MB for the 8-row sampling tail
-of a 262,144-token vocabulary) and frees it after. glibc serves an allocation above its mmap threshold (at most
-32 MB) with a fresh mmap and unmaps it on free, so every step faults each page of that buffer in again: about 5,000
-page faults, and 15 of the tail's 18 ms at 8 rows here. With mmap off for allocations (`M_MMAP_MAX` 0), glibc serves
-them from its heaps; a trim threshold and a top pad of 1 GiB keep what is freed, the pad also stopping a thread's
-arena from unmapping a whole 64 MiB heap the buffer had to itself. The same tail then takes 3.5 ms. The cost is that
-the process does not hand freed memory back to the system. Where the C library is not glibc this does nothing.
-
-Start-up frees much more than a step reuses: the compilers' working memory, and the load's. The warm-up hands what
-is free back (`release_freed_memory`) after each step it compiles and runs; the steps' buffers are then paged in once
-more on their first calls and kept from there on. A station's decode thread, idle for IDLE_RELEASE_S after a step, hands
-them back too (`IdleRelease`), so that an idle station holds what it held when it turned ready. A step runs on one
-of XLA's execution threads, each with a malloc arena of its own whose free top `malloc_trim` leaves; glibc trims a
-thread arena when a large chunk of it is freed, so a release also has every execution thread free one with the trim
-threshold lowered.
-
-A step reads every weight once, about 25,000 pages of 4 KB for a 100 MB model: each new page costs the core a walk
-of the page tables once its TLB is full. `huge_pages` has Linux back the weights' memory with 2 MiB pages
-(MADV_COLLAPSE), which the TLB holds all of: 2 MiB ranges whose pages are nearly all resident already, so that little
-is paged in; `keep_on_huge_pages` does it again after each release, whose trims split the 2 MiB pages that freed chunks
-share with weights. Where the kernel cannot (not Linux on 4 KB pages, before Linux 6.1, transparent huge pages off) it
-does nothing.
+XLA's CPU runtime allocates a temporary buffer each time a compiled step runs and frees it after; glibc would map a
+large one afresh and unmap it on free, so every step would fault each of its pages in again. `keep_freed_memory` has
+glibc keep freed memory instead; it sets a process-wide policy, so the station sets it once, at start-up
+(server/station.py), never an engine as it is built. Start-up frees much more than a step reuses, so the warm-up and a
+decode thread idle for IDLE_RELEASE_S hand what is free back (`release_freed_memory`, `IdleRelease`). A step reads
+every weight once, and the TLB holds 2 MiB pages of them whole (`keep_on_huge_pages`). Where the C library is not
+glibc, or the kernel cannot, each does nothing (docs/cpu.md).
 """
 
 from __future__ import annotations
@@ -68,9 +54,14 @@ def _c_library() -> ctypes.CDLL:
 
 @functools.cache
 def keep_freed_memory() -> bool:
-    """Ask glibc to serve large allocations from its heaps and keep freed memory (once a process). Returns whether it
-    took effect."""
-    if (mallopt := _libc("mallopt")) is None:
+    """Ask glibc to serve large allocations from its heaps and keep freed memory (once a process, on a CPU backend:
+    elsewhere the steps' buffers are the device's). Returns whether it took effect.
+
+    With mmap off for allocations (`M_MMAP_MAX` 0) glibc serves them from its heaps; a trim threshold and a top pad of
+    KEEP bytes keep what is freed, the pad also stopping a thread's arena from unmapping a whole 64 MiB heap the
+    buffer had to itself. The cost is that the process does not hand freed memory back to the system until a release
+    (`release_freed_memory`)."""
+    if jax.default_backend() != "cpu" or (mallopt := _libc("mallopt")) is None:
         return False
     done = all(mallopt(param, value) for param, value in
                ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, KEEP), (M_TOP_PAD, KEEP)))
@@ -94,9 +85,10 @@ def release_freed_memory(execution_threads: bool = False) -> int:
 
 
 def huge_pages(spans: Iterable[tuple[int, int]]) -> int:
-    """Back the memory of `spans` ((address, bytes) each) with 2 MiB pages: every 2 MiB range a span touches whose
-    4 KB pages are at least RESIDENT_SHARE resident (so at most a 16th of it is paged in). Returns the bytes now on
-    2 MiB pages (0 where the kernel or the C library cannot)."""
+    """Back the memory of `spans` ((address, bytes) each) with 2 MiB pages (MADV_COLLAPSE, Linux 6.1+): every 2 MiB
+    range a span touches whose 4 KB pages are at least RESIDENT_SHARE resident (so at most a 16th of it is paged in).
+    Returns the bytes now on 2 MiB pages (0 where the kernel or the C library cannot: not Linux on 4 KB pages, before
+    Linux 6.1, transparent huge pages off)."""
     mincore, madvise = _libc("mincore"), _libc("madvise")
     if not sys.platform.startswith("linux") or resource.getpagesize() != PAGE or mincore is None or madvise is None:
         return 0
