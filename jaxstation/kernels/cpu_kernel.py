@@ -212,7 +212,7 @@ def int_dot_peak(threads: int | None = None, seconds: float = 0.5) -> float:
     iters = 1 << 16
     while (took := library.jaxstation_int_dot_peak(threads, iters)) < seconds / 4:
         iters *= 4
-    return threads * iters * 16 * 4 * int_channels() * 2 / took
+    return threads * iters * 8 * 4 * int_channels() * 2 / took
 
 
 def int_channels() -> int:
