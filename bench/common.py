@@ -189,9 +189,17 @@ def keep_freed_memory() -> None:
     host_memory.keep_freed_memory()
 
 
+def settle_pages() -> None:
+    """Wait for the weights to lie on 2 MiB pages, which a station's pager does beside its warm-up, before timing."""
+    from jaxstation.engine import host_memory
+
+    host_memory.settle_pages()
+
+
 def bench_model(args, max_seq: int, tensor_parallel: int = 1):
     """(LoadedModel, Engine keyword arguments) for the model args, as a station with max_seq split over
-    `tensor_parallel` devices would plan them; the process keeps freed memory as a station's does."""
+    `tensor_parallel` devices would plan them, its weights on 2 MiB pages before anything is timed; the process keeps
+    freed memory as a station's does."""
     from jaxstation.config.plan import load_planned, resolve_plan
     from jaxstation.config.settings import StationConfig
     from jaxstation.model.loader import checkpoint_config
@@ -206,13 +214,14 @@ def bench_model(args, max_seq: int, tensor_parallel: int = 1):
         model = random_model(args.shape, plan.dtype, plan.layer_loop, matmul=plan.matmul, shards=tensor_parallel)
     else:
         model = load_planned(station, plan)
+        settle_pages()
     args.dtype, args.layer_loop, args.matmul, args.attention = plan.dtype, plan.layer_loop, plan.matmul, plan.attention
     return model, {"attention": args.attention}
 
 
 def planned_model(**settings):
-    """(LoadedModel, Plan): the default model as a station of `settings` on this machine plans and loads it; the
-    process keeps freed memory as a station's does."""
+    """(LoadedModel, Plan): the default model as a station of `settings` on this machine plans and loads it, its
+    weights on 2 MiB pages; the process keeps freed memory as a station's does."""
     from jaxstation.config.plan import load_planned, resolve_plan
     from jaxstation.config.settings import StationConfig
     from jaxstation.model.loader import checkpoint_config
@@ -220,7 +229,9 @@ def planned_model(**settings):
     keep_freed_memory()
     station = StationConfig(**settings)
     plan = resolve_plan(station, checkpoint_config(station.model))
-    return load_planned(station, plan), plan
+    model = load_planned(station, plan)
+    settle_pages()
+    return model, plan
 
 
 def wait_ready(proc, base: str, timeout: float) -> None:

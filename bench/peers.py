@@ -18,7 +18,8 @@ cache in the peers cache: with --cold-start first emptied, started once and stop
 resident memory after the runs (VmRSS, and its peak VmHWM) are in the result, and llama-server's build. Each
 measurement runs on every system in turn, seconds apart (K = 1 greedy on each, then K = 8 greedy on each, ..., the
 first system rotating with the repetition), so that a machine whose speed drifts over minutes slows both sides of a
-ratio alike. One side-by-side table is printed and written as JSON. Peers are the optional `peers` extra: pip install -e '.[peers]'.
+ratio alike. One side-by-side table is printed and written as JSON. Peers are the optional `peers` extra: pip
+install -e '.[peers]'.
 
 Usage:
   scripts/build_llama_server.sh                   # once, ~15 min; cached in ~/.cache/jaxstation-peers

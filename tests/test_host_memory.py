@@ -134,9 +134,11 @@ HEAD = textwrap.dedent("""
     from test_host_memory import _huge_kb_over
     from jaxstation.config.plan import load_planned, resolve_plan
     from jaxstation.config.settings import StationConfig
+    from jaxstation.engine import host_memory
     from jaxstation.model.loader import checkpoint_config
     config = StationConfig()
     model = load_planned(config, resolve_plan(config, checkpoint_config(config.model)))
+    host_memory.settle_pages()
     head = max(jax.tree_util.tree_leaves(model.params), key=lambda a: a.nbytes)
     print([head.nbytes, _huge_kb_over(head.unsafe_buffer_pointer(), head.nbytes) << 10])
 """)
@@ -189,14 +191,17 @@ SPLIT = textwrap.dedent("""
     from test_host_memory import _smaps_of
     from jaxstation.engine import host_memory
     a = jnp.ones(4 << 20, jnp.float32)  # 16 MiB
-    huge, total = host_memory.keep_on_huge_pages({"w": a, "scale": None})
+    total = host_memory.keep_on_huge_pages({"w": a, "scale": None})
+    host_memory.settle_pages()
     inside = -(-a.unsafe_buffer_pointer() // host_memory.HUGE_PAGE) * host_memory.HUGE_PAGE
     whole = _smaps_of(inside)["AnonHugePages"]
+    huge = whole << 10
     libc = ctypes.CDLL(None)
     libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     assert libc.mprotect(inside, 4096, 1) == 0 and libc.mprotect(inside, 4096, 3) == 0  # PROT_READ, then | WRITE
     split = _smaps_of(inside)["AnonHugePages"]
     host_memory.release_freed_memory()
+    host_memory.settle_pages()
     print([huge >> 20, total >> 20, whole >> 10, split >> 10, _smaps_of(inside)["AnonHugePages"] >> 10,
            float(a.sum()) == 4 << 20])
 """)

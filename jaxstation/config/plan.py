@@ -227,9 +227,8 @@ def load_planned(config: StationConfig, plan: Plan) -> LoadedModel:
     """The model `config` names, loaded as `plan` says."""
     model = load_model(config.model, plan.dtype, plan.layer_loop, plan.matmul, plan.tensor_parallel)
     if plan.tensor_parallel == 1:
-        huge, total = host_memory.keep_on_huge_pages(model.params)
-        if total:
-            log.info("weights (%.0f MiB) on 2 MiB pages: %.0f MiB of ranges", total / 2**20, huge / 2**20)
+        if total := host_memory.keep_on_huge_pages(model.params):
+            log.info("weights (%.0f MiB) going onto 2 MiB pages beside the warm-up", total / 2**20)
         return model
     mesh = sharding.make_mesh(plan.tensor_parallel)
     return dataclasses.replace(model, params=sharding.shard_params(model.params, mesh))

@@ -6,8 +6,11 @@ large one afresh and unmap it on free, so every step would fault each of its pag
 glibc keep freed memory instead; it sets a process-wide policy, so the station sets it once, at start-up
 (server/station.py), never an engine as it is built. Start-up frees much more than a step reuses, so the warm-up and a
 decode thread idle for IDLE_RELEASE_S hand what is free back (`release_freed_memory`, `IdleRelease`). A step reads
-every weight once, and the TLB holds 2 MiB pages of them whole (`keep_on_huge_pages`). Where the C library is not
-glibc, or the kernel cannot, each does nothing (docs/cpu.md).
+every weight once, and the TLB holds 2 MiB pages of them whole (`keep_on_huge_pages`). Making them costs the kernel
+seconds for an 8B model's weights (a copy of every page, and the compaction that frees 2 MiB blocks), so a thread of
+their own does it (`_pager`) while the warm-up compiles and the station serves: the weights are read all along,
+from 4 KB pages until their range moves. Where the C library is not glibc, or the kernel cannot, each does nothing
+(docs/cpu.md).
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ import ctypes.util
 import functools
 import logging
 import os
+import queue
 import resource
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable
 
@@ -80,7 +85,7 @@ def release_freed_memory(execution_threads: bool = False) -> int:
     trim(0)
     if execution_threads:
         _trim_execution_threads()
-    huge_pages(array_spans([a for r in _kept_huge if (a := r()) is not None]))
+    _pager().put(array_spans([a for r in _kept_huge if (a := r()) is not None]))
     return max(0, before - resident_bytes())
 
 
@@ -118,13 +123,39 @@ def _cpu_arrays(tree: object) -> list[jax.Array]:
 _kept_huge: list[weakref.ref] = []  # arrays kept on 2 MiB pages, while they live
 
 
-def keep_on_huge_pages(tree: object) -> tuple[int, int]:
-    """Put the CPU arrays of `tree` (a model's weights) on 2 MiB pages (`huge_pages`), now and again after every
-    `release_freed_memory`: trimming a freed chunk beside a weight splits the 2 MiB page they share. Returns (bytes on
-    2 MiB pages, bytes of the arrays)."""
+def keep_on_huge_pages(tree: object) -> int:
+    """Have the CPU arrays of `tree` (a model's weights) put on 2 MiB pages (`huge_pages`) by the pager thread, from
+    now on and again after every `release_freed_memory`: trimming a freed chunk beside a weight splits the 2 MiB page
+    they share. Returns the bytes of the arrays."""
     arrays = _cpu_arrays(tree)
     _kept_huge[:] = [r for r in _kept_huge if r() is not None] + [weakref.ref(a) for a in arrays]
-    return huge_pages(array_spans(arrays)), sum(a.nbytes for a in arrays)
+    _pager().put(array_spans(arrays))
+    return sum(a.nbytes for a in arrays)
+
+
+@functools.cache
+def _pager() -> queue.Queue:
+    """The queue of span lists a daemon thread puts on 2 MiB pages, in turn (one thread a process, started at first
+    use). Spans of memory freed before their turn are skipped: `huge_pages` leaves unmapped ranges alone."""
+    work: queue.Queue = queue.Queue()
+
+    def run() -> None:
+        while True:
+            spans = work.get()
+            try:
+                t0 = time.perf_counter()
+                done = huge_pages(spans)
+                log.debug("%d MiB of weights on 2 MiB pages in %.1f s", done >> 20, time.perf_counter() - t0)
+            finally:
+                work.task_done()
+
+    threading.Thread(target=run, name="jaxstation-pager", daemon=True).start()
+    return work
+
+
+def settle_pages() -> None:
+    """Wait until the pager thread has put every span asked for so far on 2 MiB pages (or found it cannot)."""
+    _pager().join()
 
 
 def _trim_execution_threads() -> None:

@@ -2,9 +2,10 @@
 `cpu_kernel.int_channels()` channels holds its channels' scales side by side and their codes in the dwords one
 vpdpbusd takes, so a one-row call loads them as they lie instead of decoding and transposing every channel's blocks.
 The same bytes as the file's, so memory does not grow, and the same integers, so a row's bits are the stored layout's.
-The layout is pack.cc's, which lays out a matrix in one pass over its bytes on every core, straight into memory of
-its own on 2 MiB pages: a step reads every weight, and the pages hold them without a walk of the page tables each,
-and without the half a million faults of 4 KB pages an 8B model's load would take.
+The layout is pack.cc's, which lays out a matrix in one pass over its bytes on every core, straight into a mapping of
+its own, 2 MiB-aligned, which JAX takes without a copy and which the engine's pager then moves onto 2 MiB pages whole
+(engine/host_memory.py): asked for at once, those pages cost an 8B model's load seconds of the kernel's zeroing and
+compaction.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def pack_blocks(parts: np.ndarray | Sequence[np.ndarray], packed: str) -> np.nda
     if any(p.shape[-2] % int_channels() for p in parts):  # a tile would straddle two parts: lay out the joined rows
         parts = [np.concatenate(parts, axis=-2)]
     *lead, _, row_len = parts[0].shape
-    out = huge_page_array((*lead, sum(p.shape[-2] for p in parts), row_len))
+    out = aligned_array((*lead, sum(p.shape[-2] for p in parts), row_len))
     pack = library().jaxstation_pack_blocks
     pack.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_char_p, ctypes.c_int]
     rows = 0
@@ -50,13 +51,11 @@ def _pack_one(pack, src: np.ndarray, dst: np.ndarray, fmt: str, packed: str) -> 
         raise ValueError(f"cannot lay out {fmt} blocks of shape {src.shape} as {packed}")
 
 
-def huge_page_array(shape: tuple[int, ...]) -> np.ndarray:
-    """An uninitialized uint8 array of `shape` in an anonymous mapping of its own, 2 MiB-aligned and asked onto 2 MiB
-    pages (where Linux gives them on request), freed when the array is."""
+def aligned_array(shape: tuple[int, ...]) -> np.ndarray:
+    """An uninitialized uint8 array of `shape` in a private anonymous mapping of its own (a shared one would be shmem,
+    which gets no 2 MiB pages), starting on a 2 MiB boundary; freed when the array is."""
     nbytes = int(np.prod(shape))
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (shared: shmem's pages)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        mapping.madvise(mmap.MADV_HUGEPAGE)
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = np.frombuffer(mapping, np.uint8)
     start = -base.ctypes.data % HUGE_PAGE
     return base[start:start + nbytes].reshape(shape)
