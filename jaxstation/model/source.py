@@ -3,9 +3,12 @@ raises. Plain Python, no JAX: the command line refuses a path that names no chec
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from jaxstation.model.default_model import default_model_path
+
+SPLIT_NAME = re.compile(r"^(?P<base>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama.cpp's split parts
 
 
 class CheckpointError(ValueError):
@@ -23,8 +26,8 @@ def model_source(path: str | Path | None) -> Path:
     source = Path(path)
     if not source.exists():
         raise CheckpointError(f"model path {source} does not exist")
-    if source.is_symlink():  # the checkpoint it links to, under that name (the image's /opt/jaxstation/model)
-        source = source.resolve()
+    if source.is_symlink() and source.suffix != ".gguf":  # what it links to (the image's /opt/jaxstation/model); a
+        source = source.resolve()  # .gguf link stays, beside its other parts (the Hugging Face cache's snapshots)
     if source.is_dir():
         for name in ("config.json", "tokenizer.json"):
             if not (source / name).is_file():
