@@ -1,5 +1,6 @@
 """`jaxstation generate` runs one prompt on a one-lane engine; `jaxstation serve` runs the station server;
-`jaxstation station --layers A:B` and `jaxstation host --stations URL,...` run a model split across a mesh.
+`jaxstation download` fetches a Hub model; `jaxstation station --layers A:B` and `jaxstation host --stations
+URL,...` run a model split across a mesh.
 
 The command line imports JAX, the engine, the model and the server only once a command needs them: `--version`,
 `--help` and a refused setting or model path answer without them."""
@@ -11,12 +12,13 @@ import logging
 import secrets
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from jaxstation import __version__
 from jaxstation.config.flags import COMMANDS, SETTINGS
 from jaxstation.config.gpu_memory import use_gpu_memory_fraction
+from jaxstation.config.hub_model import local_model, local_path
 from jaxstation.config.settings import DTYPES, ConfigError, StationConfig, add_arguments, resolve
 from jaxstation.model.source import CheckpointError, model_source
 
@@ -51,6 +53,7 @@ def _import_jax() -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    args.model = local_path(args.model, args.revision)
     model_source(args.model)  # a path that names no checkpoint is refused before JAX loads
     _import_jax()
     from jaxstation.config.plan import load_planned, planned_engine, startup_plan
@@ -92,6 +95,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_export_tokenizer(args: argparse.Namespace) -> int:
+    args.model = local_path(args.model, args.revision)
     model_source(args.model)
     _import_jax()
     from jaxstation.model.loader import load_tokenizer
@@ -101,8 +105,13 @@ def cmd_export_tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_download(args: argparse.Namespace) -> int:
+    print(local_path(args.name, args.revision))
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    config = resolve(args, command="serve")
+    config = local_model(resolve(args, command="serve"))
     model_source(config.model)  # a path that names no checkpoint is refused before JAX loads
     _import_jax()
     from jaxstation.app import station_and_app
@@ -141,7 +150,7 @@ def _group_leader(config: StationConfig, group: Group) -> tuple[Starlette, Stati
 
 
 def cmd_station(args: argparse.Namespace) -> int:
-    config = resolve(args, command="station")
+    config = local_model(resolve(args, command="station"))
     if config.layers is None:
         raise ConfigError("a mesh station needs its layer range: --layers A:B (MOONSHINE_LAYERS)")
     config.check_mesh_security()
@@ -155,7 +164,7 @@ def cmd_station(args: argparse.Namespace) -> int:
 
 
 def cmd_host(args: argparse.Namespace) -> int:
-    config = resolve(args, command="host")
+    config = local_model(resolve(args, command="host"))
     if not config.station_urls:
         raise ConfigError("a mesh host needs its stations: --stations URL,URL,... (MOONSHINE_MESH_STATIONS)")
     config.check_mesh_security()
@@ -172,8 +181,22 @@ A batched, batch-invariant LLM serving station for Llama/Mistral-family models.
 `serve` answers POST /generate (token ids in, token ids out) and the OpenAI-compatible routes
 POST /v1/completions, POST /v1/chat/completions (with streaming), GET /v1/models, POST /tokenize and
 POST /detokenize, GET /tokenizer_info, plus GET /health, GET /ready, GET /metrics and GET /openapi.json.
-`generate` runs one prompt and prints the text; `export-tokenizer` writes the model's tokenizer as an HF
-tokenizer directory."""
+`generate` runs one prompt and prints the text; `download` fetches a Hugging Face Hub model (org/name, or
+org/name:QUANT) and prints its path; `export-tokenizer` writes the model's tokenizer as an HF tokenizer directory.
+--model takes a checkpoint's path or a Hub model's name everywhere."""
+
+
+MODEL_HELP = ("HF directory, .gguf file, or a Hugging Face Hub model: org/name, or org/name:QUANT for one quant of a "
+              "GGUF repository (default: the embedded SmolLM2)")
+REVISION_HELP = "a Hub model's branch, tag or commit (default: main)"
+
+
+def _command(sub: argparse._SubParsersAction, name: str, func: Callable[[argparse.Namespace], int], help_: str,
+             description: str) -> argparse.ArgumentParser:
+    """A command's parser, running `func`."""
+    parser = sub.add_parser(name, help=help_, description=description)
+    parser.set_defaults(func=func, command_parser=parser)
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -192,20 +215,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     gen.add_argument("--top-k", type=int, default=0, help="0 is off")
     gen.add_argument("--top-p", type=float, default=1.0, help="1 is off")
-    gen.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)")
+    gen.add_argument("--model", default=None, help=MODEL_HELP)
+    gen.add_argument("--revision", default=None, help=REVISION_HELP)
     gen.add_argument("--dtype", default=None, choices=DTYPES,
                      help="weight dtype; gguf keeps a GGUF model's blocks as stored and multiplies integers, "
                      "gguf-exact keeps them with float32's exact bits, int8 is weight-only (default: gguf on CPU for a "
                      "GGUF model, else float32; bfloat16 on a GPU)")
     gen.set_defaults(func=cmd_generate, command_parser=gen)
 
-    exp = sub.add_parser("export-tokenizer", help="write the model's tokenizer as a Hugging Face tokenizer directory",
-                         description="Writes tokenizer.json, tokenizer_config.json and generation_config.json: the "
-                                     "directory that transformers' AutoTokenizer and benchmark clients such as aiperf "
-                                     "and guidellm take as --tokenizer.")
+    exp = _command(sub, "export-tokenizer", cmd_export_tokenizer,
+                   "write the model's tokenizer as a Hugging Face tokenizer directory",
+                   "Writes tokenizer.json, tokenizer_config.json and generation_config.json: the directory that "
+                   "transformers' AutoTokenizer and benchmark clients such as aiperf and guidellm take as --tokenizer.")
     exp.add_argument("out", help="the directory to write (created if missing)")
-    exp.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)")
-    exp.set_defaults(func=cmd_export_tokenizer, command_parser=exp)
+    exp.add_argument("--model", default=None, help=MODEL_HELP)
+    exp.add_argument("--revision", default=None, help=REVISION_HELP)
+
+    dl = _command(sub, "download", cmd_download, "fetch a Hugging Face Hub model into the HF cache and print its path",
+                  "Downloads what the station reads of a Hub model (a safetensors checkpoint, or one GGUF file and its "
+                  "parts) into the Hugging Face cache, or finds it there, and prints the path --model takes (image "
+                  "builds, air-gapped copies). HF_TOKEN for gated models, HF_HUB_OFFLINE=1 to use the cache only.")
+    dl.add_argument("name", help="org/name, or org/name:QUANT for one quant of a GGUF repository")
+    dl.add_argument("--revision", default=None, help=REVISION_HELP)
 
     srv = sub.add_parser("serve", help="run the /generate station server",
                          description="Flags override the environment variables named in each help line.")
@@ -248,6 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     use_gpu_memory_fraction()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax._src.xla_bridge").addFilter(_plugin_error_in_one_line)
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # not huggingface_hub's every request to the Hub
     try:
         return args.func(args)
     except (ConfigError, CheckpointError) as e:  # the user's mistake: say what it is, no traceback

@@ -43,7 +43,11 @@ class Setting:
 # One row per setting: the StationConfig field, its environment variable, its CLI flag.
 SETTINGS: tuple[Setting, ...] = (
     Setting("model", "MOONSHINE_MODEL", "--model", parse_str,
-            "HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)"),
+            "HF directory, .gguf file, or a Hugging Face Hub model: org/name, or org/name:QUANT for one quant of a "
+            "GGUF repository (downloaded into the Hugging Face cache; default: the embedded SmolLM2-135M-Instruct "
+            "GGUF)"),
+    Setting("revision", "MOONSHINE_MODEL_REVISION", "--revision", parse_str,
+            "a Hub model's branch, tag or commit (default: main)"),
     Setting("dtype", "MOONSHINE_DTYPE", "--dtype", parse_str,
             "weight dtype: gguf (a GGUF model's matrices in their stored blocks, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, "
             "Q5_K or Q6_K, on the CPU kernel, multiplied in integers over activations rounded to 8 bits per block, "

@@ -39,6 +39,7 @@ class StationConfig:
     """Every station setting. Build it with `resolve`; `__post_init__` rejects what cannot work."""
 
     model: str | None = None  # None: the embedded default model
+    revision: str | None = None  # a Hub model's branch, tag or commit (model/hub.py)
     dtype: str | None = None  # None: the backend's default, decided by the plan (config/plan.py)
     attention: str = "auto"
     layer_loop: str = "auto"
@@ -208,7 +209,7 @@ class StationConfig:
     def model_is_gguf(self) -> bool:
         """The model is a GGUF file (the embedded default model is one); a link by what it links to, as the loader
         reads it (the image's /opt/jaxstation/model)."""
-        return self.model is None or Path(self.model).resolve().suffix == ".gguf"
+        return self.model is None or ".gguf" in (Path(self.model).suffix, Path(self.model).resolve().suffix)
 
     @property
     def lora_slots(self) -> int:
