@@ -1,6 +1,6 @@
 """`jaxstation generate` runs one prompt on a one-lane engine; `jaxstation serve` runs the station server;
-`jaxstation download` fetches a Hub model; `jaxstation station --layers A:B` and `jaxstation host --stations
-URL,...` run a model split across a mesh.
+`jaxstation batch` answers an OpenAI batch file; `jaxstation download` fetches a Hub model; `jaxstation station
+--layers A:B` and `jaxstation host --stations URL,...` run a model split across a mesh.
 
 The command line imports JAX, the engine, the model and the server only once a command needs them: `--version`,
 `--help` and a refused setting or model path answer without them."""
@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import logging
 import secrets
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jaxstation import __version__
@@ -110,6 +112,30 @@ def cmd_download(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_batch(args: argparse.Namespace) -> int:
+    from jaxstation.offline.batch_file import check_input
+
+    config = resolve(args, command="batch")
+    source, output = Path(args.input), Path(args.output)
+    total = check_input(source)  # a file that cannot run is refused before the model loads
+    config = local_model(config)
+    model_source(config.model)
+    _import_jax()
+    from jaxstation.offline.batch import run_batch
+    from jaxstation.offline.station import open_station
+
+    station = open_station(config)
+    try:
+        summary = run_batch(station, source, output, total, use_tqdm=not args.quiet)
+    finally:
+        station.shutdown(0)
+    stopped = f"; stopped by {signal.Signals(summary.signal).name}, run it again to answer the rest" \
+        if summary.signal else ""
+    print(f"{summary.lines} lines written to {output} in {summary.seconds:.1f} s ({summary.errors} errors; "
+          f"{summary.prompt_tokens} prompt and {summary.generated_tokens} generated tokens){stopped}", file=sys.stderr)
+    return 128 + summary.signal if summary.signal else 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     config = local_model(resolve(args, command="serve"))
     model_source(config.model)  # a path that names no checkpoint is refused before JAX loads
@@ -181,9 +207,10 @@ A batched, batch-invariant LLM serving station for Llama/Mistral-family models.
 `serve` answers POST /generate (token ids in, token ids out) and the OpenAI-compatible routes
 POST /v1/completions, POST /v1/chat/completions (with streaming), GET /v1/models, POST /tokenize and
 POST /detokenize, GET /tokenizer_info, plus GET /health, GET /ready, GET /metrics and GET /openapi.json.
-`generate` runs one prompt and prints the text; `download` fetches a Hugging Face Hub model (org/name, or
-org/name:QUANT) and prints its path; `export-tokenizer` writes the model's tokenizer as an HF tokenizer directory.
---model takes a checkpoint's path or a Hub model's name everywhere."""
+`generate` runs one prompt and prints the text; `batch` answers an OpenAI batch file (one JSON request a line)
+into another; `download` fetches a Hugging Face Hub model (org/name, or org/name:QUANT) and prints its path;
+`export-tokenizer` writes the model's tokenizer as an HF tokenizer directory. --model takes a checkpoint's path or a
+Hub model's name everywhere."""
 
 
 MODEL_HELP = ("HF directory, .gguf file, or a Hugging Face Hub model: org/name, or org/name:QUANT for one quant of a "
@@ -237,6 +264,17 @@ def build_parser() -> argparse.ArgumentParser:
                   "builds, air-gapped copies). HF_TOKEN for gated models, HF_HUB_OFFLINE=1 to use the cache only.")
     dl.add_argument("name", help="org/name, or org/name:QUANT for one quant of a GGUF repository")
     dl.add_argument("--revision", default=None, help=REVISION_HELP)
+
+    bat = _command(sub, "batch", cmd_batch, "answer an OpenAI batch file (JSON lines) into another, with no server",
+                   "Reads OpenAI Batch API input lines (custom_id, method POST, url /v1/chat/completions or "
+                   "/v1/completions, body) and appends one output line per input (id, custom_id, response "
+                   "{status_code, request_id, body} or error), each body what the route answers. Run again over the "
+                   "same output to answer the lines it lacks. Flags override the environment variables named in each "
+                   "help line.")
+    bat.add_argument("-i", "--input", required=True, help="the batch input file (.jsonl)")
+    bat.add_argument("-o", "--output", required=True, help="the output file (.jsonl), appended to")
+    bat.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_arguments(bat, "batch")
 
     srv = sub.add_parser("serve", help="run the /generate station server",
                          description="Flags override the environment variables named in each help line.")

@@ -29,7 +29,8 @@ def test_version() -> None:
 
 @pytest.mark.parametrize("args", [["--version"], ["--help"], ["serve", "--help"], ["generate", "--help"],
                                   ["serve", "--lanes", "0"], ["station", "--port", "0"],
-                                  ["generate", "--prompt", "hi", "--model", "nonexistent"]])
+                                  ["generate", "--prompt", "hi", "--model", "nonexistent"], ["batch", "--help"],
+                                  ["download", "--help"], ["batch", "-i", "nonexistent.jsonl", "-o", "out.jsonl"]])
 def test_help_version_and_refused_settings_answer_without_importing_jax(args: list[str]) -> None:
     """What needs no model answers without JAX, the engine or the server: an instant --help."""
     code = ("import sys\nfrom jaxstation.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
@@ -127,6 +128,11 @@ def test_each_command_takes_only_the_flags_it_uses() -> None:
     for flag in ("--api-key", "--continuous-batch", "--stations", "--drain-s", "--wave-widths"):
         assert flag not in helps["station"], flag
     assert "--layers" not in helps["host"] and "--stations" in helps["host"] and "--layers" in helps["station"]
+    batch = " ".join(run_cli("batch", "--help").stdout.split())
+    for flag in ("--port", "--api-key", "--continuous-batch", "--drain-s", "--web", "--layers"):
+        assert flag not in batch, flag
+    for flag in ("--model", "--revision", "--lanes", "--max-seq", "--speculative", "--max-queue", "--lora-modules"):
+        assert flag in batch, flag
     assert "every route except /health and /ready needs 'Authorization: Bearer <key>'" in helps["serve"]
 
 

@@ -13,8 +13,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jaxstation"
 # bottom to top: a module may import only from its own layer and those before it
-LAYERS = ("kernels", "model", "engine", "config", "server", "group", "chat", "openai", "anthropic", "app", "mesh",
-          "cli")
+LAYERS = ("kernels", "model", "engine", "config", "server", "group", "chat", "openai", "anthropic", "offline", "app",
+          "mesh", "cli")
 MAX_LINES = 450
 
 
@@ -37,7 +37,7 @@ def test_imports_run_down_the_stack(path: Path) -> None:
 
 
 @pytest.mark.parametrize("package", ["kernels", "model", "engine", "config", "server", "server.web", "chat", "openai",
-                                     "anthropic", "app", "group", "mesh", "cli"])
+                                     "anthropic", "offline", "app", "group", "mesh", "cli"])
 def test_each_package_imports_alone(package: str) -> None:
     assert importlib.import_module(f"jaxstation.{package}")
 

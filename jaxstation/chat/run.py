@@ -37,7 +37,7 @@ class Choice:
     detok: IncrementalDetokenizer
     held: str = ""  # detokenized text held back: it could be the start of a stop string
     text: list[str] = dataclasses.field(default_factory=list)
-    tokens: int = 0
+    ids: list[int] = dataclasses.field(default_factory=list)  # the tokens generated, as they arrived
     finish: str | None = None
     logprobs: list[tuple[Sample, int]] = dataclasses.field(default_factory=list)  # (sample, text offset)
     lp_sent: int = 0  # how many logprob entries a stream has sent
@@ -47,6 +47,10 @@ class Choice:
     answer: list[str] = dataclasses.field(default_factory=list)  # the text less the thinking
     stop: str | None = None  # the stop string that ended it
     thinking_tokens: int = 0  # tokens generated in the thinking (its tags included)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
 
     @property
     def content(self) -> str | None:
@@ -174,7 +178,7 @@ class Run:
         if c.finish is not None:  # already ended by a stop string; late tokens and its result are dropped
             return None
         if isinstance(event, Sample):
-            c.tokens += 1
+            c.ids.append(event.token)
             offset = len(c.detok.text)
             if self.req.logprobs is not None:
                 c.logprobs.append((event, offset))

@@ -16,6 +16,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxstation.chat.request import RunRequest
 from jaxstation.chat.run import Choice, Run, Update
 from jaxstation.chat.stream import (
     Events,
@@ -75,15 +76,9 @@ class OpenAIRoutes:
 
     async def _start(self, request: Request, chat: bool) -> Run:
         """Parse the body and start its run."""
-        station = self.station
-        check_ready(station)
+        check_ready(self.station)
         body = await self._body(request)
-        tok, vocab = station.model.tokenizer, station.model.cfg.vocab_size
-        limits = (station.config.max_request_tokens, station.eos_ids, station.engine.token_controls)
-        if chat:
-            return await start_run(station, parse_chat(body, tok, vocab, *limits, station_reasoning(station),
-                                                       ignored=self.ignored[True]))
-        return await start_run(station, parse_completion(body, tok, vocab, *limits, self.ignored[False]))
+        return await start_run(self.station, parse_request(self.station, body, chat, self.ignored[chat]))
 
     async def completions(self, request: Request, chat: bool) -> Response:
         try:
@@ -91,8 +86,7 @@ class OpenAIRoutes:
         except OUTCOMES as e:
             return self._rejected(request, e)
         request.state.token_counts = lambda: (run.counts().prompt, run.counts().generated)
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": served_model_name(self.station)}
+        head = reply_head(self.station, chat)
         if run.req.stream:
             return stream_response(run, Chunks(run, head))
         return await run_whole(run, request) or JSONResponse(reply_body(whole_reply(run, head)))
@@ -154,6 +148,22 @@ class OpenAIRoutes:
             Endpoint("/tokenizer_info", "GET", self.tokenizer_info, "vLLM's: the tokenizer's config", p.TokenizerInfo,
                      err, statuses=(503,)),
         ]
+
+
+def parse_request(station: Station, body: Any, chat: bool, ignored: IgnoredFields | None = None) -> RunRequest:
+    """A chat completions (`chat`) or completions body as `station` runs it: how the routes, and a batch file's lines,
+    are read; the ignored fields it sets are noted in `ignored`."""
+    tok, vocab = station.model.tokenizer, station.model.cfg.vocab_size
+    limits = (station.config.max_request_tokens, station.eos_ids, station.engine.token_controls)
+    if chat:
+        return parse_chat(body, tok, vocab, *limits, station_reasoning(station), ignored=ignored)
+    return parse_completion(body, tok, vocab, *limits, ignored)
+
+
+def reply_head(station: Station, chat: bool) -> dict[str, Any]:
+    """A reply's id, creation time and model, as `whole_reply` and the chunks carry them."""
+    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+            "model": served_model_name(station)}
 
 
 def openai_endpoints(station: Station) -> list[Endpoint]:

@@ -72,7 +72,10 @@ class Station:
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Load, build and warm up in a background thread; returns at once."""
+        """Load, build and warm up in a background thread; returns at once. A station started already is left as it
+        is (an in-process station served over HTTP too: the app's lifespan starts it again)."""
+        if self._loader is not None:
+            return
         self._loader = threading.Thread(target=self._load, name="jaxstation-load", daemon=True)
         self._loader.start()
 
