@@ -502,6 +502,21 @@ def split_rows(runs: Runs) -> Rows:
             for m, d in runs for i, r in enumerate(d["rows"])]
 
 
+def bulk_rows(runs: Runs) -> Rows:
+    """Generated tokens/s over one file of {config[prompts]} requests of the ShareGPT-shaped mix
+    ({config[prompt_tokens]} prompt tokens and {config[requested_tokens]} to generate, greedy, EOS ignored), with
+    {config[lanes]} lanes and slots: `LLM.generate` in one process, `jaxstation batch` on the file, and llama.cpp's
+    llama-server on the same GGUF file sent the file's requests {config[lanes]} at a time; each one's start left
+    out."""
+    rows = []
+    for model, d in runs:
+        by = {r["system"]: r["tokens_per_s"] for r in d["rows"]}
+        ours, theirs = by.get("llm"), by.get("llama-server")
+        rows.append([label(model), f(ours), f(by.get("batch")), f(theirs),
+                     "-" if ours is None or theirs is None else f"{ours / theirs:.2f}x"])
+    return rows
+
+
 def split(result: dict) -> bool:
     """A `bench.step --tensor-parallel` run over more than one device."""
     return len(result["config"].get("tensor_parallel", [1])) > 1
@@ -575,6 +590,8 @@ TABLES = {
                               "RSS MiB: start, after warm-up, end", "exit code"], soak_rows, model="smollm2"),
     "lora": Table(("step_lora",), ["model", "layers", "weights", "weights MB", "8 adapters MB", "base step ms",
                                    "with adapters ms", "ratio"], lora_rows),
+    "bulk": Table(("bulk",), ["model", "`LLM.generate`", "`jaxstation batch`", "llama-server",
+                              "`LLM.generate` / llama-server"], bulk_rows),
     "tensor-parallel": Table(("step",), ["model", "N", "lanes", "live", "ms a step", "tokens/s", "one device reads"],
                              split_rows, keep=split),
 }
