@@ -30,7 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.common import add_name_arg, model_name, write_result
+from bench.common import add_name_arg, model_name, settle_pages, write_result
 from bench.peers import find_llama_server
 from bench.workload import (
     GREEDY,
@@ -62,6 +62,7 @@ def run_llm(args: argparse.Namespace, lines: list[dict]) -> dict:
     from jaxstation import LLM, SamplingParams
 
     with LLM(**station_flags(args)) as llm:
+        settle_pages()
         params = [SamplingParams(temperature=0, max_tokens=line["body"]["max_tokens"], ignore_eos=True)
                   for line in lines]
         t0 = time.perf_counter()
