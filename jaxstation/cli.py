@@ -113,11 +113,12 @@ def cmd_download(args: argparse.Namespace) -> int:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    from jaxstation.offline.batch_file import check_input
+    from jaxstation.offline.batch_file import answered, check_input
 
     config = resolve(args, command="batch")
     source, output = Path(args.input), Path(args.output)
-    total = check_input(source)  # a file that cannot run is refused before the model loads
+    total = check_input(source)  # files a batch cannot run over are refused before the model loads
+    answered(output)
     config = local_model(config)
     model_source(config.model)
     _import_jax()

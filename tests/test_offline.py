@@ -99,6 +99,8 @@ def test_bad_settings_and_params_name_the_field(smol) -> None:
         LLM(port=8000)
     with pytest.raises(ValueError, match=r"^lanes=0 must be >= 1$"):
         LLM(lanes=0)
+    with pytest.raises(ValueError, match=r"^dtype=gguf needs the CPU kernel \(matmul=kernel or auto, on CPU\)$"):
+        LLM(dtype="gguf", matmul="xla", **SHAPE)  # refused by the plan, before anything loads
     with pytest.raises(ValueError, match=r"^prompt 1: the prompt \(1 tokens\) plus max_tokens \(600\) exceeds"):
         llm.generate(["a", [5]], [SamplingParams(max_tokens=8), SamplingParams(max_tokens=600)], use_tqdm=False)
 

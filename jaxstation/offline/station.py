@@ -12,7 +12,7 @@ from typing import Any
 from jaxstation.config.draft import check_draft
 from jaxstation.config.flags import SETTINGS
 from jaxstation.config.hub_model import local_model
-from jaxstation.config.plan import auto_max_seq
+from jaxstation.config.plan import auto_max_seq, resolve_plan
 from jaxstation.config.settings import StationConfig, resolve
 from jaxstation.model.loader import checkpoint_config
 from jaxstation.model.source import model_source
@@ -47,8 +47,8 @@ def open_station(config: StationConfig) -> Station:
     model_source(config.model)
     cfg = checkpoint_config(config.model)
     check_draft(config)
-    if "max_seq" not in config.sources:
-        config = auto_max_seq(config, cfg)
+    config = auto_max_seq(config, cfg) if "max_seq" not in config.sources else config
+    resolve_plan(config, cfg)  # a plan that refuses the settings does so here, before anything loads
     station = Station(config)
     failed = threading.Event()
     station.on_load_failed = failed.set
