@@ -121,24 +121,25 @@ def check_input(path: Path) -> int:
 def answered(path: Path) -> tuple[set[str], int]:
     """(the custom_ids the output file `path` answers, how many of its lines answer a line that had none), once a
     last line cut short is cut off. Raises BatchFileError for a line that is not an output line."""
+    ids: set[str] = set()
+    anonymous = whole = 0
     if not path.exists():
-        return set(), 0
-    data = path.read_bytes()
-    whole = data[:data.rfind(b"\n") + 1]
-    if len(whole) < len(data):
-        with path.open("r+b") as f:
-            f.truncate(len(whole))
-    ids, anonymous = set(), 0
-    for number, text in enumerate(whole.decode("utf-8", errors="replace").splitlines(), 1):
-        try:
-            line = OutputLine.model_validate_json(text)
-        except ValidationError as e:
-            raise BatchFileError(f"{path} line {number} is not a batch output line ({describe(e)[1]}); give "
-                                 "another output file") from None
-        if line.custom_id is None:
-            anonymous += 1
-        else:
-            ids.add(line.custom_id)
+        return ids, anonymous
+    with path.open("r+b") as f:
+        for number, text in enumerate(f, 1):
+            if not text.endswith(b"\n"):  # cut short
+                f.truncate(whole)
+                break
+            whole += len(text)
+            try:
+                line = OutputLine.model_validate_json(text)
+            except ValidationError as e:
+                raise BatchFileError(f"{path} line {number} is not a batch output line ({e.errors()[0]['msg']}); "
+                                     "give another output file") from None
+            if line.custom_id is None:
+                anonymous += 1
+            else:
+                ids.add(line.custom_id)
     return ids, anonymous
 
 
