@@ -55,10 +55,6 @@ def run_batch(station: Station, source: Path, output: Path, total: int, use_tqdm
         if isinstance(outcome.error, _Refusal):
             return write(outcome.error.line)
         line, head = outcome.key
-        counts = outcome.run.counts() if outcome.run is not None else None
-        if counts is not None:
-            summary.prompt_tokens += counts.prompt
-            summary.generated_tokens += counts.generated
         if outcome.error is not None:
             f = failure(outcome.error, API_INVALID)
             return write(OutputLine.answered(line.custom_id, f.status, _json(f.response(line.url).body)))
@@ -77,6 +73,7 @@ def run_batch(station: Station, source: Path, output: Path, total: int, use_tqdm
         progress.close()
         out.close()
         summary.seconds = time.perf_counter() - progress.start
+        summary.prompt_tokens, summary.generated_tokens = progress.prompt_tokens, progress.generated_tokens
     return summary
 
 
