@@ -1,10 +1,10 @@
 """An engine's warm-up, and the step times it leaves for the scheduler's packed turns.
 
-The warm-up compiles every step shape a station uses, so that no request waits on a compiler, and runs each on lane 0
-(and on more lanes where a packed step is wider than one context): a decode wave sampled, then greedy, timed into
-`Engine.step_s`; a packed step the same, from the narrowest up, until one takes more than DECODE_WAIT of the widest
-wave. `turn_rows` reads those times to keep a packed turn that carries decode rows within DECODE_WAIT of their plain
-wave, so running lanes keep their pace while prompts enter; a wider step than that can serve only a turn without
+The warm-up compiles every step shape a station uses, so that no request waits on a compiler, and runs each once on
+lane 0 (and on more lanes where a packed step is wider than one context), greedy, timed into `Engine.step_s`: every
+decode wave, and the packed steps from the narrowest up, until one takes more than DECODE_WAIT of the widest wave.
+`turn_rows` reads those times to keep a packed turn that carries decode rows within DECODE_WAIT of their plain wave,
+so running lanes keep their pace while prompts enter; a wider step than that can serve only a turn without
 decode rows, so it is compiled and not run (on an 8B model a 128-row step is seconds of arithmetic). An engine that
 packs prompts never runs a plain prefill chunk (a scored prompt's compiles on first use), so it compiles none. The
 caller of the engine runs it (the station's start-up, on the thread that later hands the engine over).
@@ -67,9 +67,11 @@ def _lone_row(engine: Engine, sampling: SamplingParams, drafts: tuple[int, ...] 
 
 
 def _decode(engine: Engine, width: int) -> None:
-    """A `width`-row wave, sampled then greedy, the greedy one timed."""
-    engine._wave(_lone_row(engine, SAMPLED), width, False)
-    _timed(engine, ("decode", width), partial(engine._wave, _lone_row(engine, GREEDY), width, False))
+    """A `width`-row wave, compiled, then run greedy and timed."""
+    run = partial(engine._wave, _lone_row(engine, GREEDY), width, False)
+    with compiled(engine):
+        run()
+    _timed(engine, ("decode", width), run)
 
 
 def _verify(engine: Engine) -> None:
@@ -79,16 +81,14 @@ def _verify(engine: Engine) -> None:
 
 
 def _pack(engine: Engine, width: int, slots: int) -> None:
-    """A `width`-row packed step sampling `slots` rows, sampled then greedy, the greedy one timed; compiled only
-    where a narrower one took more than DECODE_WAIT times the widest wave (no turn with decode rows could take it)."""
+    """A `width`-row packed step sampling `slots` rows, compiled, then run greedy and timed; only compiled where a
+    narrower one took more than DECODE_WAIT times the widest wave (no turn with decode rows could take it)."""
+    run = partial(engine.pack, _pieces(engine, width, GREEDY), [None] * engine.lanes, slots)
+    with compiled(engine):
+        run()
     widest = engine.step_s.get(("decode", engine.lanes), float("inf"))
-    if any(key[0] == "pack" and key[1] < width and t > DECODE_WAIT * widest for key, t in engine.step_s.items()):
-        with compiled(engine):
-            engine.pack(_pieces(engine, width, GREEDY), [None] * engine.lanes, slots)
-        return
-    engine.pack(_pieces(engine, width, SAMPLED), [None] * engine.lanes, slots)
-    _timed(engine, ("pack", width, slots), partial(engine.pack, _pieces(engine, width, GREEDY),
-                                                   [None] * engine.lanes, slots))
+    if not any(key[0] == "pack" and key[1] < width and t > DECODE_WAIT * widest for key, t in engine.step_s.items()):
+        _timed(engine, ("pack", width, slots), run)
 
 
 @contextlib.contextmanager
