@@ -325,6 +325,17 @@ def decode_rows(runs: Runs) -> Rows:
             for m, d in runs for i, r in enumerate(d["rows"])]
 
 
+def matmul_rows(runs: Runs) -> Rows:
+    """Each of a model's matrices (the first layer's projections and the head) multiplied alone by as many rows of
+    random activations, GOPS (a multiply and an add per weight a row; medians of {config[reps]}), and all of them
+    together against the integer dot's peak on every core, measured just before (the kernels' `vpdpbusd` on registers
+    alone)."""
+    names = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
+    return [[label(m) if i == 0 else "", str(r["rows"]), *(f(r["gops"][k], ".0f") for k in names),
+             f(r["total_gops"], ".0f"), pct(r["fraction_of_peak"], ".0f")]
+            for m, d in runs for i, r in enumerate(d["rows"])]
+
+
 TRACED = {"int_matmul": "the projections", "head": "the head", "decode_attention": "the attention",
           "rms_norm": "the norms"}
 
@@ -557,6 +568,8 @@ TABLES = {
     "speculative": Table(("speculative",), ["workload", "K", "plain", "ngram", "ngram / plain", "acceptance",
                                             "mean accepted", "same tokens", "llama-server", "llama-server n-gram"],
                          speculative_rows, model="smollm2"),
+    "matmuls": Table(("step_matmuls",), ["model", "rows", "q, k, v", "o", "gate, up", "down", "head",
+                                         "all, GOPS", "of the dot's peak"], matmul_rows),
     "step": Table(("step",), ["model", "lanes", "live", "ms a step", "tokens/s", "of the roofline", "GB/s beside"],
                   decode_rows, keep=unsplit),
     "profile-trace": Table(("profile_trace",), trace_header, trace_rows),
