@@ -357,7 +357,7 @@ def test_a_leader_engine_refuses_a_method_it_does_not_know() -> None:
 
 
 def test_every_engine_method_is_a_step_call_or_runs_no_step() -> None:
-    """Each public method of the Engine is listed once: forwarded to the followers (CALLS) or run on the leader
-    alone (LOCAL). A new method fails here until it is listed."""
-    methods = {n for n, v in vars(Engine).items() if callable(v) and not n.startswith("_")}
+    """Each public method of the Engine, its own or inherited, is listed once: forwarded to the followers (CALLS) or
+    run on the leader alone (LOCAL). A new method fails here until it is listed."""
+    methods = {n for cls in Engine.__mro__[:-1] for n, v in vars(cls).items() if callable(v) and not n.startswith("_")}
     assert methods == set(CALLS) | set(LOCAL) and not set(CALLS) & set(LOCAL)
