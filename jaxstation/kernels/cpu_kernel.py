@@ -17,12 +17,15 @@ compiles faster.
 It is compiled at first use with the system C++ compiler against the jaxlib headers (`jax.ffi.include_dir()`), for this
 machine's CPU (`-march=native`: the AVX-512 variant where the CPU has it, else AVX2), a compiler process a source file
 at once, and cached under ~/.cache/jaxstation/kernels keyed by every source and header, flags, compiler, jaxlib and the
-CPU. Without a compiler, or off x86-64 with AVX2, FMA and F16C, `available()` says why and the station keeps XLA's dot.
+CPU; processes that need a library at once build it once, the others waiting on its lock. Without a compiler, or off
+x86-64 with AVX2, FMA and F16C, `available()` says why and the station keeps XLA's dot.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -31,6 +34,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -126,6 +130,26 @@ def _build() -> Path:
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
+    with _building(target):  # processes that need it meanwhile (mesh stations starting together) wait for this one
+        if not target.exists():
+            _compile(cxx, version, build_flags, target)
+    return target
+
+
+@contextlib.contextmanager
+def _building(target: Path) -> Iterator[None]:
+    """Hold `target`'s build lock (an exclusive lock on a file beside it): one process builds a library, and the
+    others that need it wait and then read what it built."""
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _compile(cxx: str, version: str, build_flags: tuple[str, ...], target: Path) -> None:
+    """Compile the kernels with `build_flags` into `target`, renamed into place whole."""
     tmp = target.with_suffix(f".{os.getpid()}.tmp")
     with tempfile.TemporaryDirectory(prefix="jaxstation-kernels-") as objects:
         compile_ = [cxx, *build_flags, "-I", jax.ffi.include_dir(), *_precompiled_header(cxx, version, build_flags,
@@ -138,8 +162,7 @@ def _build() -> Path:
         except KernelUnavailable:
             tmp.unlink(missing_ok=True)
             raise
-    os.replace(tmp, target)  # atomic: concurrent builds (mesh stations starting together) each land a whole file
-    return target
+    os.replace(tmp, target)  # atomic: a process that reads the cache without the lock sees a whole file or none
 
 
 def _precompiled_header(cxx: str, version: str, build_flags: tuple[str, ...], objects: str) -> list[str]:
