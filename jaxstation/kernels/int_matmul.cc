@@ -46,9 +46,12 @@ inline IVec UnsignedBytes(const uint8_t* p) {  // kIntCh bytes as int32
 inline IVec SignedBytes(const uint8_t* p) {
   return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-// bits n and n + 1 of every byte, as bits 4 and 5
-inline IVec TwoBitsAt(IVec a, int n) {
-  return _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(a, n), _mm512_set1_epi8(3)), 4);
+// w with bits 2k and 2k + 1 of every byte of `bits` set in as its bits 4 and 5 (its own are 0): the bits shifted in
+// 16-bit lanes (what crosses a byte lands outside bits 4 and 5), then one ternary op, w | (shifted & 0x30)
+template <int k>
+inline IVec OrHighBits(IVec w, IVec bits) {
+  const IVec at = k < 2 ? _mm512_slli_epi16(bits, 4 - 2 * k) : k == 2 ? bits : _mm512_srli_epi16(bits, 2);
+  return _mm512_ternarylogic_epi32(w, at, _mm512_set1_epi8(0x30), 0xF8);
 }
 inline Vec Halves(const uint8_t* p) {  // kIntCh float16 as float32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -120,9 +123,11 @@ inline IVec UnsignedBytes(const uint8_t* p) {  // kIntCh bytes as int32
 inline IVec SignedBytes(const uint8_t* p) {
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
-// bits n and n + 1 of every byte, as bits 4 and 5
-inline IVec TwoBitsAt(IVec a, int n) {
-  return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(a, n), _mm256_set1_epi8(3)), 4);
+// w with bits 2k and 2k + 1 of every byte of `bits` set in as its bits 4 and 5 (its own are 0), as the AVX-512 one
+template <int k>
+inline IVec OrHighBits(IVec w, IVec bits) {
+  const IVec at = k < 2 ? _mm256_slli_epi16(bits, 4 - 2 * k) : k == 2 ? bits : _mm256_srli_epi16(bits, 2);
+  return _mm256_or_si256(w, _mm256_and_si256(at, _mm256_set1_epi8(0x30)));
 }
 inline Vec Halves(const uint8_t* p) {  // kIntCh float16 as float32
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -516,7 +521,10 @@ struct PackedK {
       low = SignedBytes(g), high = SignedBytes(g + kIntCh), mins = ISet1(0);
       for (int h = 0; h < 2; ++h) {
         const IVec bits = ILoad(codes + 16 * kIntCh + h * kIntCh * 4);
-        for (int k = 0; k < 4; ++k) w[4 * h + k] = IOr(w[4 * h + k], TwoBitsAt(bits, 2 * k));
+        w[4 * h] = OrHighBits<0>(w[4 * h], bits);
+        w[4 * h + 1] = OrHighBits<1>(w[4 * h + 1], bits);
+        w[4 * h + 2] = OrHighBits<2>(w[4 * h + 2], bits);
+        w[4 * h + 3] = OrHighBits<3>(w[4 * h + 3], bits);
       }
     } else {
       const IVec a = UnsignedBytes(block + 4 * kIntCh + j * kIntCh);
