@@ -202,7 +202,8 @@ def test_a_two_station_mesh_of_gemma3_gives_the_single_station_tokens() -> None:
     procs = start_mesh(["0:1", "1:3"], extra=("--model", str(path)), shape=shape)
     try:
         model = load_model(path, "gguf", "unroll", "kernel")  # as the stations load it
-        local = Engine(model, lanes=4, max_seq=64, chunk=8, block=16, attention="kernel")
+        arena = resolve_plan(StationConfig(model=str(path), **shape), model.cfg).kv_dtype  # as the stations plan it
+        local = Engine(model, lanes=4, max_seq=64, chunk=8, block=16, attention="kernel", kv_dtype=arena)
         rng = np.random.default_rng(3)
         jobs = [(rng.integers(3, 256, int(n)).tolist(), SamplingParams(temperature=0.9, seed=i) if i % 2 else
                  SamplingParams()) for i, n in enumerate(rng.integers(2, 40, 6))]
