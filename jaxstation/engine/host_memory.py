@@ -8,9 +8,8 @@ glibc keep freed memory instead; it sets a process-wide policy, so the station s
 decode thread idle for IDLE_RELEASE_S hand what is free back (`release_freed_memory`, `IdleRelease`). A step reads
 every weight once, and the TLB holds 2 MiB pages of them whole (`keep_on_huge_pages`). Making them costs the kernel
 seconds for an 8B model's weights (a copy of every page, and the compaction that frees 2 MiB blocks), so a thread of
-their own does it (`_pager`) while the warm-up compiles and the station serves: the weights are read all along,
-from 4 KB pages until their range moves. Where the C library is not glibc, or the kernel cannot, each does nothing
-(docs/cpu.md).
+their own does it (`_pager`) while the warm-up compiles and the station serves, the weights read from 4 KB pages
+until their range moves. Where the C library is not glibc, or the kernel cannot, each does nothing (docs/cpu.md).
 """
 
 from __future__ import annotations
