@@ -36,6 +36,7 @@ MODELS = {  # the order of rows, and each model's label; a model not named here 
     "mistral-7b": "Mistral 7B's shape, random weights",
 }
 NUMERIC = re.compile(r"[-+]?\d")  # a cell that starts with a number: a right-aligned column
+HOME_CACHE = re.compile(r"/\S*?/\.cache/")  # a file under the runner's home, as a caption shows it: ~/.cache/...
 Runs = list[tuple[str, dict]]  # (model, canonical result), in the order of MODELS
 Rows = list[list[str]]
 
@@ -78,7 +79,7 @@ def caption(what: str, runs: Runs) -> str:
     if not runs:
         return f"_{what} No canonical result yet._"
     machines = {machine(d["machine"]) for _, d in runs}
-    each = [f"`{d['command']}` ({d['date'][:10]})" for _, d in runs]
+    each = [f"`{HOME_CACHE.sub('~/.cache/', d['command'])}` ({d['date'][:10]})" for _, d in runs]
     if len(machines) == 1:
         return f"_{what} {machines.pop()}: {'; '.join(each)}._"
     return f"_{what} " + "; ".join(f"{e} on a {machine(d['machine'])}" for e, (_, d) in zip(each, runs,
@@ -115,6 +116,24 @@ def versus(ours: float | None, theirs: float | None, spec: str = ".1f") -> str:
     return f"{ours:{spec}} vs {theirs:{spec}} ({ours / theirs:.2f}x)"
 
 
+class Fields:
+    """A field of every run shown, for a caption: one value where the runs agree (`{config[reps]}` is 5), else the
+    first run's with the others' named by model: "5 (1 for Llama 3.1 8B's shape, ...)"."""
+
+    def __init__(self, runs: list[tuple[str, object]]) -> None:
+        self.runs = runs
+
+    def __getitem__(self, key: str) -> Fields:
+        return Fields([(m, v[key]) for m, v in self.runs if isinstance(v, dict) and key in v])
+
+    def __format__(self, spec: str) -> str:
+        if not self.runs:
+            return "-"
+        (_, first), *others = self.runs
+        differ = [f"{format(v, spec)} for {label(m)}" for m, v in others if v != first]
+        return format(first, spec) + (f" ({', '.join(differ)})" if differ else "")
+
+
 class Missing(dict):
     """The fields of no run: every field, and every field of a field, formats as -."""
 
@@ -131,7 +150,7 @@ class Missing(dict):
 @dataclasses.dataclass(frozen=True)
 class Table:
     """A table of the docs: the canonical results it reads, its header and its rows; the rows' docstring, formatted
-    with the first run's fields (`{config[lanes]}`), opens its caption."""
+    with the runs' fields (`{config[lanes]}`, `Fields`), opens its caption."""
 
     benches: tuple[str, ...]
     header: list[str] | Callable[[Runs], list[str]]
@@ -143,7 +162,7 @@ class Table:
         runs = [(m, d) for bench in self.benches for m, d in load(results, bench)
                 if (self.model is None or m == self.model) and self.keep(d)]
         header = self.header(runs) if callable(self.header) else self.header
-        what = " ".join(self.rows.__doc__.split()).format_map(runs[0][1] if runs else Missing())
+        what = " ".join(self.rows.__doc__.split()).format_map(Fields(runs) if runs else Missing())
         return markdown(header, self.rows(runs)) + "\n\n" + caption(what, runs)
 
 
