@@ -182,10 +182,13 @@ def test_a_killed_download_leaves_no_file_read_as_whole(hub: LocalHub, home: Pat
     hub.hold = BIG
     hub.half_sent.clear()
     hub.release.clear()
+    folder = home / "hub" / "models--test-org--tiny-gemma3-GGUF"
     proc = subprocess.Popen([sys.executable, "-m", "jaxstation", "download", f"{QUANTS}:F32"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(hub, home, {}))
     try:
         wait_for(hub.half_sent.is_set, 60, "the download did not start")
+        wait_for(lambda: any(p.stat().st_size for p in folder.glob("blobs/*.incomplete")), 60,
+                 "the download wrote nothing")
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     finally:
@@ -194,7 +197,10 @@ def test_a_killed_download_leaves_no_file_read_as_whole(hub: LocalHub, home: Pat
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    folder = home / "hub" / "models--test-org--tiny-gemma3-GGUF"
     assert not list(folder.glob("snapshots/*/*"))  # the partial file is never in a snapshot
+    [partial] = folder.glob("blobs/*.incomplete")  # the killed process's own partial file, never read
+    assert 0 < partial.stat().st_size < len(repos[QUANTS][BIG])
+    hub.ranges[:] = []
     path = download(hub, home, f"{QUANTS}:F32")
+    assert hub.ranges == [None]  # the next start fetches the file again whole (docs/python.md)
     assert path.read_bytes() == repos[QUANTS][BIG]
