@@ -315,7 +315,7 @@ def main() -> None:
     notes: dict[str, str] = {}
     systems: list[System] = []
     started: dict[str, dict] = {}  # each server's start: its process, seconds to ready, what its log says
-    compile_cache = CACHE / "compile-cache" / model_name(args.model, args.shape)
+    compile_cache = CACHE / "compile-cache" / model_name(args.model)
     station_env = {"MOONSHINE_COMPILE_CACHE_DIR": str(compile_cache)}
 
     with contextlib.ExitStack() as stack:
@@ -472,7 +472,7 @@ def main() -> None:
     path = write_result("peers", {"config": dict(vars(args)), "model": str(gguf), "bandwidth": bandwidth,
                                   "llama_server": build,
                                   "rows": rows, "ratios": ratios},
-                        model=model_name(args.model, args.shape), variant=args.name, read_bandwidth=bandwidth["read"])
+                        model=model_name(args.model), variant=args.name, read_bandwidth=bandwidth["read"])
     print(f"wrote {path}")
 
 

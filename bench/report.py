@@ -28,8 +28,6 @@ BLOCK = re.compile(r"(<!-- bench:([\w-]+) -->\n)(.*?)(<!-- /bench -->)", re.S)
 MODELS = {  # the order of rows, and each model's label; a model not named here comes after these, by its file name
     "smollm2": "SmolLM2-135M Q4_1 (the default)",
     "gemma-3-270m-q4_k_m": "Gemma 3 270M Q4_K_M",
-    "llama-3.2-1b": "Llama 3.2 1B's shape, random weights, Q4_K_M",
-    "llama-3.1-8b": "Llama 3.1 8B's shape, random weights, Q4_K_M",
     "llama-3.2-1b-q4_k_m": "Llama 3.2 1B's shape, random weights, Q4_K_M",
     "llama-3.1-8b-q4_k_m": "Llama 3.1 8B's shape, random weights, Q4_K_M",
     "qwen3-0.6b": "Qwen3-0.6B's shape, random weights",
