@@ -24,8 +24,7 @@ from pathlib import Path
 from bench.common import write_result
 from bench.workload import REPO, free_port
 
-PHASES = ("import", "weight_load", "arena_alloc", "compile_prefill", "compile_prefill_last", "compile_decode",
-          "ready")
+PHASES = ("import", "weight_load", "arena_alloc", "warmup_programs", "ready")
 
 
 def scrape_startup(text: str) -> dict:

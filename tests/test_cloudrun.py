@@ -153,7 +153,8 @@ def test_dockerignore_sends_the_package_and_keeps_the_rest_out(tmp_path: Path) -
 
 
 # ---- the container's command, run here ------------------------------------------------------------------------------
-PHASES = ("import", "weight_load", "arena_alloc", "compile_prefill", "compile_prefill_last", "compile_decode")
+PHASES = ("import", "weight_load", "arena_alloc", "warmup_programs", "warmup_prefill", "warmup_prefill_last",
+          "warmup_decode")
 _PROGRAMS = re.compile(r"start-up programs: (\d+) compiled, (\d+) read from the persistent compilation cache")
 
 

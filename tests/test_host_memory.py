@@ -220,3 +220,32 @@ def test_kept_arrays_go_back_onto_2_mib_pages_after_a_release() -> None:
     assert total == 16 and huge >= 14 and whole >= 14  # MiB
     assert split == whole - 2
     assert again == whole and same
+
+
+DEFERRED = textwrap.dedent("""
+    import sys, time
+    import jax.numpy as jnp
+    sys.path.insert(0, sys.argv[1])
+    from test_host_memory import _smaps_of
+    from jaxstation.engine import host_memory
+    a = jnp.ones(4 << 20, jnp.float32)  # 16 MiB
+    inside = -(-a.unsafe_buffer_pointer() // host_memory.HUGE_PAGE) * host_memory.HUGE_PAGE
+    with host_memory.paging_deferred():
+        host_memory.keep_on_huge_pages({"w": a})
+        time.sleep(1.0)  # the pager collapses 16 MiB in milliseconds where it may start
+        held = _smaps_of(inside)["AnonHugePages"]
+    host_memory.settle_pages()
+    print([held >> 10, _smaps_of(inside)["AnonHugePages"] >> 10])
+""")
+
+
+def test_the_pager_waits_while_paging_is_deferred() -> None:
+    """In a process of its own, a 16 MiB array kept on 2 MiB pages while paging is deferred (as a station's start-up
+    does): on 4 KB pages until the deferral ends, then on 2 MiB pages."""
+    if not _kernel_collapses():
+        pytest.skip("this kernel has no MADV_COLLAPSE (Linux 6.1+) or transparent huge pages are off")
+    done = subprocess.run([sys.executable, "-c", DEFERRED, str(Path(__file__).parent)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    held, after = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert held == 0 and after >= 14  # MiB

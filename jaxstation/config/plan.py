@@ -228,7 +228,7 @@ def load_planned(config: StationConfig, plan: Plan) -> LoadedModel:
     model = load_model(config.model, plan.dtype, plan.layer_loop, plan.matmul, plan.tensor_parallel)
     if plan.tensor_parallel == 1:
         if total := host_memory.keep_on_huge_pages(model.params):
-            log.info("weights (%.0f MiB) going onto 2 MiB pages beside the warm-up", total / 2**20)
+            log.info("weights (%.0f MiB) going onto 2 MiB pages", total / 2**20)
         return model
     mesh = sharding.make_mesh(plan.tensor_parallel)
     return dataclasses.replace(model, params=sharding.shard_params(model.params, mesh))

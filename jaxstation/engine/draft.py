@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from jaxstation.engine import warmup
 from jaxstation.engine.engine import Engine
 from jaxstation.engine.rows import DecodeRow, PromptPiece, SamplingParams
 from jaxstation.engine.speculative import Ask
@@ -94,9 +95,11 @@ class DraftModel:
         return drafts
 
     def warmup_steps(self) -> list[tuple[str, Callable[[], object]]]:
-        """The draft engine's warm-up steps that drafting runs (decode waves and packed steps), named draft_*."""
+        """The draft engine's warm-up steps that drafting runs (decode waves and packed steps), named draft_*, after
+        the one that compiles their programs."""
         steps = self.engine.warmup_steps()
-        return [(f"draft_{name}", run) for name, run in steps if name.startswith(("decode", "pack"))]
+        drafting = [(f"draft_{name}", run) for name, run in steps if name.startswith(("decode", "pack"))]
+        return warmup.with_programs(self.engine, drafting, "draft_programs")
 
     def held(self, lane: int, tokens: Sequence[int]) -> int:
         """How many of `tokens` the lane's arena holds (at most all but the last, which the catch-up feeds). Position

@@ -110,7 +110,8 @@ class Engine(ChunkPrefill):
         self.ring_hold = RingHold(lanes, self.ring, self.cfg.sliding_window or 0)
         # one greedy run at warm-up: ("decode", width) and ("pack", width, sampled rows) -> seconds
         self.step_s: dict[tuple[str, int] | tuple[str, int, int], float] = {}
-        self.compile_only = False  # the warm-up's: `_run` compiles its step and runs nothing (`warmup.compiled`)
+        self.step_times: warmup.StepTimes | None = None  # where step_s is kept between starts (`warmup.StepTimes`)
+        self.lowering: list[jax.stages.Lowered] | None = None  # the warm-up's: steps lower into it, run nothing
         self.reset()
 
     @property
@@ -177,12 +178,16 @@ class Engine(ChunkPrefill):
     def _prefill(self, lane: int, chunk: PromptChunk, sampling: SamplingParams, return_logits: bool, scored: bool,
                  mask: np.ndarray | None) -> tuple[Sample | None, jax.Array | None, list[Sample]]:
         """One `prefill_chunk` step of `chunk` into `lane` (`ChunkPrefill`)."""
+        args = (self.cfg, self.params, self.arena, np.int32(lane), np.int32(chunk.start), chunk.tokens,
+                np.int32(len(chunk.piece)), sampling_arrays([(sampling, 0)]), chunk.targets if scored else None,
+                penalty_arrays([(sampling, 0)], self.cfg.vocab_size, [mask]), self._adapters(lane))
+        kwargs = {"block": self.block, "last": chunk.last, "return_logits": True, "prompt_logprobs": scored,
+                  "attention": self.attention}
+        if self.lowering is not None:
+            self.lowering.append(prefill_chunk.lower(*args, **kwargs))
+            return None, None, []
         self._wrote([lane] * self.chunk, range(chunk.start, chunk.start + self.chunk))
-        self.arena, out, logits, rows = prefill_chunk(
-            self.cfg, self.params, self.arena, np.int32(lane), np.int32(chunk.start), chunk.tokens,
-            np.int32(len(chunk.piece)), sampling_arrays([(sampling, 0)]), chunk.targets if scored else None,
-            penalty_arrays([(sampling, 0)], self.cfg.vocab_size, [mask]), self._adapters(lane), block=self.block,
-            last=chunk.last, return_logits=True, prompt_logprobs=scored, attention=self.attention)
+        self.arena, out, logits, rows = prefill_chunk(*args, **kwargs)
         sample = read_samples(out)[0] if chunk.last else None
         return sample, logits if return_logits else None, read_samples(rows)[:len(chunk.following)] if scored else []
 
@@ -285,8 +290,8 @@ class Engine(ChunkPrefill):
                 arrays.lanes if by_lane else None, arrays.penalties, arrays.picks if picks else None,
                 self._adapters(arrays.lanes))
         kwargs = {"block": self.block, "attention": self.attention, "return_logits": return_logits}
-        if self.compile_only:
-            step_rows.lower(*args, **kwargs).compile()  # later calls of the same shapes find it compiled
+        if self.lowering is not None:
+            self.lowering.append(step_rows.lower(*args, **kwargs))
             return [None] * len(samplers), None
         live = [r for r in fed if r.position is not None]
         self._wrote([r.lane for r in live], [r.position for r in live])  # idle rows write only scratch slots

@@ -8,12 +8,14 @@ glibc keep freed memory instead; it sets a process-wide policy, so the station s
 decode thread idle for IDLE_RELEASE_S hand what is free back (`release_freed_memory`, `IdleRelease`). A step reads
 every weight once, and the TLB holds 2 MiB pages of them whole (`keep_on_huge_pages`). Making them costs the kernel
 seconds for an 8B model's weights (a copy of every page, and the compaction that frees 2 MiB blocks), so a thread of
-their own does it (`_pager`) while the warm-up compiles and the station serves, the weights read from 4 KB pages
-until their range moves. Where the C library is not glibc, or the kernel cannot, each does nothing (docs/cpu.md).
+their own does it (`_pager`) once the start-up is done (`paging_deferred`: it would take a core from the compiles
+and fault the arena's pages in slower) and while the station serves, the weights read from 4 KB pages until their
+range moves. Where the C library is not glibc, or the kernel cannot, each does nothing (docs/cpu.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -25,7 +27,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +122,22 @@ def _cpu_arrays(tree: object) -> list[jax.Array]:
 
 
 _kept_huge: list[weakref.ref] = []  # arrays kept on 2 MiB pages, while they live
+_deferrals = threading.Condition()  # guards _deferred: while it is above 0, the pager starts no span list
+_deferred = 0
+
+
+@contextlib.contextmanager
+def paging_deferred() -> Iterator[None]:
+    """Within it, the pager thread starts no new span list (those asked for wait until the last such block ends)."""
+    global _deferred
+    with _deferrals:
+        _deferred += 1
+    try:
+        yield
+    finally:
+        with _deferrals:
+            _deferred -= 1
+            _deferrals.notify_all()
 
 
 def keep_on_huge_pages(tree: object) -> int:
@@ -142,6 +160,8 @@ def _pager() -> queue.Queue:
         while True:
             spans = work.get()
             try:
+                with _deferrals:
+                    _deferrals.wait_for(lambda: _deferred == 0)
                 t0 = time.perf_counter()
                 done = huge_pages(spans)
                 log.debug("%d MiB of weights on 2 MiB pages in %.1f s", done >> 20, time.perf_counter() - t0)

@@ -28,6 +28,7 @@ from jaxstation.engine.jobs import Job
 from jaxstation.engine.metrics import StationMetrics
 from jaxstation.engine.runner import Runner
 from jaxstation.engine.scheduler import Scheduler
+from jaxstation.engine.warmup import StepTimes
 from jaxstation.model.loader import CheckpointError, LoadedModel
 from jaxstation.model.lora_files import AdapterError
 from jaxstation.server.adapters import Adapters
@@ -85,33 +86,11 @@ class Station:
         try:
             enable_compile_cache(c.compile_cache_dir)
             programs = CompileCount()
-            if self.model is None:
-                with clock.phase("weight_load"):  # the plan's kernel probe builds the CPU kernel on first use
-                    self.plan = startup_plan(c)
-                    self.model = load_planned(c, self.plan)
-                log.info("loaded %s", self.model.source)
-            else:
-                self.plan = startup_plan(c, self.model.cfg)
-            if c.chat_template is not None:
-                self.model = dataclasses.replace(self.model, tokenizer=self.model.tokenizer.with_chat_template(
-                    c.chat_template))
-            with clock.phase("arena_alloc"):
-                self.engine = self._engine_factory(self.model, c, self.plan)
-            if self.plan.max_loras:
-                with clock.phase("lora_load"):
-                    self.adapters = Adapters(self.engine, self._lora_in_use)
-                    for name, path in c.lora_modules:
-                        try:
-                            log.info("LoRA adapter %s: slot %d", name, self.adapters.load(name, path).slot)
-                        except AdapterError as e:
-                            raise AdapterError(f"{c.named('lora_modules')} {name}={path}: {e}") from None
-            draft = None
-            if self.plan.speculative == "draft":
-                with clock.phase("draft_load"):
-                    draft = load_draft(c, self.metrics.step.labels("draft").observe)
-            if self._before_warmup is not None:
-                self._before_warmup()
-            warm_up(self.engine, draft, clock)
+            with host_memory.paging_deferred():  # the weights' pages move once the warm-up is done
+                draft = self._build()
+                if self._before_warmup is not None:
+                    self._before_warmup()
+                warm_up(self.engine, draft, clock)
             compiled, cached = programs.delta()
             self.metrics.startup_programs.labels("compiled").set(compiled)
             self.metrics.startup_programs.labels("cache").set(cached)
@@ -136,6 +115,36 @@ class Station:
             log.info("ready: %d lanes x %d positions, continuous=%s", c.lanes, c.max_seq, c.continuous)
         except Exception as e:
             start_failed(self, e)
+
+    def _build(self) -> DraftModel | None:
+        """Load the model (unless given), plan, allocate the engine, load the LoRA adapters; returns the draft model
+        where the plan speculates with one."""
+        clock, c = self.clock, self.config
+        if self.model is None:
+            with clock.phase("weight_load"):  # the plan's kernel probe builds the CPU kernel on first use
+                self.plan = startup_plan(c)
+                self.model = load_planned(c, self.plan)
+            log.info("loaded %s", self.model.source)
+        else:
+            self.plan = startup_plan(c, self.model.cfg)
+        if c.chat_template is not None:
+            self.model = dataclasses.replace(self.model, tokenizer=self.model.tokenizer.with_chat_template(
+                c.chat_template))
+        with clock.phase("arena_alloc"):
+            self.engine = self._engine_factory(self.model, c, self.plan)
+        if self.plan.max_loras:
+            with clock.phase("lora_load"):
+                self.adapters = Adapters(self.engine, self._lora_in_use)
+                for name, path in c.lora_modules:
+                    try:
+                        log.info("LoRA adapter %s: slot %d", name, self.adapters.load(name, path).slot)
+                    except AdapterError as e:
+                        raise AdapterError(f"{c.named('lora_modules')} {name}={path}: {e}") from None
+        draft = None
+        if self.plan.speculative == "draft":
+            with clock.phase("draft_load"):
+                draft = load_draft(c, self.metrics.step.labels("draft").observe)
+        return draft
 
     def _lora_in_use(self) -> set[int]:
         return self.scheduler.lora_slots() if self.scheduler is not None else set()
@@ -194,24 +203,29 @@ def local_engine(model: LoadedModel, c: StationConfig, plan: Plan) -> Runner:
     check_memory(model.cfg, c, plan.dtype, weights_resident=True, layout=planned_arena(model.cfg, c, plan),
                  kv_dtype=plan.kv_dtype)
     engine = planned_engine(model, c, plan)
+    if c.compile_cache_dir and "://" not in c.compile_cache_dir:  # a local directory: the step times go beside
+        engine.step_times = StepTimes(c.compile_cache_dir, engine)
+        engine.step_s.update(engine.step_times.load())
     jax.block_until_ready(engine.arena)
     log.info("KV arena: %s", arena_summary(engine.arena, engine.windowed))
     return engine
 
 
 def warm_up(engine: Runner, draft: DraftModel | None = None, clock: StartupClock | None = None) -> None:
-    """Compile and run every step of `engine` (then of `draft`), each timed as a phase on `clock`. The one warm-up of
-    a station and of a group's followers, so every process of a group compiles the same programs in the same order."""
+    """Compile and run every step of `engine` (then of `draft`), each timed as a phase `warmup_<step>` on `clock`,
+    with the weights' move onto 2 MiB pages held back until it ends. The one warm-up of a station and of a group's
+    followers, so every process of a group compiles the same programs in the same order."""
     cpu, released = jax.default_backend() == "cpu", 0
-    for name, run in [*engine.warmup_steps(), *(draft.warmup_steps() if draft else [])]:
-        with clock.phase(f"compile_{name}") if clock else contextlib.nullcontext():
-            run()
-            jax.block_until_ready(engine.arena)
-        if cpu:  # each compiler's working memory, which keep_freed_memory would keep, so it never piles up
-            released += host_memory.release_freed_memory()
-    if cpu:  # and the steps' buffers, kept in XLA's execution threads' arenas
-        released += host_memory.release_freed_memory(execution_threads=True)
-        log.info("start-up memory handed back: %.0f MiB", released / 2**20)
+    with host_memory.paging_deferred():
+        for name, run in [*engine.warmup_steps(), *(draft.warmup_steps() if draft else [])]:
+            with clock.phase(f"warmup_{name}") if clock else contextlib.nullcontext():
+                run()
+                jax.block_until_ready(engine.arena)
+            if cpu:  # each compiler's working memory, which keep_freed_memory would keep, so it never piles up
+                released += host_memory.release_freed_memory()
+        if cpu:  # and the steps' buffers, kept in XLA's execution threads' arenas
+            released += host_memory.release_freed_memory(execution_threads=True)
+            log.info("start-up memory handed back: %.0f MiB", released / 2**20)
 
 
 def start_failed(station: Any, error: Exception) -> None:
