@@ -161,8 +161,9 @@ inline void Interleave(const uint8_t* in, IVec* out) {
 }
 #endif
 // Bytes ahead of the block being decoded that the decoder asks for: the rows of a matrix lie one after the other, so
-// the next channels' blocks are in flight while this one decodes.
-constexpr int64_t kIntAhead = 4096;
+// the next channels' blocks are in flight while this one decodes. kIntAheadL2: a repacked tile of several rows' (see
+// PrefetchAhead).
+constexpr int64_t kIntAhead = 4096, kIntAheadL2 = 65536;
 
 // The rows of x rounded to 8 bits per 32 columns: q [M, K], d [M, K / 32] (each 32 columns' scale), halves
 // [M, K / 16] (each 16 columns' sum of q) and sums [M, K / 32] (each 32 columns' sum of q, as a float: exact, |sum| <=
@@ -475,9 +476,14 @@ inline void LoadNibbleCodes(const uint8_t* codes, IVec* w) {
     for (int j = 0; j < 8; ++j) w[j] = WithFifths(w[j], codes + 16 * kIntCh + j * kIntCh / 2);
 }
 
-// Asks for the `bytes` lying kIntAhead on from p: a matrix's tiles lie one after the other.
+// Asks for the `bytes` lying ahead of p (a matrix's tiles lie one after the other): for one row, kIntAhead on into L1,
+// as fast as memory reads; for a tile of R > 1 rows, whose arithmetic takes longer than reading its weights,
+// kIntAheadL2 on into L2, so that memory reads run that far ahead of the arithmetic instead of in turn with it (into L1
+// at kIntAhead, an 8-row tile of an 8B model's streamed matrices spent about as long waiting as computing).
+template <int R>
 inline void PrefetchAhead(const uint8_t* p, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kIntAhead + o, _MM_HINT_T0);
+  const char* at = reinterpret_cast<const char*>(p) + (R == 1 ? kIntAhead : kIntAheadL2);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(at + o, R == 1 ? _MM_HINT_T0 : _MM_HINT_T1);
 }
 
 template <typename F>
@@ -543,7 +549,7 @@ void PackedTile(const IntActs& a, int64_t m0, const uint8_t* tile, float* y, int
   if constexpr (F::kScaled) {
     for (int64_t blk = 0; blk < a.K / 256; ++blk) {
       const uint8_t* block = tile + blk * kIntCh * F::kBytes;
-      PrefetchAhead(block, kIntCh * F::kBytes);
+      PrefetchAhead<R>(block, kIntCh * F::kBytes);
       const Vec dw = Halves(block), mw = F::kMin ? Sub(Zero(), Halves(block + 2 * kIntCh)) : Zero();
       for (int j = 0; j < 8; ++j) {
         IVec low, high, mins;
@@ -554,7 +560,7 @@ void PackedTile(const IntActs& a, int64_t m0, const uint8_t* tile, float* y, int
   } else {
     for (int64_t group = 0; group < a.K / 32; ++group) {
       const uint8_t* g = tile + group * Packed<F>::kGroup;
-      PrefetchAhead(g, Packed<F>::kGroup);
+      PrefetchAhead<R>(g, Packed<F>::kGroup);
       Vec dw, mw;
       Packed<F>::Load(g, w, dw, mw);
       IntGroup<F, R>(a, m0, group, w, dw, mw, ISet1(0), ISet1(0), Zero(), acc);
