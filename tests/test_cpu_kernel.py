@@ -25,9 +25,9 @@ SHAPES = [(576, 960), (1536, 576), (64, 4)]  # [in, out]: the default model's, a
 
 def test_the_kernel_builds_and_is_the_cpu_default() -> None:
     # CI's machine is x86-64 with AVX2 and a compiler: a kernel that silently failed to build would fail here
-    assert platform.machine() == "x86_64" and {"avx2", "fma", "f16c"} <= cpu_kernel._cpu()[1]
+    assert platform.machine() == "x86_64" and {"avx2", "fma", "f16c"} <= cpu_kernel.cpu_info()[1]
     assert cpu_kernel.available()
-    flags = cpu_kernel._cpu()[1]
+    flags = cpu_kernel.cpu_info()[1]
     assert cpu_kernel.vector_lanes() == (16 if "avx512f" in flags else 8)
     assert cpu_kernel.int_dot_isa() == ("avx512-vnni" if "avx512_vnni" in flags else "avx512" if "avx512f" in flags
                                         else "avx-vnni" if "avx_vnni" in flags else "avx2")

@@ -222,7 +222,7 @@ BUILDS = {"avx2": {"avx2"}, "avx-vnni": {"avx_vnni"}, "avx512": {"avx512f", "avx
 def test_every_build_gives_the_same_bits(isa: str) -> None:
     """vpdpbusd and maddubs give the same int32 sums, and the epilogue is the same: on every instruction set the
     kernels build for (here, those this CPU runs), the reference's bits."""
-    if not BUILDS[isa] <= cpu_kernel._cpu()[1]:
+    if not BUILDS[isa] <= cpu_kernel.cpu_info()[1]:
         pytest.skip(f"this CPU has no {isa}")
     script = textwrap.dedent(f"""
         import sys

@@ -121,7 +121,8 @@ class CompileCount:
         return requests - hits, hits
 
 
-def _is_local(path: str) -> bool:
+def is_local(path: str) -> bool:
+    """Whether a cache path is on this machine's file system (a plain path, or file://)."""
     return "://" not in path or path.startswith("file://")
 
 
@@ -132,7 +133,7 @@ def enable_compile_cache(path: str | None) -> None:
     """
     if not path:
         return
-    if not _is_local(path):
+    if not is_local(path):
         try:
             import etils.epath  # noqa: F401  (JAX reads and writes non-local caches through it)
         except ImportError:

@@ -19,7 +19,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +30,7 @@ import jax
 
 from jaxstation.engine.rows import DecodeRow, PromptPiece, SamplingParams
 from jaxstation.engine.rules import pack_slots, tier_refusal
+from jaxstation.kernels.cpu_kernel import cpu_info
 
 if TYPE_CHECKING:
     from jaxstation.engine.engine import Engine
@@ -171,7 +171,7 @@ class StepTimes:
         key = json.dumps([repr(engine.cfg), engine.lanes, engine.max_seq, engine.chunk, engine.block,
                           engine.attention, engine.wave_widths, engine.pack_widths, engine.verify_rows,
                           str(engine.kv_dtype), [(a.shape, str(a.dtype)) for a in jax.tree.leaves(engine.params)],
-                          _cpu_name(), len(os.sched_getaffinity(0)), jax.__version__, jax.default_backend()])
+                          cpu_info()[0], len(os.sched_getaffinity(0)), jax.__version__, jax.default_backend()])
         self.path = Path(directory) / "jaxstation-step-times" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
     def load(self) -> dict[StepKey, float]:
@@ -187,15 +187,6 @@ class StepTimes:
         aside = self.path.with_suffix(f".{os.getpid()}.tmp")
         aside.write_text(json.dumps([[list(key), seconds] for key, seconds in step_s.items()]))
         aside.replace(self.path)
-
-
-def _cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), or the platform's processor where Linux does not say."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor()
 
 
 def turn_rows(engine: Engine, decode_rows: int) -> int:

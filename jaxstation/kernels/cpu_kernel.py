@@ -88,7 +88,7 @@ class KernelUnavailable(RuntimeError):
 
 
 @functools.cache
-def _cpu() -> tuple[str, frozenset[str]]:
+def cpu_info() -> tuple[str, frozenset[str]]:
     """(model name, feature flags) of this CPU, from /proc/cpuinfo (empty where there is none)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -113,7 +113,7 @@ def _cache_dir() -> Path:
 
 def _build() -> Path:
     """The shared library for this machine, compiled if the cache does not hold it. Raises KernelUnavailable."""
-    model, flags = _cpu()
+    model, flags = cpu_info()
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma", "f16c"} <= flags:
         raise KernelUnavailable(f"needs x86-64 with AVX2, FMA and F16C (this is {platform.machine()})")
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")

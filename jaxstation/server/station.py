@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from jaxstation.config.coldstart import CompileCount, StartupClock, enable_compile_cache
+from jaxstation.config.coldstart import CompileCount, StartupClock, enable_compile_cache, is_local
 from jaxstation.config.draft import load_draft, speculation
 from jaxstation.config.memory import arena_summary, check_memory, prefix_cache_disk, prefix_cache_ram
 from jaxstation.config.plan import Plan, load_planned, planned_arena, planned_engine, startup_plan
@@ -203,8 +203,8 @@ def local_engine(model: LoadedModel, c: StationConfig, plan: Plan) -> Runner:
     check_memory(model.cfg, c, plan.dtype, weights_resident=True, layout=planned_arena(model.cfg, c, plan),
                  kv_dtype=plan.kv_dtype)
     engine = planned_engine(model, c, plan)
-    if c.compile_cache_dir and "://" not in c.compile_cache_dir:  # a local directory: the step times go beside
-        engine.step_times = StepTimes(c.compile_cache_dir, engine)
+    if c.compile_cache_dir and is_local(c.compile_cache_dir):  # the step times go beside the compilation cache
+        engine.step_times = StepTimes(c.compile_cache_dir.removeprefix("file://"), engine)
         engine.step_s.update(engine.step_times.load())
     jax.block_until_ready(engine.arena)
     log.info("KV arena: %s", arena_summary(engine.arena, engine.windowed))
