@@ -1,10 +1,11 @@
 """GGUF blocks multiplied in integers on the CPU kernel (weights "gguf").
 
 The kernel rounds each activation row to 8 bits per 32 columns from that row alone, sums each 32 columns' code
-products exactly in int32, then runs one fixed float epilogue per output. A numpy reference of the same arithmetic
-(its own block decoders, checked against the gguf package's dequantization) gives the kernel's bits for every format,
-so a row's bits are the same alone and among others at any row count; the AVX2, AVX-VNNI and AVX-512 (maddubs)
-builds give those bits too; so do the 32-column formats repacked into the kernel's tiles, as a station loads them.
+products exactly in int32, then runs one fixed float epilogue of fused multiply-adds per output. A numpy reference of
+the same arithmetic (its own block decoders, checked against the gguf package's dequantization) gives the kernel's
+bits for every format, so a row's bits are the same alone and among others at any row count; the AVX2, AVX-VNNI and
+AVX-512 (maddubs) builds give those bits too; so do the 32-column formats repacked into the kernel's tiles, as a
+station loads them.
 Against the float32 product over the dequantized weights the error is that of 8-bit activations.
 """
 
@@ -109,23 +110,33 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(x.shape), (amax / np.float32(127)).astype(np.float32)
 
 
+def fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 a * b + c rounded once, as a fused multiply-add: the product is exact in long double (64-bit
+    significand), and the sum's rounding to it can change the float32 result only on an exact tie (never seen)."""
+    return (a.astype(np.longdouble) * b + c).astype(np.float32)
+
+
 def reference(x: np.ndarray, w: GGUFBlocks) -> np.ndarray:
-    """The kernel's arithmetic in numpy: an exact integer sum per 32 columns, then the float epilogue in column
-    order."""
+    """The kernel's arithmetic in numpy: an exact integer sum per 32 columns, then the float epilogue of fused
+    multiply-adds in column order. A 32 columns' one integer scale (Q4_K, Q5_K) joins d_w as a float (exact), Q6_K's
+    two join the integer sum."""
     per = cpu_kernel.BLOCK_FORMATS[w.fmt][0]
     c = decode(w)
     qx, dx = quantize_rows(x)
     rows, k = x.shape
     n = w.shape[0]
-    lanes = (qx[:, None, :] * c["q"][None]).reshape(rows, n, k // 4, 4).sum(-1) * c["scale"][None]
-    sums = lanes.reshape(rows, n, k // 32, 8).sum(-1)
-    min_terms = qx.reshape(rows, 1, k // 32, 32).sum(-1) * c["mins"][None]
+    one_scale = w.fmt in ("Q4_K", "Q5_K")
+    group_scale = c["scale"][:, ::8].astype(np.float32) if one_scale else np.ones((n, k // 32), np.float32)
+    int_scale = np.ones_like(c["scale"]) if one_scale else c["scale"]
+    lanes = (qx[:, None, :] * c["q"][None]).reshape(rows, n, k // 4, 4).sum(-1) * int_scale[None]
+    sums = lanes.reshape(rows, n, k // 32, 8).sum(-1).astype(np.float32)
+    dsums = dx * qx.reshape(rows, k // 32, 32).sum(-1).astype(np.float32)
     acc = np.zeros((rows, n), np.float32)
     for g in range(k // 32):
         b = g * 32 // per
-        acc = acc + (c["d"][None, :, b] * dx[:, None, g]) * sums[:, :, g].astype(np.float32)
+        acc = fma((c["d"][:, b] * group_scale[:, g])[None] * dx[:, None, g], sums[:, :, g], acc)
         if w.fmt in MINIMUM_FORMATS:
-            acc = acc + (c["m"][None, :, b] * dx[:, None, g]) * min_terms[:, :, g].astype(np.float32)
+            acc = fma((c["m"][:, b] * c["mins"][:, g].astype(np.float32))[None], dsums[:, None, g], acc)
     return acc
 
 

@@ -7,11 +7,12 @@
 // is read as unsigned byte codes (signed for Q8_0 without VNNI), w = d_w * s * (code - bias) (+ m for the formats with
 // a minimum), s an integer scale per 32 or 16 columns (the K-quants). For each output and each 32 columns, the products
 // of codes and q are summed exactly in int32, with the bias folded in as -bias * the columns' sum of q and the K-quant
-// scales multiplied in as integers: one integer `sum` per 32 columns. Then, in K order, one fixed float epilogue:
-// acc = acc + (d_w * d_x) * float(sum), and for the formats with a minimum acc = acc + (m * d_x) * float(minimum code *
-// sum of q). The output is acc. No step depends on the rows, the tile, the thread or the instruction set (vpdpbusd and
-// maddubs give the same int32 sums), so a row's bits never depend on the rows beside it, and every build gives the same
-// bits.
+// scales multiplied in as integers where a 32 columns' two halves have two (Q6_K): one integer `sum` per 32 columns.
+// Then, in K order, one fixed float epilogue of fused multiply-adds (one rounding each): acc = fma(scale * d_x,
+// float(sum), acc), scale being d_w times the 32 columns' integer scale (Q4_K, Q5_K: exact in float32, a float16 times
+// 6 bits) or d_w, and for the formats with a minimum acc = fma(m * minimum code, d_x * sum of q, acc). The output is
+// acc. No step depends on the rows, the tile, the thread or the instruction set (vpdpbusd and maddubs give the same
+// int32 sums), so a row's bits never depend on the rows beside it, and every build gives the same bits.
 //
 // Layout: a vector holds kIntCh channels, lane c channel c. A tile's channels are decoded once per call, each 32
 // columns into 8 vectors (vector j: columns 4j..4j+3 of every channel, as 4 bytes a lane), so that vpdpbusd against the
@@ -166,18 +167,17 @@ inline void Interleave(const uint8_t* in, IVec* out) {
 constexpr int64_t kIntAhead = 4096, kIntAheadL2 = 65536;
 
 // The rows of x rounded to 8 bits per 32 columns: q [M, K], d [M, K / 32] (each 32 columns' scale), halves
-// [M, K / 16] (each 16 columns' sum of q) and sums [M, K / 32] (each 32 columns' sum of q, as a float: exact, |sum| <=
-// 32 * 127).
+// [M, K / 16] (each 16 columns' sum of q) and dsums [M, K / 32] (each 32 columns' d times their sum of q).
 struct IntActs {
   int64_t K = 0;
   std::vector<int8_t> q;
-  std::vector<float> d, sums;
+  std::vector<float> d, dsums;
   std::vector<int32_t> halves;
 };
 
 void QuantizeRows(const float* x, int64_t M, int64_t K, IntActs& a) {
   a.K = K;
-  a.q.resize(M * K), a.d.resize(M * K / 32), a.sums.resize(M * K / 32), a.halves.resize(M * K / 16);
+  a.q.resize(M * K), a.d.resize(M * K / 32), a.dsums.resize(M * K / 32), a.halves.resize(M * K / 16);
   float rounded[32];
   for (int64_t b = 0; b < M * K / 32; ++b) {
     const float* xb = x + b * 32;
@@ -195,7 +195,7 @@ void QuantizeRows(const float* x, int64_t M, int64_t K, IntActs& a) {
       for (int64_t i = 16 * h; i < 16 * h + 16; ++i) sum += q[i] = static_cast<int8_t>(rounded[i]);
       a.halves[2 * b + h] = sum;
     }
-    a.sums[b] = static_cast<float>(a.halves[2 * b] + a.halves[2 * b + 1]);
+    a.dsums[b] = a.d[b] * static_cast<float>(a.halves[2 * b] + a.halves[2 * b + 1]);
   }
 }
 
@@ -349,17 +349,25 @@ struct IntQ6_K : IntK<210, 32, false, false> {  // ql[128], qh[64], int8 scales[
   }
 };
 
-// One group of 32 columns for R rows at once: the 8 code vectors w, the channels' scales dw (and minimums mw; the
-// K-quants' integer scales low and high of columns 0-15 and 16-31, and Q4_K/Q5_K's minimum codes mins as floats):
-// each row's integer sums, then its float epilogue into acc. Where the 32 columns share one integer scale (kOneScale),
-// it multiplies their sum once: the same integer. The minimum's product mins * (the row's sum of q) is at most 63 *
-// 4064 < 2^24, so the float product of the two is that integer exactly.
+// A group's float factors, once for a tile's R rows: scale (d_w, times the 32 columns' one integer scale low where
+// they share one: kOneScale) and minimum (the minimum's coefficient m, times the group's minimum code mins for the
+// K-quants). Both products are exact in float32: a float16 times at most 6 bits.
+template <typename F>
+inline void GroupFactors(Vec dw, Vec mw, IVec low, IVec mins, Vec& scale, Vec& minimum) {
+  scale = F::kOneScale ? Mul(dw, ToFloat(low)) : dw;
+  minimum = F::kMin && F::kScaled ? Mul(mw, ToFloat(mins)) : mw;
+}
+
+// One group of 32 columns for R rows at once: the 8 code vectors w, the group's factors scale and minimum
+// (GroupFactors; with two integer scales, Q6_K's low and high of columns 0-15 and 16-31): each row's integer sums,
+// then its float epilogue into acc.
 template <typename F, int R>
-inline void IntGroup(const IntActs& a, int64_t m0, int64_t group, const IVec* w, Vec dw, Vec mw, IVec low, IVec high,
-                     Vec mins, Vec* acc) {
-  const int64_t K = a.K;
-  for (int r = 0; r < R; ++r) {
-    const int64_t at = (m0 + r) * K / 32 + group;  // the row's 32 columns
+inline void IntGroup(const IntActs& a, int64_t m0, int64_t group, const IVec* w, Vec scale, Vec minimum, IVec low,
+                     IVec high, Vec* acc) {
+  const int64_t groups = a.K / 32;
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {  // unrolled: each row's acc stays in a register
+    const int64_t at = (m0 + r) * groups + group;  // the row's 32 columns
     const int8_t* q = a.q.data() + at * 32;
     IVec half[2];
     for (int h = 0; h < 2; ++h) {
@@ -370,20 +378,10 @@ inline void IntGroup(const IntActs& a, int64_t m0, int64_t group, const IVec* w,
         half[h] = F::kSigned ? DotS(half[h], w[j], ISet1(x4)) : DotU(half[h], w[j], ISet1(x4));
       }
     }
-    IVec sum;
-    if constexpr (F::kOneScale) {
-      sum = IMul(IAdd(half[0], half[1]), low);
-    } else if constexpr (F::kScaled) {
-      sum = IAdd(IMul(half[0], low), IMul(half[1], high));
-    } else {
-      sum = IAdd(half[0], half[1]);
-    }
-    const Vec dx = Set1(a.d[at]);
-    acc[r] = Add(acc[r], Mul(Mul(dw, dx), ToFloat(sum)));
-    if constexpr (F::kMin) {  // the minimum codes (Q4_1, Q5_1: 1) times the row's sum of q
-      const Vec ms = F::kScaled ? Mul(mins, Set1(a.sums[at])) : Set1(a.sums[at]);
-      acc[r] = Add(acc[r], Mul(Mul(mw, dx), ms));
-    }
+    const IVec sum = F::kScaled && !F::kOneScale ? IAdd(IMul(half[0], low), IMul(half[1], high))
+                                                 : IAdd(half[0], half[1]);
+    acc[r] = Fma(Mul(scale, Set1(a.d[at])), ToFloat(sum), acc[r]);
+    if constexpr (F::kMin) acc[r] = Fma(minimum, Set1(a.dsums[at]), acc[r]);
   }
 }
 
@@ -419,9 +417,12 @@ void IntTile(const IntActs& a, int64_t m0, const IntCodes& c, float* y, int64_t 
     const int64_t blk = group / G;
     IVec w[8];
     for (int j = 0; j < 8; ++j) w[j] = ILoad(c.codes.data() + (group * 8 + j) * kIntCh * 4);
-    IntGroup<F, R>(a, m0, group, w, LoadW(c.d.data() + blk * kIntCh), LoadW(c.m.data() + blk * kIntCh),
-                   ILoad(c.scales.data() + 2 * group * kIntCh), ILoad(c.scales.data() + (2 * group + 1) * kIntCh),
-                   ToFloat(ILoad(c.mins.data() + group * kIntCh)), acc);
+    const IVec low = ILoad(c.scales.data() + 2 * group * kIntCh);
+    const IVec high = ILoad(c.scales.data() + (2 * group + 1) * kIntCh);
+    Vec scale, minimum;
+    GroupFactors<F>(LoadW(c.d.data() + blk * kIntCh), LoadW(c.m.data() + blk * kIntCh), low,
+                    ILoad(c.mins.data() + group * kIntCh), scale, minimum);
+    IntGroup<F, R>(a, m0, group, w, scale, minimum, low, high, acc);
   }
   StoreTile<R>(acc, m0, y, N, n0, valid);
 }
@@ -554,7 +555,9 @@ void PackedTile(const IntActs& a, int64_t m0, const uint8_t* tile, float* y, int
       for (int j = 0; j < 8; ++j) {
         IVec low, high, mins;
         PackedK<F>::Load(block, j, w, low, high, mins);
-        IntGroup<F, R>(a, m0, blk * 8 + j, w, dw, mw, low, high, ToFloat(mins), acc);
+        Vec scale, minimum;
+        GroupFactors<F>(dw, mw, low, mins, scale, minimum);
+        IntGroup<F, R>(a, m0, blk * 8 + j, w, scale, minimum, low, high, acc);
       }
     }
   } else {
@@ -563,7 +566,7 @@ void PackedTile(const IntActs& a, int64_t m0, const uint8_t* tile, float* y, int
       PrefetchAhead<R>(g, Packed<F>::kGroup);
       Vec dw, mw;
       Packed<F>::Load(g, w, dw, mw);
-      IntGroup<F, R>(a, m0, group, w, dw, mw, ISet1(0), ISet1(0), Zero(), acc);
+      IntGroup<F, R>(a, m0, group, w, dw, mw, ISet1(0), ISet1(0), acc);
     }
   }
   StoreTile<R>(acc, m0, y, N, n0, kIntCh);
