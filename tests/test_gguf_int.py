@@ -117,26 +117,27 @@ def fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 
 
 def reference(x: np.ndarray, w: GGUFBlocks) -> np.ndarray:
-    """The kernel's arithmetic in numpy: an exact integer sum per 32 columns, then the float epilogue of fused
-    multiply-adds in column order. A 32 columns' one integer scale (Q4_K, Q5_K) joins d_w as a float (exact), Q6_K's
-    two join the integer sum."""
+    """The kernel's arithmetic in numpy: an exact integer sum per 32 columns (Q6_K: per 16), then the float epilogue
+    of fused multiply-adds in column order, the K-quants' integer scales joining d_w as floats (exact)."""
     per = cpu_kernel.BLOCK_FORMATS[w.fmt][0]
     c = decode(w)
     qx, dx = quantize_rows(x)
     rows, k = x.shape
     n = w.shape[0]
-    one_scale = w.fmt in ("Q4_K", "Q5_K")
-    group_scale = c["scale"][:, ::8].astype(np.float32) if one_scale else np.ones((n, k // 32), np.float32)
-    int_scale = np.ones_like(c["scale"]) if one_scale else c["scale"]
-    lanes = (qx[:, None, :] * c["q"][None]).reshape(rows, n, k // 4, 4).sum(-1) * int_scale[None]
-    sums = lanes.reshape(rows, n, k // 32, 8).sum(-1).astype(np.float32)
+    halves = (qx[:, None, :] * c["q"][None]).reshape(rows, n, k // 16, 16).sum(-1).astype(np.float32)
+    sums = halves.reshape(rows, n, k // 32, 2).sum(-1)  # exact in float32: below 2^24
+    scale = c["scale"][:, ::4].astype(np.float32)  # [n, k / 16]: 1 but for the K-quants
     dsums = dx * qx.reshape(rows, k // 32, 32).sum(-1).astype(np.float32)
     acc = np.zeros((rows, n), np.float32)
     for g in range(k // 32):
-        b = g * 32 // per
-        acc = fma((c["d"][:, b] * group_scale[:, g])[None] * dx[:, None, g], sums[:, :, g], acc)
+        d = c["d"][:, g * 32 // per]
+        if w.fmt == "Q6_K":
+            low, high = d * scale[:, 2 * g], d * scale[:, 2 * g + 1]
+            acc = fma(fma(high[None], halves[:, :, 2 * g + 1], low[None] * halves[:, :, 2 * g]), dx[:, None, g], acc)
+        else:
+            acc = fma((d * scale[:, 2 * g])[None] * dx[:, None, g], sums[:, :, g], acc)
         if w.fmt in MINIMUM_FORMATS:
-            acc = fma((c["m"][:, b] * c["mins"][:, g].astype(np.float32))[None], dsums[:, None, g], acc)
+            acc = fma((c["m"][:, g * 32 // per] * c["mins"][:, g].astype(np.float32))[None], dsums[:, None, g], acc)
     return acc
 
 

@@ -7,11 +7,11 @@
 // is read as unsigned byte codes (signed for Q8_0 without VNNI), w = d_w * s * (code - bias) (+ m for the formats with
 // a minimum), s an integer scale per 32 or 16 columns (the K-quants). For each output and each 32 columns, the products
 // of codes and q are summed exactly in int32, with the bias folded in as -bias * the columns' sum of q and the K-quant
-// scales multiplied in as integers where a 32 columns' two halves have two (Q6_K): one integer `sum` per 32 columns.
-// Then, in K order, one fixed float epilogue of fused multiply-adds (one rounding each): acc = fma(scale * d_x,
-// float(sum), acc), scale being d_w times the 32 columns' integer scale (Q4_K, Q5_K: exact in float32, a float16 times
-// 6 bits) or d_w, and for the formats with a minimum acc = fma(m * minimum code, d_x * sum of q, acc). The output is
-// acc. No step depends on the rows, the tile, the thread or the instruction set (vpdpbusd and maddubs give the same
+// scales joining d_w as floats (exact: a float16 times at most 8 bits): one integer `sum` per 32 columns (Q6_K: per 16,
+// each with its own scale). Then, in K order, one fixed float epilogue of fused multiply-adds (one rounding each):
+// acc = fma(scale * d_x, float(sum), acc), scale being d_w times the 32 columns' integer scale (Q4_K, Q5_K) or d_w;
+// Q6_K's acc = fma(fma(high, float(second sum), low * float(first sum)), d_x, acc); and for the formats with a minimum
+// acc = fma(m * minimum code, d_x * sum of q, acc). The output is acc. No step depends on the rows, the tile, the thread or the instruction set (vpdpbusd and maddubs give the same
 // int32 sums), so a row's bits never depend on the rows beside it, and every build gives the same bits.
 //
 // Layout: a vector holds kIntCh channels, lane c channel c. A tile's channels are decoded once per call, each 32
@@ -349,21 +349,28 @@ struct IntQ6_K : IntK<210, 32, false, false> {  // ql[128], qh[64], int8 scales[
   }
 };
 
-// A group's float factors, once for a tile's R rows: scale (d_w, times the 32 columns' one integer scale low where
-// they share one: kOneScale) and minimum (the minimum's coefficient m, times the group's minimum code mins for the
-// K-quants). Both products are exact in float32: a float16 times at most 6 bits.
+// A group's float factors, formed once for a tile's R rows: scale, d_w times the 32 columns' integer scale where they
+// have one (Q4_K, Q5_K), else d_w; Q6_K's low and high, d_w times the integer scale of columns 0-15 and of 16-31; and
+// minimum, the minimum's coefficient m (times the group's minimum code mins for the K-quants). Every product is exact
+// in float32: a float16 times at most 8 bits.
+struct Factors {
+  Vec scale, low, high, minimum;
+};
+
 template <typename F>
-inline void GroupFactors(Vec dw, Vec mw, IVec low, IVec mins, Vec& scale, Vec& minimum) {
-  scale = F::kOneScale ? Mul(dw, ToFloat(low)) : dw;
-  minimum = F::kMin && F::kScaled ? Mul(mw, ToFloat(mins)) : mw;
+inline Factors GroupFactors(Vec dw, Vec mw, IVec low, IVec high, IVec mins) {
+  Factors f;
+  f.scale = F::kOneScale ? Mul(dw, ToFloat(low)) : dw;
+  if constexpr (F::kScaled && !F::kOneScale) f.low = Mul(dw, ToFloat(low)), f.high = Mul(dw, ToFloat(high));
+  f.minimum = F::kMin && F::kScaled ? Mul(mw, ToFloat(mins)) : mw;
+  return f;
 }
 
-// One group of 32 columns for R rows at once: the 8 code vectors w, the group's factors scale and minimum
-// (GroupFactors; with two integer scales, Q6_K's low and high of columns 0-15 and 16-31): each row's integer sums,
-// then its float epilogue into acc.
+// One group of 32 columns for R rows at once: the 8 code vectors w and the group's factors: each row's integer sums,
+// then its float epilogue into acc. Q6_K sums each 16 columns apart: low * float(first) + high * float(second), one
+// fused multiply-add, then that times d_x into acc.
 template <typename F, int R>
-inline void IntGroup(const IntActs& a, int64_t m0, int64_t group, const IVec* w, Vec scale, Vec minimum, IVec low,
-                     IVec high, Vec* acc) {
+inline void IntGroup(const IntActs& a, int64_t m0, int64_t group, const IVec* w, const Factors& f, Vec* acc) {
   const int64_t groups = a.K / 32;
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {  // unrolled: each row's acc stays in a register
@@ -378,10 +385,12 @@ inline void IntGroup(const IntActs& a, int64_t m0, int64_t group, const IVec* w,
         half[h] = F::kSigned ? DotS(half[h], w[j], ISet1(x4)) : DotU(half[h], w[j], ISet1(x4));
       }
     }
-    const IVec sum = F::kScaled && !F::kOneScale ? IAdd(IMul(half[0], low), IMul(half[1], high))
-                                                 : IAdd(half[0], half[1]);
-    acc[r] = Fma(Mul(scale, Set1(a.d[at])), ToFloat(sum), acc[r]);
-    if constexpr (F::kMin) acc[r] = Fma(minimum, Set1(a.dsums[at]), acc[r]);
+    if constexpr (F::kScaled && !F::kOneScale) {
+      acc[r] = Fma(Fma(f.high, ToFloat(half[1]), Mul(f.low, ToFloat(half[0]))), Set1(a.d[at]), acc[r]);
+    } else {
+      acc[r] = Fma(Mul(f.scale, Set1(a.d[at])), ToFloat(IAdd(half[0], half[1])), acc[r]);
+    }
+    if constexpr (F::kMin) acc[r] = Fma(f.minimum, Set1(a.dsums[at]), acc[r]);
   }
 }
 
@@ -417,12 +426,11 @@ void IntTile(const IntActs& a, int64_t m0, const IntCodes& c, float* y, int64_t 
     const int64_t blk = group / G;
     IVec w[8];
     for (int j = 0; j < 8; ++j) w[j] = ILoad(c.codes.data() + (group * 8 + j) * kIntCh * 4);
-    const IVec low = ILoad(c.scales.data() + 2 * group * kIntCh);
-    const IVec high = ILoad(c.scales.data() + (2 * group + 1) * kIntCh);
-    Vec scale, minimum;
-    GroupFactors<F>(LoadW(c.d.data() + blk * kIntCh), LoadW(c.m.data() + blk * kIntCh), low,
-                    ILoad(c.mins.data() + group * kIntCh), scale, minimum);
-    IntGroup<F, R>(a, m0, group, w, scale, minimum, low, high, acc);
+    const Factors f = GroupFactors<F>(LoadW(c.d.data() + blk * kIntCh), LoadW(c.m.data() + blk * kIntCh),
+                                      ILoad(c.scales.data() + 2 * group * kIntCh),
+                                      ILoad(c.scales.data() + (2 * group + 1) * kIntCh),
+                                      ILoad(c.mins.data() + group * kIntCh));
+    IntGroup<F, R>(a, m0, group, w, f, acc);
   }
   StoreTile<R>(acc, m0, y, N, n0, valid);
 }
@@ -555,9 +563,7 @@ void PackedTile(const IntActs& a, int64_t m0, const uint8_t* tile, float* y, int
       for (int j = 0; j < 8; ++j) {
         IVec low, high, mins;
         PackedK<F>::Load(block, j, w, low, high, mins);
-        Vec scale, minimum;
-        GroupFactors<F>(dw, mw, low, mins, scale, minimum);
-        IntGroup<F, R>(a, m0, blk * 8 + j, w, scale, minimum, low, high, acc);
+        IntGroup<F, R>(a, m0, blk * 8 + j, w, GroupFactors<F>(dw, mw, low, high, mins), acc);
       }
     }
   } else {
@@ -566,7 +572,7 @@ void PackedTile(const IntActs& a, int64_t m0, const uint8_t* tile, float* y, int
       PrefetchAhead<R>(g, Packed<F>::kGroup);
       Vec dw, mw;
       Packed<F>::Load(g, w, dw, mw);
-      IntGroup<F, R>(a, m0, group, w, dw, mw, ISet1(0), ISet1(0), acc);
+      IntGroup<F, R>(a, m0, group, w, GroupFactors<F>(dw, mw, ISet1(0), ISet1(0), ISet1(0)), acc);
     }
   }
   StoreTile<R>(acc, m0, y, N, n0, kIntCh);
