@@ -37,6 +37,7 @@ TIME = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
                    "required": ["city"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+ASK_BOTH = [{"role": "user", "content": "What is the weather in Paris, and the time there?"}]  # a call of each tool
 
 
 class Person(pydantic.BaseModel):
@@ -160,8 +161,8 @@ def collect_stream(stream) -> tuple[str, dict[int, dict], str | None]:
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_required_calls_are_well_formed(live, stream):
     client, _ = live
-    kw = {"model": MODEL, "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required", "temperature": 0,
-          "max_tokens": 120}
+    kw = {"model": MODEL, "messages": ASK_BOTH, "tools": [WEATHER, TIME], "tool_choice": "required",
+          "temperature": 0, "max_tokens": 120}
     if stream:
         content, found, finish = collect_stream(client.chat.completions.create(**kw, stream=True))
         calls = [(c["name"], c["arguments"]) for _, c in sorted(found.items())]
