@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import random
 import socket
 import struct
 import subprocess
@@ -20,6 +21,7 @@ import time
 import types
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from pathlib import Path
 
 import httpx
 import jax.numpy as jnp
@@ -231,14 +233,20 @@ class GroupProcess:
 
 
 def free_port_pair() -> int:
-    """A port free with the next one too: the coordinator's, and the leader's for its followers (the port + 1)."""
+    """A port free with the next one too: the coordinator's, and the leader's for its followers (the port + 1), which
+    the group binds seconds later. Both lie below the kernel's range of ephemeral ports, so that no connection of the
+    run takes one as its local port meanwhile."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768  # Linux's default
     while True:
+        port = random.randrange(10000, ephemeral - 1)
         with socket.socket() as first, socket.socket() as second:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
             try:
+                first.bind(("127.0.0.1", port))
                 second.bind(("", port + 1))
-            except (OSError, OverflowError):  # in use, or past 65535
+            except OSError:  # in use
                 continue
             return port
 
