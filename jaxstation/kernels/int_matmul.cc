@@ -359,7 +359,7 @@ struct Factors {
 
 template <typename F>
 inline Factors GroupFactors(Vec dw, Vec mw, IVec low, IVec high, IVec mins) {
-  Factors f;
+  Factors f{};  // low and high stay 0 but for Q6_K
   f.scale = F::kOneScale ? Mul(dw, ToFloat(low)) : dw;
   if constexpr (F::kScaled && !F::kOneScale) f.low = Mul(dw, ToFloat(low)), f.high = Mul(dw, ToFloat(high));
   f.minimum = F::kMin && F::kScaled ? Mul(mw, ToFloat(mins)) : mw;
