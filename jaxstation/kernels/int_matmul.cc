@@ -11,8 +11,9 @@
 // each with its own scale). Then, in K order, one fixed float epilogue of fused multiply-adds (one rounding each):
 // acc = fma(scale * d_x, float(sum), acc), scale being d_w times the 32 columns' integer scale (Q4_K, Q5_K) or d_w;
 // Q6_K's acc = fma(fma(high, float(second sum), low * float(first sum)), d_x, acc); and for the formats with a minimum
-// acc = fma(m * minimum code, d_x * sum of q, acc). The output is acc. No step depends on the rows, the tile, the thread or the instruction set (vpdpbusd and maddubs give the same
-// int32 sums), so a row's bits never depend on the rows beside it, and every build gives the same bits.
+// acc = fma(m * minimum code, d_x * sum of q, acc). The output is acc. No step depends on the rows, the tile, the
+// thread or the instruction set (vpdpbusd and maddubs give the same int32 sums), so a row's bits never depend on the
+// rows beside it, and every build gives the same bits.
 //
 // Layout: a vector holds kIntCh channels, lane c channel c. A tile's channels are decoded once per call, each 32
 // columns into 8 vectors (vector j: columns 4j..4j+3 of every channel, as 4 bytes a lane), so that vpdpbusd against the
@@ -32,7 +33,6 @@ inline IVec ILoad(const void* p) { return _mm512_loadu_si512(p); }
 inline void IStore(void* p, IVec v) { _mm512_storeu_si512(p, v); }
 inline IVec IAdd(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
 inline IVec ISet1(int32_t a) { return _mm512_set1_epi32(a); }
-inline IVec IMul(IVec a, IVec b) { return _mm512_mullo_epi32(a, b); }
 inline Vec ToFloat(IVec a) { return _mm512_cvtepi32_ps(a); }
 inline IVec FlipSigns(IVec a) { return _mm512_xor_si512(a, _mm512_set1_epi8(static_cast<char>(0x80))); }
 inline IVec LowNibbles(IVec a) { return _mm512_and_si512(a, _mm512_set1_epi8(0x0F)); }
@@ -109,7 +109,6 @@ inline IVec ILoad(const void* p) { return _mm256_loadu_si256(static_cast<const _
 inline void IStore(void* p, IVec v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }
 inline IVec IAdd(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
 inline IVec ISet1(int32_t a) { return _mm256_set1_epi32(a); }
-inline IVec IMul(IVec a, IVec b) { return _mm256_mullo_epi32(a, b); }
 inline Vec ToFloat(IVec a) { return _mm256_cvtepi32_ps(a); }
 inline IVec FlipSigns(IVec a) { return _mm256_xor_si256(a, _mm256_set1_epi8(static_cast<char>(0x80))); }
 inline IVec LowNibbles(IVec a) { return _mm256_and_si256(a, _mm256_set1_epi8(0x0F)); }
@@ -261,7 +260,7 @@ template <int kBytesT, int kBiasT, bool kMinT>
 struct IntSmall {
   static constexpr int64_t kBlock = 32, kBytes = kBytesT;
   static constexpr int kBias = kBiasT;
-  static constexpr bool kMin = kMinT, kScaled = false, kOneScale = false, kSigned = false;
+  static constexpr bool kMin = kMinT, kScaled = false, kOneScale = false, kTwoScales = false, kSigned = false;
 };
 
 struct IntQ4_0 : IntSmall<18, 8, false> {  // d, 16 bytes of nibbles
@@ -303,7 +302,8 @@ template <int kBytesT, int kBiasT, bool kMinT, bool kOneScaleT>
 struct IntK {
   static constexpr int64_t kBlock = 256, kBytes = kBytesT;
   static constexpr int kBias = kBiasT;
-  static constexpr bool kMin = kMinT, kScaled = true, kOneScale = kOneScaleT, kSigned = false;
+  static constexpr bool kMin = kMinT, kScaled = true, kOneScale = kOneScaleT, kTwoScales = !kOneScaleT;
+  static constexpr bool kSigned = false;
 };
 
 // Q4_K and Q5_K's 6-bit scales and mins of group j (d * sc * q - dmin * mn): the minimum's coefficient is -dmin.
@@ -361,7 +361,7 @@ template <typename F>
 inline Factors GroupFactors(Vec dw, Vec mw, IVec low, IVec high, IVec mins) {
   Factors f{};  // low and high stay 0 but for Q6_K
   f.scale = F::kOneScale ? Mul(dw, ToFloat(low)) : dw;
-  if constexpr (F::kScaled && !F::kOneScale) f.low = Mul(dw, ToFloat(low)), f.high = Mul(dw, ToFloat(high));
+  if constexpr (F::kTwoScales) f.low = Mul(dw, ToFloat(low)), f.high = Mul(dw, ToFloat(high));
   f.minimum = F::kMin && F::kScaled ? Mul(mw, ToFloat(mins)) : mw;
   return f;
 }
@@ -385,7 +385,7 @@ inline void IntGroup(const IntActs& a, int64_t m0, int64_t group, const IVec* w,
         half[h] = F::kSigned ? DotS(half[h], w[j], ISet1(x4)) : DotU(half[h], w[j], ISet1(x4));
       }
     }
-    if constexpr (F::kScaled && !F::kOneScale) {
+    if constexpr (F::kTwoScales) {
       acc[r] = Fma(Fma(f.high, ToFloat(half[1]), Mul(f.low, ToFloat(half[0]))), Set1(a.d[at]), acc[r]);
     } else {
       acc[r] = Fma(Mul(f.scale, Set1(a.d[at])), ToFloat(IAdd(half[0], half[1])), acc[r]);
