@@ -165,18 +165,19 @@ inline void Interleave(const uint8_t* in, IVec* out) {
 // PrefetchAhead).
 constexpr int64_t kIntAhead = 4096, kIntAheadL2 = 65536;
 
-// The rows of x rounded to 8 bits per 32 columns: q [M, K], d [M, K / 32] (each 32 columns' scale), halves
-// [M, K / 16] (each 16 columns' sum of q) and dsums [M, K / 32] (each 32 columns' d times their sum of q).
+// The rows of x rounded to 8 bits per 32 columns: q [M, K], d [M, K / 32] (each 32 columns' scale), biased
+// [M, K / 16] (each 16 columns' sum of q times -bias, the codes' offset: where their integer sums start) and dsums
+// [M, K / 32] (each 32 columns' d times their sum of q).
 struct IntActs {
   int64_t K = 0;
   std::vector<int8_t> q;
   std::vector<float> d, dsums;
-  std::vector<int32_t> halves;
+  std::vector<int32_t> biased;
 };
 
-void QuantizeRows(const float* x, int64_t M, int64_t K, IntActs& a) {
+void QuantizeRows(const float* x, int64_t M, int64_t K, int bias, IntActs& a) {
   a.K = K;
-  a.q.resize(M * K), a.d.resize(M * K / 32), a.dsums.resize(M * K / 32), a.halves.resize(M * K / 16);
+  a.q.resize(M * K), a.d.resize(M * K / 32), a.dsums.resize(M * K / 32), a.biased.resize(M * K / 16);
   float rounded[32];
   for (int64_t b = 0; b < M * K / 32; ++b) {
     const float* xb = x + b * 32;
@@ -189,12 +190,13 @@ void QuantizeRows(const float* x, int64_t M, int64_t K, IntActs& a) {
     a.d[b] = m / 127.0f;
     for (int64_t i = 0; i < 32; i += kLanes) Store(rounded + i, Round(Mul(LoadX(xb + i), id)));
     int8_t* q = a.q.data() + b * 32;
+    int32_t sum = 0;
     for (int h = 0; h < 2; ++h) {
-      int32_t sum = 0;
-      for (int64_t i = 16 * h; i < 16 * h + 16; ++i) sum += q[i] = static_cast<int8_t>(rounded[i]);
-      a.halves[2 * b + h] = sum;
+      int32_t half = 0;
+      for (int64_t i = 16 * h; i < 16 * h + 16; ++i) half += q[i] = static_cast<int8_t>(rounded[i]);
+      a.biased[2 * b + h] = -bias * half, sum += half;
     }
-    a.dsums[b] = a.d[b] * static_cast<float>(a.halves[2 * b] + a.halves[2 * b + 1]);
+    a.dsums[b] = a.d[b] * static_cast<float>(sum);
   }
 }
 
@@ -378,7 +380,7 @@ inline void IntGroup(const IntActs& a, int64_t m0, int64_t group, const IVec* w,
     const int8_t* q = a.q.data() + at * 32;
     IVec half[2];
     for (int h = 0; h < 2; ++h) {
-      half[h] = F::kBias ? ISet1(-F::kBias * a.halves[2 * at + h]) : ISet1(0);
+      half[h] = F::kBias ? ISet1(a.biased[2 * at + h]) : ISet1(0);
       for (int j = 4 * h; j < 4 * h + 4; ++j) {
         int32_t x4;
         std::memcpy(&x4, q + 4 * j, 4);
@@ -599,7 +601,7 @@ ffi::Error IntMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
                                        "N % the kernel's channels a tile)");
   const int64_t M = xd[0], K = xd[1], N = wd[0];
   IntActs a;
-  QuantizeRows(x.typed_data(), M, K, a);
+  QuantizeRows(x.typed_data(), M, K, F::kBias, a);
   // channel ranges of a multiple of kIntCh, about 4 per thread, at least 2 * kIntCh channels each
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t per = std::max<int64_t>(2 * kIntCh, (N / (4 * threads) + kIntCh - 1) / kIntCh * kIntCh);
