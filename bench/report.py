@@ -348,9 +348,11 @@ def matmul_rows(runs: Runs) -> Rows:
     """Each of a model's matrices (the first layer's projections and the head) multiplied alone by as many rows of
     random activations, GOPS (a multiply and an add per weight a row; medians of {config[reps]}), and all of them
     together against the integer dot's peak on every core, measured just before (the kernels' `vpdpbusd` on registers
-    alone)."""
+    alone). The model's cell names the kernel's instruction sets where the run recorded them (AMX: tiles for 16 rows
+    or more)."""
     names = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
-    return [[label(m) if i == 0 else "", str(r["rows"]), *(f(r["gops"][k], ".0f") for k in names),
+    kernel = lambda d: f" ({d['int_dot']})" if "int_dot" in d else ""  # noqa: E731
+    return [[label(m) + kernel(d) if i == 0 else "", str(r["rows"]), *(f(r["gops"][k], ".0f") for k in names),
              f(r["total_gops"], ".0f"), pct(r["fraction_of_peak"], ".0f")]
             for m, d in runs for i, r in enumerate(d["rows"])]
 

@@ -224,7 +224,8 @@ def matmuls_main(args) -> None:
         rows.append(row)
         print(f"rows {lanes:3d}: " + ", ".join(f"{k} {row['gops'][k]:.0f}" for k in per)
               + f" GOPS; all {row['total_gops']:.0f} of {peak / 1e9:.0f} ({100 * row['fraction_of_peak']:.0f}%)")
-    path = write_result("step_matmuls", {"config": vars(args), "model": str(model.source), "rows": rows},
+    path = write_result("step_matmuls", {"config": vars(args), "model": str(model.source),
+                                         "int_dot": cpu_kernel.int_dot(), "rows": rows},
                         model=model_name(args.model, args.shape), variant=args.name)
     print(f"wrote {path}")
 

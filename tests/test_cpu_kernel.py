@@ -37,7 +37,11 @@ def test_the_kernel_builds_and_is_the_cpu_default() -> None:
         return resolve_plan(StationConfig(**settings), cfg)
 
     assert plan().matmul == "kernel" and plan().dtype == "gguf"  # the default model's blocks, integer products
-    assert plan().int_dot == cpu_kernel.int_dot_isa() and f"dtype gguf (integer dot {plan().int_dot})" in str(plan())
+    amx = cpu_kernel.int_amx()  # the default build: AMX where the CPU has it and Linux grants it
+    assert amx == "amx" or (amx.startswith("off: ") and not {"amx_tile", "amx_int8"} <= flags) or "refused" in amx
+    why = f" (amx {amx})" if amx.startswith("off: ") and {"amx_tile", "amx_int8"} <= flags else ""
+    assert plan().int_dot == cpu_kernel.int_dot() == cpu_kernel.int_dot_isa() + (" + amx" if amx == "amx" else why)
+    assert f"dtype gguf (integer dot {plan().int_dot})" in str(plan())
     assert plan(dtype="gguf-exact").int_dot is None and "dtype gguf-exact," in str(plan(dtype="gguf-exact"))
     assert plan(model="tests/fixtures/tiny-llama3").dtype == "float32"
     assert plan(matmul="xla").dtype == "float32"

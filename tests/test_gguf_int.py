@@ -4,8 +4,8 @@ The kernel rounds each activation row to 8 bits per 32 columns from that row alo
 products exactly in int32, then runs one fixed float epilogue of fused multiply-adds per output. A numpy reference of
 the same arithmetic (its own block decoders, checked against the gguf package's dequantization) gives the kernel's
 bits for every format, so a row's bits are the same alone and among others at any row count; the AVX2, AVX-VNNI and
-AVX-512 (maddubs) builds give those bits too; so do the 32-column formats repacked into the kernel's tiles, as a
-station loads them.
+AVX-512 (maddubs) builds give those bits too, as do AMX tiles (on the hardware's, or emulated) for 16 rows or more; so
+do the formats repacked into the kernel's tiles, as a station loads them.
 Against the float32 product over the dequantized weights the error is that of 8-bit activations.
 """
 
@@ -228,6 +228,22 @@ def test_the_integer_product_is_close_to_float32s() -> None:
 
 # each build, and the CPU flags it needs
 BUILDS = {"avx2": {"avx2"}, "avx-vnni": {"avx_vnni"}, "avx512": {"avx512f", "avx512bw"}}
+AMX = {"amx_tile", "amx_int8"}
+
+
+def run_checks(build: str, script: str) -> subprocess.CompletedProcess:
+    """`script` after the reference checks' imports, in a process whose kernels are `build` (JAXSTATION_KERNEL_ISA;
+    "": the CPU decides)."""
+    header = textwrap.dedent("""
+        import sys
+        sys.path.insert(0, "tests")
+        from jaxstation.kernels import cpu_kernel
+        from test_gguf_int import check_formats_against_the_reference, check_repacked
+    """)
+    env = {**os.environ, cpu_kernel.ISA_ENV: build, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", header + textwrap.dedent(script)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("isa", list(BUILDS))
@@ -236,18 +252,38 @@ def test_every_build_gives_the_same_bits(isa: str) -> None:
     kernels build for (here, those this CPU runs), the reference's bits."""
     if not BUILDS[isa] <= cpu_kernel.cpu_info()[1]:
         pytest.skip(f"this CPU has no {isa}")
-    script = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, "tests")
-        from jaxstation.kernels import cpu_kernel
-        from test_gguf_int import check_formats_against_the_reference, check_repacked
+    done = run_checks(isa, f"""
         assert cpu_kernel.int_dot_isa() == {isa!r}, cpu_kernel.int_dot_isa()
         check_formats_against_the_reference()
         check_repacked()
         print("ok")
     """)
-    env = {**os.environ, cpu_kernel.ISA_ENV: isa, "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
     assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("build", ["amx-emulated", "amx", "avx512-vnni"])
+def test_amx_tiles_give_the_vector_kernels_bits(build: str) -> None:
+    """Products of 16 rows or more run on AMX tiles where the CPU has them and Linux grants them, each whole tile of
+    16 rows with exact int32 sums and the vector kernel's epilogue: the reference's bits at every row count (37 rows:
+    two tiles, then 5 rows on the vector tiles), plain and repacked. "amx-emulated" runs that code path on tiles
+    emulated in plain loops (any AVX-512 VNNI CPU); "amx" on the hardware's (the default build on a CPU with AMX);
+    "avx512-vnni" is the vector kernel alone on such a CPU (without AMX, the default build is that one)."""
+    flags = cpu_kernel.cpu_info()[1]
+    if not {"avx512f", "avx512_vnni"} <= flags:
+        pytest.skip("the AMX path is built with the AVX-512 VNNI kernel, which this CPU lacks")
+    if build != "amx-emulated" and not AMX <= flags:
+        pytest.skip(f"this CPU has no AMX ({', '.join(sorted(AMX - flags))}): its tiles run emulated only")
+    done = run_checks("" if build == "amx" else build, """
+        print("state:", cpu_kernel.int_amx())
+        if not cpu_kernel.int_amx().startswith("off: Linux refused"):
+            check_formats_against_the_reference()
+            check_repacked()
+            print("ok")
+    """)
+    state = next((ln.partition(": ")[2] for ln in done.stdout.splitlines() if ln.startswith("state: ")), "")
+    if build == "amx" and state.startswith("off: Linux refused"):
+        pytest.skip(f"the CPU lists AMX, and {state[5:]}: the vector kernel serves")
+    assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert state == ("amx-emulated" if build == "amx-emulated" else "amx" if build == "amx" else
+                     "off: this build has no AMX-INT8 (the CPU has none, or JAXSTATION_KERNEL_ISA named a build "
+                     "without it)"), state

@@ -23,7 +23,7 @@ def test_the_plan_on_this_machine_is_logged_once_in_one_line(caplog: pytest.LogC
     with caplog.at_level(logging.INFO, logger="jaxstation.config.plan"):
         plan = startup_plan(config)
     assert [r.getMessage() for r in caplog.records] == [
-        f"plan: backend cpu, dtype gguf (integer dot {cpu_kernel.int_dot_isa()}), matmul kernel, layer_loop unroll, "
+        f"plan: backend cpu, dtype gguf (integer dot {cpu_kernel.int_dot()}), matmul kernel, layer_loop unroll, "
         "attention kernel, wave_widths 1,2,4, prefill_budget 128, speculative off, kv_dtype bfloat16"]
     assert plan == resolve_plan(config, checkpoint_config(None))
 
@@ -51,7 +51,7 @@ def test_a_mesh_runs_full_waves_and_no_packing() -> None:
     station = resolve_plan(StationConfig(**SHAPE, layers="0:15"), cfg)
     host = resolve_plan(StationConfig(**SHAPE, stations="http://127.0.0.1:1"), cfg)
     assert station == host
-    assert str(host) == (f"backend cpu, dtype gguf (integer dot {cpu_kernel.int_dot_isa()}), matmul kernel, "
+    assert str(host) == (f"backend cpu, dtype gguf (integer dot {cpu_kernel.int_dot()}), matmul kernel, "
                          "layer_loop unroll, attention kernel, wave_widths 4, prefill_budget off, speculative off, "
                          "kv_dtype bfloat16")
 

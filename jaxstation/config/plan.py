@@ -49,7 +49,7 @@ class Plan:
     prefill_budget: int  # rows per packed admission step; 0: one prefill chunk per turn (--prefill-budget)
     speculative: str = "off"  # off, ngram or draft: drafts verified in one step (--speculative)
     tensor_parallel: int = 1  # the devices the model is split over (--tensor-parallel)
-    int_dot: str | None = None  # dtype gguf: the integer dot's instruction set (avx512-vnni, avx512, avx-vnni, avx2)
+    int_dot: str | None = None  # dtype gguf: the integer dot's instruction sets (avx512-vnni + amx, avx512-vnni, ...)
     max_loras: int = 0  # LoRA adapters resident at once (--max-loras); 0 serves none
     kv_dtype: str = "float32"  # the KV arena's dtype (--kv-dtype)
 
@@ -74,7 +74,7 @@ def resolve_plan(config: StationConfig, cfg: ModelConfig) -> Plan:
     matmul = _matmul(config, dtype, kernel_error)
     layer_loop = _layer_loop(config, backend, dtype, matmul)
     attention = _attention(config, cfg, backend, dtype, kernel_error)
-    int_dot = cpu_kernel.int_dot_isa() if dtype == "gguf" else None
+    int_dot = cpu_kernel.int_dot() if dtype == "gguf" else None
     kv_dtype = _kv_dtype(config, dtype, attention)
     if config.layers is not None or config.station_urls:
         return Plan(backend, dtype, matmul, layer_loop, attention, (config.lanes,), 0, tensor_parallel=shards,

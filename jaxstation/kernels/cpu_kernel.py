@@ -50,11 +50,14 @@ SOURCES = tuple(sorted(KERNEL_DIR.glob("*.cc")))  # one file per kernel family, 
 HEADERS = tuple(sorted(KERNEL_DIR.glob("*.h")))  # what the sources share
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
 # "avx2" builds the AVX2 variant (integer dot products by maddubs) on a CPU that has AVX-512 and VNNI too, to test or
-# compare it; "avx-vnni" the AVX2 variant with AVX-VNNI's vpdpbusd; "avx512" the AVX-512 variant without VNNI. Unset,
-# the CPU decides.
+# compare it; "avx-vnni" the AVX2 variant with AVX-VNNI's vpdpbusd; "avx512" the AVX-512 variant without VNNI;
+# "avx512-vnni" the AVX-512 VNNI variant without AMX tiles (on a CPU with AMX); "amx-emulated" the AVX-512 VNNI variant
+# with its AMX code path run on tiles emulated in plain loops (amx_tiles.h), on a CPU without AMX. Unset, the CPU
+# decides.
 ISA_ENV = "JAXSTATION_KERNEL_ISA"
 ISA_FLAGS = {"": (), "avx2": ("-mno-avx512f", "-mno-avxvnni"), "avx-vnni": ("-mno-avx512f",),
-             "avx512": ("-mno-avx512vnni",)}
+             "avx512": ("-mno-avx512vnni",), "avx512-vnni": ("-mno-amx-tile", "-mno-amx-int8"),
+             "amx-emulated": ("-DJAXSTATION_AMX_EMULATED",)}
 # How long, in microseconds, the kernels' own workers spin after each job before they sleep (cpu_kernels.h): the next
 # kernel call of a step finds them awake. 0 hands every call's items to XLA's intra-op pool instead.
 SPIN_ENV = "JAXSTATION_KERNEL_SPIN_US"
@@ -222,6 +225,24 @@ def int_dot_isa() -> str:
     library = _library()
     library.jaxstation_int_dot_isa.restype = ctypes.c_char_p
     return library.jaxstation_int_dot_isa().decode()
+
+
+def int_amx() -> str:
+    """Whether the integer products of 16 rows or more run on AMX tiles: "amx", "amx-emulated", or "off: " and why
+    not (no AMX in this build, or Linux refused the tiles' state to this process)."""
+    require()
+    library = _library()
+    library.jaxstation_int_amx.restype = ctypes.c_char_p
+    return library.jaxstation_int_amx().decode()
+
+
+def int_dot() -> str:
+    """The integer products' instruction sets, as the plan names them: `int_dot_isa()`, and "+ amx" where tiles take
+    16 rows or more (emulated: "+ amx-emulated"); on a CPU that lists AMX but does not use it, why not."""
+    amx = int_amx()
+    if not amx.startswith("off"):
+        return f"{int_dot_isa()} + {amx}"
+    return f"{int_dot_isa()} (amx {amx})" if {"amx_tile", "amx_int8"} <= cpu_info()[1] else int_dot_isa()
 
 
 def int_dot_peak(threads: int | None = None, seconds: float = 0.5) -> float:

@@ -12,8 +12,8 @@
 // acc = fma(scale * d_x, float(sum), acc), scale being d_w times the 32 columns' integer scale (Q4_K, Q5_K) or d_w;
 // Q6_K's acc = fma(fma(high, float(second sum), low * float(first sum)), d_x, acc); and for the formats with a minimum
 // acc = fma(m * minimum code, d_x * sum of q, acc). The output is acc. No step depends on the rows, the tile, the
-// thread or the instruction set (vpdpbusd and maddubs give the same int32 sums), so a row's bits never depend on the
-// rows beside it, and every build gives the same bits.
+// thread or the instruction set (vpdpbusd, maddubs and AMX's tdpbsud give the same int32 sums), so a row's bits never
+// depend on the rows beside it, and every build gives the same bits.
 //
 // Layout: a vector holds kIntCh channels, lane c channel c. A tile's channels are decoded once per call, each 32
 // columns into 8 vectors (vector j: columns 4j..4j+3 of every channel, as 4 bytes a lane), so that vpdpbusd against the
@@ -22,6 +22,9 @@
 #include "cpu_kernels.h"
 
 #include <chrono>
+#include <string>
+
+#include "amx_tiles.h"
 
 namespace {
 
@@ -368,9 +371,22 @@ inline Factors GroupFactors(Vec dw, Vec mw, IVec low, IVec high, IVec mins) {
   return f;
 }
 
+// A row's epilogue of one group into acc, from its integer sums of columns 0-15 and 16-31 (each from -bias * the
+// columns' sum of q) and its d and dsum: Q6_K's low * float(first) + high * float(second), one fused multiply-add, then
+// that times d into acc; the others' scale * d times float(first + second) into acc; then the minimum's term.
+template <typename F>
+inline Vec Epilogue(IVec first, IVec second, const Factors& f, float d, float dsum, Vec acc) {
+  if constexpr (F::kTwoScales) {
+    acc = Fma(Fma(f.high, ToFloat(second), Mul(f.low, ToFloat(first))), Set1(d), acc);
+  } else {
+    acc = Fma(Mul(f.scale, Set1(d)), ToFloat(IAdd(first, second)), acc);
+  }
+  if constexpr (F::kMin) acc = Fma(f.minimum, Set1(dsum), acc);
+  return acc;
+}
+
 // One group of 32 columns for R rows at once: the 8 code vectors w and the group's factors: each row's integer sums,
-// then its float epilogue into acc. Q6_K sums each 16 columns apart: low * float(first) + high * float(second), one
-// fused multiply-add, then that times d_x into acc.
+// then its epilogue into acc.
 template <typename F, int R>
 inline void IntGroup(const IntActs& a, int64_t m0, int64_t group, const IVec* w, const Factors& f, Vec* acc) {
   const int64_t groups = a.K / 32;
@@ -387,20 +403,14 @@ inline void IntGroup(const IntActs& a, int64_t m0, int64_t group, const IVec* w,
         half[h] = F::kSigned ? DotS(half[h], w[j], ISet1(x4)) : DotU(half[h], w[j], ISet1(x4));
       }
     }
-    if constexpr (F::kTwoScales) {
-      acc[r] = Fma(Fma(f.high, ToFloat(half[1]), Mul(f.low, ToFloat(half[0]))), Set1(a.d[at]), acc[r]);
-    } else {
-      acc[r] = Fma(Mul(f.scale, Set1(a.d[at])), ToFloat(IAdd(half[0], half[1])), acc[r]);
-    }
-    if constexpr (F::kMin) acc[r] = Fma(f.minimum, Set1(a.dsums[at]), acc[r]);
+    acc[r] = Epilogue<F>(half[0], half[1], f, a.d[at], a.dsums[at], acc[r]);
   }
 }
 
-// tile(rows, m) over M rows in tiles of kIntRows rows from m = 0, then a tile each of the halves of kIntRows that the
-// rest holds (rows: a std::integral_constant, so each tile's row count is a compile-time constant).
+// tile(rows, m) over rows [m, M) in tiles of kIntRows rows, then a tile each of the halves of kIntRows that the rest
+// holds (rows: a std::integral_constant, so each tile's row count is a compile-time constant).
 template <typename T>
-inline void ForRowTiles(int64_t M, const T& tile) {
-  int64_t m = 0;
+inline void ForRowTiles(int64_t m, int64_t M, const T& tile) {
   for (; m + kIntRows <= M; m += kIntRows) tile(std::integral_constant<int, kIntRows>{}, m);
   if constexpr (kIntRows > 4) {
     if (M - m >= 4) tile(std::integral_constant<int, 4>{}, m), m += 4;
@@ -418,24 +428,172 @@ void StoreTile(const Vec* acc, int64_t m0, float* y, int64_t N, int64_t n0, int6
   }
 }
 
-// R rows x kIntCh channels over the whole K: each 32 columns' integer sums, then their epilogue, in K order.
-template <typename F, int R>
-void IntTile(const IntActs& a, int64_t m0, const IntCodes& c, float* y, int64_t N, int64_t n0, int64_t valid) {
+// visit(group, w, factors) for each 32 columns of a decoded tile, in K order: w its 8 code vectors.
+template <typename F, typename V>
+inline void ForCodesGroups(const IntCodes& c, int64_t K, const V& visit) {
   constexpr int G = F::kBlock / 32;
-  Vec acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = Zero();
-  for (int64_t group = 0; group < a.K / 32; ++group) {
+  for (int64_t group = 0; group < K / 32; ++group) {
     const int64_t blk = group / G;
     IVec w[8];
     for (int j = 0; j < 8; ++j) w[j] = ILoad(c.codes.data() + (group * 8 + j) * kIntCh * 4);
-    const Factors f = GroupFactors<F>(LoadW(c.d.data() + blk * kIntCh), LoadW(c.m.data() + blk * kIntCh),
-                                      ILoad(c.scales.data() + 2 * group * kIntCh),
-                                      ILoad(c.scales.data() + (2 * group + 1) * kIntCh),
-                                      ILoad(c.mins.data() + group * kIntCh));
-    IntGroup<F, R>(a, m0, group, w, f, acc);
+    visit(group, w, GroupFactors<F>(LoadW(c.d.data() + blk * kIntCh), LoadW(c.m.data() + blk * kIntCh),
+                                    ILoad(c.scales.data() + 2 * group * kIntCh),
+                                    ILoad(c.scales.data() + (2 * group + 1) * kIntCh),
+                                    ILoad(c.mins.data() + group * kIntCh)));
   }
+}
+
+// R rows x kIntCh channels over the whole K: each 32 columns' integer sums, then their epilogue, in K order (out of
+// line, as PackedTile).
+template <typename F, int R>
+__attribute__((noinline)) void IntTile(const IntActs& a, int64_t m0, const IntCodes& c, float* y, int64_t N, int64_t n0,
+                                       int64_t valid) {
+  Vec acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = Zero();
+  ForCodesGroups<F>(c, a.K, [&](int64_t group, const IVec* w, const Factors& f) {
+    IntGroup<F, R>(a, m0, group, w, f, acc);
+  });
   StoreTile<R>(acc, m0, y, N, n0, valid);
 }
+
+// Rows in tiles of kAmxRows on AMX (amx_tiles.h), where the build has it and this process may use it (AmxOff()): per
+// range of channels, AmxRows loads the tile configuration; per kIntCh channels, Filler() takes each group's code
+// vectors and factors once, and Run() gives every whole tile of kAmxRows rows its outputs and returns the first row
+// left to the vector tiles. A group's integer sums (TDPBSUD: q signed, the codes unsigned, as vpdpbusd) are exact,
+// and each row's epilogue is IntGroup's, so a row's bits are the vector kernel's.
+constexpr int kAmxRows = 16;
+#if defined(JAXSTATION_AMX)
+// nullptr where the tiles serve: Linux granted them and one TDPBSUD gave the sums of its definition; else why not
+const char* AmxProbe() {
+  if (const char* why = amx::Grant()) return why;
+  alignas(64) int8_t q[kAmxRows][32];
+  alignas(64) uint8_t codes[8][64];
+  alignas(64) int32_t sums[kAmxRows][16];
+  uint32_t state = 12345;
+  const auto next = [&state] { return static_cast<uint8_t>((state = state * 1664525u + 1013904223u) >> 24); };
+  for (auto& row : q)
+    for (int8_t& v : row) v = static_cast<int8_t>(next());
+  for (auto& row : codes)
+    for (uint8_t& v : row) v = next();
+  amx::LoadConfig(amx::Config().Tile(0, kAmxRows, 64).Tile(1, kAmxRows, 32).Tile(2, 8, 64));
+  amx::TileZero<0>();
+  amx::TileLoad<1>(q, 32);
+  amx::TileLoad<2>(codes, 64);
+  amx::TileDot<0, 1, 2>();
+  amx::TileStore<0>(sums, 64);
+  amx::Release();
+  for (int m = 0; m < kAmxRows; ++m)
+    for (int n = 0; n < 16; ++n) {
+      int32_t sum = 0;
+      for (int k = 0; k < 32; ++k) sum += q[m][k] * static_cast<int32_t>(codes[k / 4][4 * n + k % 4]);
+      if (sum != sums[m][n]) return "a TDPBSUD's sums differ from its definition's";
+    }
+  return nullptr;
+}
+
+const char* AmxOff() {
+  static const char* const why = AmxProbe();
+  return why;
+}
+
+template <typename F>
+struct AmxRows {
+  static_assert(!F::kSigned && kIntCh * 4 == 64, "the tiles read unsigned codes, 16 channels a 64-byte row");
+  const IntActs& a;
+  const int64_t tiles;  // whole tiles of kAmxRows rows
+  const bool on;
+  std::vector<uint8_t> codes;  // [K / 32][8][kIntCh * 4]: a group's code vectors, the rows of its B tile
+  std::vector<Factors> factors;  // [K / 32]
+
+  AmxRows(const IntActs& a_, int64_t M) : a(a_), tiles(M / kAmxRows), on(tiles > 0 && !AmxOff()) {
+    if (!on) return;
+    codes.resize(a.K / 32 * 8 * kIntCh * 4), factors.resize(a.K / 32);
+    // tiles 0, 1, 2: sums, q, codes (Q6_K: of columns 0-15; 3, 4, 5 those of 16-31)
+    amx::Config config;
+    if constexpr (F::kTwoScales) {
+      config.Tile(0, kAmxRows, 64).Tile(1, kAmxRows, 16).Tile(2, 4, 64);
+      config.Tile(3, kAmxRows, 64).Tile(4, kAmxRows, 16).Tile(5, 4, 64);
+    } else {
+      config.Tile(0, kAmxRows, 64).Tile(1, kAmxRows, 32).Tile(2, 8, 64);
+    }
+    amx::LoadConfig(config);
+  }
+  ~AmxRows() {
+    if (on) amx::Release();
+  }
+  AmxRows(const AmxRows&) = delete;
+  AmxRows& operator=(const AmxRows&) = delete;
+
+  auto Filler() {
+    return [this](int64_t group, const IVec* w, const Factors& f) {
+      for (int j = 0; j < 8; ++j) IStore(codes.data() + (group * 8 + j) * kIntCh * 4, w[j]);
+      factors[group] = f;
+    };
+  }
+
+  int64_t Run(float* y, int64_t N, int64_t n0, int64_t valid) const {
+    if (!on) return 0;
+    for (int64_t t = 0; t < tiles; ++t) Tile(t * kAmxRows, y, N, n0, valid);
+    return tiles * kAmxRows;
+  }
+
+  // a group's integer sums for rows m0.. from their q: sums [kAmxRows][kIntCh] (Q6_K: then those of columns 16-31)
+  void Sums(int64_t m0, int64_t group, int32_t (*sums)[kIntCh]) const {
+    const int8_t* q = a.q.data() + m0 * a.K + group * 32;
+    const uint8_t* w = codes.data() + group * 8 * kIntCh * 4;
+    amx::TileZero<0>();
+    amx::TileLoad<1>(q, a.K);
+    amx::TileLoad<2>(w, kIntCh * 4);
+    amx::TileDot<0, 1, 2>();
+    amx::TileStore<0>(sums, kIntCh * 4);
+    if constexpr (F::kTwoScales) {
+      amx::TileZero<3>();
+      amx::TileLoad<4>(q + 16, a.K);
+      amx::TileLoad<5>(w + 4 * kIntCh * 4, kIntCh * 4);
+      amx::TileDot<3, 4, 5>();
+      amx::TileStore<3>(sums + kAmxRows, kIntCh * 4);
+    }
+  }
+
+  void Tile(int64_t m0, float* y, int64_t N, int64_t n0, int64_t valid) const {
+    const int64_t groups = a.K / 32;
+    Vec acc[kAmxRows];
+    for (Vec& v : acc) v = Zero();
+    alignas(64) int32_t sums[2 * kAmxRows][kIntCh];
+    for (int64_t group = 0; group < groups; ++group) {
+      Sums(m0, group, sums);
+      const Factors& f = factors[group];
+#pragma GCC unroll 16
+      for (int r = 0; r < kAmxRows; ++r) {
+        const int64_t at = (m0 + r) * groups + group;
+        IVec first = ILoad(sums[r]), second;
+        if constexpr (F::kTwoScales) {
+          first = IAdd(first, ISet1(a.biased[2 * at]));
+          second = IAdd(ILoad(sums[kAmxRows + r]), ISet1(a.biased[2 * at + 1]));
+        } else {
+          second = ISet1(F::kBias ? a.biased[2 * at] + a.biased[2 * at + 1] : 0);
+        }
+        acc[r] = Epilogue<F>(first, second, f, a.d[at], a.dsums[at], acc[r]);
+      }
+    }
+    StoreTile<kAmxRows>(acc, m0, y, N, n0, valid);
+  }
+};
+#else
+const char* AmxOff() {
+  return "this build has no AMX-INT8 (the CPU has none, or JAXSTATION_KERNEL_ISA named a build without it)";
+}
+
+template <typename F>
+struct AmxRows {  // no tiles: every row is the vector kernel's
+  static constexpr bool on = false;
+  AmxRows(const IntActs&, int64_t) {}
+  auto Filler() {
+    return [](int64_t, const IVec*, const Factors&) {};
+  }
+  int64_t Run(float*, int64_t, int64_t, int64_t) const { return 0; }
+};
+#endif
 
 // Channels [n_begin, n_end), kIntCh at a time decoded once into codes, then every row tile over them.
 template <typename F>
@@ -443,6 +601,7 @@ void IntChannels(const IntActs& a, const uint8_t* w, int64_t row_len, float* y, 
                  int64_t n_begin, int64_t n_end) {
   IntCodes c;
   c.Resize(a.K, F::kBlock);
+  AmxRows<F> amx(a, M);
   for (int64_t n = n_begin; n < n_end; n += kIntCh) {
     const int64_t valid = std::min<int64_t>(kIntCh, n_end - n);
     if (valid < kIntCh) {  // a short last tile: the missing channels are zeros
@@ -463,7 +622,9 @@ void IntChannels(const IntActs& a, const uint8_t* w, int64_t row_len, float* y, 
       Interleave(c.raw.data() + group * kIntCh * 32, v);
       for (int j = 0; j < 8; ++j) IStore(c.codes.data() + (group * 8 + j) * kIntCh * 4, v[j]);
     }
-    ForRowTiles(M, [&](auto rows, int64_t m) { IntTile<F, decltype(rows)::value>(a, m, c, y, N, n, valid); });
+    if (amx.on) ForCodesGroups<F>(c, a.K, amx.Filler());
+    const int64_t rest = amx.Run(y, N, n, valid);
+    ForRowTiles(rest, M, [&](auto rows, int64_t m) { IntTile<F, decltype(rows)::value>(a, m, c, y, N, n, valid); });
   }
 }
 
@@ -552,40 +713,54 @@ struct PackedK {
   }
 };
 
-template <typename F, int R>
-void PackedTile(const IntActs& a, int64_t m0, const uint8_t* tile, float* y, int64_t N, int64_t n0) {
-  Vec acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = Zero();
+// visit(group, w, factors) for each 32 columns of a repacked tile, in K order, its bytes asked for ahead as a tile of R
+// rows reads them.
+template <typename F, int R, typename V>
+inline void ForPackedGroups(const uint8_t* tile, int64_t K, const V& visit) {
   IVec w[8];
   if constexpr (F::kScaled) {
-    for (int64_t blk = 0; blk < a.K / 256; ++blk) {
+    for (int64_t blk = 0; blk < K / 256; ++blk) {
       const uint8_t* block = tile + blk * kIntCh * F::kBytes;
       PrefetchAhead<R>(block, kIntCh * F::kBytes);
       const Vec dw = Halves(block), mw = F::kMin ? Sub(Zero(), Halves(block + 2 * kIntCh)) : Zero();
       for (int j = 0; j < 8; ++j) {
         IVec low, high, mins;
         PackedK<F>::Load(block, j, w, low, high, mins);
-        IntGroup<F, R>(a, m0, blk * 8 + j, w, GroupFactors<F>(dw, mw, low, high, mins), acc);
+        visit(blk * 8 + j, w, GroupFactors<F>(dw, mw, low, high, mins));
       }
     }
   } else {
-    for (int64_t group = 0; group < a.K / 32; ++group) {
+    for (int64_t group = 0; group < K / 32; ++group) {
       const uint8_t* g = tile + group * Packed<F>::kGroup;
       PrefetchAhead<R>(g, Packed<F>::kGroup);
       Vec dw, mw;
       Packed<F>::Load(g, w, dw, mw);
-      IntGroup<F, R>(a, m0, group, w, GroupFactors<F>(dw, mw, ISet1(0), ISet1(0), ISet1(0)), acc);
+      visit(group, w, GroupFactors<F>(dw, mw, ISet1(0), ISet1(0), ISet1(0)));
     }
   }
+}
+
+// A tile of R rows (out of line: inlined into PackedChannels, its 8-row tile measured about 3% slower)
+template <typename F, int R>
+__attribute__((noinline)) void PackedTile(const IntActs& a, int64_t m0, const uint8_t* tile, float* y, int64_t N,
+                                          int64_t n0) {
+  Vec acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = Zero();
+  ForPackedGroups<F, R>(tile, a.K, [&](int64_t group, const IVec* w, const Factors& f) {
+    IntGroup<F, R>(a, m0, group, w, f, acc);
+  });
   StoreTile<R>(acc, m0, y, N, n0, kIntCh);
 }
 
 template <typename F>
 void PackedChannels(const IntActs& a, const uint8_t* w, int64_t row_len, float* y, int64_t M, int64_t N,
                     int64_t n_begin, int64_t n_end) {
+  AmxRows<F> amx(a, M);
   for (int64_t n = n_begin; n < n_end; n += kIntCh) {
     const uint8_t* tile = w + n * row_len;
-    ForRowTiles(M, [&](auto rows, int64_t m) { PackedTile<F, decltype(rows)::value>(a, m, tile, y, N, n); });
+    if (amx.on) ForPackedGroups<F, kAmxRows>(tile, a.K, amx.Filler());
+    const int64_t rest = amx.Run(y, N, n, kIntCh);
+    ForRowTiles(rest, M, [&](auto rows, int64_t m) { PackedTile<F, decltype(rows)::value>(a, m, tile, y, N, n); });
   }
 }
 
@@ -651,6 +826,16 @@ extern "C" double jaxstation_int_dot_peak(int threads, int64_t iters) {
 
 // The integer dot products' instruction set: avx512-vnni, avx-vnni or avx2.
 extern "C" const char* jaxstation_int_dot_isa() { return kIntIsa; }
+
+// Whether products of kAmxRows rows or more run on AMX tiles: "amx", "amx-emulated", or "off: " and why not.
+extern "C" const char* jaxstation_int_amx() {
+#if defined(JAXSTATION_AMX)
+  static const std::string state = AmxOff() ? std::string("off: ") + AmxOff() : amx::kName;
+#else
+  static const std::string state = std::string("off: ") + AmxOff();
+#endif
+  return state.c_str();
+}
 
 // Channels a tile of the integer products (a repacked matrix's tile): 16 with AVX-512, 8 with AVX2.
 extern "C" int jaxstation_int_channels() { return kIntCh; }
