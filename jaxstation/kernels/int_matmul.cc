@@ -740,7 +740,7 @@ inline void ForPackedGroups(const uint8_t* tile, int64_t K, const V& visit) {
   }
 }
 
-// A tile of R rows (out of line: inlined into PackedChannels, its 8-row tile measured about 3% slower)
+// A tile of R rows (out of line: inlined into PackedChannels, its 8-row tile measured slower)
 template <typename F, int R>
 __attribute__((noinline)) void PackedTile(const IntActs& a, int64_t m0, const uint8_t* tile, float* y, int64_t N,
                                           int64_t n0) {
